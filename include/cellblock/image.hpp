@@ -1,0 +1,51 @@
+// An image: where a sandbox's root filesystem comes from and which kernel it runs.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace cellblock {
+
+// Resource limits of one sandbox, applied by the OCI runtime.
+struct SandboxLimits {
+    int memory_mb = 1024;  // cgroup memory limit (swap disabled)
+    int pids = 256;        // cgroup pids limit
+    int disk_mb = 256;     // each of the tmpfs mounts /tmp and the home directory
+    int shm_mb = 64;       // /dev/shm
+    int output_mb = 256;   // /data/output
+    double cpus = 1.0;     // CFS quota, in cores
+    int nofile = 4096;     // RLIMIT_NOFILE
+
+    nlohmann::json to_json() const;
+    // Fields absent from `j` keep the values of `base`; throws on a mistyped field.
+    static SandboxLimits from_json(const nlohmann::json& j, const SandboxLimits& base);
+};
+
+struct Image {
+    std::string name;                                 // "host"
+    std::string display_name = "Python 3 (cellblock)";
+    std::string language = "python";
+    std::string runtime = "runc";                     // runc, crun or runsc
+    // "host": a skeleton root plus read-only binds of the host's /usr and the
+    // few /etc entries named in `host_binds`; otherwise the path of an
+    // unpacked root filesystem.
+    std::string rootfs = "host";
+    std::vector<std::string> host_binds;              // read-only, same path inside
+    std::vector<std::string> hidden_paths;            // covered by an empty read-only tmpfs
+    std::vector<std::string> kernel_argv;             // "{connection_file}" is substituted
+    std::map<std::string, std::string> env;           // the kernel's environment additions
+    SandboxLimits limits;
+
+    // Reads images/<name>/image.json; throws std::runtime_error naming the file and field.
+    static Image load(const std::filesystem::path& image_json);
+    static Image from_json(const nlohmann::json& j);
+};
+
+// Finds an image by name under the given directories (first match wins).
+Image find_image(const std::string& name, const std::vector<std::filesystem::path>& image_dirs);
+
+}  // namespace cellblock

@@ -1,0 +1,109 @@
+// A running sandbox: an OCI container whose init is cellblock-shim, the
+// session directory around it, and everything needed to destroy it without a trace.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cellblock/connection_info.hpp"
+#include "cellblock/oci_bundle.hpp"
+
+namespace cellblock {
+
+// A failure that names the step and the resource ("runc run cb-1f2e: ...").
+class SandboxError : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+struct RuntimeSettings {
+    std::string runtime = "runc";                 // runc, crun or runsc (a binary on PATH or a path)
+    std::filesystem::path state_dir;              // root of everything cellblock keeps
+    std::filesystem::path shim;                   // host path of cellblock-shim
+    IdMapping ids;
+    std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
+    std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
+};
+
+// Peak and current figures read from the sandbox's cgroup.
+struct SandboxUsage {
+    std::uint64_t memory_peak_bytes = 0;
+    std::uint64_t memory_bytes = 0;
+    std::uint64_t cpu_ns = 0;
+    std::uint64_t oom_kills = 0;
+};
+
+class Sandbox {
+public:
+    // Creates the session directory (lock, bundle, capped ipc and output
+    // mounts), writes the inner connection file, and starts the container
+    // detached with the shim as init. Returns once the runtime has started it;
+    // the kernel may still be importing. Throws SandboxError.
+    static std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
+                                          const SandboxLimits& limits,
+                                          const RuntimeSettings& settings);
+    ~Sandbox();  // destroy()
+    Sandbox(const Sandbox&) = delete;
+    Sandbox& operator=(const Sandbox&) = delete;
+
+    const std::string& session_id() const { return session_id_; }
+    const std::string& container_id() const { return container_id_; }
+    // The inner connection as seen from the host (ipc paths in the session dir).
+    const ConnectionInfo& inner_connection() const { return inner_; }
+    std::filesystem::path dir() const { return dir_; }
+    std::filesystem::path input_dir() const { return dir_ / "input"; }
+    std::filesystem::path output_dir() const { return dir_ / "output"; }
+    pid_t init_pid() const { return init_pid_; }
+
+    // Readable when the shim writes a status line or exits (EOF); the server
+    // holds the other end, so the shim also sees EOF when the server dies.
+    int lifeline_fd() const { return lifeline_; }
+    // Reads what the shim reported; returns false once the shim is gone.
+    bool read_lifeline();
+    bool exited() const { return exited_; }
+    // Why the kernel ended, in words: "kernel exited with status 1",
+    // "kernel killed by signal 9 (memory limit of 512 MB reached)".
+    std::string exit_description() const;
+    bool memory_limit_hit() const;
+
+    void interrupt();  // SIGINT to the kernel (through the shim)
+    void kill();       // SIGKILL to every process of the sandbox
+    // Kills, deletes the container, unmounts and removes every file of the
+    // session, removes its cgroup. Idempotent; never throws.
+    void destroy();
+
+    SandboxUsage usage() const;
+
+private:
+    Sandbox() = default;
+    std::string session_id_;
+    std::string container_id_;
+    std::filesystem::path dir_;
+    RuntimeSettings settings_;
+    SandboxLimits limits_;
+    ConnectionInfo inner_;
+    pid_t init_pid_ = -1;
+    int lifeline_ = -1;
+    int lock_fd_ = -1;
+    bool exited_ = false;
+    bool destroyed_ = false;
+    std::string shim_status_;
+};
+
+// Removes what earlier cellblock processes left behind: sessions whose lock
+// is not held (their owner died) are killed, deleted, unmounted and removed.
+// Returns the ids of the sessions reaped.
+std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
+
+// The cgroup directories (one per v1 controller, or the v2 one) of a container.
+std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
+
+}  // namespace cellblock

@@ -1,0 +1,175 @@
+// cellblock-shim: init of a sandbox. See README.md in this folder.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+constexpr int kLifelineFd = 3;
+constexpr size_t kMaxKernelStderr = 64 * 1024;
+constexpr int kTermGraceMs = 2000;
+
+void say(const char* fmt, const char* arg = "") {
+    fprintf(stderr, "cellblock-shim: ");
+    fprintf(stderr, fmt, arg);
+    fputc('\n', stderr);
+}
+
+void report(const std::string& line) {
+    std::string text = line + "\n";
+    // Best effort: the server may be gone already.
+    [[maybe_unused]] ssize_t n = write(kLifelineFd, text.data(), text.size());
+}
+
+void make_dir(const char* path) {
+    if (mkdir(path, 0700) != 0 && errno != EEXIST) say("mkdir %s failed", path);
+}
+
+std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
+    for (char** e = environ; *e; ++e) {
+        if (strncmp(*e, "CELLBLOCK_", 10) == 0) continue;
+        storage.emplace_back(*e);
+    }
+    std::vector<char*> env;
+    for (auto& s : storage) env.push_back(s.data());
+    env.push_back(nullptr);
+    return env;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    int first = 1;
+    if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
+    if (first >= argc) {
+        say("usage: cellblock-shim -- KERNEL [ARGS...]");
+        return 2;
+    }
+    const bool have_lifeline = fcntl(kLifelineFd, F_GETFD) != -1;
+    if (have_lifeline) fcntl(kLifelineFd, F_SETFD, FD_CLOEXEC);
+
+    if (const char* home = getenv("HOME")) make_dir(home);
+    if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
+
+    sigset_t handled;
+    sigemptyset(&handled);
+    for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&handled, sig);
+    sigprocmask(SIG_BLOCK, &handled, nullptr);
+    const int sigfd = signalfd(-1, &handled, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sigfd < 0) {
+        say("signalfd failed");
+        return 1;
+    }
+
+    int err_pipe[2];
+    if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+        say("pipe failed");
+        return 1;
+    }
+
+    std::vector<std::string> env_storage;
+    std::vector<char*> env = kernel_environment(env_storage);
+
+    const pid_t kernel = fork();
+    if (kernel < 0) {
+        say("fork failed");
+        return 1;
+    }
+    if (kernel == 0) {
+        sigprocmask(SIG_UNBLOCK, &handled, nullptr);
+        setpgid(0, 0);
+        dup2(err_pipe[1], STDERR_FILENO);
+        const int devnull = open("/dev/null", O_RDWR);
+        if (devnull >= 0) {
+            dup2(devnull, STDIN_FILENO);
+            dup2(devnull, STDOUT_FILENO);
+        }
+        // The kernel inherits nothing but stdio: not the lifeline, not the pipe ends.
+        for (int fd = 3; fd < 1024; ++fd) close(fd);
+        execve(argv[first], argv + first, env.data());
+        const char* why = strerror(errno);
+        [[maybe_unused]] ssize_t n = write(STDERR_FILENO, "cellblock-shim: exec failed: ", 29);
+        n = write(STDERR_FILENO, why, strlen(why));
+        _exit(127);
+    }
+    close(err_pipe[1]);
+    fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
+
+    size_t stderr_copied = 0;
+    bool stderr_open = true;
+    int term_deadline_ms = -1;
+    std::string exit_line;
+
+    while (exit_line.empty()) {
+        pollfd fds[3] = {{sigfd, POLLIN, 0},
+                         {have_lifeline ? kLifelineFd : -1, POLLIN, 0},
+                         {stderr_open ? err_pipe[0] : -1, POLLIN, 0}};
+        const int ready = poll(fds, 3, term_deadline_ms);
+        if (ready < 0 && errno != EINTR) break;
+        if (ready == 0 && term_deadline_ms >= 0) {
+            exit_line = "kernel-exit terminated";
+            break;
+        }
+        if (fds[0].revents & POLLIN) {
+            signalfd_siginfo info;
+            while (read(sigfd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+                const int sig = static_cast<int>(info.ssi_signo);
+                if (sig == SIGINT) {
+                    kill(kernel, SIGINT);
+                } else if (sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT) {
+                    kill(kernel, SIGTERM);
+                    term_deadline_ms = kTermGraceMs;
+                }
+            }
+            int status = 0;
+            pid_t pid;
+            while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+                if (pid != kernel) continue;
+                if (WIFEXITED(status)) {
+                    exit_line = "kernel-exit status=" + std::to_string(WEXITSTATUS(status));
+                } else if (WIFSIGNALED(status)) {
+                    exit_line = "kernel-exit signal=" + std::to_string(WTERMSIG(status));
+                }
+            }
+        }
+        if (fds[1].revents & (POLLIN | POLLHUP | POLLERR)) {
+            char buf[256];
+            const ssize_t n = read(kLifelineFd, buf, sizeof buf);
+            if (n <= 0) {
+                // The server is gone: end the sandbox with it.
+                say("server gone; ending the sandbox");
+                return 1;
+            }
+        }
+        if (fds[2].revents & (POLLIN | POLLHUP | POLLERR)) {
+            char buf[4096];
+            ssize_t n;
+            while ((n = read(err_pipe[0], buf, sizeof buf)) > 0) {
+                if (stderr_copied < kMaxKernelStderr) {
+                    const size_t take = std::min(static_cast<size_t>(n), kMaxKernelStderr - stderr_copied);
+                    [[maybe_unused]] ssize_t w = write(STDERR_FILENO, buf, take);
+                    stderr_copied += take;
+                    if (stderr_copied == kMaxKernelStderr) say("kernel stderr past 64 KiB is discarded");
+                }
+            }
+            if (n == 0) stderr_open = false;
+        }
+    }
+    say("%s", exit_line.c_str());
+    report(exit_line);
+    // As PID 1, returning ends every other process of the sandbox.
+    return 0;
+}

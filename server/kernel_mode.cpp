@@ -1,0 +1,152 @@
+#include "kernel_mode.hpp"
+
+#include <signal.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+#include <zmq.hpp>
+
+#include "cellblock/connection_info.hpp"
+#include "cellblock/sandbox.hpp"
+#include "cellblock/signer.hpp"
+#include "session_proxy.hpp"
+
+#ifndef CELLBLOCK_SOURCE_DIR
+#define CELLBLOCK_SOURCE_DIR ""
+#endif
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+fs::path executable_dir() {
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    return ec ? fs::current_path() : exe.parent_path();
+}
+
+// Blocks the signals the server handles itself and returns a signalfd for
+// them. Called before any thread starts, so every thread inherits the mask.
+int block_server_signals() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+    ::signal(SIGPIPE, SIG_IGN);
+    return signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+}
+
+}  // namespace
+
+ServerPaths ServerPaths::defaults() {
+    ServerPaths p;
+    p.state_dir = "/run/cellblock";
+    const fs::path exe_dir = executable_dir();
+    p.shim = exe_dir / "cellblock-shim";
+    if (const char* dir = std::getenv("CELLBLOCK_IMAGES_DIR"); dir && *dir) {
+        p.image_dirs.emplace_back(dir);
+    }
+    p.image_dirs.push_back(exe_dir.parent_path() / "share" / "cellblock" / "images");
+    if (std::string(CELLBLOCK_SOURCE_DIR).size() > 0) {
+        p.image_dirs.push_back(fs::path(CELLBLOCK_SOURCE_DIR) / "images");
+    }
+    return p;
+}
+
+int run_kernel_mode(const KernelModeOptions& options) {
+    const int signal_fd = block_server_signals();
+    const ConnectionInfo outer = ConnectionInfo::read(options.connection_file);
+
+    Image image = find_image(options.image, options.paths.image_dirs);
+    RuntimeSettings settings;
+    settings.runtime = options.runtime.empty() ? image.runtime : options.runtime;
+    settings.state_dir = options.paths.state_dir / "kernels";
+    settings.shim = options.paths.shim;
+    if (!fs::exists(settings.shim)) {
+        spdlog::error("kernel-shim {}: does not exist (build it, or pass --shim)", settings.shim.string());
+        return 1;
+    }
+    for (const auto& id : reap_abandoned_sessions(settings)) {
+        spdlog::info("reaped session {} left by an earlier cellblock process", id);
+    }
+    const SandboxLimits limits = SandboxLimits::from_json(options.limit_overrides, image.limits);
+
+    zmq::context_t context(1);
+    const std::string session_id = make_random_key().substr(0, 16);
+    auto proxy = std::make_unique<SessionProxy>(context, session_id, outer);
+    try {
+        proxy->attach(Sandbox::start(session_id, image, limits, settings));
+    } catch (const std::exception& e) {
+        spdlog::error("session {}: the sandbox did not start: {}", session_id, e.what());
+        return 1;
+    }
+    spdlog::info("session {}: image {} on {}, {} MB, {} pids", session_id, image.name,
+                 settings.runtime, limits.memory_mb, limits.pids);
+
+    std::vector<zmq::pollitem_t> items;
+    int exit_code = 0;
+    while (!proxy->finished()) {
+        items.clear();
+        proxy->add_poll_items(items);
+        items.push_back({nullptr, signal_fd, ZMQ_POLLIN, 0});
+        long timeout_ms = -1;
+        if (auto deadline = proxy->next_deadline()) {
+            timeout_ms = std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                               *deadline - Clock::now()).count() + 1);
+        }
+        zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout_ms));
+        proxy->handle(items.data());
+        if (items.back().revents & ZMQ_POLLIN) {
+            signalfd_siginfo info;
+            if (::read(signal_fd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+                proxy->close(std::string("the server received ") + strsignal(static_cast<int>(info.ssi_signo)));
+            }
+        }
+        proxy->on_timer(Clock::now());
+        if (proxy->finished() && proxy->close_reason().find("kernel") != std::string::npos) {
+            exit_code = 1;
+        }
+    }
+    proxy.reset();
+    ::close(signal_fd);
+    return exit_code;
+}
+
+fs::path install_kernelspec(const KernelspecOptions& options) {
+    fs::path base;
+    if (options.prefix) {
+        base = *options.prefix / "share" / "jupyter" / "kernels";
+    } else if (options.user) {
+        const char* home = std::getenv("HOME");
+        if (!home) throw std::runtime_error("kernelspec install --user: HOME is not set");
+        base = fs::path(home) / ".local" / "share" / "jupyter" / "kernels";
+    } else {
+        base = "/usr/local/share/jupyter/kernels";
+    }
+    const fs::path dir = base / options.name;
+    fs::create_directories(dir);
+    std::error_code ec;
+    fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    nlohmann::json argv = {exe.string(), "kernel", "-f", "{connection_file}"};
+    for (const auto& arg : options.extra_args) argv.push_back(arg);
+    const nlohmann::json spec = {
+        {"argv", argv},
+        {"display_name", "Python 3 (cellblock sandbox)"},
+        {"language", "python"},
+        // Signals would reach the server, not the sandboxed kernel: interrupt by message.
+        {"interrupt_mode", "message"},
+        {"metadata", {{"cellblock", {{"sandboxed", true}}}}}};
+    const fs::path file = dir / "kernel.json";
+    std::ofstream out(file);
+    out << spec.dump(2) << "\n";
+    if (!out) throw std::runtime_error("kernelspec: cannot write " + file.string());
+    return file;
+}
+
+}  // namespace cellblock

@@ -1,0 +1,45 @@
+// `cellblock kernel -f CONNECTION_FILE`: one sandboxed session on the channels
+// a Jupyter frontend chose, for as long as the frontend keeps it.
+#pragma once
+
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "cellblock/image.hpp"
+
+namespace cellblock {
+
+struct ServerPaths {
+    std::filesystem::path state_dir;  // runtime state, sessions, database
+    std::filesystem::path shim;       // cellblock-shim on the host
+    std::vector<std::filesystem::path> image_dirs;
+
+    // Defaults: /run/cellblock as root; the shim beside this executable;
+    // images from $CELLBLOCK_IMAGES_DIR, <exe>/../share/cellblock/images, the source tree.
+    static ServerPaths defaults();
+};
+
+struct KernelModeOptions {
+    std::filesystem::path connection_file;
+    std::string image = "host";
+    std::string runtime;  // empty: the image's
+    nlohmann::json limit_overrides = nlohmann::json::object();
+    ServerPaths paths;
+};
+
+// Returns the process exit code: 0 after a requested shutdown or a signal,
+// 1 when the kernel died or the sandbox could not start.
+int run_kernel_mode(const KernelModeOptions& options);
+
+struct KernelspecOptions {
+    std::string name = "cellblock-python";
+    std::optional<std::filesystem::path> prefix;  // <prefix>/share/jupyter/kernels
+    bool user = false;                            // ~/.local/share/jupyter/kernels
+    std::vector<std::string> extra_args;          // appended to `cellblock kernel -f ...`
+};
+
+// Writes <dir>/<name>/kernel.json and returns its path.
+std::filesystem::path install_kernelspec(const KernelspecOptions& options);
+
+}  // namespace cellblock

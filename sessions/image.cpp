@@ -1,0 +1,96 @@
+#include "cellblock/image.hpp"
+
+#include <fstream>
+#include <stdexcept>
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+template <typename T>
+void read_field(const json& j, const char* name, T& out, const std::string& where) {
+    if (!j.contains(name)) return;
+    try {
+        out = j.at(name).get<T>();
+    } catch (const json::exception&) {
+        throw std::runtime_error(where + ": field '" + name + "' has the wrong type");
+    }
+}
+
+}  // namespace
+
+json SandboxLimits::to_json() const {
+    return {{"memory_mb", memory_mb}, {"pids", pids},           {"disk_mb", disk_mb},
+            {"shm_mb", shm_mb},       {"output_mb", output_mb}, {"cpus", cpus},
+            {"nofile", nofile}};
+}
+
+SandboxLimits SandboxLimits::from_json(const json& j, const SandboxLimits& base) {
+    if (!j.is_object()) throw std::runtime_error("limits: expected an object");
+    SandboxLimits out = base;
+    const std::string where = "limits";
+    read_field(j, "memory_mb", out.memory_mb, where);
+    read_field(j, "pids", out.pids, where);
+    read_field(j, "disk_mb", out.disk_mb, where);
+    read_field(j, "shm_mb", out.shm_mb, where);
+    read_field(j, "output_mb", out.output_mb, where);
+    read_field(j, "cpus", out.cpus, where);
+    read_field(j, "nofile", out.nofile, where);
+    return out;
+}
+
+Image Image::from_json(const json& j) {
+    if (!j.is_object()) throw std::runtime_error("image: expected an object");
+    Image image;
+    const std::string where = "image";
+    read_field(j, "name", image.name, where);
+    read_field(j, "display_name", image.display_name, where);
+    read_field(j, "language", image.language, where);
+    read_field(j, "runtime", image.runtime, where);
+    read_field(j, "rootfs", image.rootfs, where);
+    read_field(j, "host_binds", image.host_binds, where);
+    read_field(j, "hidden_paths", image.hidden_paths, where);
+    read_field(j, "kernel_argv", image.kernel_argv, where);
+    read_field(j, "env", image.env, where);
+    if (j.contains("limits")) image.limits = SandboxLimits::from_json(j.at("limits"), image.limits);
+    if (image.name.empty()) throw std::runtime_error("image: missing field 'name'");
+    if (image.kernel_argv.empty()) {
+        throw std::runtime_error("image " + image.name + ": missing field 'kernel_argv'");
+    }
+    for (const auto& path : image.host_binds) {
+        if (path.empty() || path[0] != '/' || path.find("..") != std::string::npos) {
+            throw std::runtime_error("image " + image.name + ": host bind '" + path +
+                                     "' is not an absolute path");
+        }
+    }
+    return image;
+}
+
+Image Image::load(const fs::path& image_json) {
+    std::ifstream in(image_json);
+    if (!in) throw std::runtime_error("image file " + image_json.string() + ": cannot open");
+    json j = json::parse(in, nullptr, false);
+    if (j.is_discarded()) throw std::runtime_error("image file " + image_json.string() + ": not JSON");
+    try {
+        return from_json(j);
+    } catch (const std::exception& e) {
+        throw std::runtime_error("image file " + image_json.string() + ": " + e.what());
+    }
+}
+
+Image find_image(const std::string& name, const std::vector<fs::path>& image_dirs) {
+    if (name.empty() || name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
+        throw std::runtime_error("image '" + name + "': not a valid image name");
+    }
+    std::string searched;
+    for (const auto& dir : image_dirs) {
+        const fs::path candidate = dir / name / "image.json";
+        if (fs::exists(candidate)) return Image::load(candidate);
+        searched += (searched.empty() ? "" : ", ") + dir.string();
+    }
+    throw std::runtime_error("image '" + name + "': not found in " + searched);
+}
+
+}  // namespace cellblock

@@ -1,0 +1,266 @@
+#include "cellblock/oci_bundle.hpp"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <stdexcept>
+#include <system_error>
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+json tmpfs_mount(const std::string& destination, std::vector<std::string> options) {
+    return {{"destination", destination},
+            {"type", "tmpfs"},
+            {"source", "tmpfs"},
+            {"options", std::move(options)}};
+}
+
+json bind_mount(const std::string& source, const std::string& destination, bool read_only,
+          bool exec = false) {
+    std::vector<std::string> options{"rbind", read_only ? "ro" : "rw", "nosuid", "nodev"};
+    if (!exec) options.push_back("noexec");
+    return {{"destination", destination},
+            {"type", "bind"},
+            {"source", source},
+            {"options", std::move(options)}};
+}
+
+std::string size_mb(int mb) { return "size=" + std::to_string(mb) + "m"; }
+
+json rlimit(const char* type, std::uint64_t value) {
+    return {{"type", type}, {"hard", value}, {"soft", value}};
+}
+
+json id_mapping(const IdMapping& ids) {
+    return json::array({{{"containerID", 0}, {"hostID", ids.host_base}, {"size", ids.size}}});
+}
+
+}  // namespace
+
+std::vector<std::string> kernel_command(const Image& image) {
+    std::vector<std::string> argv;
+    for (const auto& arg : image.kernel_argv) {
+        argv.push_back(arg == "{connection_file}" ? std::string(kSandboxConnectionFile) : arg);
+    }
+    return argv;
+}
+
+std::vector<std::string> sandbox_environment(const Image& image) {
+    std::map<std::string, std::string> env{
+        {"PATH", "/usr/sbin:/usr/bin:/sbin:/bin"},
+        {"HOME", kSandboxHome},
+        {"USER", "sandbox"},
+        {"LANG", "C.UTF-8"},
+        {"TMPDIR", "/tmp"},
+        {"IPYTHONDIR", std::string(kSandboxHome) + "/.ipython"},
+        {"MPLCONFIGDIR", std::string(kSandboxHome) + "/.config/matplotlib"},
+        {"XDG_CACHE_HOME", std::string(kSandboxHome) + "/.cache"},
+    };
+    for (const auto& [name, value] : image.env) env[name] = value;
+    std::vector<std::string> out;
+    for (const auto& [name, value] : env) out.push_back(name + "=" + value);
+    return out;
+}
+
+json make_seccomp_profile() {
+    // Docker's default profile denies these to an unprivileged container; so do
+    // we, plus the calls that let same-uid code hijack another process.
+    static const std::vector<std::string> denied = {
+        "acct", "add_key", "bpf", "chroot", "clock_adjtime", "clock_settime", "create_module",
+        "delete_module", "fanotify_init", "finit_module", "fsconfig", "fsmount", "fsopen",
+        "fspick", "get_kernel_syms", "init_module", "io_uring_enter", "io_uring_register",
+        "io_uring_setup", "ioperm", "iopl", "kcmp", "kexec_file_load", "kexec_load", "keyctl",
+        "lookup_dcookie", "mount", "mount_setattr", "move_mount", "name_to_handle_at",
+        "nfsservctl", "open_by_handle_at", "open_tree", "perf_event_open", "pidfd_getfd",
+        "pivot_root", "process_madvise", "process_vm_readv", "process_vm_writev", "ptrace",
+        "query_module", "quotactl", "quotactl_fd", "reboot", "request_key", "setdomainname",
+        "sethostname", "setns", "settimeofday", "swapoff", "swapon", "_sysctl", "syslog",
+        "umount2", "unshare", "uselib", "userfaultfd", "ustat", "vhangup"};
+    json syscalls = json::array();
+    syscalls.push_back(
+        {{"names", denied}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 1 /* EPERM */}});
+    // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
+    syscalls.push_back(
+        {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 38 /* ENOSYS */}});
+    // clone with any namespace flag (one rule per flag: seccomp compares with AND).
+    const std::uint64_t namespace_flags[] = {
+        0x00000080 /* CLONE_NEWTIME */,   0x00020000 /* CLONE_NEWNS */,
+        0x02000000 /* CLONE_NEWCGROUP */, 0x04000000 /* CLONE_NEWUTS */,
+        0x08000000 /* CLONE_NEWIPC */,    0x10000000 /* CLONE_NEWUSER */,
+        0x20000000 /* CLONE_NEWPID */,    0x40000000 /* CLONE_NEWNET */};
+    for (auto flag : namespace_flags) {
+        syscalls.push_back(
+            {{"names", {"clone"}},
+             {"action", "SCMP_ACT_ERRNO"},
+             {"errnoRet", 1},
+             {"args",
+              {{{"index", 0}, {"value", flag}, {"valueTwo", flag}, {"op", "SCMP_CMP_MASKED_EQ"}}}}});
+    }
+    // AF_VSOCK (40) reaches the hypervisor's host side.
+    syscalls.push_back({{"names", {"socket"}},
+                        {"action", "SCMP_ACT_ERRNO"},
+                        {"errnoRet", 1},
+                        {"args", {{{"index", 0}, {"value", 40}, {"op", "SCMP_CMP_EQ"}}}}});
+    return {{"defaultAction", "SCMP_ACT_ALLOW"},
+            {"architectures", {"SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"}},
+            {"syscalls", syscalls}};
+}
+
+json make_oci_config(const SandboxSpec& spec) {
+    const SandboxLimits& lim = spec.limits;
+    const std::string uid = std::to_string(kSandboxUid);
+
+    json mounts = json::array();
+    mounts.push_back({{"destination", "/proc"},
+                      {"type", "proc"},
+                      {"source", "proc"},
+                      {"options", {"nosuid", "noexec", "nodev"}}});
+    mounts.push_back(tmpfs_mount("/dev", {"nosuid", "strictatime", "mode=755", "size=64k"}));
+    mounts.push_back({{"destination", "/dev/pts"},
+                      {"type", "devpts"},
+                      {"source", "devpts"},
+                      {"options", {"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}}});
+    mounts.push_back(tmpfs_mount("/dev/shm", {"nosuid", "noexec", "nodev", "mode=1777", size_mb(lim.shm_mb)}));
+    mounts.push_back({{"destination", "/dev/mqueue"},
+                      {"type", "mqueue"},
+                      {"source", "mqueue"},
+                      {"options", {"nosuid", "noexec", "nodev"}}});
+    mounts.push_back({{"destination", "/sys"},
+                      {"type", "sysfs"},
+                      {"source", "sysfs"},
+                      {"options", {"nosuid", "noexec", "nodev", "ro"}}});
+    if (spec.image.rootfs == "host") {
+        mounts.push_back(bind_mount("/usr", "/usr", true, /*exec=*/true));
+    }
+    for (const auto& path : spec.image.host_binds) {
+        mounts.push_back(bind_mount(path, path, true));
+    }
+    for (const auto& path : spec.image.hidden_paths) {
+        mounts.push_back(tmpfs_mount(path, {"ro", "nosuid", "nodev", "noexec", "size=4k", "mode=755"}));
+    }
+    mounts.push_back(tmpfs_mount("/tmp", {"nosuid", "nodev", "mode=1777", size_mb(lim.disk_mb)}));
+    mounts.push_back(tmpfs_mount(kSandboxHome, {"nosuid", "nodev", "mode=700", "uid=" + uid,
+                                          "gid=" + uid, size_mb(lim.disk_mb)}));
+    mounts.push_back(bind_mount(spec.ipc_dir.string(), kSandboxIpcDir, false));
+    mounts.push_back(bind_mount(spec.input_dir.string(), kSandboxInputDir, true));
+    mounts.push_back(bind_mount(spec.output_dir.string(), kSandboxOutputDir, false));
+    mounts.push_back(bind_mount(spec.shim.string(), kSandboxShim, true, /*exec=*/true));
+
+    std::vector<std::string> args{kSandboxShim, "--"};
+    for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
+
+    const json no_caps = json::array();
+    json process = {
+        {"terminal", false},
+        {"user", {{"uid", kSandboxUid}, {"gid", kSandboxUid}}},
+        {"args", args},
+        {"env", sandbox_environment(spec.image)},
+        {"cwd", kSandboxHome},
+        {"noNewPrivileges", true},
+        {"oomScoreAdj", 1000},
+        {"capabilities",
+         {{"bounding", no_caps},
+          {"effective", no_caps},
+          {"inheritable", no_caps},
+          {"permitted", no_caps},
+          {"ambient", no_caps}}},
+        {"rlimits",
+         {rlimit("RLIMIT_NOFILE", static_cast<std::uint64_t>(lim.nofile)),
+          rlimit("RLIMIT_CORE", 0),
+          rlimit("RLIMIT_NPROC", static_cast<std::uint64_t>(lim.pids) * 4)}}};
+
+    const std::int64_t memory = static_cast<std::int64_t>(lim.memory_mb) << 20;
+    const std::int64_t period = 100000;
+    json resources = {
+        {"memory", {{"limit", memory}, {"swap", memory}}},
+        {"pids", {{"limit", lim.pids}}},
+        {"cpu", {{"period", period}, {"quota", static_cast<std::int64_t>(lim.cpus * period)}}},
+        {"devices", json::array({{{"allow", false}, {"access", "rwm"}}})}};
+
+    json namespaces = json::array();
+    for (const char* ns : {"pid", "network", "ipc", "uts", "mount", "user", "cgroup"}) {
+        namespaces.push_back({{"type", ns}});
+    }
+
+    return {
+        {"ociVersion", "1.0.2"},
+        {"process", process},
+        {"root", {{"path", spec.rootfs.string()}, {"readonly", true}}},
+        {"hostname", "sandbox"},
+        {"mounts", mounts},
+        {"linux",
+         {{"uidMappings", id_mapping(spec.ids)},
+          {"gidMappings", id_mapping(spec.ids)},
+          {"namespaces", namespaces},
+          {"cgroupsPath", "/" + spec.cgroup_parent + "/" + spec.container_id},
+          {"resources", resources},
+          {"seccomp", make_seccomp_profile()},
+          {"maskedPaths",
+           {"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
+            "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
+            "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"}},
+          {"readonlyPaths",
+           {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"}}}}};
+}
+
+namespace {
+
+void write_file(const fs::path& path, const std::string& text) {
+    std::ofstream out(path, std::ios::trunc);
+    out << text;
+    if (!out) throw std::runtime_error("rootfs: cannot write " + path.string());
+}
+
+void make_dirs(const fs::path& path) {
+    std::error_code ec;
+    fs::create_directories(path, ec);
+    if (ec) throw std::runtime_error("rootfs: mkdir " + path.string() + ": " + ec.message());
+}
+
+}  // namespace
+
+void prepare_host_rootfs(const SandboxSpec& spec, const json& oci_config) {
+    const fs::path& root = spec.rootfs;
+    make_dirs(root);
+    for (const char* dir : {"usr", "etc", "proc", "dev", "sys", "run", "opt/cellblock", "data"}) {
+        make_dirs(root / dir);
+    }
+    for (const char* link : {"bin", "lib", "lib64", "sbin"}) {
+        std::error_code ec;
+        fs::create_directory_symlink(std::string("usr/") + link, root / link, ec);
+    }
+    // The runtime maps container root to an unprivileged host id, which cannot
+    // create mount points in a root-owned tree: create each one here.
+    for (const auto& mount : oci_config.at("mounts")) {
+        const std::string destination = mount.at("destination");
+        const fs::path target = root / destination.substr(1);
+        const bool is_file_bind =
+            mount.at("type") == "bind" && fs::is_regular_file(mount.at("source").get<std::string>());
+        if (is_file_bind) {
+            make_dirs(target.parent_path());
+            if (!fs::exists(target)) write_file(target, "");
+        } else {
+            make_dirs(target);
+        }
+    }
+    // tmpfs takes the mode of its mount point under runc (seen with runc 1.1.5).
+    ::chmod((root / "tmp").c_str(), 01777);
+    ::chmod((root / "dev/shm").c_str(), 01777);
+
+    const std::string uid = std::to_string(kSandboxUid);
+    write_file(root / "etc/passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                                    "sandbox:x:" + uid + ":" + uid + ":sandbox:" +
+                                        kSandboxHome + ":/bin/sh\n"
+                                        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
+    write_file(root / "etc/group", "root:x:0:\nsandbox:x:" + uid + ":\nnogroup:x:65534:\n");
+    write_file(root / "etc/hosts", "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost\n");
+    write_file(root / "etc/hostname", "sandbox\n");
+    write_file(root / "etc/nsswitch.conf", "passwd: files\ngroup: files\nhosts: files\n");
+}
+
+}  // namespace cellblock

@@ -1,0 +1,67 @@
+#include "process.hpp"
+
+#include <fcntl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace cellblock {
+
+ProcessResult run_process(const std::vector<std::string>& argv, int pass_fd, int stdio_fd) {
+    if (argv.empty()) throw std::invalid_argument("run_process: empty argv");
+    int out_pipe[2] = {-1, -1};
+    if (stdio_fd < 0 && pipe2(out_pipe, O_CLOEXEC) != 0) {
+        throw std::runtime_error(std::string("run_process: pipe: ") + strerror(errno));
+    }
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    char path_env[] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+    char* env[] = {path_env, nullptr};
+
+    const pid_t pid = fork();
+    if (pid < 0) throw std::runtime_error(std::string("run_process: fork: ") + strerror(errno));
+    if (pid == 0) {
+        // Only async-signal-safe calls from here on.
+        const int devnull = open("/dev/null", O_RDONLY);
+        dup2(devnull, STDIN_FILENO);
+        const int out = stdio_fd >= 0 ? stdio_fd : out_pipe[1];
+        dup2(out, STDOUT_FILENO);
+        dup2(out, STDERR_FILENO);
+        if (pass_fd >= 0) {
+            if (pass_fd == 3) {
+                fcntl(3, F_SETFD, 0);
+            } else {
+                dup2(pass_fd, 3);
+            }
+        }
+        syscall(SYS_close_range, pass_fd >= 0 ? 4u : 3u, ~0u, 0u);
+        execvpe(args[0], args.data(), env);
+        _exit(127);
+    }
+    ProcessResult result;
+    if (out_pipe[1] >= 0) {
+        close(out_pipe[1]);
+        char buf[4096];
+        ssize_t n;
+        while ((n = read(out_pipe[0], buf, sizeof buf)) != 0) {
+            if (n < 0) {
+                if (errno == EINTR) continue;
+                break;
+            }
+            if (result.output.size() < 65536) result.output.append(buf, static_cast<size_t>(n));
+        }
+        close(out_pipe[0]);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return result;
+}
+
+}  // namespace cellblock
