@@ -48,7 +48,7 @@ ServerPaths ServerPaths::defaults() {
     ServerPaths p;
     p.state_dir = "/run/cellblock";
     const fs::path exe_dir = executable_dir();
-    p.shim = exe_dir / "cellblock-shim";
+    p.libexec_dir = exe_dir.parent_path() / "libexec" / "cellblock";
     if (const char* dir = std::getenv("CELLBLOCK_IMAGES_DIR"); dir && *dir) {
         p.image_dirs.emplace_back(dir);
     }
@@ -67,9 +67,10 @@ int run_kernel_mode(const KernelModeOptions& options) {
     RuntimeSettings settings;
     settings.runtime = options.runtime.empty() ? image.runtime : options.runtime;
     settings.state_dir = options.paths.state_dir / "kernels";
-    settings.shim = options.paths.shim;
-    if (!fs::exists(settings.shim)) {
-        spdlog::error("kernel-shim {}: does not exist (build it, or pass --shim)", settings.shim.string());
+    settings.libexec_dir = options.paths.libexec_dir;
+    if (!fs::exists(settings.libexec_dir / "cellblock-shim")) {
+        spdlog::error("kernel-shim: {} does not exist (build it, or pass --libexec-dir)",
+                      (settings.libexec_dir / "cellblock-shim").string());
         return 1;
     }
     for (const auto& id : reap_abandoned_sessions(settings)) {

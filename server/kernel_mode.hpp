@@ -12,10 +12,10 @@ namespace cellblock {
 
 struct ServerPaths {
     std::filesystem::path state_dir;  // runtime state, sessions, database
-    std::filesystem::path shim;       // cellblock-shim on the host
+    std::filesystem::path libexec_dir;  // cellblock-shim and the kernel launcher
     std::vector<std::filesystem::path> image_dirs;
 
-    // Defaults: /run/cellblock as root; the shim beside this executable;
+    // Defaults: /run/cellblock; <exe>/../libexec/cellblock;
     // images from $CELLBLOCK_IMAGES_DIR, <exe>/../share/cellblock/images, the source tree.
     static ServerPaths defaults();
 };

@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
     kernel_cmd->add_option("--runtime", kernel.runtime, "OCI runtime: runc, crun or runsc");
     kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")
         ->capture_default_str();
-    kernel_cmd->add_option("--shim", kernel.paths.shim, "path of cellblock-shim");
+    kernel_cmd->add_option("--libexec-dir", kernel.paths.libexec_dir, "directory of cellblock-shim and the kernel launcher");
     add_limit_options(kernel_cmd, kernel.limit_overrides, memory_mb, pids, disk_mb, cpus);
 
     cellblock::KernelspecOptions spec;

@@ -149,7 +149,7 @@ json make_oci_config(const SandboxSpec& spec) {
     mounts.push_back(bind_mount(spec.ipc_dir.string(), kSandboxIpcDir, false));
     mounts.push_back(bind_mount(spec.input_dir.string(), kSandboxInputDir, true));
     mounts.push_back(bind_mount(spec.output_dir.string(), kSandboxOutputDir, false));
-    mounts.push_back(bind_mount(spec.shim.string(), kSandboxShim, true, /*exec=*/true));
+    mounts.push_back(bind_mount(spec.libexec_dir.string(), kSandboxLibexec, true, /*exec=*/true));
 
     std::vector<std::string> args{kSandboxShim, "--"};
     for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
@@ -227,7 +227,7 @@ void make_dirs(const fs::path& path) {
 void prepare_host_rootfs(const SandboxSpec& spec, const json& oci_config) {
     const fs::path& root = spec.rootfs;
     make_dirs(root);
-    for (const char* dir : {"usr", "etc", "proc", "dev", "sys", "run", "opt/cellblock", "data"}) {
+    for (const char* dir : {"usr", "etc", "proc", "dev", "sys", "run", "opt", "data"}) {
         make_dirs(root / dir);
     }
     for (const char* link : {"bin", "lib", "lib64", "sbin"}) {

@@ -190,7 +190,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     spec.ipc_dir = dir / "ipc";
     spec.input_dir = dir / "input";
     spec.output_dir = dir / "output";
-    spec.shim = settings.shim;
+    spec.libexec_dir = settings.libexec_dir;
     const json config = make_oci_config(spec);
     try {
         if (image.rootfs == "host") prepare_host_rootfs(spec, config);

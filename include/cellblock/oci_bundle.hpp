@@ -15,6 +15,7 @@ namespace cellblock {
 // Paths inside every sandbox.
 inline constexpr const char* kSandboxIpcDir = "/run/cellblock";
 inline constexpr const char* kSandboxConnectionFile = "/run/cellblock/kernel.json";
+inline constexpr const char* kSandboxLibexec = "/opt/cellblock";
 inline constexpr const char* kSandboxShim = "/opt/cellblock/cellblock-shim";
 inline constexpr const char* kSandboxHome = "/home/sandbox";
 inline constexpr const char* kSandboxInputDir = "/data/input";
@@ -37,7 +38,7 @@ struct SandboxSpec {
     std::filesystem::path ipc_dir;     // host dir mounted at /run/cellblock
     std::filesystem::path input_dir;   // host dir mounted read-only at /data/input
     std::filesystem::path output_dir;  // host dir mounted at /data/output
-    std::filesystem::path shim;        // host path of cellblock-shim
+    std::filesystem::path libexec_dir; // host dir with cellblock-shim, mounted at /opt/cellblock
     std::string cgroup_parent = "cellblock";
 };
 

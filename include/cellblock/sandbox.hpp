@@ -27,7 +27,7 @@ public:
 struct RuntimeSettings {
     std::string runtime = "runc";                 // runc, crun or runsc (a binary on PATH or a path)
     std::filesystem::path state_dir;              // root of everything cellblock keeps
-    std::filesystem::path shim;                   // host path of cellblock-shim
+    std::filesystem::path libexec_dir;            // holds cellblock-shim and the kernel launcher
     IdMapping ids;
     std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
     std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }

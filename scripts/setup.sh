@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs every Debian package cellblock's build, tests and default image need,
+# when missing. Idempotent; needs root (apt-get, and runc sandboxes later).
+set -euo pipefail
+
+PACKAGES=(
+  # build
+  cmake ninja-build g++ pkg-config clang-format
+  libzmq3-dev cppzmq-dev nlohmann-json3-dev uuid-dev libssl-dev
+  libsqlitecpp-dev libsqlite3-dev libgtest-dev libcli11-dev libspdlog-dev libfmt-dev
+  # sandbox runtime
+  runc
+  # the default image's kernel and data stack
+  python3 python3-ipykernel python3-numpy python3-pandas python3-matplotlib fonts-dejavu-core
+  # clients and tests
+  python3-jupyter-client python3-jupyter-kernel-test python3-nbclient python3-nbformat
+  jupyter-console python3-pytest python3-zmq python3-pexpect tmux iproute2 procps
+)
+
+if [[ $(id -u) -ne 0 ]]; then
+  echo "setup.sh: run as root (it installs packages; cellblock needs root for runc)" >&2
+  exit 1
+fi
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$pkg")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "setup.sh: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup.sh: all ${#PACKAGES[@]} packages present"
+fi
