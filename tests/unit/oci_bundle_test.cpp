@@ -1,0 +1,287 @@
+// The sandbox policy is a value: these tests read it without running anything.
+#include "cellblock/oci_bundle.hpp"
+
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+namespace cellblock {
+namespace {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+Image test_image() {
+    return Image::from_json(json{{"name", "host"},
+                                 {"rootfs", "host"},
+                                 {"host_binds", {"/etc/alternatives"}},
+                                 {"hidden_paths", {"/usr/local"}},
+                                 {"kernel_argv", {"/usr/bin/python3", "-f", "{connection_file}"}},
+                                 {"env", {{"MPLBACKEND", "agg"}}}});
+}
+
+SandboxSpec test_spec() {
+    SandboxSpec spec;
+    spec.container_id = "cb-0123456789abcdef";
+    spec.image = test_image();
+    spec.limits.memory_mb = 512;
+    spec.limits.pids = 64;
+    spec.limits.disk_mb = 100;
+    spec.limits.cpus = 0.5;
+    spec.rootfs = "/state/sessions/x/bundle/rootfs";
+    spec.ipc_dir = "/state/sessions/x/ipc";
+    spec.input_dir = "/state/sessions/x/input";
+    spec.output_dir = "/state/sessions/x/output";
+    spec.libexec_dir = "/opt/cb/libexec";
+    return spec;
+}
+
+const json* find_mount(const json& config, const std::string& destination) {
+    for (const auto& m : config["mounts"]) {
+        if (m["destination"] == destination) return &m;
+    }
+    return nullptr;
+}
+
+bool has_option(const json& mount, const std::string& option) {
+    const auto& options = mount["options"];
+    return std::find(options.begin(), options.end(), option) != options.end();
+}
+
+TEST(OciBundle, RootIsReadOnlyAndProcessIsUnprivileged) {
+    const json c = make_oci_config(test_spec());
+    EXPECT_TRUE(c["root"]["readonly"].get<bool>());
+    EXPECT_EQ(c["process"]["user"]["uid"], kSandboxUid);
+    EXPECT_NE(c["process"]["user"]["uid"], 0);
+    EXPECT_TRUE(c["process"]["noNewPrivileges"].get<bool>());
+    for (const char* set : {"bounding", "effective", "inheritable", "permitted", "ambient"}) {
+        EXPECT_TRUE(c["process"]["capabilities"][set].empty()) << set;
+    }
+}
+
+TEST(OciBundle, ContainerRootMapsToAnUnprivilegedHostRange) {
+    const json c = make_oci_config(test_spec());
+    for (const char* key : {"uidMappings", "gidMappings"}) {
+        ASSERT_EQ(c["linux"][key].size(), 1u);
+        const auto& m = c["linux"][key][0];
+        EXPECT_EQ(m["containerID"], 0);
+        EXPECT_GE(m["hostID"].get<std::uint64_t>(), 65536u) << key << " maps onto real host ids";
+    }
+}
+
+TEST(OciBundle, EveryIsolatingNamespaceIsNew) {
+    const json c = make_oci_config(test_spec());
+    std::vector<std::string> types;
+    for (const auto& ns : c["linux"]["namespaces"]) {
+        EXPECT_FALSE(ns.contains("path")) << "joins an existing namespace";
+        types.push_back(ns["type"]);
+    }
+    for (const char* t : {"pid", "network", "ipc", "uts", "mount", "user", "cgroup"}) {
+        EXPECT_NE(std::find(types.begin(), types.end(), t), types.end()) << t;
+    }
+}
+
+TEST(OciBundle, ResourceLimitsComeFromThePolicy) {
+    const json c = make_oci_config(test_spec());
+    const auto& r = c["linux"]["resources"];
+    EXPECT_EQ(r["memory"]["limit"], 512ll << 20);
+    EXPECT_EQ(r["memory"]["swap"], 512ll << 20);
+    EXPECT_EQ(r["pids"]["limit"], 64);
+    EXPECT_EQ(r["cpu"]["quota"], 50000);
+    EXPECT_EQ(r["cpu"]["period"], 100000);
+    EXPECT_EQ(c["linux"]["cgroupsPath"], "/cellblock/cb-0123456789abcdef");
+    bool nofile = false, core = false;
+    for (const auto& l : c["process"]["rlimits"]) {
+        if (l["type"] == "RLIMIT_NOFILE") nofile = l["hard"] == 4096;
+        if (l["type"] == "RLIMIT_CORE") core = l["hard"] == 0;
+    }
+    EXPECT_TRUE(nofile);
+    EXPECT_TRUE(core);
+}
+
+TEST(OciBundle, EveryWritableMountIsCapped) {
+    const json c = make_oci_config(test_spec());
+    const json* tmp = find_mount(c, "/tmp");
+    const json* home = find_mount(c, kSandboxHome);
+    const json* shm = find_mount(c, "/dev/shm");
+    ASSERT_TRUE(tmp && home && shm);
+    EXPECT_TRUE(has_option(*tmp, "size=100m"));
+    EXPECT_TRUE(has_option(*home, "size=100m"));
+    EXPECT_TRUE(has_option(*shm, "size=64m"));
+    for (const auto& m : c["mounts"]) {
+        if (m["type"] == "tmpfs" && !has_option(m, "ro")) {
+            const auto& opts = m["options"];
+            EXPECT_TRUE(std::any_of(opts.begin(), opts.end(), [](const json& o) {
+                return o.get<std::string>().rfind("size=", 0) == 0;
+            })) << m["destination"] << " is a writable tmpfs without a size";
+        }
+    }
+}
+
+TEST(OciBundle, DataAndLibexecMountsHaveTheRightModes) {
+    const json c = make_oci_config(test_spec());
+    const json* input = find_mount(c, kSandboxInputDir);
+    const json* output = find_mount(c, kSandboxOutputDir);
+    const json* ipc = find_mount(c, kSandboxIpcDir);
+    const json* libexec = find_mount(c, kSandboxLibexec);
+    const json* usr = find_mount(c, "/usr");
+    ASSERT_TRUE(input && output && ipc && libexec && usr);
+    EXPECT_TRUE(has_option(*input, "ro"));
+    EXPECT_TRUE(has_option(*output, "rw"));
+    EXPECT_TRUE(has_option(*output, "noexec"));
+    EXPECT_TRUE(has_option(*libexec, "ro"));
+    EXPECT_TRUE(has_option(*usr, "ro"));
+    EXPECT_TRUE(has_option(*usr, "nosuid"));
+    EXPECT_EQ((*ipc)["source"], "/state/sessions/x/ipc");
+    const json* hidden = find_mount(c, "/usr/local");
+    ASSERT_TRUE(hidden);
+    EXPECT_EQ((*hidden)["type"], "tmpfs");
+    EXPECT_TRUE(has_option(*hidden, "ro"));
+}
+
+TEST(OciBundle, HostEtcIsNeverBoundWhole) {
+    const json c = make_oci_config(test_spec());
+    for (const auto& m : c["mounts"]) {
+        if (m["type"] == "bind") {
+            EXPECT_NE(m["source"], "/etc");
+            EXPECT_NE(m["source"], "/");
+            EXPECT_NE(m["source"], "/root");
+        }
+    }
+}
+
+TEST(OciBundle, ProcIsMaskedAsDockerDoes) {
+    const json c = make_oci_config(test_spec());
+    const auto& masked = c["linux"]["maskedPaths"];
+    const auto& ro = c["linux"]["readonlyPaths"];
+    for (const char* p : {"/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug"}) {
+        EXPECT_NE(std::find(masked.begin(), masked.end(), p), masked.end()) << p;
+    }
+    for (const char* p : {"/proc/sys", "/proc/sysrq-trigger"}) {
+        EXPECT_NE(std::find(ro.begin(), ro.end(), p), ro.end()) << p;
+    }
+}
+
+TEST(OciBundle, InitIsTheShimRunningTheImageKernel) {
+    const json c = make_oci_config(test_spec());
+    const std::vector<std::string> args = c["process"]["args"];
+    const std::vector<std::string> expected = {kSandboxShim, "--", "/usr/bin/python3", "-f",
+                                               kSandboxConnectionFile};
+    EXPECT_EQ(args, expected);
+}
+
+TEST(OciBundle, EnvironmentHoldsNothingOfTheServers) {
+    ::setenv("CELLBLOCK_CANARY_SECRET", "do-not-leak", 1);
+    const json c = make_oci_config(test_spec());
+    const std::vector<std::string> env = c["process"]["env"];
+    for (const auto& e : env) {
+        EXPECT_EQ(e.find("do-not-leak"), std::string::npos) << e;
+        EXPECT_NE(e.rfind("CELLBLOCK_", 0), 0u) << e;
+    }
+    EXPECT_NE(std::find(env.begin(), env.end(), "MPLBACKEND=agg"), env.end());
+    EXPECT_NE(std::find(env.begin(), env.end(), std::string("HOME=") + kSandboxHome), env.end());
+    ::unsetenv("CELLBLOCK_CANARY_SECRET");
+}
+
+TEST(Seccomp, DeniesEscapeAndHijackSyscalls) {
+    const json p = make_seccomp_profile();
+    EXPECT_EQ(p["defaultAction"], "SCMP_ACT_ALLOW");
+    std::vector<std::string> denied;
+    for (const auto& rule : p["syscalls"]) {
+        if (rule["action"] == "SCMP_ACT_ERRNO" && !rule.contains("args")) {
+            for (const auto& n : rule["names"]) denied.push_back(n);
+        }
+    }
+    for (const char* s : {"ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "mount",
+                          "umount2", "pivot_root", "unshare", "setns", "bpf", "userfaultfd",
+                          "perf_event_open", "keyctl", "add_key", "request_key", "kexec_load",
+                          "init_module", "finit_module", "delete_module", "open_by_handle_at",
+                          "reboot", "swapon", "swapoff", "clock_settime", "settimeofday",
+                          "sethostname", "acct", "quotactl", "syslog", "io_uring_setup",
+                          "fsopen", "fsmount", "move_mount", "open_tree", "clone3"}) {
+        EXPECT_NE(std::find(denied.begin(), denied.end(), s), denied.end()) << s;
+    }
+}
+
+TEST(Seccomp, CloneWithAnyNamespaceFlagIsDenied) {
+    const json p = make_seccomp_profile();
+    std::uint64_t covered = 0;
+    for (const auto& rule : p["syscalls"]) {
+        if (rule["names"] == json::array({"clone"})) {
+            ASSERT_EQ(rule["args"].size(), 1u);
+            EXPECT_EQ(rule["args"][0]["op"], "SCMP_CMP_MASKED_EQ");
+            covered |= rule["args"][0]["value"].get<std::uint64_t>();
+        }
+    }
+    const std::uint64_t all_namespaces =
+        0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000;
+    EXPECT_EQ(covered, all_namespaces);
+}
+
+class RootfsTest : public ::testing::Test {
+protected:
+    void SetUp() override {
+        char tmpl[] = "/tmp/cellblock-rootfs-XXXXXX";
+        ASSERT_NE(::mkdtemp(tmpl), nullptr);
+        dir_ = tmpl;
+    }
+    void TearDown() override { fs::remove_all(dir_); }
+    fs::path dir_;
+};
+
+TEST_F(RootfsTest, SkeletonHasMountPointsAndAGeneratedEtc) {
+    SandboxSpec spec = test_spec();
+    spec.rootfs = dir_ / "rootfs";
+    spec.image.host_binds = {"/etc/hostname"};  // a file bind
+    const json config = make_oci_config(spec);
+    prepare_host_rootfs(spec, config);
+    const fs::path r = spec.rootfs;
+    EXPECT_TRUE(fs::is_directory(r / "tmp"));
+    EXPECT_TRUE(fs::is_directory(r / "home/sandbox"));
+    EXPECT_TRUE(fs::is_directory(r / "data/input"));
+    EXPECT_TRUE(fs::is_directory(r / "run/cellblock"));
+    EXPECT_TRUE(fs::is_regular_file(r / "etc/hostname"));
+    EXPECT_TRUE(fs::is_symlink(r / "bin"));
+    EXPECT_EQ(fs::read_symlink(r / "lib"), "usr/lib");
+    struct stat st {};
+    ASSERT_EQ(::stat((r / "tmp").c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 01777u);
+    std::ifstream passwd(r / "etc/passwd");
+    const std::string text((std::istreambuf_iterator<char>(passwd)), {});
+    EXPECT_NE(text.find("sandbox:x:1000:1000"), std::string::npos);
+    EXPECT_FALSE(fs::exists(r / "etc/shadow"));
+    EXPECT_FALSE(fs::exists(r / "etc/resolv.conf"));
+}
+
+TEST(Image, RejectsRelativeBindsAndMissingFields) {
+    EXPECT_THROW(Image::from_json(json{{"name", "x"}}), std::runtime_error);
+    EXPECT_THROW(Image::from_json(json{{"name", "x"}, {"kernel_argv", {"k"}}, {"host_binds", {"etc"}}}),
+                 std::runtime_error);
+    EXPECT_THROW(Image::from_json(json{{"name", "x"}, {"kernel_argv", {"k"}}, {"host_binds", {"/a/../etc"}}}),
+                 std::runtime_error);
+    EXPECT_THROW(Image::from_json(json{{"name", "x"}, {"kernel_argv", "notalist"}}), std::runtime_error);
+}
+
+TEST(Image, LimitsLayerOverTheBase) {
+    SandboxLimits base;
+    base.memory_mb = 2048;
+    const SandboxLimits l = SandboxLimits::from_json(json{{"pids", 10}}, base);
+    EXPECT_EQ(l.memory_mb, 2048);
+    EXPECT_EQ(l.pids, 10);
+    EXPECT_THROW(SandboxLimits::from_json(json{{"pids", "many"}}, base), std::runtime_error);
+}
+
+TEST(Image, FindImageRefusesPathsAsNames) {
+    EXPECT_THROW(find_image("../etc", {"/tmp"}), std::runtime_error);
+    EXPECT_THROW(find_image("no-such-image", {"/tmp"}), std::runtime_error);
+    const Image host = find_image("host", {fs::path(CELLBLOCK_FIXTURES_DIR) / ".." / ".." / "images"});
+    EXPECT_EQ(host.name, "host");
+    EXPECT_FALSE(host.kernel_argv.empty());
+}
+
+}  // namespace
+}  // namespace cellblock
