@@ -1,0 +1,120 @@
+// Session limits and the policy the server enforces on a session's message
+// stream, as values with no ZMQ and no clock of their own (time is passed in),
+// so every rule is unit-testable.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cellblock/image.hpp"
+
+namespace cellblock {
+
+// Everything a session request may ask for. Flat in JSON:
+// {max_executions, idle_timeout_s, lifetime_s, exec_timeout_s, output_bytes,
+//  memory_mb, pids, disk_mb, shm_mb, output_mb, cpus, nofile}.
+struct SessionLimits {
+    std::int64_t max_executions = 1000;
+    double idle_timeout_s = 1800;
+    double lifetime_s = 24 * 3600;
+    double exec_timeout_s = 30;
+    std::int64_t output_bytes = 1 << 20;  // stream output kept per execution
+    SandboxLimits sandbox;
+
+    nlohmann::json to_json() const;
+    // Fields absent from `j` keep `base`'s values. Unknown fields and mistyped
+    // or non-positive values throw PolicyError("InvalidLimits", ...).
+    static SessionLimits from_json(const nlohmann::json& j, const SessionLimits& base);
+};
+
+// An error that reaches a client as {status: "error", ename, evalue}.
+class PolicyError : public std::runtime_error {
+public:
+    PolicyError(std::string ename, const std::string& evalue)
+        : std::runtime_error(evalue), ename_(std::move(ename)) {}
+    const std::string& ename() const { return ename_; }
+
+private:
+    std::string ename_;
+};
+
+struct ServerPolicy {
+    SessionLimits defaults;
+    SessionLimits maxima;                 // no layer may go above these
+    double kill_grace_s = 3;              // after an interrupt at the deadline, before the kill
+    double closed_memory_s = 600;         // how long a closed session still answers SessionClosed
+    std::int64_t max_message_bytes = 16 << 20;  // one iopub message larger is replaced by a notice
+    std::int64_t max_file_bytes = 64 << 20;     // file_put / file_get
+    int max_sessions = 256;
+
+    ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 600 s per execution, 16 GB)
+
+    // server defaults < image limits < request; each field of the image or the
+    // request above `maxima` throws PolicyError("LimitAboveMaximum", "<field> <v>
+    // is above the server's maximum <max>").
+    SessionLimits effective(const nlohmann::json& image_limits,
+                            const nlohmann::json& request_limits) const;
+    nlohmann::json to_json() const;  // {defaults, maxima, kill_grace_s, ...}
+};
+
+using Clock = std::chrono::steady_clock;
+
+// The per-session rules, fed the events of the stream by the proxy.
+class SessionGovernor {
+public:
+    SessionGovernor(SessionLimits limits, const ServerPolicy& policy, Clock::time_point now);
+
+    struct ExecuteDecision {
+        bool forward = true;
+        std::string ename, evalue;              // when !forward
+        Clock::time_point deadline{};           // when forward: interrupt at this time
+    };
+    // A client's execute_request. `requested_timeout_s` is metadata.cellblock.timeout_s.
+    // Refuses past max_executions (ExecutionLimitExceeded) and a timeout above
+    // the server maximum (LimitAboveMaximum).
+    ExecuteDecision on_execute_request(Clock::time_point now,
+                                       std::optional<double> requested_timeout_s);
+    // Any client request (resets the idle clock).
+    void on_client_request(Clock::time_point now);
+    // The kernel's execute_reply: returns metadata.cellblock for it.
+    nlohmann::json on_execute_reply(Clock::time_point now, std::uint64_t cpu_ms,
+                                    std::uint64_t memory_peak_bytes);
+
+    struct StreamDecision {
+        std::size_t keep = 0;      // bytes of this message's text to keep
+        bool add_marker = false;   // append the one marker now
+        std::string marker;        // "[cellblock: output truncated: N bytes over the 1 MB limit ...]"
+    };
+    // A stream message of the current execution with `bytes` of text.
+    StreamDecision on_stream(std::size_t bytes);
+    // Bytes dropped in the current execution so far (for the reply and the audit).
+    std::uint64_t dropped_bytes() const { return dropped_; }
+    bool truncated() const { return dropped_ > 0; }
+
+    std::int64_t executions() const { return executions_; }
+    std::int64_t executions_left() const;
+    bool busy() const { return busy_; }
+    // Idle: no client request for idle_timeout_s and not busy. Lifetime: age.
+    // Returns the reason ("idle_timeout", "lifetime") once it is due, else nullopt.
+    std::optional<std::string> expiry(Clock::time_point now) const;
+    // Earliest time expiry() could change its answer.
+    Clock::time_point next_expiry_check(Clock::time_point now) const;
+
+    const SessionLimits& limits() const { return limits_; }
+
+private:
+    SessionLimits limits_;
+    const ServerPolicy& policy_;
+    Clock::time_point created_, last_request_, exec_started_{};
+    std::int64_t executions_ = 0;
+    bool busy_ = false;
+    std::uint64_t stream_bytes_ = 0, dropped_ = 0;
+    bool marker_sent_ = false;
+};
+
+}  // namespace cellblock
