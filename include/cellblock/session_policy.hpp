@@ -4,10 +4,13 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -27,8 +30,8 @@ struct SessionLimits {
     SandboxLimits sandbox;
 
     nlohmann::json to_json() const;
-    // Fields absent from `j` keep `base`'s values. Unknown fields and mistyped
-    // or non-positive values throw PolicyError("InvalidLimits", ...).
+    // Fields absent from `j` keep `base`'s values (null counts as {}). Unknown
+    // fields and mistyped or non-positive values throw PolicyError("InvalidLimits", ...).
     static SessionLimits from_json(const nlohmann::json& j, const SessionLimits& base);
 };
 
@@ -52,7 +55,11 @@ struct ServerPolicy {
     std::int64_t max_file_bytes = 64 << 20;     // file_put / file_get
     int max_sessions = 256;
 
-    ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 600 s per execution, 16 GB)
+    ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16 GB)
+
+    // Throws PolicyError("InvalidLimits", ...) if a default or maximum is not
+    // positive or a default is above its maximum (a misconfigured server).
+    void validate() const;
 
     // server defaults < image limits < request; each field of the image or the
     // request above `maxima` throws PolicyError("LimitAboveMaximum", "<field> <v>
@@ -75,23 +82,28 @@ public:
         Clock::time_point deadline{};           // when forward: interrupt at this time
     };
     // A client's execute_request. `requested_timeout_s` is metadata.cellblock.timeout_s.
-    // Refuses past max_executions (ExecutionLimitExceeded) and a timeout above
-    // the server maximum (LimitAboveMaximum).
+    // Refuses past max_executions (ExecutionLimitExceeded), a timeout above
+    // the server maximum (LimitAboveMaximum) and a non-positive one (InvalidLimits).
+    // A refused request is not counted. Any request resets the idle clock.
     ExecuteDecision on_execute_request(Clock::time_point now,
                                        std::optional<double> requested_timeout_s);
     // Any client request (resets the idle clock).
     void on_client_request(Clock::time_point now);
-    // The kernel's execute_reply: returns metadata.cellblock for it.
+    // The kernel's execute_reply: returns metadata.cellblock for it. The idle
+    // clock restarts here, so a long execution does not expire the session at once.
     nlohmann::json on_execute_reply(Clock::time_point now, std::uint64_t cpu_ms,
                                     std::uint64_t memory_peak_bytes);
 
     struct StreamDecision {
         std::size_t keep = 0;      // bytes of this message's text to keep
         bool add_marker = false;   // append the one marker now
-        std::string marker;        // "[cellblock: output truncated: N bytes over the 1 MB limit ...]"
+        std::string marker;        // "\n[cellblock: output truncated at N bytes; the rest ...]\n"
     };
-    // A stream message of the current execution with `bytes` of text.
+    // A stream message of the current execution with `bytes` of text. The proxy
+    // cuts the text at utf8_safe_prefix(text, keep), never mid-character.
     StreamDecision on_stream(std::size_t bytes);
+    // The same, given the text: `keep` is already at a UTF-8 character boundary.
+    StreamDecision on_stream(std::string_view text);
     // Bytes dropped in the current execution so far (for the reply and the audit).
     std::uint64_t dropped_bytes() const { return dropped_; }
     bool truncated() const { return dropped_ > 0; }
@@ -102,19 +114,28 @@ public:
     // Idle: no client request for idle_timeout_s and not busy. Lifetime: age.
     // Returns the reason ("idle_timeout", "lifetime") once it is due, else nullopt.
     std::optional<std::string> expiry(Clock::time_point now) const;
-    // Earliest time expiry() could change its answer.
+    // Earliest time expiry() could change its answer (never before `now`). While
+    // busy only the lifetime counts: ask again after the execute_reply.
     Clock::time_point next_expiry_check(Clock::time_point now) const;
 
     const SessionLimits& limits() const { return limits_; }
 
 private:
+    StreamDecision shape_stream(std::size_t bytes, std::size_t room_to_keep);
+
     SessionLimits limits_;
-    const ServerPolicy& policy_;
+    const ServerPolicy& policy_;  // must outlive the governor
+    // last_request_: the last client request or the end of the last execution.
     Clock::time_point created_, last_request_, exec_started_{};
+    double exec_timeout_s_ = 0;  // the timeout of the current (or last) execution
     std::int64_t executions_ = 0;
     bool busy_ = false;
     std::uint64_t stream_bytes_ = 0, dropped_ = 0;
     bool marker_sent_ = false;
 };
+
+// The length of the longest prefix of `text` of at most `max_bytes` bytes that
+// does not end inside a UTF-8 multi-byte sequence (invalid UTF-8 is cut at max_bytes).
+std::size_t utf8_safe_prefix(std::string_view text, std::size_t max_bytes);
 
 }  // namespace cellblock

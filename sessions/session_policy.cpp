@@ -1,0 +1,377 @@
+#include "cellblock/session_policy.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <type_traits>
+
+namespace cellblock {
+using nlohmann::json;
+
+namespace {
+
+// Calls visit(name, field...) for every limit, with the same field taken from
+// each of `limits` (so two layers can be compared field by field). The names
+// are the JSON names.
+template <typename Visitor, typename... Limits>
+void for_each_limit(Visitor&& visit, Limits&... limits) {
+    visit("max_executions", limits.max_executions...);
+    visit("idle_timeout_s", limits.idle_timeout_s...);
+    visit("lifetime_s", limits.lifetime_s...);
+    visit("exec_timeout_s", limits.exec_timeout_s...);
+    visit("output_bytes", limits.output_bytes...);
+    visit("memory_mb", limits.sandbox.memory_mb...);
+    visit("pids", limits.sandbox.pids...);
+    visit("disk_mb", limits.sandbox.disk_mb...);
+    visit("shm_mb", limits.sandbox.shm_mb...);
+    visit("output_mb", limits.sandbox.output_mb...);
+    visit("cpus", limits.sandbox.cpus...);
+    visit("nofile", limits.sandbox.nofile...);
+}
+
+// Values are checked in a wide type before they are narrowed into the field, so
+// "memory_mb 3000000000" is reported as above the maximum, not as garbage.
+template <typename T>
+using Wide = std::conditional_t<std::is_integral_v<T>, std::int64_t, double>;
+
+template <typename T>
+std::string format_number(T v) {
+    if constexpr (std::is_integral_v<T>) {
+        return std::to_string(v);
+    } else {
+        std::ostringstream out;  // 900, 0.5, 604800: no trailing zeros
+        out << std::setprecision(15) << v;
+        return out.str();
+    }
+}
+
+PolicyError invalid(const std::string& what) { return PolicyError("InvalidLimits", what); }
+
+std::int64_t parse_integer(std::string_view name, const json& value) {
+    const std::string field(name);
+    std::int64_t v = 0;
+    if (value.is_number_unsigned()) {
+        const auto u = value.get<std::uint64_t>();
+        if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+            throw invalid(field + " " + value.dump() + " is out of range");
+        }
+        v = static_cast<std::int64_t>(u);
+    } else if (value.is_number_integer()) {
+        v = value.get<std::int64_t>();
+    } else if (value.is_number_float()) {
+        // Some clients write every number as a float (1000.0): accept whole ones.
+        const double d = value.get<double>();
+        if (!std::isfinite(d) || d != std::floor(d)) {
+            throw invalid(field + " must be a whole number, got " + value.dump());
+        }
+        if (std::fabs(d) >= 9.2e18) throw invalid(field + " " + value.dump() + " is out of range");
+        v = static_cast<std::int64_t>(d);
+    } else {
+        throw invalid(field + " must be a positive integer, got " + std::string(value.type_name()));
+    }
+    if (v <= 0) throw invalid(field + " must be positive, got " + std::to_string(v));
+    return v;
+}
+
+double parse_real(std::string_view name, const json& value) {
+    const std::string field(name);
+    if (!value.is_number()) {
+        throw invalid(field + " must be a positive number, got " + std::string(value.type_name()));
+    }
+    const double v = value.get<double>();
+    if (!std::isfinite(v)) throw invalid(field + " must be a finite number");
+    if (v <= 0) throw invalid(field + " must be positive, got " + format_number(v));
+    return v;
+}
+
+template <typename T>
+Wide<T> parse_value(std::string_view name, const json& value) {
+    if constexpr (std::is_integral_v<T>) {
+        return parse_integer(name, value);
+    } else {
+        return parse_real(name, value);
+    }
+}
+
+// Applies one layer (`j`, a flat object of limits) onto `out`. With `maxima`,
+// a value above its maximum throws LimitAboveMaximum. `origin` prefixes errors
+// that are not the requester's own ("image limits: ").
+void apply_layer(const json& j, SessionLimits& out, const SessionLimits* maxima,
+                 const std::string& origin) {
+    if (j.is_null()) return;
+    if (!j.is_object()) {
+        throw invalid(origin + "limits must be a JSON object, got " + std::string(j.type_name()));
+    }
+    SessionLimits next = out;
+    const SessionLimits& bounds = maxima ? *maxima : out;  // read only when there are maxima
+    for (const auto& item : j.items()) {
+        const std::string& key = item.key();
+        const json& value = item.value();
+        bool known = false;
+        for_each_limit(
+            [&](std::string_view name, auto& field, const auto& maximum) {
+                if (name != key) return;
+                known = true;
+                using T = std::remove_reference_t<decltype(field)>;
+                Wide<T> v{};
+                try {
+                    v = parse_value<T>(name, value);
+                } catch (const PolicyError& e) {
+                    throw PolicyError(e.ename(), origin + e.what());
+                }
+                if (maxima && v > static_cast<Wide<T>>(maximum)) {
+                    throw PolicyError("LimitAboveMaximum",
+                                      origin + key + " " + format_number(v) +
+                                          " is above the server's maximum " +
+                                          format_number(static_cast<Wide<T>>(maximum)));
+                }
+                if constexpr (std::is_integral_v<T>) {
+                    if (v > static_cast<Wide<T>>(std::numeric_limits<T>::max())) {
+                        throw invalid(origin + key + " " + format_number(v) + " is out of range");
+                    }
+                }
+                field = static_cast<T>(v);
+            },
+            next, bounds);
+        if (!known) throw invalid(origin + "unknown limit '" + key + "'");
+    }
+    out = next;
+}
+
+// Seconds as a clock duration, saturating far beyond any real limit rather than
+// overflowing (limits built by hand need not have passed through the maxima).
+Clock::duration seconds(double s) {
+    constexpr double kCap = 100.0 * 365 * 24 * 3600;
+    return std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(std::clamp(s, 0.0, kCap)));
+}
+
+std::int64_t whole_ms(Clock::duration d) {
+    return std::max<std::int64_t>(0,
+                                  std::chrono::duration_cast<std::chrono::milliseconds>(d).count());
+}
+
+}  // namespace
+
+// ---- SessionLimits ----
+
+json SessionLimits::to_json() const {
+    json j = json::object();
+    for_each_limit([&](std::string_view name, const auto& field) { j[std::string(name)] = field; },
+                   *this);
+    return j;
+}
+
+SessionLimits SessionLimits::from_json(const json& j, const SessionLimits& base) {
+    SessionLimits out = base;
+    apply_layer(j, out, nullptr, "");
+    return out;
+}
+
+// ---- ServerPolicy ----
+
+ServerPolicy::ServerPolicy() {
+    constexpr double kWeek = 7 * 24 * 3600;
+    maxima.max_executions = 100000;
+    maxima.idle_timeout_s = kWeek;
+    maxima.lifetime_s = kWeek;
+    maxima.exec_timeout_s = 3600;
+    maxima.output_bytes = std::int64_t{64} << 20;
+    maxima.sandbox.memory_mb = 16384;
+    maxima.sandbox.pids = 4096;
+    maxima.sandbox.disk_mb = 16384;
+    maxima.sandbox.shm_mb = 4096;
+    maxima.sandbox.output_mb = 16384;
+    maxima.sandbox.cpus = std::max(1U, std::thread::hardware_concurrency());
+    maxima.sandbox.nofile = 65536;
+}
+
+void ServerPolicy::validate() const {
+    for_each_limit(
+        [](std::string_view name, const auto& def, const auto& max) {
+            const std::string field(name);
+            if (!(max > 0)) {
+                throw invalid("server maximum " + field + " " + format_number(max) +
+                              " is not positive");
+            }
+            if (!(def > 0)) {
+                throw invalid("server default " + field + " " + format_number(def) +
+                              " is not positive");
+            }
+            if (def > max) {
+                throw invalid("server default " + field + " " + format_number(def) +
+                              " is above the server's maximum " + format_number(max));
+            }
+        },
+        defaults, maxima);
+}
+
+SessionLimits ServerPolicy::effective(const json& image_limits, const json& request_limits) const {
+    SessionLimits out = defaults;
+    apply_layer(image_limits, out, &maxima, "image limits: ");
+    apply_layer(request_limits, out, &maxima, "");
+    // A default above its maximum is the server's misconfiguration, but the
+    // session must still never get it.
+    for_each_limit(
+        [](std::string_view name, const auto& value, const auto& max) {
+            if (value > max) {
+                throw PolicyError("LimitAboveMaximum", "server default " + std::string(name) + " " +
+                                                           format_number(value) +
+                                                           " is above the server's maximum " +
+                                                           format_number(max));
+            }
+        },
+        out, maxima);
+    return out;
+}
+
+json ServerPolicy::to_json() const {
+    return {{"defaults", defaults.to_json()},
+            {"maxima", maxima.to_json()},
+            {"kill_grace_s", kill_grace_s},
+            {"closed_memory_s", closed_memory_s},
+            {"max_message_bytes", max_message_bytes},
+            {"max_file_bytes", max_file_bytes},
+            {"max_sessions", max_sessions}};
+}
+
+// ---- SessionGovernor ----
+
+SessionGovernor::SessionGovernor(SessionLimits limits, const ServerPolicy& policy,
+                                 Clock::time_point now)
+    : limits_(std::move(limits)),
+      policy_(policy),
+      created_(now),
+      last_request_(now),
+      exec_timeout_s_(limits_.exec_timeout_s) {}
+
+SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
+    Clock::time_point now, std::optional<double> requested_timeout_s) {
+    on_client_request(now);
+    ExecuteDecision decision;
+    const auto refuse = [&](std::string ename, std::string evalue) {
+        decision.forward = false;
+        decision.ename = std::move(ename);
+        decision.evalue = std::move(evalue);
+        return decision;
+    };
+    if (executions_ >= limits_.max_executions) {
+        const std::string n = std::to_string(limits_.max_executions);
+        return refuse("ExecutionLimitExceeded",
+                      limits_.max_executions == 1
+                          ? "this session allows 1 execution; it is used"
+                          : "this session allows " + n + " executions; all " + n + " are used");
+    }
+    double timeout_s = limits_.exec_timeout_s;
+    if (requested_timeout_s) {
+        const double t = *requested_timeout_s;
+        if (!std::isfinite(t) || t <= 0) {
+            return refuse("InvalidLimits", "timeout_s must be a positive number of seconds, got " +
+                                               format_number(t));
+        }
+        if (t > policy_.maxima.exec_timeout_s) {
+            return refuse("LimitAboveMaximum", "timeout_s " + format_number(t) +
+                                                   " is above the server's maximum " +
+                                                   format_number(policy_.maxima.exec_timeout_s));
+        }
+        timeout_s = t;
+    }
+    ++executions_;
+    busy_ = true;
+    exec_started_ = now;
+    exec_timeout_s_ = timeout_s;
+    stream_bytes_ = 0;
+    dropped_ = 0;
+    marker_sent_ = false;
+    decision.deadline = now + seconds(timeout_s);
+    return decision;
+}
+
+void SessionGovernor::on_client_request(Clock::time_point now) {
+    last_request_ = std::max(last_request_, now);
+}
+
+json SessionGovernor::on_execute_reply(Clock::time_point now, std::uint64_t cpu_ms,
+                                       std::uint64_t memory_peak_bytes) {
+    const std::int64_t wall_ms = busy_ ? whole_ms(now - exec_started_) : 0;
+    busy_ = false;
+    last_request_ = std::max(last_request_, now);
+    return {{"executions_used", executions_},
+            {"executions_left", executions_left()},
+            {"max_executions", limits_.max_executions},
+            {"wall_ms", wall_ms},
+            {"cpu_ms", cpu_ms},
+            {"memory_peak_bytes", memory_peak_bytes},
+            {"output_bytes", stream_bytes_},
+            {"output_truncated", truncated()},
+            {"output_dropped_bytes", dropped_},
+            {"timeout_s", exec_timeout_s_}};
+}
+
+SessionGovernor::StreamDecision SessionGovernor::shape_stream(std::size_t bytes,
+                                                              std::size_t room_to_keep) {
+    StreamDecision decision;
+    // Once anything was dropped, everything after is dropped too, so the text
+    // never resumes after the marker.
+    decision.keep = dropped_ > 0 ? 0 : std::min(bytes, room_to_keep);
+    const std::size_t dropped_now = bytes - decision.keep;
+    stream_bytes_ += decision.keep;
+    dropped_ += dropped_now;
+    if (dropped_now > 0 && !marker_sent_) {
+        marker_sent_ = true;
+        decision.add_marker = true;
+        decision.marker = "\n[cellblock: output truncated at " +
+                          std::to_string(limits_.output_bytes) +
+                          " bytes; the rest of this execution's stream output is dropped]\n";
+    }
+    return decision;
+}
+
+SessionGovernor::StreamDecision SessionGovernor::on_stream(std::size_t bytes) {
+    const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(0, limits_.output_bytes));
+    const std::uint64_t room = limit > stream_bytes_ ? limit - stream_bytes_ : 0;
+    return shape_stream(bytes, static_cast<std::size_t>(std::min<std::uint64_t>(room, bytes)));
+}
+
+SessionGovernor::StreamDecision SessionGovernor::on_stream(std::string_view text) {
+    const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(0, limits_.output_bytes));
+    const std::uint64_t room = limit > stream_bytes_ ? limit - stream_bytes_ : 0;
+    const auto max_keep = static_cast<std::size_t>(std::min<std::uint64_t>(room, text.size()));
+    return shape_stream(text.size(), utf8_safe_prefix(text, max_keep));
+}
+
+std::int64_t SessionGovernor::executions_left() const {
+    return std::max<std::int64_t>(0, limits_.max_executions - executions_);
+}
+
+std::optional<std::string> SessionGovernor::expiry(Clock::time_point now) const {
+    if (now - created_ >= seconds(limits_.lifetime_s)) return "lifetime";
+    if (!busy_ && now - last_request_ >= seconds(limits_.idle_timeout_s)) return "idle_timeout";
+    return std::nullopt;
+}
+
+Clock::time_point SessionGovernor::next_expiry_check(Clock::time_point now) const {
+    Clock::time_point next = created_ + seconds(limits_.lifetime_s);
+    if (!busy_) next = std::min(next, last_request_ + seconds(limits_.idle_timeout_s));
+    return std::max(next, now);
+}
+
+// ---- UTF-8 ----
+
+std::size_t utf8_safe_prefix(std::string_view text, std::size_t max_bytes) {
+    if (max_bytes >= text.size()) return text.size();
+    const auto continuation = [&](std::size_t i) {
+        return (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80;
+    };
+    // text[max_bytes] is the first byte cut off: if it continues a character,
+    // back up to that character's lead byte (at most 3 bytes back in UTF-8).
+    std::size_t cut = max_bytes;
+    for (int steps = 0; steps < 3 && cut > 0 && continuation(cut); ++steps) --cut;
+    if (continuation(cut)) return max_bytes;  // not UTF-8 here: nothing to protect
+    return cut;
+}
+
+}  // namespace cellblock
