@@ -168,6 +168,16 @@ int main(int argc, char** argv) {
             if (n == 0) stderr_open = false;
         }
     }
+    // What the kernel wrote just before it ended explains why: copy it too.
+    if (stderr_open) {
+        char buf[4096];
+        ssize_t n;
+        while (stderr_copied < kMaxKernelStderr && (n = read(err_pipe[0], buf, sizeof buf)) > 0) {
+            const size_t take = std::min(static_cast<size_t>(n), kMaxKernelStderr - stderr_copied);
+            [[maybe_unused]] ssize_t w = write(STDERR_FILENO, buf, take);
+            stderr_copied += take;
+        }
+    }
     say("%s", exit_line.c_str());
     report(exit_line);
     // As PID 1, returning ends every other process of the sandbox.

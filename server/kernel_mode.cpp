@@ -13,6 +13,7 @@
 #include "cellblock/connection_info.hpp"
 #include "cellblock/sandbox.hpp"
 #include "cellblock/signer.hpp"
+#include "inner_channels.hpp"
 #include "session_proxy.hpp"
 
 #ifndef CELLBLOCK_SOURCE_DIR
@@ -82,7 +83,9 @@ int run_kernel_mode(const KernelModeOptions& options) {
     const std::string session_id = make_random_key().substr(0, 16);
     auto proxy = std::make_unique<SessionProxy>(context, session_id, outer);
     try {
-        proxy->attach(Sandbox::start(session_id, image, limits, settings));
+        auto sandbox = Sandbox::start(session_id, image, limits, settings);
+        auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60));
+        proxy->attach(std::move(sandbox), std::move(*channels));
     } catch (const std::exception& e) {
         spdlog::error("session {}: the sandbox did not start: {}", session_id, e.what());
         return 1;
@@ -92,7 +95,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
 
     std::vector<zmq::pollitem_t> items;
     int exit_code = 0;
-    while (!proxy->finished()) {
+    while (!proxy->closed()) {
         items.clear();
         proxy->add_poll_items(items);
         items.push_back({nullptr, signal_fd, ZMQ_POLLIN, 0});
@@ -110,7 +113,8 @@ int run_kernel_mode(const KernelModeOptions& options) {
             }
         }
         proxy->on_timer(Clock::now());
-        if (proxy->finished() && proxy->close_reason().find("kernel") != std::string::npos) {
+        if (proxy->closed() && (proxy->close_reason().rfind("kernel_died", 0) == 0 ||
+                                proxy->close_reason().rfind("memory_limit", 0) == 0)) {
             exit_code = 1;
         }
     }

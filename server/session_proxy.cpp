@@ -4,7 +4,6 @@
 
 namespace cellblock {
 using nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
 namespace {
 
@@ -30,60 +29,102 @@ bool ends_with(std::string_view s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
+std::string reply_type_for(const std::string& request_type) {
+    return request_type.substr(0, request_type.size() - std::string_view("_request").size()) +
+           "_reply";
+}
+
+// An error reply's content. A kernel_info_reply also carries the fields
+// clients read unconditionally (jupyter_client's wait_for_ready does).
+json error_content(const std::string& request_type, const std::string& ename,
+                   const std::string& evalue) {
+    json content = {{"status", "error"},
+                    {"ename", ename},
+                    {"evalue", evalue},
+                    {"traceback", json::array({ename + ": " + evalue})}};
+    if (request_type == "kernel_info_request") {
+        content["protocol_version"] = std::string(kProtocolVersion);
+        content["implementation"] = "cellblock";
+        content["implementation_version"] = "0.1.0";
+        content["language_info"] = {{"name", "python"}};
+        content["banner"] = "cellblock: " + evalue;
+    }
+    return content;
+}
+
+double unix_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
+
+// Binds a channel; port 0 means any free port, read back from the socket.
+int bind_channel(zmq::socket_t& socket, const ConnectionInfo& info, Channel channel) {
+    if (info.transport == "tcp" && info.port(channel) == 0) {
+        socket.bind("tcp://" + info.ip + ":*");
+        const std::string endpoint = socket.get(zmq::sockopt::last_endpoint);
+        return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+    }
+    socket.bind(info.endpoint(channel));
+    return info.port(channel);
+}
+
 }  // namespace
 
 SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
                            const ConnectionInfo& outer, ProxyOptions options)
     : session_id_(std::move(session_id)),
       server_session_(make_uuid()),
-      options_(options),
+      options_(std::move(options)),
+      outer_(outer),
       outer_signer_(outer.key, outer.signature_scheme),
-      outer_shell_(make_socket(context, zmq::socket_type::router, options.max_frame_bytes, 1000)),
-      outer_control_(make_socket(context, zmq::socket_type::router, options.max_frame_bytes, 1000)),
-      outer_stdin_(make_socket(context, zmq::socket_type::router, options.max_frame_bytes, 1000)),
-      outer_iopub_(make_socket(context, zmq::socket_type::pub, options.max_frame_bytes, 1000)),
-      outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)),
-      inner_shell_(make_socket(context, zmq::socket_type::dealer, options.max_frame_bytes, 0)),
-      inner_control_(make_socket(context, zmq::socket_type::dealer, options.max_frame_bytes, 0)),
-      inner_stdin_(make_socket(context, zmq::socket_type::dealer, options.max_frame_bytes, 0)),
-      inner_iopub_(make_socket(context, zmq::socket_type::sub, options.max_frame_bytes, 0)),
-      inner_hb_(make_socket(context, zmq::socket_type::dealer, 1024, 0)) {
+      outer_shell_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
+      outer_control_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
+      outer_stdin_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
+      outer_iopub_(make_socket(context, zmq::socket_type::pub, options_.max_frame_bytes, 1000)),
+      outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)) {
     for (auto* s : {&outer_shell_, &outer_control_, &outer_stdin_, &outer_hb_}) {
         s->set(zmq::sockopt::router_handover, 1);
     }
-    outer_shell_.bind(outer.endpoint(Channel::shell));
-    outer_control_.bind(outer.endpoint(Channel::control));
-    outer_stdin_.bind(outer.endpoint(Channel::stdin_));
-    outer_iopub_.bind(outer.endpoint(Channel::iopub));
-    outer_hb_.bind(outer.endpoint(Channel::hb));
+    outer_.shell_port = bind_channel(outer_shell_, outer_, Channel::shell);
+    outer_.control_port = bind_channel(outer_control_, outer_, Channel::control);
+    outer_.stdin_port = bind_channel(outer_stdin_, outer_, Channel::stdin_);
+    outer_.iopub_port = bind_channel(outer_iopub_, outer_, Channel::iopub);
+    outer_.hb_port = bind_channel(outer_hb_, outer_, Channel::hb);
+    if (options_.policy && options_.limits) {
+        governor_.emplace(*options_.limits, *options_.policy, Clock::now());
+    }
 }
 
 SessionProxy::~SessionProxy() {
     if (sandbox_) sandbox_->destroy();
 }
 
-void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox) {
+void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channels) {
     sandbox_ = std::move(sandbox);
     const ConnectionInfo& inner = sandbox_->inner_connection();
     inner_signer_ = Signer(inner.key, inner.signature_scheme);
-    // The kernel routes input_request to the identity of the shell request's
-    // sender, so the inner stdin socket shares the inner shell socket's identity.
-    const std::string identity = "cellblock-" + session_id_;
-    inner_shell_.set(zmq::sockopt::routing_id, identity);
-    inner_stdin_.set(zmq::sockopt::routing_id, identity);
-    for (auto* s : {&inner_shell_, &inner_control_, &inner_stdin_, &inner_iopub_, &inner_hb_}) {
-        s->set(zmq::sockopt::reconnect_ivl, 10);
-    }
-    inner_iopub_.set(zmq::sockopt::subscribe, "");
-    inner_shell_.connect(inner.endpoint(Channel::shell));
-    inner_control_.connect(inner.endpoint(Channel::control));
-    inner_stdin_.connect(inner.endpoint(Channel::stdin_));
-    inner_iopub_.connect(inner.endpoint(Channel::iopub));
-    inner_hb_.connect(inner.endpoint(Channel::hb));
+    inner_shell_ = std::move(channels.shell);
+    inner_control_ = std::move(channels.control);
+    inner_stdin_ = std::move(channels.stdin_);
+    inner_iopub_ = std::move(channels.iopub);
+    inner_hb_ = std::move(channels.hb);
+    if (governor_) governor_->on_client_request(Clock::now());
+}
+
+std::string SessionProxy::state() const {
+    if (closed_) return "closed";
+    if (!sandbox_) return "starting";
+    return execution_ ? "busy" : "idle";
 }
 
 void SessionProxy::add_poll_items(std::vector<zmq::pollitem_t>& items) {
-    auto add = [&](zmq::socket_t& s) { items.push_back({s.handle(), 0, ZMQ_POLLIN, 0}); };
+    auto add = [&](zmq::socket_t& s) {
+        if (s) {
+            items.push_back({s.handle(), 0, ZMQ_POLLIN, 0});
+        } else {
+            items.push_back({nullptr, -1, 0, 0});  // closed with the session
+        }
+    };
     // Inner sockets first so that a kernel's last replies are read before its exit is seen.
     add(inner_shell_);
     add(inner_control_);
@@ -94,14 +135,13 @@ void SessionProxy::add_poll_items(std::vector<zmq::pollitem_t>& items) {
     add(outer_control_);
     add(outer_stdin_);
     add(outer_hb_);
-    const int fd = sandbox_ && !finished_ && !sandbox_->exited() ? sandbox_->lifeline_fd() : -1;
+    const int fd = sandbox_ && !closed_ && !sandbox_->exited() ? sandbox_->lifeline_fd() : -1;
     items.push_back({nullptr, fd, static_cast<short>(fd >= 0 ? ZMQ_POLLIN : 0), 0});
 }
 
 void SessionProxy::handle(const zmq::pollitem_t* items) {
     auto ready = [&](std::size_t i) { return (items[i].revents & ZMQ_POLLIN) != 0; };
-    if (finished_) return;
-    if (sandbox_) {
+    if (sandbox_ && !closed_) {
         if (ready(0)) on_inner_reply(Channel::shell);
         if (ready(1)) on_inner_reply(Channel::control);
         if (ready(2)) on_inner_stdin();
@@ -142,6 +182,10 @@ void SessionProxy::reject(const char* channel, std::string_view identity, const 
                  identity_text(identity), why);
 }
 
+void SessionProxy::notify_state(const char* state) {
+    if (options_.observer) options_.observer->on_state(session_id_, state);
+}
+
 void SessionProxy::remember_parent(const std::string& msg_id) {
     if (recent_.insert(msg_id).second) {
         recent_order_.push_back(msg_id);
@@ -171,17 +215,19 @@ void SessionProxy::on_outer_request(Channel channel) {
         return;
     }
     const WireLayout& at = check.layout;
-    std::optional<json> header;
+    json header, metadata, content;
     for (std::size_t i = at.header(); i <= at.content(); ++i) {
         auto parsed = parse_json_frame(views[i], options_.outer_limits.max_json_depth);
         if (!parsed || !parsed->is_object()) {
             reject(name, sender, "frame " + std::to_string(i - at.delimiter) + " is not a JSON object");
             return;
         }
-        if (i == at.header()) header = std::move(parsed);
+        if (i == at.header()) header = std::move(*parsed);
+        if (i == at.metadata()) metadata = std::move(*parsed);
+        if (i == at.content()) content = std::move(*parsed);
     }
-    const std::string msg_id = json_string(*header, "msg_id");
-    const std::string msg_type = json_string(*header, "msg_type");
+    const std::string msg_id = json_string(header, "msg_id");
+    const std::string msg_type = json_string(header, "msg_type");
     if (msg_id.empty() || msg_type.empty()) {
         reject(name, sender, "header lacks msg_id or msg_type");
         return;
@@ -193,20 +239,58 @@ void SessionProxy::on_outer_request(Channel channel) {
     PendingRequest request{channel, {}, msg_type, std::string(views[at.header()])};
     for (std::size_t i = 0; i < at.delimiter; ++i) request.identities.emplace_back(views[i]);
 
-    if (!sandbox_ || finished_) {
-        send_reply(request, msg_type.substr(0, msg_type.size() - 8) + "_reply",
-                   {{"status", "error"},
-                    {"ename", "SessionClosed"},
-                    {"evalue", "this session is closed: " + close_reason_},
-                    {"traceback", json::array()}});
+    if (closed_ || !sandbox_) {
+        refuse(request, "SessionClosed",
+               closed_ ? "this session is closed: " + close_reason_ : "this session is starting");
         return;
     }
+    const auto now = Clock::now();
+    if (governor_) governor_->on_client_request(now);
     if (channel == Channel::control && msg_type == "interrupt_request") {
         answer_interrupt(request);
         return;
     }
+    if (msg_type == "execute_request" && governor_) {
+        if (execution_) {
+            // One execution at a time is what the kernel does anyway; the
+            // policy's clock needs it too.
+            refuse(request, "SessionBusy", "an execution is already running in this session");
+            return;
+        }
+        std::optional<double> timeout;
+        if (auto cb = metadata.find("cellblock"); cb != metadata.end() && cb->is_object()) {
+            if (auto t = cb->find("timeout_s"); t != cb->end()) {
+                if (!t->is_number()) {
+                    refuse(request, "InvalidLimits", "metadata.cellblock.timeout_s must be a number");
+                    return;
+                }
+                timeout = t->get<double>();
+            }
+        }
+        const auto decision = governor_->on_execute_request(now, timeout);
+        if (!decision.forward) {
+            refuse(request, decision.ename, decision.evalue);
+            if (options_.observer) {
+                // Refused executions use no count; the audit keeps them as events.
+                options_.observer->on_event(session_id_, "refused",
+                                            msg_id + " " + decision.ename + ": " + decision.evalue);
+            }
+            return;
+        }
+        Execution e;
+        e.msg_id = msg_id;
+        e.code = json_string(content, "code");
+        e.count = governor_->executions();
+        e.started_at = unix_now();
+        e.started = now;
+        e.cpu_ns_at_start = sandbox_->usage().cpu_ns;
+        e.deadline = decision.deadline;
+        e.timeout_s = std::chrono::duration<double>(decision.deadline - now).count();
+        execution_ = std::move(e);
+        notify_state("busy");
+    }
     if (msg_type == "shutdown_request") {
-        shutdown_deadline_ = Clock::now() + options_.shutdown_grace;
+        shutdown_deadline_ = now + options_.shutdown_grace;
         shutdown_request_ = request;
     }
     remember_parent(msg_id);
@@ -247,7 +331,7 @@ void SessionProxy::on_outer_stdin() {
             return;
         }
     }
-    if (!sandbox_ || finished_) return;
+    if (!sandbox_ || closed_) return;
     std::vector<zmq::message_t> out;
     out.push_back(to_frame(kDelimiter));
     out.push_back(to_frame(inner_signer_.sign(views[at.header()], views[at.parent()],
@@ -261,7 +345,7 @@ void SessionProxy::on_outer_stdin() {
 void SessionProxy::on_outer_heartbeat() {
     if (!recv_multipart(outer_hb_, scratch_, kMaxHeartbeatFrames)) return;
     if (scratch_.dropped_frames > 0 || scratch_.total_bytes > kMaxHeartbeatBytes) return;
-    if (!sandbox_ || finished_) return;  // no kernel, no heartbeat
+    if (!sandbox_ || closed_) return;  // no kernel, no heartbeat
     send_multipart(inner_hb_, scratch_.frames);
 }
 
@@ -272,6 +356,33 @@ void SessionProxy::on_inner_heartbeat() {
         return;
     }
     send_multipart(outer_hb_, scratch_.frames);
+}
+
+void SessionProxy::forward_to_outer(zmq::socket_t& socket,
+                                    const std::vector<std::string>* identities,
+                                    const WireLayout& at, const std::string* new_metadata,
+                                    const std::string* new_content) {
+    const auto views = scratch_.views();
+    const std::string_view metadata = new_metadata ? *new_metadata : views[at.metadata()];
+    const std::string_view content = new_content ? *new_content : views[at.content()];
+    std::vector<zmq::message_t> out;
+    out.reserve(scratch_.frames.size() + (identities ? identities->size() : 0));
+    if (identities) {
+        for (const auto& id : *identities) out.push_back(to_frame(id));
+    } else {
+        for (std::size_t i = 0; i < at.delimiter; ++i) out.push_back(std::move(scratch_.frames[i]));
+    }
+    out.push_back(to_frame(kDelimiter));
+    out.push_back(to_frame(
+        outer_signer_.sign(views[at.header()], views[at.parent()], metadata, content)));
+    out.push_back(std::move(scratch_.frames[at.header()]));
+    out.push_back(std::move(scratch_.frames[at.parent()]));
+    out.push_back(new_metadata ? to_frame(*new_metadata) : std::move(scratch_.frames[at.metadata()]));
+    out.push_back(new_content ? to_frame(*new_content) : std::move(scratch_.frames[at.content()]));
+    for (std::size_t i = at.first_buffer(); i < scratch_.frames.size(); ++i) {
+        out.push_back(std::move(scratch_.frames[i]));
+    }
+    send_multipart(socket, out);
 }
 
 void SessionProxy::on_inner_reply(Channel channel) {
@@ -301,23 +412,46 @@ void SessionProxy::on_inner_reply(Channel channel) {
         return;
     }
     const std::string msg_type = json_string(*header, "msg_type");
-    if (!ends_with(msg_type, "_reply")) {
-        reject(where.c_str(), "", "'" + msg_type + "' is not a reply");
+    if (msg_type != reply_type_for(it->second.msg_type)) {
+        reject(where.c_str(), "", "'" + msg_type + "' does not answer " + it->second.msg_type);
         return;
     }
     PendingRequest request = std::move(it->second);
     pending_.erase(it);
 
-    std::vector<zmq::message_t> out;
-    out.reserve(request.identities.size() + scratch_.frames.size() - at.delimiter);
-    for (const auto& id : request.identities) out.push_back(to_frame(id));
-    out.push_back(to_frame(kDelimiter));
-    out.push_back(to_frame(outer_signer_.sign(views[at.header()], views[at.parent()],
-                                              views[at.metadata()], views[at.content()])));
-    for (std::size_t i = at.header(); i < scratch_.frames.size(); ++i) {
-        out.push_back(std::move(scratch_.frames[i]));
+    if (execution_ && execution_->msg_id == parent_id && governor_) {
+        // The budget an agent needs rides on the reply: metadata.cellblock.
+        auto metadata = parse_json_frame(views[at.metadata()], options_.inner_limits.max_json_depth);
+        const auto content = parse_json_frame(views[at.content()], options_.inner_limits.max_json_depth);
+        json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+        const auto usage = sandbox_->usage();
+        const std::uint64_t cpu_ms = (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
+        md["cellblock"] = governor_->on_execute_reply(Clock::now(), cpu_ms, usage.memory_peak_bytes);
+        const std::string new_metadata = md.dump();
+        const std::string status = content && content->is_object() ? json_string(*content, "status") : "";
+        const std::string ename = content && content->is_object() ? json_string(*content, "ename") : "";
+        forward_to_outer(outer_socket(channel), &request.identities, at, &new_metadata, nullptr);
+        if (options_.observer) {
+            ExecutionRecord record;
+            record.session_id = session_id_;
+            record.count = execution_->count;
+            record.msg_id = execution_->msg_id;
+            record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+            record.status = status.empty() ? "unknown" : status;
+            record.ename = ename;
+            record.started_at = execution_->started_at;
+            record.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+            record.cpu_ms = cpu_ms;
+            record.memory_peak_bytes = usage.memory_peak_bytes;
+            record.output_bytes = execution_->output_bytes;
+            record.truncated = governor_->truncated();
+            options_.observer->on_execution(record);
+        }
+        execution_.reset();
+        notify_state("idle");
+    } else {
+        forward_to_outer(outer_socket(channel), &request.identities, at, nullptr, nullptr);
     }
-    send_multipart(outer_socket(channel), out);
 
     if (request.msg_type == "shutdown_request") {
         shutdown_request_.reset();
@@ -349,16 +483,52 @@ void SessionProxy::on_inner_iopub() {
         reject("kernel iopub", "", "parent is not a request of this session: '" + parent_id + "'");
         return;
     }
-    std::vector<zmq::message_t> out;
-    out.reserve(scratch_.frames.size());
-    for (std::size_t i = 0; i < at.delimiter; ++i) out.push_back(std::move(scratch_.frames[i]));
-    out.push_back(to_frame(kDelimiter));
-    out.push_back(to_frame(outer_signer_.sign(views[at.header()], views[at.parent()],
-                                              views[at.metadata()], views[at.content()])));
-    for (std::size_t i = at.header(); i < scratch_.frames.size(); ++i) {
-        out.push_back(std::move(scratch_.frames[i]));
+    if (!governor_ || !execution_ || execution_->msg_id != parent_id) {
+        forward_to_outer(outer_iopub_, nullptr, at, nullptr, nullptr);
+        return;
     }
-    send_multipart(outer_iopub_, out);
+    // Output shaping for the running execution.
+    execution_->output_bytes += scratch_.total_bytes;
+    const auto header = parse_json_frame(views[at.header()], options_.inner_limits.max_json_depth);
+    const std::string msg_type = header && header->is_object() ? json_string(*header, "msg_type") : "";
+    if (msg_type == "stream") {
+        auto content = parse_json_frame(views[at.content()], options_.inner_limits.max_json_depth);
+        if (!content || !content->is_object() || !(*content)["text"].is_string()) {
+            reject("kernel iopub", "", "stream without text");
+            return;
+        }
+        const std::string& text = (*content)["text"].get_ref<const std::string&>();
+        const auto decision = governor_->on_stream(text.size());
+        if (decision.keep >= text.size() && !decision.add_marker) {
+            forward_to_outer(outer_iopub_, nullptr, at, nullptr, nullptr);
+            return;
+        }
+        if (decision.keep == 0 && !decision.add_marker) return;  // dropped, marker already sent
+        std::string kept = text.substr(0, utf8_safe_prefix(text, decision.keep));
+        if (decision.add_marker) kept += decision.marker;
+        (*content)["text"] = kept;
+        const std::string new_content = content->dump();
+        forward_to_outer(outer_iopub_, nullptr, at, nullptr, &new_content);
+        return;
+    }
+    if (options_.policy &&
+        scratch_.total_bytes > static_cast<std::size_t>(options_.policy->max_message_bytes) &&
+        (msg_type == "display_data" || msg_type == "execute_result" || msg_type == "update_display_data")) {
+        json notice = {{"data",
+                        {{"text/plain", "[cellblock: a " + msg_type + " message of " +
+                                            std::to_string(scratch_.total_bytes) +
+                                            " bytes was replaced: the limit is " +
+                                            std::to_string(options_.policy->max_message_bytes) +
+                                            " bytes]"}}},
+                       {"metadata", json::object()}};
+        if (msg_type == "execute_result") notice["execution_count"] = execution_->count;
+        const std::string new_content = notice.dump();
+        // Buffers go too: the notice replaces the whole message.
+        scratch_.frames.resize(at.first_buffer());
+        forward_to_outer(outer_iopub_, nullptr, at, nullptr, &new_content);
+        return;
+    }
+    forward_to_outer(outer_iopub_, nullptr, at, nullptr, nullptr);
 }
 
 void SessionProxy::on_inner_stdin() {
@@ -382,15 +552,7 @@ void SessionProxy::on_inner_stdin() {
         return;
     }
     // The client's stdin socket shares the identity of its shell socket.
-    std::vector<zmq::message_t> out;
-    for (const auto& id : it->second.identities) out.push_back(to_frame(id));
-    out.push_back(to_frame(kDelimiter));
-    out.push_back(to_frame(outer_signer_.sign(views[at.header()], views[at.parent()],
-                                              views[at.metadata()], views[at.content()])));
-    for (std::size_t i = at.header(); i < scratch_.frames.size(); ++i) {
-        out.push_back(std::move(scratch_.frames[i]));
-    }
-    send_multipart(outer_stdin_, out);
+    forward_to_outer(outer_stdin_, &it->second.identities, at, nullptr, nullptr);
 }
 
 void SessionProxy::on_lifeline() {
@@ -403,30 +565,93 @@ void SessionProxy::on_lifeline() {
 }
 
 std::optional<Clock::time_point> SessionProxy::next_deadline() const {
-    if (finished_) return std::nullopt;
-    return shutdown_deadline_;
+    if (closed_) {
+        if (!options_.policy) return std::nullopt;
+        return closed_at_ + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(options_.policy->closed_memory_s));
+    }
+    std::optional<Clock::time_point> next = shutdown_deadline_;
+    auto consider = [&](Clock::time_point t) {
+        if (!next || t < *next) next = t;
+    };
+    if (execution_) consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
+    if (governor_) consider(governor_->next_expiry_check(Clock::now()));
+    return next;
+}
+
+bool SessionProxy::expired(Clock::time_point now) const {
+    if (!closed_) return false;
+    if (!options_.policy) return true;
+    return now - closed_at_ >= std::chrono::duration<double>(options_.policy->closed_memory_s);
 }
 
 void SessionProxy::on_timer(Clock::time_point now) {
-    if (finished_ || !shutdown_deadline_ || now < *shutdown_deadline_) return;
-    shutdown_deadline_.reset();
-    if (shutdown_request_) {
-        // The kernel did not answer in time (or died): answer for it.
-        PendingRequest request = *shutdown_request_;
-        shutdown_request_.reset();
-        const auto parsed = parse_json_frame(request.header, 64);
-        if (parsed) pending_.erase(json_string(*parsed, "msg_id"));
-        send_reply(request, "shutdown_reply", {{"status", "ok"}, {"restart", false}});
-        close("shutdown requested by the client");
-        return;
+    if (closed_) return;
+    if (shutdown_deadline_ && now >= *shutdown_deadline_) {
+        shutdown_deadline_.reset();
+        if (shutdown_request_) {
+            // The kernel did not answer in time (or died): answer for it.
+            PendingRequest request = *shutdown_request_;
+            shutdown_request_.reset();
+            const auto parsed = parse_json_frame(request.header, 64);
+            if (parsed) pending_.erase(json_string(*parsed, "msg_id"));
+            send_reply(request, "shutdown_reply", {{"status", "ok"}, {"restart", false}});
+            close("shutdown requested by the client");
+            return;
+        }
+        if (sandbox_ && sandbox_->exited()) {
+            const bool oom = sandbox_->memory_limit_hit();
+            const std::string description = sandbox_->exit_description();
+            spdlog::warn("session {}: {}", session_id_, description);
+            if (execution_) finish_execution("error", oom ? "MemoryLimitExceeded" : "KernelDied");
+            fail_pending(oom ? "MemoryLimitExceeded" : "KernelDied", description);
+            close(oom ? "memory_limit: " + description : "kernel_died: " + description);
+            return;
+        }
     }
-    if (sandbox_ && sandbox_->exited()) {
-        const bool oom = sandbox_->memory_limit_hit();
-        const std::string description = sandbox_->exit_description();
-        spdlog::warn("session {}: {}", session_id_, description);
-        fail_pending(oom ? "MemoryLimitExceeded" : "KernelDied", description);
-        close(description);
+    if (execution_) {
+        if (!execution_->kill_at && now >= execution_->deadline) {
+            spdlog::info("session {}: execution {} passed its {:.0f} s timeout; interrupting",
+                         session_id_, execution_->count, execution_->timeout_s);
+            if (options_.observer) options_.observer->on_event(session_id_, "interrupted", "execution timeout");
+            sandbox_->interrupt();
+            execution_->kill_at = now + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(options_.policy->kill_grace_s));
+        } else if (execution_->kill_at && now >= *execution_->kill_at) {
+            const std::string evalue = "the execution ran past its timeout of " +
+                                       std::to_string(static_cast<int>(execution_->timeout_s)) +
+                                       " s and did not stop when interrupted; the session was killed";
+            spdlog::warn("session {}: {}", session_id_, evalue);
+            sandbox_->kill();
+            finish_execution("timeout", "ExecutionTimeout");
+            fail_pending("ExecutionTimeout", evalue);
+            close("exec_timeout");
+            return;
+        }
     }
+    if (governor_) {
+        if (auto reason = governor_->expiry(now)) close(*reason);
+    }
+}
+
+void SessionProxy::finish_execution(const std::string& status, const std::string& ename) {
+    if (!execution_) return;
+    if (options_.observer) {
+        ExecutionRecord record;
+        record.session_id = session_id_;
+        record.count = execution_->count;
+        record.msg_id = execution_->msg_id;
+        record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+        record.status = status;
+        record.ename = ename;
+        record.started_at = execution_->started_at;
+        record.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+        record.output_bytes = execution_->output_bytes;
+        record.truncated = governor_ && governor_->truncated();
+        if (sandbox_) record.memory_peak_bytes = sandbox_->usage().memory_peak_bytes;
+        options_.observer->on_execution(record);
+    }
+    execution_.reset();
 }
 
 void SessionProxy::publish(const json& parent, const std::string& msg_type, json content) {
@@ -459,6 +684,25 @@ void SessionProxy::send_reply(const PendingRequest& request, const std::string& 
     send_multipart(outer_socket(request.channel), out);
 }
 
+void SessionProxy::refuse(const PendingRequest& request, const std::string& ename,
+                          const std::string& evalue) {
+    const auto parent = parse_json_frame(request.header, 64).value_or(json::object());
+    json content = error_content(request.msg_type, ename, evalue);
+    publish_status(parent, "busy");
+    if (request.msg_type == "execute_request") {
+        publish(parent, "error",
+                {{"ename", ename}, {"evalue", evalue}, {"traceback", content["traceback"]}});
+        content["execution_count"] = governor_ ? governor_->executions() : 0;
+        content["user_expressions"] = json::object();
+        content["payload"] = json::array();
+        if (governor_) {
+            content["cellblock"] = {{"executions_left", governor_->executions_left()}};
+        }
+    }
+    send_reply(request, reply_type_for(request.msg_type), content);
+    publish_status(parent, "idle");
+}
+
 void SessionProxy::answer_interrupt(const PendingRequest& request) {
     const auto parent = parse_json_frame(request.header, 64).value_or(json::object());
     publish_status(parent, "busy");
@@ -468,33 +712,47 @@ void SessionProxy::answer_interrupt(const PendingRequest& request) {
 }
 
 void SessionProxy::fail_pending(const std::string& ename, const std::string& evalue) {
-    for (auto& [msg_id, request] : pending_) {
+    auto pending = std::move(pending_);
+    pending_.clear();
+    for (auto& [msg_id, request] : pending) {
         const auto parent = parse_json_frame(request.header, 64).value_or(json::object());
-        std::string reply_type = request.msg_type.substr(0, request.msg_type.size() - 8) + "_reply";
-        json content = {{"status", "error"},
-                        {"ename", ename},
-                        {"evalue", evalue},
-                        {"traceback", json::array({ename + ": " + evalue})}};
+        json content = error_content(request.msg_type, ename, evalue);
         if (request.msg_type == "execute_request") {
-            publish(parent, "error", {{"ename", ename}, {"evalue", evalue},
-                                      {"traceback", content["traceback"]}});
+            publish(parent, "error",
+                    {{"ename", ename}, {"evalue", evalue}, {"traceback", content["traceback"]}});
             content["execution_count"] = nullptr;
             content["user_expressions"] = json::object();
             content["payload"] = json::array();
+        } else if (request.msg_type == "shutdown_request") {
+            content = {{"status", "ok"}, {"restart", false}};
         }
-        send_reply(request, reply_type, content);
+        send_reply(request, reply_type_for(request.msg_type), content);
         publish_status(parent, "idle");
     }
-    pending_.clear();
 }
 
 void SessionProxy::close(const std::string& reason) {
-    if (finished_) return;
+    if (closed_) return;
     close_reason_ = reason;
+    closed_ = true;
+    closed_at_ = Clock::now();
+    if (execution_) finish_execution("error", "SessionClosed");
     if (!pending_.empty()) fail_pending("SessionClosed", "the session closed: " + reason);
-    if (sandbox_) sandbox_->destroy();
-    finished_ = true;
+    if (sandbox_) {
+        sandbox_->kill();
+        if (options_.dispose) {
+            options_.dispose(std::move(sandbox_));
+        } else {
+            sandbox_->destroy();
+        }
+    }
+    inner_shell_.close();
+    inner_control_.close();
+    inner_stdin_.close();
+    inner_iopub_.close();
+    inner_hb_.close();
     spdlog::info("session {}: closed ({})", session_id_, reason);
+    if (options_.observer) options_.observer->on_closed(session_id_, reason);
 }
 
 }  // namespace cellblock

@@ -1,11 +1,14 @@
 // One session's relay between the client's five channels (outer key) and
 // the sandboxed kernel's five channels (inner key). Everything the kernel
 // sends is treated as hostile: a message whose parent is not a request of
-// this session is dropped, and each request gets at most one reply.
+// this session is dropped, and each request gets at most one reply. With a
+// SessionGovernor, the session's policy is enforced on the stream: execution
+// cap, per-execution timeout, idle timeout and lifetime, output shaping.
 #pragma once
 
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,47 +21,76 @@
 #include "cellblock/connection_info.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/sandbox.hpp"
+#include "cellblock/session_policy.hpp"
+#include "cellblock/session_store.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
+#include "inner_channels.hpp"
 #include "multipart.hpp"
 
 namespace cellblock {
+
+// What the server records about a session (the audit trail); called on the
+// server's loop thread.
+class SessionObserver {
+public:
+    virtual ~SessionObserver() = default;
+    virtual void on_execution(const ExecutionRecord& record) = 0;
+    virtual void on_state(const std::string& session_id, const std::string& state) = 0;
+    virtual void on_event(const std::string& session_id, const std::string& kind,
+                          const std::string& detail) = 0;
+    virtual void on_closed(const std::string& session_id, const std::string& reason) = 0;
+};
 
 struct ProxyOptions {
     WireLimits outer_limits;
     WireLimits inner_limits;
     std::chrono::milliseconds shutdown_grace{3000};
     int max_frame_bytes = 64 << 20;  // ZMQ_MAXMSGSIZE on every socket
+    // Server mode: the policy to enforce (none in kernel mode).
+    const ServerPolicy* policy = nullptr;
+    std::optional<SessionLimits> limits;
+    SessionObserver* observer = nullptr;
+    bool audit_code_hash_only = false;
+    // How a closed session's sandbox is destroyed (default: here and now).
+    std::function<void(std::unique_ptr<Sandbox>)> dispose;
 };
 
 class SessionProxy {
 public:
     static constexpr std::size_t kPollItems = 10;
 
-    // Binds the outer channels of `outer` (throws zmq::error_t naming nothing:
-    // callers add context).
+    // Binds the outer channels of `outer`; a port of 0 binds a free port
+    // (see outer_connection()). Throws zmq::error_t.
     SessionProxy(zmq::context_t& context, std::string session_id, const ConnectionInfo& outer,
                  ProxyOptions options = {});
     ~SessionProxy();
     SessionProxy(const SessionProxy&) = delete;
     SessionProxy& operator=(const SessionProxy&) = delete;
 
-    // Connects the inner channels to a started sandbox and starts relaying.
-    void attach(std::unique_ptr<Sandbox> sandbox);
+    // Takes a started sandbox and the channels probe_kernel() connected to
+    // its kernel, and starts relaying.
+    void attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channels);
 
     // Appends exactly kPollItems entries; handle() receives a pointer to them.
     void add_poll_items(std::vector<zmq::pollitem_t>& items);
     void handle(const zmq::pollitem_t* items);
     // Earliest time on_timer() must run, if any.
-    std::optional<std::chrono::steady_clock::time_point> next_deadline() const;
-    void on_timer(std::chrono::steady_clock::time_point now);
+    std::optional<Clock::time_point> next_deadline() const;
+    void on_timer(Clock::time_point now);
 
-    // Ends the session: answers what is pending, destroys the sandbox.
+    // Ends the session: answers what is pending, kills and disposes of the
+    // sandbox. The outer channels stay bound and answer SessionClosed.
     void close(const std::string& reason);
-    bool finished() const { return finished_; }
+    bool closed() const { return closed_; }
+    // True once a closed session has answered SessionClosed long enough.
+    bool expired(Clock::time_point now) const;
     const std::string& close_reason() const { return close_reason_; }
     const std::string& session_id() const { return session_id_; }
+    const ConnectionInfo& outer_connection() const { return outer_; }
     Sandbox* sandbox() { return sandbox_.get(); }
+    const SessionGovernor* governor() const { return governor_ ? &*governor_ : nullptr; }
+    std::string state() const;
 
 private:
     struct PendingRequest {
@@ -66,6 +98,18 @@ private:
         std::vector<std::string> identities;
         std::string msg_type;
         std::string header;  // raw bytes, to parent replies the server writes itself
+    };
+    struct Execution {
+        std::string msg_id;
+        std::string code;
+        std::int64_t count = 0;
+        double started_at = 0;
+        Clock::time_point started{};
+        std::uint64_t cpu_ns_at_start = 0;
+        std::uint64_t output_bytes = 0;
+        Clock::time_point deadline{};
+        std::optional<Clock::time_point> kill_at;  // set once interrupted
+        double timeout_s = 0;
     };
 
     void on_outer_request(Channel channel);
@@ -78,23 +122,32 @@ private:
     void on_lifeline();
 
     void answer_interrupt(const PendingRequest& request);
+    // Busy, an error on iopub (for execute), the error reply, idle.
+    void refuse(const PendingRequest& request, const std::string& ename, const std::string& evalue);
     void fail_pending(const std::string& ename, const std::string& evalue);
+    void finish_execution(const std::string& status, const std::string& ename);
     void remember_parent(const std::string& msg_id);
     bool known_parent(std::string_view msg_id) const;
     void publish_status(const nlohmann::json& parent, const char* state);
     void send_reply(const PendingRequest& request, const std::string& msg_type,
                     nlohmann::json content);
     void publish(const nlohmann::json& parent, const std::string& msg_type, nlohmann::json content);
+    void forward_to_outer(zmq::socket_t& socket, const std::vector<std::string>* identities,
+                          const WireLayout& at, const std::string* new_metadata,
+                          const std::string* new_content);
     zmq::socket_t& outer_socket(Channel channel);
     zmq::socket_t& inner_socket(Channel channel);
     void reject(const char* channel, std::string_view identity, const std::string& why);
+    void notify_state(const char* state);
 
     std::string session_id_;
     std::string server_session_;  // the "session" field of headers the server writes
     ProxyOptions options_;
+    ConnectionInfo outer_;
     Signer outer_signer_;
     Signer inner_signer_{""};
     ReplayGuard replay_;
+    std::optional<SessionGovernor> governor_;
 
     zmq::socket_t outer_shell_, outer_control_, outer_stdin_, outer_iopub_, outer_hb_;
     zmq::socket_t inner_shell_, inner_control_, inner_stdin_, inner_iopub_, inner_hb_;
@@ -103,10 +156,12 @@ private:
     std::unordered_map<std::string, PendingRequest> pending_;
     std::deque<std::string> recent_order_;
     std::unordered_set<std::string> recent_;
+    std::optional<Execution> execution_;
 
-    std::optional<std::chrono::steady_clock::time_point> shutdown_deadline_;
+    std::optional<Clock::time_point> shutdown_deadline_;
     std::optional<PendingRequest> shutdown_request_;
-    bool finished_ = false;
+    bool closed_ = false;
+    Clock::time_point closed_at_{};
     std::string close_reason_;
     Multipart scratch_;
 };

@@ -54,7 +54,15 @@ Image Image::from_json(const json& j) {
     read_field(j, "hidden_paths", image.hidden_paths, where);
     read_field(j, "kernel_argv", image.kernel_argv, where);
     read_field(j, "env", image.env, where);
-    if (j.contains("limits")) image.limits = SandboxLimits::from_json(j.at("limits"), image.limits);
+    if (j.contains("limits")) {
+        image.limits_json = j.at("limits");
+        // Session-level fields (max_executions, ...) are layered by the server's policy.
+        nlohmann::json sandbox_fields = nlohmann::json::object();
+        for (const auto& [key, value] : image.limits_json.items()) {
+            if (SandboxLimits{}.to_json().contains(key)) sandbox_fields[key] = value;
+        }
+        image.limits = SandboxLimits::from_json(sandbox_fields, image.limits);
+    }
     if (image.name.empty()) throw std::runtime_error("image: missing field 'name'");
     if (image.kernel_argv.empty()) {
         throw std::runtime_error("image " + image.name + ": missing field 'kernel_argv'");

@@ -126,6 +126,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     box->container_id_ = container_id_for(session_id);
     box->settings_ = settings;
     box->limits_ = limits;
+    box->image_name_ = image.name;
     box->dir_ = settings.sessions_dir() / session_id;
     const fs::path& dir = box->dir_;
     const std::uint32_t sandbox_host_uid = settings.ids.host_uid(kSandboxUid);

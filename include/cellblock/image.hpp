@@ -39,6 +39,9 @@ struct Image {
     std::vector<std::string> kernel_argv;             // "{connection_file}" is substituted
     std::map<std::string, std::string> env;           // the kernel's environment additions
     SandboxLimits limits;
+    // The image's "limits" object as written (session and sandbox fields),
+    // layered between the server's defaults and a session request.
+    nlohmann::json limits_json = nlohmann::json::object();
 
     // Reads images/<name>/image.json; throws std::runtime_error naming the file and field.
     static Image load(const std::filesystem::path& image_json);

@@ -81,6 +81,10 @@ public:
     void destroy();
 
     SandboxUsage usage() const;
+    const SandboxLimits& limits() const { return limits_; }
+    // Records limits applied after start (a pooled sandbox handed to a session).
+    void set_limits(const SandboxLimits& limits) { limits_ = limits; }
+    const std::string& image_name() const { return image_name_; }
 
 private:
     Sandbox() = default;
@@ -96,6 +100,7 @@ private:
     bool exited_ = false;
     bool destroyed_ = false;
     std::string shim_status_;
+    std::string image_name_;
 };
 
 // Removes what earlier cellblock processes left behind: sessions whose lock

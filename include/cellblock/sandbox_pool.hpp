@@ -1,0 +1,121 @@
+// Warm sandboxes per image, started in the background, and the worker
+// threads that do slow sandbox work (cold starts, destruction) off the
+// server's loop.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cellblock/sandbox.hpp"
+
+namespace cellblock {
+
+// Waits until the sandbox's kernel answers (kernel_info), or throws
+// SandboxError. Provided by the server (it needs ZMQ); what it returns (the
+// server's connected channels to the kernel) travels with the sandbox,
+// opaque to this library.
+using ReadinessProbe = std::function<std::shared_ptr<void>(Sandbox&)>;
+
+// A started sandbox whose kernel answered, with the probe's channels.
+struct WarmSandbox {
+    std::unique_ptr<Sandbox> sandbox;
+    std::shared_ptr<void> channels;
+    explicit operator bool() const { return sandbox != nullptr; }
+};
+
+struct PoolImage {
+    Image image;
+    SandboxLimits limits;  // what pooled sandboxes of this image are started with
+    int target = 0;        // warm sandboxes to keep
+};
+
+// A started sandbox, or why starting failed; delivered to the loop.
+struct StartResult {
+    std::uint64_t ticket = 0;
+    WarmSandbox warm;
+    std::string error;  // empty on success
+    double start_ms = 0;
+};
+
+class SandboxPool {
+public:
+    // `notify` is called from a worker thread whenever a StartResult is ready
+    // (the server wakes its loop with it); it must not block.
+    SandboxPool(RuntimeSettings settings, ReadinessProbe probe, std::vector<PoolImage> images,
+                std::function<void()> notify, int workers = 2);
+    ~SandboxPool();  // stops workers, destroys every sandbox still held
+    SandboxPool(const SandboxPool&) = delete;
+    SandboxPool& operator=(const SandboxPool&) = delete;
+
+    // A warm sandbox of `image` whose tmpfs sizes match `limits`, or nullptr.
+    // Memory, pids and CPU limits are applied to it here (cgroup writes).
+    // Never blocks on sandbox work. Refill is scheduled in the background.
+    WarmSandbox take(const std::string& image, const SandboxLimits& limits);
+
+    // Starts a sandbox in the background (cold start); its StartResult with
+    // the returned ticket arrives through drain_results().
+    std::uint64_t start_cold(const std::string& session_id, const Image& image,
+                             const SandboxLimits& limits);
+    std::vector<StartResult> drain_results();
+
+    // Destroys a sandbox in the background.
+    void dispose(std::unique_ptr<Sandbox> sandbox);
+
+    // {image: {ready, starting, target, failures, last_error}}
+    nlohmann::json state() const;
+    std::size_t ready(const std::string& image) const;
+    // Blocks until every image has `target` ready sandboxes or the timeout passes (tests, benchmarks).
+    bool wait_until_full(std::chrono::milliseconds timeout) const;
+
+private:
+    struct Job {
+        enum Kind { refill, cold, destroy } kind;
+        std::string image;
+        std::string session_id;
+        Image image_def;
+        SandboxLimits limits;
+        std::uint64_t ticket = 0;
+        std::unique_ptr<Sandbox> sandbox;
+    };
+    struct Slot {
+        PoolImage config;
+        std::deque<WarmSandbox> ready;
+        int starting = 0;
+        int failures = 0;
+        std::string last_error;
+    };
+
+    void work();
+    void schedule_refills_locked();
+    WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
+                                             const SandboxLimits& limits);
+
+    RuntimeSettings settings_;
+    ReadinessProbe probe_;
+    std::function<void()> notify_;
+    mutable std::mutex mutex_;
+    mutable std::condition_variable changed_;
+    std::map<std::string, Slot> slots_;
+    std::deque<Job> jobs_;
+    std::vector<StartResult> results_;
+    std::uint64_t next_ticket_ = 1;
+    bool stopping_ = false;
+    std::vector<std::thread> workers_;
+};
+
+// Applies memory, pids and CPU limits to a running sandbox's cgroup.
+void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits);
+
+// A fresh session id: 16 lowercase hex characters from a CSPRNG.
+std::string make_session_id();
+
+}  // namespace cellblock

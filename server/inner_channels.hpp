@@ -1,0 +1,27 @@
+// The server's five connected sockets to one sandboxed kernel, opened and
+// proven by probe_kernel(), then handed to the session's proxy.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <zmq.hpp>
+
+#include "cellblock/sandbox.hpp"
+
+namespace cellblock {
+
+struct InnerChannels {
+    zmq::socket_t shell, control, stdin_, iopub, hb;
+};
+
+// Connects to the sandbox's kernel and waits until it answers kernel_info on
+// shell and its iopub reaches us (so no later output is lost to a slow
+// subscription). Throws SandboxError naming why: timeout, or the kernel
+// exiting, with the end of the sandbox's log.
+std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
+                                            std::chrono::milliseconds timeout,
+                                            int max_frame_bytes = 64 << 20);
+
+}  // namespace cellblock

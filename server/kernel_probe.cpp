@@ -1,0 +1,120 @@
+#include <fstream>
+#include <sstream>
+
+#include "inner_channels.hpp"
+#include "cellblock/signer.hpp"
+#include "cellblock/wire_message.hpp"
+#include "multipart.hpp"
+
+namespace cellblock {
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string log_tail(const Sandbox& sandbox) {
+    std::ifstream in(sandbox.dir() / "shim.log");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    if (text.size() > 1500) text = text.substr(text.size() - 1500);
+    return text;
+}
+
+zmq::socket_t inner_socket(zmq::context_t& ctx, zmq::socket_type type, int max_frame_bytes) {
+    zmq::socket_t s(ctx, type);
+    s.set(zmq::sockopt::linger, 0);
+    s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame_bytes));
+    s.set(zmq::sockopt::reconnect_ivl, 10);
+    return s;
+}
+
+}  // namespace
+
+std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
+                                            std::chrono::milliseconds timeout,
+                                            int max_frame_bytes) {
+    const ConnectionInfo& inner = sandbox.inner_connection();
+    const Signer signer(inner.key, inner.signature_scheme);
+    auto ch = std::make_unique<InnerChannels>(InnerChannels{
+        inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
+        inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
+        inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
+        inner_socket(context, zmq::socket_type::sub, max_frame_bytes),
+        inner_socket(context, zmq::socket_type::dealer, 1024)});
+    // The kernel routes input_request to the shell sender's identity, so the
+    // stdin socket shares the shell socket's identity.
+    const std::string identity = "cellblock-" + sandbox.session_id();
+    ch->shell.set(zmq::sockopt::routing_id, identity);
+    ch->stdin_.set(zmq::sockopt::routing_id, identity);
+    ch->iopub.set(zmq::sockopt::subscribe, "");
+    ch->shell.connect(inner.endpoint(Channel::shell));
+    ch->control.connect(inner.endpoint(Channel::control));
+    ch->stdin_.connect(inner.endpoint(Channel::stdin_));
+    ch->iopub.connect(inner.endpoint(Channel::iopub));
+    ch->hb.connect(inner.endpoint(Channel::hb));
+
+    const std::string probe_session = make_uuid();
+    const auto deadline = Clock::now() + timeout;
+    std::string request_id;
+    auto send_kernel_info = [&] {
+        WireMessage msg;
+        msg.header = make_header("kernel_info_request", probe_session);
+        request_id = msg.msg_id();
+        std::vector<zmq::message_t> frames;
+        for (auto& f : encode(msg, signer)) frames.push_back(to_frame(f));
+        send_multipart(ch->shell, frames);
+    };
+    send_kernel_info();
+    bool replied = false, iopub_seen = false;
+    auto resend_at = Clock::now() + std::chrono::milliseconds(250);
+    Multipart scratch;
+    while (!(replied && iopub_seen)) {
+        const auto now = Clock::now();
+        if (now >= deadline) {
+            throw SandboxError("kernel of session " + sandbox.session_id() + " did not answer within " +
+                               std::to_string(timeout.count() / 1000) + " s; log: " + log_tail(sandbox));
+        }
+        if (replied && !iopub_seen && now >= resend_at) {
+            // The subscription may have joined after the first status: ask again.
+            replied = false;
+            send_kernel_info();
+            resend_at = now + std::chrono::milliseconds(250);
+        }
+        zmq::pollitem_t items[] = {{ch->shell.handle(), 0, ZMQ_POLLIN, 0},
+                                   {ch->iopub.handle(), 0, ZMQ_POLLIN, 0},
+                                   {nullptr, sandbox.lifeline_fd(), ZMQ_POLLIN, 0}};
+        const auto wait = std::min(deadline, resend_at) - now;
+        zmq::poll(items, 3, std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
+                                std::chrono::milliseconds(1));
+        if (items[2].revents & ZMQ_POLLIN) {
+            if (!sandbox.read_lifeline()) {
+                throw SandboxError("kernel of session " + sandbox.session_id() +
+                                   " exited while starting: " + sandbox.exit_description() +
+                                   "; log: " + log_tail(sandbox));
+            }
+        }
+        if (items[0].revents & ZMQ_POLLIN) {
+            while (recv_multipart(ch->shell, scratch, 64)) {
+                const auto views = scratch.views();
+                auto decoded = decode(views, signer, nullptr);
+                if (decoded.message && decoded.message->parent_msg_id() == request_id &&
+                    decoded.message->msg_type() == "kernel_info_reply") {
+                    replied = true;
+                    resend_at = Clock::now() + std::chrono::milliseconds(100);
+                }
+            }
+        }
+        if (items[1].revents & ZMQ_POLLIN) {
+            while (recv_multipart(ch->iopub, scratch, 64)) {
+                const auto views = scratch.views();
+                auto decoded = decode(views, signer, nullptr);
+                if (decoded.message && decoded.message->parent_msg_id() == request_id) iopub_seen = true;
+            }
+        }
+    }
+    // Let the kernel's idle status for the probe pass; the proxy drops any
+    // late one (its parent is not a client's request).
+    return ch;
+}
+
+}  // namespace cellblock

@@ -1,0 +1,258 @@
+#include "cellblock/sandbox_pool.hpp"
+
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/signer.hpp"
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+bool same_mounts(const SandboxLimits& a, const SandboxLimits& b) {
+    return a.disk_mb == b.disk_mb && a.shm_mb == b.shm_mb && a.output_mb == b.output_mb &&
+           a.nofile == b.nofile;
+}
+
+void write_value(const fs::path& file, const std::string& value) {
+    std::ofstream out(file);
+    out << value;
+    out.flush();
+    if (!out) throw SandboxError("cgroup write " + file.string() + " = " + value + ": failed");
+}
+
+}  // namespace
+
+std::string make_session_id() { return make_random_key().substr(0, 16); }
+
+void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits) {
+    const std::int64_t memory = static_cast<std::int64_t>(limits.memory_mb) << 20;
+    const std::int64_t period = 100000;
+    const std::int64_t quota = static_cast<std::int64_t>(limits.cpus * period);
+    const bool raising = limits.memory_mb > sandbox.limits().memory_mb;
+    for (const auto& dir : sandbox_cgroup_dirs(sandbox.container_id())) {
+        if (fs::exists(dir / "memory.limit_in_bytes")) {
+            // memory+swap must stay >= memory: order the two writes by direction.
+            const bool memsw = fs::exists(dir / "memory.memsw.limit_in_bytes");
+            if (raising && memsw) write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
+            write_value(dir / "memory.limit_in_bytes", std::to_string(memory));
+            if (!raising && memsw) write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
+        }
+        if (fs::exists(dir / "memory.max")) {
+            write_value(dir / "memory.max", std::to_string(memory));
+            if (fs::exists(dir / "memory.swap.max")) write_value(dir / "memory.swap.max", "0");
+        }
+        if (fs::exists(dir / "pids.max")) write_value(dir / "pids.max", std::to_string(limits.pids));
+        if (fs::exists(dir / "cpu.cfs_quota_us")) {
+            write_value(dir / "cpu.cfs_period_us", std::to_string(period));
+            write_value(dir / "cpu.cfs_quota_us", std::to_string(quota));
+        }
+        if (fs::exists(dir / "cpu.max")) {
+            write_value(dir / "cpu.max", std::to_string(quota) + " " + std::to_string(period));
+        }
+    }
+}
+
+SandboxPool::SandboxPool(RuntimeSettings settings, ReadinessProbe probe,
+                         std::vector<PoolImage> images, std::function<void()> notify, int workers)
+    : settings_(std::move(settings)), probe_(std::move(probe)), notify_(std::move(notify)) {
+    for (auto& image : images) {
+        const std::string name = image.image.name;
+        slots_[name].config = std::move(image);
+    }
+    {
+        std::lock_guard lock(mutex_);
+        schedule_refills_locked();
+    }
+    for (int i = 0; i < std::max(1, workers); ++i) workers_.emplace_back([this] { work(); });
+}
+
+SandboxPool::~SandboxPool() {
+    {
+        std::lock_guard lock(mutex_);
+        stopping_ = true;
+    }
+    changed_.notify_all();
+    for (auto& t : workers_) t.join();
+    // Whatever is still held is destroyed here, on this thread.
+    for (auto& job : jobs_) {
+        if (job.sandbox) job.sandbox->destroy();
+    }
+    for (auto& [name, slot] : slots_) {
+        for (auto& warm : slot.ready) warm.sandbox->destroy();
+    }
+    for (auto& r : results_) {
+        if (r.warm.sandbox) r.warm.sandbox->destroy();
+    }
+}
+
+void SandboxPool::schedule_refills_locked() {
+    for (auto& [name, slot] : slots_) {
+        int wanted = slot.config.target - static_cast<int>(slot.ready.size()) - slot.starting;
+        for (; wanted > 0; --wanted) {
+            Job job{Job::refill, name, {}, slot.config.image, slot.config.limits, 0, nullptr};
+            jobs_.push_back(std::move(job));
+            ++slot.starting;
+        }
+    }
+    changed_.notify_all();
+}
+
+WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& limits) {
+    WarmSandbox warm;
+    {
+        std::lock_guard lock(mutex_);
+        auto it = slots_.find(image);
+        if (it == slots_.end() || it->second.ready.empty() ||
+            !same_mounts(it->second.config.limits, limits)) {
+            return {};
+        }
+        warm = std::move(it->second.ready.front());
+        it->second.ready.pop_front();
+        schedule_refills_locked();
+    }
+    Sandbox& box = *warm.sandbox;
+    if (box.exited() || !box.read_lifeline()) {
+        // Died while waiting in the pool: not handed out.
+        warm.channels.reset();
+        dispose(std::move(warm.sandbox));
+        return {};
+    }
+    try {
+        apply_cgroup_limits(box, limits);
+        box.set_limits(limits);
+    } catch (const std::exception& e) {
+        spdlog::warn("pool {}: {}; not handed out", image, e.what());
+        warm.channels.reset();
+        dispose(std::move(warm.sandbox));
+        return {};
+    }
+    return warm;
+}
+
+std::uint64_t SandboxPool::start_cold(const std::string& session_id, const Image& image,
+                                      const SandboxLimits& limits) {
+    std::lock_guard lock(mutex_);
+    const std::uint64_t ticket = next_ticket_++;
+    // A waiting client goes before refills.
+    jobs_.push_front(Job{Job::cold, image.name, session_id, image, limits, ticket, nullptr});
+    changed_.notify_one();
+    return ticket;
+}
+
+std::vector<StartResult> SandboxPool::drain_results() {
+    std::lock_guard lock(mutex_);
+    std::vector<StartResult> out;
+    out.swap(results_);
+    return out;
+}
+
+void SandboxPool::dispose(std::unique_ptr<Sandbox> sandbox) {
+    if (!sandbox) return;
+    std::lock_guard lock(mutex_);
+    if (stopping_) {
+        sandbox->destroy();
+        return;
+    }
+    Job job{Job::destroy, sandbox->image_name(), {}, {}, {}, 0, std::move(sandbox)};
+    // Destruction first: it frees memory and pids for the rest.
+    jobs_.push_front(std::move(job));
+    changed_.notify_one();
+}
+
+WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Image& image,
+                                         const SandboxLimits& limits) {
+    WarmSandbox warm;
+    warm.sandbox = Sandbox::start(session_id, image, limits, settings_);
+    warm.channels = probe_(*warm.sandbox);
+    return warm;
+}
+
+void SandboxPool::work() {
+    for (;;) {
+        Job job;
+        {
+            std::unique_lock lock(mutex_);
+            changed_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+            if (stopping_) return;
+            job = std::move(jobs_.front());
+            jobs_.pop_front();
+        }
+        if (job.kind == Job::destroy) {
+            job.sandbox->destroy();
+            continue;
+        }
+        const auto started = Clock::now();
+        StartResult result;
+        result.ticket = job.ticket;
+        try {
+            const std::string id = job.kind == Job::cold ? job.session_id : make_session_id();
+            result.warm = start_and_probe(id, job.image_def, job.limits);
+        } catch (const std::exception& e) {
+            result.error = e.what();
+        }
+        result.start_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
+        if (job.kind == Job::cold) {
+            {
+                std::lock_guard lock(mutex_);
+                results_.push_back(std::move(result));
+            }
+            notify_();
+            continue;
+        }
+        std::unique_lock lock(mutex_);
+        Slot& slot = slots_[job.image];
+        --slot.starting;
+        if (result.warm) {
+            slot.failures = 0;
+            slot.ready.push_back(std::move(result.warm));
+            spdlog::debug("pool {}: warm sandbox ready in {:.0f} ms", job.image, result.start_ms);
+            changed_.notify_all();
+        } else {
+            ++slot.failures;
+            slot.last_error = result.error;
+            spdlog::warn("pool {}: start failed ({} in a row): {}", job.image, slot.failures,
+                         result.error);
+            // Back off before trying again, so a broken image does not spin.
+            const auto backoff = std::chrono::milliseconds(
+                std::min<long>(30000, 250L << std::min(slot.failures, 7)));
+            changed_.wait_for(lock, backoff, [&] { return stopping_; });
+            if (stopping_) return;
+        }
+        if (!stopping_) schedule_refills_locked();
+    }
+}
+
+nlohmann::json SandboxPool::state() const {
+    std::lock_guard lock(mutex_);
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& [name, slot] : slots_) {
+        out[name] = {{"ready", slot.ready.size()},
+                     {"starting", slot.starting},
+                     {"target", slot.config.target},
+                     {"failures", slot.failures},
+                     {"last_error", slot.last_error}};
+    }
+    return out;
+}
+
+std::size_t SandboxPool::ready(const std::string& image) const {
+    std::lock_guard lock(mutex_);
+    auto it = slots_.find(image);
+    return it == slots_.end() ? 0 : it->second.ready.size();
+}
+
+bool SandboxPool::wait_until_full(std::chrono::milliseconds timeout) const {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, timeout, [&] {
+        for (const auto& [name, slot] : slots_) {
+            if (static_cast<int>(slot.ready.size()) < slot.config.target) return false;
+        }
+        return true;
+    });
+}
+
+}  // namespace cellblock
