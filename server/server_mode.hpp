@@ -1,0 +1,27 @@
+// `cellblock serve`: many sandboxed sessions, a manager socket to create,
+// list, inspect and close them, a warm pool, and the SQLite registry.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "cellblock/session_policy.hpp"
+#include "kernel_mode.hpp"
+
+namespace cellblock {
+
+struct ServeOptions {
+    ServerPaths paths;                     // state_dir: /var/lib/cellblock by default
+    std::string manager_endpoint = "tcp://127.0.0.1:*";
+    std::string default_image = "host";
+    std::map<std::string, int> pool;       // image -> warm sandboxes to keep
+    int pool_workers = 2;
+    bool audit_code_hash_only = false;
+    ServerPolicy policy;
+};
+
+// Runs until SIGTERM/SIGINT; returns the process exit code.
+int run_server(const ServeOptions& options);
+
+}  // namespace cellblock
