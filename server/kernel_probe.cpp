@@ -40,7 +40,8 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
         inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
         inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
         inner_socket(context, zmq::socket_type::sub, max_frame_bytes),
-        inner_socket(context, zmq::socket_type::dealer, 1024)});
+        inner_socket(context, zmq::socket_type::dealer, 1024),
+        {}});
     // The kernel routes input_request to the shell sender's identity, so the
     // stdin socket shares the shell socket's identity.
     const std::string identity = "cellblock-" + sandbox.session_id();
@@ -60,6 +61,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
         WireMessage msg;
         msg.header = make_header("kernel_info_request", probe_session);
         request_id = msg.msg_id();
+        ch->probe_msg_ids.push_back(request_id);
         std::vector<zmq::message_t> frames;
         for (auto& f : encode(msg, signer)) frames.push_back(to_frame(f));
         send_multipart(ch->shell, frames);

@@ -82,6 +82,10 @@ SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
       outer_stdin_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
       outer_iopub_(make_socket(context, zmq::socket_type::pub, options_.max_frame_bytes, 1000)),
       outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)) {
+    // A kernel's single large output (a 50 MB print) must reach output shaping
+    // to be cut with a marker, not be dropped whole: the JSON frame cap for the
+    // kernel's side is the socket's frame cap.
+    options_.inner_limits.max_json_frame_bytes = static_cast<std::size_t>(options_.max_frame_bytes);
     for (auto* s : {&outer_shell_, &outer_control_, &outer_stdin_, &outer_hb_}) {
         s->set(zmq::sockopt::router_handover, 1);
     }
@@ -108,6 +112,7 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     inner_stdin_ = std::move(channels.stdin_);
     inner_iopub_ = std::move(channels.iopub);
     inner_hb_ = std::move(channels.hb);
+    probe_ids_.insert(channels.probe_msg_ids.begin(), channels.probe_msg_ids.end());
     if (governor_) governor_->on_client_request(Clock::now());
 }
 
@@ -360,29 +365,72 @@ void SessionProxy::on_inner_heartbeat() {
 
 void SessionProxy::forward_to_outer(zmq::socket_t& socket,
                                     const std::vector<std::string>* identities,
-                                    const WireLayout& at, const std::string* new_metadata,
+                                    std::vector<zmq::message_t>& frames, const WireLayout& at,
+                                    const std::string* new_metadata,
                                     const std::string* new_content) {
-    const auto views = scratch_.views();
-    const std::string_view metadata = new_metadata ? *new_metadata : views[at.metadata()];
-    const std::string_view content = new_content ? *new_content : views[at.content()];
+    auto view = [&](std::size_t i) {
+        return std::string_view(static_cast<const char*>(frames[i].data()), frames[i].size());
+    };
+    const std::string_view metadata = new_metadata ? std::string_view(*new_metadata) : view(at.metadata());
+    const std::string_view content = new_content ? std::string_view(*new_content) : view(at.content());
     std::vector<zmq::message_t> out;
-    out.reserve(scratch_.frames.size() + (identities ? identities->size() : 0));
+    out.reserve(frames.size() + (identities ? identities->size() : 0));
     if (identities) {
         for (const auto& id : *identities) out.push_back(to_frame(id));
     } else {
-        for (std::size_t i = 0; i < at.delimiter; ++i) out.push_back(std::move(scratch_.frames[i]));
+        for (std::size_t i = 0; i < at.delimiter; ++i) out.push_back(std::move(frames[i]));
     }
     out.push_back(to_frame(kDelimiter));
-    out.push_back(to_frame(
-        outer_signer_.sign(views[at.header()], views[at.parent()], metadata, content)));
-    out.push_back(std::move(scratch_.frames[at.header()]));
-    out.push_back(std::move(scratch_.frames[at.parent()]));
-    out.push_back(new_metadata ? to_frame(*new_metadata) : std::move(scratch_.frames[at.metadata()]));
-    out.push_back(new_content ? to_frame(*new_content) : std::move(scratch_.frames[at.content()]));
-    for (std::size_t i = at.first_buffer(); i < scratch_.frames.size(); ++i) {
-        out.push_back(std::move(scratch_.frames[i]));
-    }
+    out.push_back(to_frame(outer_signer_.sign(view(at.header()), view(at.parent()), metadata, content)));
+    out.push_back(std::move(frames[at.header()]));
+    out.push_back(std::move(frames[at.parent()]));
+    out.push_back(new_metadata ? to_frame(*new_metadata) : std::move(frames[at.metadata()]));
+    out.push_back(new_content ? to_frame(*new_content) : std::move(frames[at.content()]));
+    for (std::size_t i = at.first_buffer(); i < frames.size(); ++i) out.push_back(std::move(frames[i]));
     send_multipart(socket, out);
+}
+
+void SessionProxy::release_held_reply() {
+    if (!held_reply_) return;
+    HeldReply held = std::move(*held_reply_);
+    held_reply_.reset();
+    auto view = [&](std::size_t i) {
+        return std::string_view(static_cast<const char*>(held.frames[i].data()), held.frames[i].size());
+    };
+    const WireLayout& at = held.layout;
+    // The budget an agent needs rides on the reply: metadata.cellblock.
+    auto metadata = parse_json_frame(view(at.metadata()), options_.inner_limits.max_json_depth);
+    const auto content = parse_json_frame(view(at.content()), options_.inner_limits.max_json_depth);
+    json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+    SandboxUsage usage;
+    if (sandbox_) usage = sandbox_->usage();
+    const std::uint64_t cpu_ms =
+        (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
+    md["cellblock"] = governor_->on_execute_reply(Clock::now(), cpu_ms, usage.memory_peak_bytes);
+    const std::string new_metadata = md.dump();
+    const bool content_ok = content && content->is_object();
+    const std::string status = content_ok ? json_string(*content, "status") : "";
+    const std::string ename = content_ok ? json_string(*content, "ename") : "";
+    forward_to_outer(outer_socket(held.request.channel), &held.request.identities, held.frames, at,
+                     &new_metadata, nullptr);
+    if (options_.observer) {
+        ExecutionRecord record;
+        record.session_id = session_id_;
+        record.count = execution_->count;
+        record.msg_id = execution_->msg_id;
+        record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+        record.status = status.empty() ? "unknown" : status;
+        record.ename = ename;
+        record.started_at = execution_->started_at;
+        record.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+        record.cpu_ms = cpu_ms;
+        record.memory_peak_bytes = usage.memory_peak_bytes;
+        record.output_bytes = execution_->output_bytes;
+        record.truncated = governor_->truncated();
+        options_.observer->on_execution(record);
+    }
+    execution_.reset();
+    notify_state("idle");
 }
 
 void SessionProxy::on_inner_reply(Channel channel) {
@@ -420,38 +468,12 @@ void SessionProxy::on_inner_reply(Channel channel) {
     pending_.erase(it);
 
     if (execution_ && execution_->msg_id == parent_id && governor_) {
-        // The budget an agent needs rides on the reply: metadata.cellblock.
-        auto metadata = parse_json_frame(views[at.metadata()], options_.inner_limits.max_json_depth);
-        const auto content = parse_json_frame(views[at.content()], options_.inner_limits.max_json_depth);
-        json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
-        const auto usage = sandbox_->usage();
-        const std::uint64_t cpu_ms = (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
-        md["cellblock"] = governor_->on_execute_reply(Clock::now(), cpu_ms, usage.memory_peak_bytes);
-        const std::string new_metadata = md.dump();
-        const std::string status = content && content->is_object() ? json_string(*content, "status") : "";
-        const std::string ename = content && content->is_object() ? json_string(*content, "ename") : "";
-        forward_to_outer(outer_socket(channel), &request.identities, at, &new_metadata, nullptr);
-        if (options_.observer) {
-            ExecutionRecord record;
-            record.session_id = session_id_;
-            record.count = execution_->count;
-            record.msg_id = execution_->msg_id;
-            record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
-            record.status = status.empty() ? "unknown" : status;
-            record.ename = ename;
-            record.started_at = execution_->started_at;
-            record.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
-            record.cpu_ms = cpu_ms;
-            record.memory_peak_bytes = usage.memory_peak_bytes;
-            record.output_bytes = execution_->output_bytes;
-            record.truncated = governor_->truncated();
-            options_.observer->on_execution(record);
-        }
-        execution_.reset();
-        notify_state("idle");
-    } else {
-        forward_to_outer(outer_socket(channel), &request.identities, at, nullptr, nullptr);
+        held_reply_ = HeldReply{std::move(request), std::move(scratch_.frames), at,
+                                Clock::now() + std::chrono::seconds(2)};
+        scratch_.frames.clear();
+        return;
     }
+    forward_to_outer(outer_socket(channel), &request.identities, scratch_.frames, at, nullptr, nullptr);
 
     if (request.msg_type == "shutdown_request") {
         shutdown_request_.reset();
@@ -478,19 +500,30 @@ void SessionProxy::on_inner_iopub() {
         return;
     }
     const std::string parent_id = json_string(*parent, "msg_id");
-    if (parent_id.empty()) return;  // the kernel's own "starting" status: no client asked
+    // The kernel's own "starting" status, and the readiness probe's late
+    // statuses: no client asked for them.
+    if (parent_id.empty() || probe_ids_.count(parent_id)) return;
     if (!known_parent(parent_id)) {
         reject("kernel iopub", "", "parent is not a request of this session: '" + parent_id + "'");
         return;
     }
     if (!governor_ || !execution_ || execution_->msg_id != parent_id) {
-        forward_to_outer(outer_iopub_, nullptr, at, nullptr, nullptr);
+        forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
         return;
     }
     // Output shaping for the running execution.
     execution_->output_bytes += scratch_.total_bytes;
     const auto header = parse_json_frame(views[at.header()], options_.inner_limits.max_json_depth);
     const std::string msg_type = header && header->is_object() ? json_string(*header, "msg_type") : "";
+    if (msg_type == "status") {
+        const auto content = parse_json_frame(views[at.content()], 8);
+        if (held_reply_ && content && content->is_object() &&
+            json_string(*content, "execution_state") == "idle") {
+            release_held_reply();
+        }
+        forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
+        return;
+    }
     if (msg_type == "stream") {
         auto content = parse_json_frame(views[at.content()], options_.inner_limits.max_json_depth);
         if (!content || !content->is_object() || !(*content)["text"].is_string()) {
@@ -500,7 +533,7 @@ void SessionProxy::on_inner_iopub() {
         const std::string& text = (*content)["text"].get_ref<const std::string&>();
         const auto decision = governor_->on_stream(text.size());
         if (decision.keep >= text.size() && !decision.add_marker) {
-            forward_to_outer(outer_iopub_, nullptr, at, nullptr, nullptr);
+            forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
             return;
         }
         if (decision.keep == 0 && !decision.add_marker) return;  // dropped, marker already sent
@@ -508,7 +541,7 @@ void SessionProxy::on_inner_iopub() {
         if (decision.add_marker) kept += decision.marker;
         (*content)["text"] = kept;
         const std::string new_content = content->dump();
-        forward_to_outer(outer_iopub_, nullptr, at, nullptr, &new_content);
+        forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, &new_content);
         return;
     }
     if (options_.policy &&
@@ -525,10 +558,10 @@ void SessionProxy::on_inner_iopub() {
         const std::string new_content = notice.dump();
         // Buffers go too: the notice replaces the whole message.
         scratch_.frames.resize(at.first_buffer());
-        forward_to_outer(outer_iopub_, nullptr, at, nullptr, &new_content);
+        forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, &new_content);
         return;
     }
-    forward_to_outer(outer_iopub_, nullptr, at, nullptr, nullptr);
+    forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
 }
 
 void SessionProxy::on_inner_stdin() {
@@ -552,7 +585,7 @@ void SessionProxy::on_inner_stdin() {
         return;
     }
     // The client's stdin socket shares the identity of its shell socket.
-    forward_to_outer(outer_stdin_, &it->second.identities, at, nullptr, nullptr);
+    forward_to_outer(outer_stdin_, &it->second.identities, scratch_.frames, at, nullptr, nullptr);
 }
 
 void SessionProxy::on_lifeline() {
@@ -574,7 +607,8 @@ std::optional<Clock::time_point> SessionProxy::next_deadline() const {
     auto consider = [&](Clock::time_point t) {
         if (!next || t < *next) next = t;
     };
-    if (execution_) consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
+    if (held_reply_) consider(held_reply_->release_by);
+    if (execution_ && !held_reply_) consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
     if (governor_) consider(governor_->next_expiry_check(Clock::now()));
     return next;
 }
@@ -600,6 +634,7 @@ void SessionProxy::on_timer(Clock::time_point now) {
             return;
         }
         if (sandbox_ && sandbox_->exited()) {
+            release_held_reply();
             const bool oom = sandbox_->memory_limit_hit();
             const std::string description = sandbox_->exit_description();
             spdlog::warn("session {}: {}", session_id_, description);
@@ -609,7 +644,8 @@ void SessionProxy::on_timer(Clock::time_point now) {
             return;
         }
     }
-    if (execution_) {
+    if (held_reply_ && now >= held_reply_->release_by) release_held_reply();
+    if (execution_ && !held_reply_) {
         if (!execution_->kill_at && now >= execution_->deadline) {
             spdlog::info("session {}: execution {} passed its {:.0f} s timeout; interrupting",
                          session_id_, execution_->count, execution_->timeout_s);
@@ -736,6 +772,8 @@ void SessionProxy::close(const std::string& reason) {
     close_reason_ = reason;
     closed_ = true;
     closed_at_ = Clock::now();
+    if (held_reply_ && sandbox_) release_held_reply();
+    held_reply_.reset();
     if (execution_) finish_execution("error", "SessionClosed");
     if (!pending_.empty()) fail_pending("SessionClosed", "the session closed: " + reason);
     if (sandbox_) {

@@ -133,8 +133,9 @@ private:
                     nlohmann::json content);
     void publish(const nlohmann::json& parent, const std::string& msg_type, nlohmann::json content);
     void forward_to_outer(zmq::socket_t& socket, const std::vector<std::string>* identities,
-                          const WireLayout& at, const std::string* new_metadata,
-                          const std::string* new_content);
+                          std::vector<zmq::message_t>& frames, const WireLayout& at,
+                          const std::string* new_metadata, const std::string* new_content);
+    void release_held_reply();
     zmq::socket_t& outer_socket(Channel channel);
     zmq::socket_t& inner_socket(Channel channel);
     void reject(const char* channel, std::string_view identity, const std::string& why);
@@ -156,7 +157,17 @@ private:
     std::unordered_map<std::string, PendingRequest> pending_;
     std::deque<std::string> recent_order_;
     std::unordered_set<std::string> recent_;
+    std::unordered_set<std::string> probe_ids_;
     std::optional<Execution> execution_;
+    // The running execution's reply, held until the kernel's idle status for
+    // it has arrived on iopub, so all its output is shaped and counted first.
+    struct HeldReply {
+        PendingRequest request;
+        std::vector<zmq::message_t> frames;
+        WireLayout layout;
+        Clock::time_point release_by;
+    };
+    std::optional<HeldReply> held_reply_;
 
     std::optional<Clock::time_point> shutdown_deadline_;
     std::optional<PendingRequest> shutdown_request_;

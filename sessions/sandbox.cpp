@@ -5,7 +5,9 @@
 #include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -131,6 +133,11 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     const fs::path& dir = box->dir_;
     const std::uint32_t sandbox_host_uid = settings.ids.host_uid(kSandboxUid);
 
+    // runc --detach leaves the sandbox's init to its parent's nearest
+    // subreaper: make that us, so a dead init is reaped here, not left as a
+    // zombie for the host's PID 1.
+    static const bool subreaper = ::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0;
+    (void)subreaper;
     std::error_code ec;
     fs::create_directories(settings.sessions_dir(), ec);
     fs::create_directories(settings.runtime_root(), ec);
@@ -140,8 +147,11 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     if (::mkdir(dir.c_str(), 0711) != 0) {
         throw SandboxError("session dir " + dir.string() + ": " + errno_text());
     }
-    box->lock_fd_ = ::open((dir / "lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
-    if (box->lock_fd_ < 0 || ::flock(box->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    // The lock appears under its final name only once held, so a reaper in
+    // another cellblock process never sees an unlocked lock of a live session.
+    box->lock_fd_ = ::open((dir / "lock.new").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+    if (box->lock_fd_ < 0 || ::flock(box->lock_fd_, LOCK_EX | LOCK_NB) != 0 ||
+        ::rename((dir / "lock.new").c_str(), (dir / "lock").c_str()) != 0) {
         throw SandboxError("session lock " + (dir / "lock").string() + ": " + errno_text());
     }
 
@@ -278,7 +288,18 @@ void Sandbox::interrupt() {
 
 void Sandbox::kill() {
     // Killing PID 1 of the sandbox's PID namespace kills every process in it.
-    if (init_pid_ > 0) ::kill(init_pid_, SIGKILL);
+    if (init_pid_ > 0 && !reaped_) ::kill(init_pid_, SIGKILL);
+}
+
+void Sandbox::reap_init() {
+    if (init_pid_ <= 0 || reaped_) return;
+    // The init is our child (we are a subreaper); after SIGKILL it ends at once.
+    for (int i = 0; i < 200; ++i) {
+        const pid_t r = ::waitpid(init_pid_, nullptr, WNOHANG);
+        if (r == init_pid_ || (r < 0 && errno == ECHILD)) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    reaped_ = true;
 }
 
 SandboxUsage Sandbox::usage() const {
@@ -305,6 +326,7 @@ void Sandbox::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
     kill();
+    reap_init();
     if (lifeline_ >= 0) ::close(lifeline_);
     lifeline_ = -1;
     remove_session(settings_, session_id_, dir_);
@@ -322,6 +344,12 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
         if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
             ::close(fd);  // its owner is alive
             continue;
+        }
+        if (fd < 0) {
+            // No lock yet: another process may be creating it right now.
+            std::error_code age_ec;
+            const auto mtime = fs::last_write_time(entry.path(), age_ec);
+            if (!age_ec && fs::file_time_type::clock::now() - mtime < std::chrono::seconds(60)) continue;
         }
         // Either its owner died (the lock was released with it) or it never got a lock.
         const pid_t pid = static_cast<pid_t>(read_u64(entry.path() / "init.pid"));

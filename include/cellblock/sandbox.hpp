@@ -76,6 +76,7 @@ public:
 
     void interrupt();  // SIGINT to the kernel (through the shim)
     void kill();       // SIGKILL to every process of the sandbox
+    void reap_init();  // waits for the killed init (a child of this subreaper)
     // Kills, deletes the container, unmounts and removes every file of the
     // session, removes its cgroup. Idempotent; never throws.
     void destroy();
@@ -99,6 +100,7 @@ private:
     int lock_fd_ = -1;
     bool exited_ = false;
     bool destroyed_ = false;
+    bool reaped_ = false;
     std::string shim_status_;
     std::string image_name_;
 };
