@@ -159,10 +159,12 @@ int main(int argc, char** argv) {
             ssize_t n;
             while ((n = read(err_pipe[0], buf, sizeof buf)) > 0) {
                 if (stderr_copied < kMaxKernelStderr) {
-                    const size_t take = std::min(static_cast<size_t>(n), kMaxKernelStderr - stderr_copied);
+                    const size_t take =
+                        std::min(static_cast<size_t>(n), kMaxKernelStderr - stderr_copied);
                     [[maybe_unused]] ssize_t w = write(STDERR_FILENO, buf, take);
                     stderr_copied += take;
-                    if (stderr_copied == kMaxKernelStderr) say("kernel stderr past 64 KiB is discarded");
+                    if (stderr_copied == kMaxKernelStderr)
+                        say("kernel stderr past 64 KiB is discarded");
                 }
             }
             if (n == 0) stderr_open = false;

@@ -15,7 +15,8 @@ namespace cellblock {
 
 struct InnerChannels {
     zmq::socket_t shell, control, stdin_, iopub, hb;
-    std::vector<std::string> probe_msg_ids;  // the probe's own requests (late replies are dropped quietly)
+    std::vector<std::string>
+        probe_msg_ids;  // the probe's own requests (late replies are dropped quietly)
 };
 
 // Connects to the sandbox's kernel and waits until it answers kernel_info on

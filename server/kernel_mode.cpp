@@ -101,15 +101,18 @@ int run_kernel_mode(const KernelModeOptions& options) {
         items.push_back({nullptr, signal_fd, ZMQ_POLLIN, 0});
         long timeout_ms = -1;
         if (auto deadline = proxy->next_deadline()) {
-            timeout_ms = std::max<long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                               *deadline - Clock::now()).count() + 1);
+            timeout_ms = std::max<long>(
+                0, std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now())
+                           .count() +
+                       1);
         }
         zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout_ms));
         proxy->handle(items.data());
         if (items.back().revents & ZMQ_POLLIN) {
             signalfd_siginfo info;
             if (::read(signal_fd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
-                proxy->close(std::string("the server received ") + strsignal(static_cast<int>(info.ssi_signo)));
+                proxy->close(std::string("the server received ") +
+                             strsignal(static_cast<int>(info.ssi_signo)));
             }
         }
         proxy->on_timer(Clock::now());

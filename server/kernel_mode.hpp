@@ -11,7 +11,7 @@
 namespace cellblock {
 
 struct ServerPaths {
-    std::filesystem::path state_dir;  // runtime state, sessions, database
+    std::filesystem::path state_dir;    // runtime state, sessions, database
     std::filesystem::path libexec_dir;  // cellblock-shim and the kernel launcher
     std::vector<std::filesystem::path> image_dirs;
 

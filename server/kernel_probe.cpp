@@ -1,9 +1,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "inner_channels.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
+#include "inner_channels.hpp"
 #include "multipart.hpp"
 
 namespace cellblock {
@@ -35,13 +35,13 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                                             int max_frame_bytes) {
     const ConnectionInfo& inner = sandbox.inner_connection();
     const Signer signer(inner.key, inner.signature_scheme);
-    auto ch = std::make_unique<InnerChannels>(InnerChannels{
-        inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
-        inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
-        inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
-        inner_socket(context, zmq::socket_type::sub, max_frame_bytes),
-        inner_socket(context, zmq::socket_type::dealer, 1024),
-        {}});
+    auto ch = std::make_unique<InnerChannels>(
+        InnerChannels{inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
+                      inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
+                      inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
+                      inner_socket(context, zmq::socket_type::sub, max_frame_bytes),
+                      inner_socket(context, zmq::socket_type::dealer, 1024),
+                      {}});
     // The kernel routes input_request to the shell sender's identity, so the
     // stdin socket shares the shell socket's identity.
     const std::string identity = "cellblock-" + sandbox.session_id();
@@ -73,8 +73,9 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     while (!(replied && iopub_seen)) {
         const auto now = Clock::now();
         if (now >= deadline) {
-            throw SandboxError("kernel of session " + sandbox.session_id() + " did not answer within " +
-                               std::to_string(timeout.count() / 1000) + " s; log: " + log_tail(sandbox));
+            throw SandboxError("kernel of session " + sandbox.session_id() +
+                               " did not answer within " + std::to_string(timeout.count() / 1000) +
+                               " s; log: " + log_tail(sandbox));
         }
         if (replied && !iopub_seen && now >= resend_at) {
             // The subscription may have joined after the first status: ask again.
@@ -86,8 +87,9 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                                    {ch->iopub.handle(), 0, ZMQ_POLLIN, 0},
                                    {nullptr, sandbox.lifeline_fd(), ZMQ_POLLIN, 0}};
         const auto wait = std::min(deadline, resend_at) - now;
-        zmq::poll(items, 3, std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
-                                std::chrono::milliseconds(1));
+        zmq::poll(items, 3,
+                  std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
+                      std::chrono::milliseconds(1));
         if (items[2].revents & ZMQ_POLLIN) {
             if (!sandbox.read_lifeline()) {
                 throw SandboxError("kernel of session " + sandbox.session_id() +
@@ -110,7 +112,8 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
             while (recv_multipart(ch->iopub, scratch, 64)) {
                 const auto views = scratch.views();
                 auto decoded = decode(views, signer, nullptr);
-                if (decoded.message && decoded.message->parent_msg_id() == request_id) iopub_seen = true;
+                if (decoded.message && decoded.message->parent_msg_id() == request_id)
+                    iopub_seen = true;
             }
         }
     }

@@ -7,9 +7,9 @@
 #include <fstream>
 #include <iostream>
 
-#include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
 #include "kernel_mode.hpp"
@@ -56,7 +56,8 @@ json parse_limits(const std::vector<std::string>& items) {
     json limits = json::object();
     for (const auto& item : items) {
         const auto eq = item.find('=');
-        if (eq == std::string::npos) throw std::runtime_error("--limit " + item + ": expected KEY=VALUE");
+        if (eq == std::string::npos)
+            throw std::runtime_error("--limit " + item + ": expected KEY=VALUE");
         const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
         json parsed = json::parse(value, nullptr, false);
         limits[key] = parsed.is_discarded() ? json(value) : parsed;
@@ -70,19 +71,25 @@ int main(int argc, char** argv) {
     CLI::App app{"cellblock: sandboxed Jupyter sessions for untrusted code"};
     app.require_subcommand(1);
     std::string log_level = "info";
-    app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+    app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
+        ->capture_default_str();
 
     // kernel
     cellblock::KernelModeOptions kernel;
     kernel.paths = cellblock::ServerPaths::defaults();
     int memory_mb = 0, pids = 0, disk_mb = 0;
     double cpus = 0;
-    auto* kernel_cmd = app.add_subcommand("kernel", "run one sandboxed kernel on a connection file");
-    kernel_cmd->add_option("-f,--connection-file", kernel.connection_file, "Jupyter connection file")->required();
+    auto* kernel_cmd =
+        app.add_subcommand("kernel", "run one sandboxed kernel on a connection file");
+    kernel_cmd
+        ->add_option("-f,--connection-file", kernel.connection_file, "Jupyter connection file")
+        ->required();
     kernel_cmd->add_option("--image", kernel.image, "image name")->capture_default_str();
     kernel_cmd->add_option("--runtime", kernel.runtime, "OCI runtime: runc, crun or runsc");
-    kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")->capture_default_str();
-    kernel_cmd->add_option("--libexec-dir", kernel.paths.libexec_dir, "directory of cellblock-shim and the kernel launcher");
+    kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")
+        ->capture_default_str();
+    kernel_cmd->add_option("--libexec-dir", kernel.paths.libexec_dir,
+                           "directory of cellblock-shim and the kernel launcher");
     kernel_cmd->add_option("--memory-mb", memory_mb, "memory limit of the sandbox");
     kernel_cmd->add_option("--pids", pids, "process limit of the sandbox");
     kernel_cmd->add_option("--disk-mb", disk_mb, "size of each writable tmpfs (/tmp, home)");
@@ -92,27 +99,40 @@ int main(int argc, char** argv) {
     cellblock::KernelspecOptions spec;
     auto* spec_cmd = app.add_subcommand("kernelspec", "manage the Jupyter kernelspec");
     spec_cmd->require_subcommand(1);
-    auto* install_cmd = spec_cmd->add_subcommand("install", "write the cellblock-python kernelspec");
+    auto* install_cmd =
+        spec_cmd->add_subcommand("install", "write the cellblock-python kernelspec");
     install_cmd->add_flag("--user", spec.user, "install for the current user");
     std::string prefix;
     install_cmd->add_option("--prefix", prefix, "install under PREFIX/share/jupyter/kernels");
     install_cmd->add_option("--name", spec.name, "kernelspec name")->capture_default_str();
-    install_cmd->add_option("--kernel-arg", spec.extra_args, "extra argument for `cellblock kernel` (repeatable)");
+    install_cmd->add_option("--kernel-arg", spec.extra_args,
+                            "extra argument for `cellblock kernel` (repeatable)");
 
     // serve
     cellblock::ServeOptions serve;
     serve.paths = cellblock::ServerPaths::defaults();
     serve.paths.state_dir = cellblock::default_serve_state_dir();
     std::vector<std::string> pool_items;
-    auto* serve_cmd = app.add_subcommand("serve", "run the session server (manager socket, pool, registry)");
-    serve_cmd->add_option("--state-dir", serve.paths.state_dir, "database, sessions and server.json")->capture_default_str();
-    serve_cmd->add_option("--manager", serve.manager_endpoint, "manager endpoint")->capture_default_str();
+    auto* serve_cmd =
+        app.add_subcommand("serve", "run the session server (manager socket, pool, registry)");
+    serve_cmd
+        ->add_option("--state-dir", serve.paths.state_dir, "database, sessions and server.json")
+        ->capture_default_str();
+    serve_cmd->add_option("--manager", serve.manager_endpoint, "manager endpoint")
+        ->capture_default_str();
     serve_cmd->add_option("--image", serve.default_image, "default image")->capture_default_str();
-    serve_cmd->add_option("--pool", pool_items, "IMAGE=N warm sandboxes to keep (repeatable; default host=2)");
-    serve_cmd->add_option("--pool-workers", serve.pool_workers, "threads starting and destroying sandboxes")->capture_default_str();
-    serve_cmd->add_option("--libexec-dir", serve.paths.libexec_dir, "directory of cellblock-shim and the kernel launcher");
-    serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only, "keep only a SHA-256 of each execution's code");
-    serve_cmd->add_option("--max-sessions", serve.policy.max_sessions, "sessions at once")->capture_default_str();
+    serve_cmd->add_option("--pool", pool_items,
+                          "IMAGE=N warm sandboxes to keep (repeatable; default host=2)");
+    serve_cmd
+        ->add_option("--pool-workers", serve.pool_workers,
+                     "threads starting and destroying sandboxes")
+        ->capture_default_str();
+    serve_cmd->add_option("--libexec-dir", serve.paths.libexec_dir,
+                          "directory of cellblock-shim and the kernel launcher");
+    serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
+                        "keep only a SHA-256 of each execution's code");
+    serve_cmd->add_option("--max-sessions", serve.policy.max_sessions, "sessions at once")
+        ->capture_default_str();
 
     // clients of a running server
     fs::path state_dir = cellblock::default_serve_state_dir();
@@ -126,9 +146,11 @@ int main(int argc, char** argv) {
     bool all = false, as_json = false;
     auto* new_cmd = add_client("new", "create a session; writes its connection file");
     new_cmd->add_option("--image", image, "image name");
-    new_cmd->add_option("--limit", limit_items, "KEY=VALUE (repeatable): max_executions, idle_timeout_s, ...");
+    new_cmd->add_option("--limit", limit_items,
+                        "KEY=VALUE (repeatable): max_executions, idle_timeout_s, ...");
     new_cmd->add_option("--metadata", metadata_text, "JSON object kept with the session");
-    new_cmd->add_option("-o,--output", output_file, "connection file to write (default ./cellblock-<id>.json)");
+    new_cmd->add_option("-o,--output", output_file,
+                        "connection file to write (default ./cellblock-<id>.json)");
     auto* ls_cmd = add_client("ls", "list sessions");
     ls_cmd->add_flag("--all", all, "include closed sessions");
     ls_cmd->add_flag("--json", as_json, "print JSON");
@@ -147,7 +169,8 @@ int main(int argc, char** argv) {
     auto* history_cmd = add_client("history", "a session's executions and events");
     history_cmd->add_option("session", session_id)->required();
     history_cmd->add_flag("--json", as_json, "print JSON");
-    auto* server_info_cmd = add_client("server-info", "the server's version, images, pool and limits");
+    auto* server_info_cmd =
+        add_client("server-info", "the server's version, images, pool and limits");
 
     CLI11_PARSE(app, argc, argv);
     setup_logging(log_level);
@@ -167,7 +190,8 @@ int main(int argc, char** argv) {
         if (install_cmd->parsed()) {
             if (!prefix.empty()) spec.prefix = prefix;
             const auto file = cellblock::install_kernelspec(spec);
-            std::cout << "installed kernelspec " << spec.name << " in " << file.parent_path().string() << "\n";
+            std::cout << "installed kernelspec " << spec.name << " in "
+                      << file.parent_path().string() << "\n";
             return 0;
         }
         if (serve_cmd->parsed()) {
@@ -178,7 +202,8 @@ int main(int argc, char** argv) {
             serve.pool[serve.default_image] = 2;
             for (const auto& item : pool_items) {
                 const auto eq = item.find('=');
-                if (eq == std::string::npos) throw std::runtime_error("--pool " + item + ": expected IMAGE=N");
+                if (eq == std::string::npos)
+                    throw std::runtime_error("--pool " + item + ": expected IMAGE=N");
                 serve.pool[item.substr(0, eq)] = std::stoi(item.substr(eq + 1));
             }
             return cellblock::run_server(serve);
@@ -191,30 +216,38 @@ int main(int argc, char** argv) {
             if (!metadata_text.empty()) content["metadata"] = json::parse(metadata_text);
             const json reply = ok_content(client.call("session_create_request", content));
             const std::string id = reply["session_id"];
-            const fs::path file = output_file.empty() ? fs::path("cellblock-" + id + ".json") : fs::path(output_file);
+            const fs::path file =
+                output_file.empty() ? fs::path("cellblock-" + id + ".json") : fs::path(output_file);
             cellblock::ConnectionInfo::from_json(reply["connection"]).write(file);
-            std::cout << "session " << id << (reply.value("warm", false) ? " (warm)" : " (cold start)") << "\n"
+            std::cout << "session " << id
+                      << (reply.value("warm", false) ? " (warm)" : " (cold start)") << "\n"
                       << "connection file: " << fs::absolute(file).string() << "\n"
                       << "  jupyter console --existing " << fs::absolute(file).string() << "\n";
             return 0;
         }
         if (ls_cmd->parsed()) {
-            const json reply = ok_content(client.call("session_list_request", {{"open_only", !all}}));
+            const json reply =
+                ok_content(client.call("session_list_request", {{"open_only", !all}}));
             if (as_json) {
                 std::cout << reply["sessions"].dump(2) << "\n";
                 return 0;
             }
-            std::printf("%-18s %-8s %-8s %-20s %5s  %s\n", "SESSION", "IMAGE", "STATE", "CREATED", "EXECS", "CLOSED BECAUSE");
+            std::printf("%-18s %-8s %-8s %-20s %5s  %s\n", "SESSION", "IMAGE", "STATE", "CREATED",
+                        "EXECS", "CLOSED BECAUSE");
             for (const auto& s : reply["sessions"]) {
-                std::printf("%-18s %-8s %-8s %-20s %5lld  %s\n", s["session_id"].get<std::string>().c_str(),
-                            s["image"].get<std::string>().c_str(), s["state"].get<std::string>().c_str(),
-                            when(s["created_at"].get<double>()).c_str(), s["executions"].get<long long>(),
-                            s["close_reason"].get<std::string>().c_str());
+                std::printf(
+                    "%-18s %-8s %-8s %-20s %5lld  %s\n", s["session_id"].get<std::string>().c_str(),
+                    s["image"].get<std::string>().c_str(), s["state"].get<std::string>().c_str(),
+                    when(s["created_at"].get<double>()).c_str(), s["executions"].get<long long>(),
+                    s["close_reason"].get<std::string>().c_str());
             }
             return 0;
         }
         if (info_cmd->parsed()) {
-            std::cout << ok_content(client.call("session_info_request", {{"session_id", session_id}})).dump(2) << "\n";
+            std::cout << ok_content(
+                             client.call("session_info_request", {{"session_id", session_id}}))
+                             .dump(2)
+                      << "\n";
             return 0;
         }
         if (close_cmd->parsed()) {
@@ -224,24 +257,29 @@ int main(int argc, char** argv) {
         }
         if (put_cmd->parsed()) {
             const std::string name = remote.empty() ? fs::path(local).filename().string() : remote;
-            const json reply = ok_content(client.call("file_put_request", {{"session_id", session_id}, {"path", name}},
+            const json reply = ok_content(client.call("file_put_request",
+                                                      {{"session_id", session_id}, {"path", name}},
                                                       {read_file(local)}));
-            std::cout << local << " -> " << reply["path"].get<std::string>() << " (" << reply["size"] << " bytes)\n";
+            std::cout << local << " -> " << reply["path"].get<std::string>() << " ("
+                      << reply["size"] << " bytes)\n";
             return 0;
         }
         if (get_cmd->parsed()) {
-            const auto reply = client.call("file_get_request", {{"session_id", session_id}, {"path", remote}});
+            const auto reply =
+                client.call("file_get_request", {{"session_id", session_id}, {"path", remote}});
             const json content = ok_content(reply);
             const fs::path out = local.empty() ? fs::path(remote).filename() : fs::path(local);
             std::ofstream f(out, std::ios::binary);
-            f.write(reply.buffers.at(0).data(), static_cast<std::streamsize>(reply.buffers.at(0).size()));
+            f.write(reply.buffers.at(0).data(),
+                    static_cast<std::streamsize>(reply.buffers.at(0).size()));
             if (!f) throw std::runtime_error("cannot write " + out.string());
-            std::cout << content["path"].get<std::string>() << " -> " << out.string() << " (" << content["size"]
-                      << " bytes)\n";
+            std::cout << content["path"].get<std::string>() << " -> " << out.string() << " ("
+                      << content["size"] << " bytes)\n";
             return 0;
         }
         if (history_cmd->parsed()) {
-            const json reply = ok_content(client.call("session_history_request", {{"session_id", session_id}}));
+            const json reply =
+                ok_content(client.call("session_history_request", {{"session_id", session_id}}));
             if (as_json) {
                 std::cout << reply.dump(2) << "\n";
                 return 0;
@@ -257,21 +295,25 @@ int main(int argc, char** argv) {
                     if (ch == '\n') ch = ' ';
                 }
                 if (code.size() > 50) code = code.substr(0, 47) + "...";
-                std::printf("  %3lld %-8s %-22s %8.0f ms %6llu cpu ms %7.1f MB%s  %s\n", e["count"].get<long long>(),
-                            e["status"].get<std::string>().c_str(), e["ename"].get<std::string>().c_str(),
-                            e["wall_ms"].get<double>(), e["cpu_ms"].get<unsigned long long>(),
-                            static_cast<double>(e["memory_peak_bytes"].get<unsigned long long>()) / (1 << 20),
+                std::printf("  %3lld %-8s %-22s %8.0f ms %6llu cpu ms %7.1f MB%s  %s\n",
+                            e["count"].get<long long>(), e["status"].get<std::string>().c_str(),
+                            e["ename"].get<std::string>().c_str(), e["wall_ms"].get<double>(),
+                            e["cpu_ms"].get<unsigned long long>(),
+                            static_cast<double>(e["memory_peak_bytes"].get<unsigned long long>()) /
+                                (1 << 20),
                             e["truncated"].get<bool>() ? " truncated" : "", code.c_str());
             }
             std::cout << "\nevents:\n";
             for (const auto& e : reply["events"]) {
-                std::printf("  %s %-12s %s\n", when(e["at"].get<double>()).c_str(), e["kind"].get<std::string>().c_str(),
+                std::printf("  %s %-12s %s\n", when(e["at"].get<double>()).c_str(),
+                            e["kind"].get<std::string>().c_str(),
                             e["detail"].get<std::string>().c_str());
             }
             return 0;
         }
         if (server_info_cmd->parsed()) {
-            std::cout << ok_content(client.call("server_info_request", json::object())).dump(2) << "\n";
+            std::cout << ok_content(client.call("server_info_request", json::object())).dump(2)
+                      << "\n";
             return 0;
         }
     } catch (const std::exception& e) {

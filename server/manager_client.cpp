@@ -13,7 +13,8 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
     std::ifstream in(file);
     if (!in) {
         throw std::runtime_error("no server runs with state dir " + state_dir.string() + " (" +
-                                 file.string() + " does not exist); start one with `cellblock serve`");
+                                 file.string() +
+                                 " does not exist); start one with `cellblock serve`");
     }
     const auto j = nlohmann::json::parse(in, nullptr, false);
     if (j.is_discarded() || !j.contains("manager") || !j.contains("key")) {
@@ -26,7 +27,8 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
 }
 
 WireMessage ManagerClient::call(const std::string& type, nlohmann::json content,
-                                std::vector<std::string> buffers, std::chrono::milliseconds timeout) {
+                                std::vector<std::string> buffers,
+                                std::chrono::milliseconds timeout) {
     WireMessage msg;
     msg.header = make_header(type, session_, "cellblock-cli");
     msg.content = std::move(content);
@@ -35,14 +37,16 @@ WireMessage ManagerClient::call(const std::string& type, nlohmann::json content,
     std::vector<zmq::message_t> frames;
     for (auto& f : encode(msg, signer_)) frames.push_back(to_frame(f));
     for (std::size_t i = 0; i < frames.size(); ++i) {
-        socket_.send(frames[i], i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+        socket_.send(frames[i],
+                     i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     Multipart scratch;
     for (;;) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
-        if (left.count() <= 0) throw std::runtime_error("the server did not answer " + type + " in time");
+        if (left.count() <= 0)
+            throw std::runtime_error("the server did not answer " + type + " in time");
         zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
         zmq::poll(&item, 1, left);
         if (!(item.revents & ZMQ_POLLIN)) continue;
@@ -50,7 +54,8 @@ WireMessage ManagerClient::call(const std::string& type, nlohmann::json content,
         WireLimits limits;
         limits.max_total_bytes = 1u << 30;
         auto decoded = decode(scratch.views(), signer_, nullptr, limits);
-        if (decoded.message && decoded.message->parent_msg_id() == id) return std::move(*decoded.message);
+        if (decoded.message && decoded.message->parent_msg_id() == id)
+            return std::move(*decoded.message);
     }
 }
 

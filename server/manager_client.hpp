@@ -14,7 +14,7 @@
 namespace cellblock {
 
 class ManagerClient {
-public:
+  public:
     // Reads STATE_DIR/server.json; throws std::runtime_error if no server runs there.
     explicit ManagerClient(const std::filesystem::path& state_dir);
 
@@ -24,7 +24,7 @@ public:
                      std::vector<std::string> buffers = {},
                      std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
-private:
+  private:
     zmq::context_t context_{1};
     zmq::socket_t socket_{context_, zmq::socket_type::dealer};
     std::string key_;

@@ -41,7 +41,9 @@ bool send_multipart(zmq::socket_t& socket, std::vector<zmq::message_t>& frames) 
     return true;
 }
 
-zmq::message_t to_frame(std::string_view bytes) { return zmq::message_t(bytes.data(), bytes.size()); }
+zmq::message_t to_frame(std::string_view bytes) {
+    return zmq::message_t(bytes.data(), bytes.size());
+}
 
 std::string identity_text(std::string_view identity) {
     std::string out;

@@ -75,7 +75,8 @@ int open_beneath(const fs::path& dir, const std::string& relative, int flags, mo
     how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC | O_NOFOLLOW);
     how.mode = (flags & O_CREAT) ? mode : 0;
     how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV;
-    const int fd = static_cast<int>(::syscall(SYS_openat2, dirfd, relative.c_str(), &how, sizeof how));
+    const int fd =
+        static_cast<int>(::syscall(SYS_openat2, dirfd, relative.c_str(), &how, sizeof how));
     const int saved = errno;
     ::close(dirfd);
     errno = saved;
@@ -103,7 +104,8 @@ void write_server_file(const fs::path& path, const std::string& endpoint, const 
 // runc maps the container's root to an unprivileged host id, which must be
 // able to reach the bundle: every ancestor of the state dir must be searchable.
 void check_state_dir_reachable(const fs::path& state_dir) {
-    for (fs::path p = state_dir.parent_path(); !p.empty() && p != p.root_path(); p = p.parent_path()) {
+    for (fs::path p = state_dir.parent_path(); !p.empty() && p != p.root_path();
+         p = p.parent_path()) {
         struct stat st {};
         if (::stat(p.c_str(), &st) == 0 && !(st.st_mode & S_IXOTH)) {
             throw std::runtime_error("state dir " + state_dir.string() + ": " + p.string() +
@@ -135,7 +137,7 @@ std::vector<Image> load_images(const std::vector<fs::path>& dirs) {
 }
 
 class Server final : public SessionObserver {
-public:
+  public:
     explicit Server(const ServeOptions& options);
     ~Server() override;
     int run();
@@ -147,7 +149,7 @@ public:
                   const std::string& detail) override;
     void on_closed(const std::string& session_id, const std::string& reason) override;
 
-private:
+  private:
     struct Request {
         WireMessage message;
     };
@@ -199,13 +201,15 @@ private:
 
 Server::Server(const ServeOptions& options)
     : options_(options),
-      store_((fs::create_directories(options.paths.state_dir), options.paths.state_dir / "cellblock.db")) {
+      store_((fs::create_directories(options.paths.state_dir),
+              options.paths.state_dir / "cellblock.db")) {
     settings_.state_dir = options_.paths.state_dir;
     settings_.libexec_dir = options_.paths.libexec_dir;
     check_state_dir_reachable(settings_.state_dir);
     ::chmod(settings_.state_dir.c_str(), 0711);
     if (!fs::exists(settings_.libexec_dir / "cellblock-shim")) {
-        throw std::runtime_error("kernel-shim " + (settings_.libexec_dir / "cellblock-shim").string() +
+        throw std::runtime_error("kernel-shim " +
+                                 (settings_.libexec_dir / "cellblock-shim").string() +
                                  " does not exist (build it, or pass --libexec-dir)");
     }
     options_.policy.validate();
@@ -256,7 +260,8 @@ Server::Server(const ServeOptions& options)
         options_.pool_workers);
 
     manager_.set(zmq::sockopt::linger, 1000);
-    manager_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options_.policy.max_file_bytes + (1 << 20)));
+    manager_.set(zmq::sockopt::maxmsgsize,
+                 static_cast<int64_t>(options_.policy.max_file_bytes + (1 << 20)));
     manager_.set(zmq::sockopt::router_handover, 1);
     manager_.bind(options_.manager_endpoint);
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
@@ -288,14 +293,17 @@ void Server::on_manager() {
         const auto views = scratch_.views();
         const std::string_view sender = views.empty() ? std::string_view() : views[0];
         if (scratch_.dropped_frames > 0) {
-            spdlog::warn("manager: rejected message from {}: too many frames", identity_text(sender));
+            spdlog::warn("manager: rejected message from {}: too many frames",
+                         identity_text(sender));
             continue;
         }
         WireLimits limits;
-        limits.max_total_bytes = static_cast<std::size_t>(options_.policy.max_file_bytes) + (1 << 20);
+        limits.max_total_bytes =
+            static_cast<std::size_t>(options_.policy.max_file_bytes) + (1 << 20);
         auto decoded = decode(views, signer_, &replay_, limits);
         if (!decoded.message) {
-            spdlog::warn("manager: rejected message from {}: {}", identity_text(sender), decoded.error);
+            spdlog::warn("manager: rejected message from {}: {}", identity_text(sender),
+                         decoded.error);
             continue;
         }
         Request request{std::move(*decoded.message)};
@@ -319,10 +327,12 @@ void Server::on_manager() {
         } catch (const RequestError& e) {
             reply(request.message, {{"status", "error"}, {"ename", e.ename}, {"evalue", e.evalue}});
         } catch (const PolicyError& e) {
-            reply(request.message, {{"status", "error"}, {"ename", e.ename()}, {"evalue", e.what()}});
+            reply(request.message,
+                  {{"status", "error"}, {"ename", e.ename()}, {"evalue", e.what()}});
         } catch (const std::exception& e) {
             spdlog::error("manager {}: {}", type, e.what());
-            reply(request.message, {{"status", "error"}, {"ename", "ServerError"}, {"evalue", e.what()}});
+            reply(request.message,
+                  {{"status", "error"}, {"ename", "ServerError"}, {"evalue", e.what()}});
         }
     }
 }
@@ -340,7 +350,8 @@ SessionProxy& Server::live_session(const json& content) {
     auto it = sessions_.find(id);
     if (it == sessions_.end()) {
         if (auto record = store_.session(id)) {
-            throw RequestError{"SessionClosed", "session " + id + " is closed: " + record->close_reason};
+            throw RequestError{"SessionClosed",
+                               "session " + id + " is closed: " + record->close_reason};
         }
         throw RequestError{"NoSuchSession", "no session " + id};
     }
@@ -353,8 +364,9 @@ SessionProxy& Server::live_session(const json& content) {
 
 json Server::session_create(Request& r, std::vector<std::string>&) {
     const json& c = r.message.content;
-    const std::string image_name =
-        c.contains("image") && c["image"].is_string() ? c["image"].get<std::string>() : options_.default_image;
+    const std::string image_name = c.contains("image") && c["image"].is_string()
+                                       ? c["image"].get<std::string>()
+                                       : options_.default_image;
     auto image = images_.find(image_name);
     if (image == images_.end()) throw RequestError{"UnknownImage", "no image '" + image_name + "'"};
     const json requested = c.contains("limits") ? c["limits"] : json::object();
@@ -364,9 +376,11 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     const SessionLimits limits = options_.policy.effective(image->second.limits_json, requested);
     const json metadata = c.contains("metadata") ? c["metadata"] : json::object();
     if (!metadata.is_object()) throw RequestError{"InvalidRequest", "metadata must be an object"};
-    if (sessions_.size() + creating_.size() >= static_cast<std::size_t>(options_.policy.max_sessions)) {
+    if (sessions_.size() + creating_.size() >=
+        static_cast<std::size_t>(options_.policy.max_sessions)) {
         throw RequestError{"TooManySessions", "the server holds its maximum of " +
-                                                  std::to_string(options_.policy.max_sessions) + " sessions"};
+                                                  std::to_string(options_.policy.max_sessions) +
+                                                  " sessions"};
     }
     PendingCreate pending{r.message, "", image_name, limits, metadata, Clock::now()};
     if (WarmSandbox warm = pool_->take(image_name, limits.sandbox)) {
@@ -375,12 +389,14 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
         return nullptr;
     }
     pending.session_id = make_session_id();
-    const std::uint64_t ticket = pool_->start_cold(pending.session_id, image->second, limits.sandbox);
+    const std::uint64_t ticket =
+        pool_->start_cold(pending.session_id, image->second, limits.sandbox);
     creating_.emplace(ticket, std::move(pending));
     return nullptr;  // answered when the sandbox is up
 }
 
-void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms, bool warm_start) {
+void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms,
+                           bool warm_start) {
     ConnectionInfo outer;
     outer.transport = "tcp";
     outer.ip = "127.0.0.1";
@@ -406,11 +422,12 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     record.metadata = pending.metadata;
     store_.add_session(record);
     store_.add_event({pending.session_id, record.created_at, "created",
-                      warm_start ? "warm sandbox from the pool"
-                                 : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms"});
+                      warm_start
+                          ? "warm sandbox from the pool"
+                          : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms"});
     json connection = proxy->outer_connection().to_json();
-    spdlog::info("session {}: created ({}, image {})", pending.session_id, warm_start ? "warm" : "cold",
-                 pending.image);
+    spdlog::info("session {}: created ({}, image {})", pending.session_id,
+                 warm_start ? "warm" : "cold", pending.image);
     sessions_.emplace(pending.session_id, std::move(proxy));
     reply(pending.request, {{"status", "ok"},
                             {"session_id", pending.session_id},
@@ -431,16 +448,17 @@ void Server::on_pool_results() {
         PendingCreate pending = std::move(it->second);
         creating_.erase(it);
         if (!result.warm) {
-            spdlog::error("session {}: the sandbox did not start: {}", pending.session_id, result.error);
-            reply(pending.request, {{"status", "error"},
-                                    {"ename", "SandboxStartFailed"},
-                                    {"evalue", result.error}});
+            spdlog::error("session {}: the sandbox did not start: {}", pending.session_id,
+                          result.error);
+            reply(pending.request,
+                  {{"status", "error"}, {"ename", "SandboxStartFailed"}, {"evalue", result.error}});
             continue;
         }
         try {
             finish_create(pending, std::move(result.warm), result.start_ms, false);
         } catch (const std::exception& e) {
-            reply(pending.request, {{"status", "error"}, {"ename", "ServerError"}, {"evalue", e.what()}});
+            reply(pending.request,
+                  {{"status", "error"}, {"ename", "ServerError"}, {"evalue", e.what()}});
         }
     }
 }
@@ -523,26 +541,26 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
     for (const auto& e : store_.events(id)) {
         events.push_back({{"at", e.at}, {"kind", e.kind}, {"detail", e.detail}});
     }
-    return {{"status", "ok"},
-            {"session_id", id},
-            {"state", record->state},
-            {"close_reason", record->close_reason},
-            {"executions", executions},
-            {"events", events}};
+    return {{"status", "ok"},           {"session_id", id},
+            {"state", record->state},   {"close_reason", record->close_reason},
+            {"executions", executions}, {"events", events}};
 }
 
 json Server::file_put(Request& r, std::vector<std::string>&) {
     SessionProxy& s = live_session(r.message.content);
     const json& c = r.message.content;
-    if (!c.contains("path") || !c["path"].is_string()) throw RequestError{"InvalidRequest", "path is required"};
+    if (!c.contains("path") || !c["path"].is_string())
+        throw RequestError{"InvalidRequest", "path is required"};
     const std::string path = checked_relative_path(c["path"].get<std::string>(), kSandboxInputDir);
     if (r.message.buffers.size() != 1) {
-        throw RequestError{"InvalidRequest", "file_put_request carries the file as exactly one buffer"};
+        throw RequestError{"InvalidRequest",
+                           "file_put_request carries the file as exactly one buffer"};
     }
     const std::string& data = r.message.buffers[0];
     const auto cap = static_cast<std::uint64_t>(options_.policy.max_file_bytes);
     std::uint64_t& used = input_bytes_[s.session_id()];
-    const std::uint64_t session_cap = static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb) << 20;
+    const std::uint64_t session_cap =
+        static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb) << 20;
     if (data.size() > cap) {
         throw RequestError{"FileTooLarge", std::to_string(data.size()) + " bytes is over the " +
                                                std::to_string(cap) + "-byte limit"};
@@ -557,7 +575,8 @@ json Server::file_put(Request& r, std::vector<std::string>&) {
     while ((slash = path.find('/', slash)) != std::string::npos) {
         const fs::path dir = base / path.substr(0, slash);
         if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-            throw RequestError{"FileError", "mkdir " + path.substr(0, slash) + ": " + strerror(errno)};
+            throw RequestError{"FileError",
+                               "mkdir " + path.substr(0, slash) + ": " + strerror(errno)};
         }
         ++slash;
     }
@@ -577,7 +596,8 @@ json Server::file_put(Request& r, std::vector<std::string>&) {
 json Server::file_get(Request& r, std::vector<std::string>& buffers) {
     SessionProxy& s = live_session(r.message.content);
     const json& c = r.message.content;
-    if (!c.contains("path") || !c["path"].is_string()) throw RequestError{"InvalidRequest", "path is required"};
+    if (!c.contains("path") || !c["path"].is_string())
+        throw RequestError{"InvalidRequest", "path is required"};
     const std::string path = checked_relative_path(c["path"].get<std::string>(), kSandboxOutputDir);
     const int fd = open_beneath(s.sandbox()->output_dir(), path, O_RDONLY | O_NONBLOCK);
     if (fd < 0) {
@@ -592,9 +612,9 @@ json Server::file_get(Request& r, std::vector<std::string>& buffers) {
     }
     if (st.st_size > options_.policy.max_file_bytes) {
         ::close(fd);
-        throw RequestError{"FileTooLarge", path + " is " + std::to_string(st.st_size) +
-                                               " bytes, over the " +
-                                               std::to_string(options_.policy.max_file_bytes) + "-byte limit"};
+        throw RequestError{"FileTooLarge",
+                           path + " is " + std::to_string(st.st_size) + " bytes, over the " +
+                               std::to_string(options_.policy.max_file_bytes) + "-byte limit"};
     }
     std::string data(static_cast<std::size_t>(st.st_size), '\0');
     std::size_t got = 0;
@@ -606,9 +626,7 @@ json Server::file_get(Request& r, std::vector<std::string>& buffers) {
     ::close(fd);
     data.resize(got);
     buffers.push_back(std::move(data));
-    return {{"status", "ok"},
-            {"path", std::string(kSandboxOutputDir) + "/" + path},
-            {"size", got}};
+    return {{"status", "ok"}, {"path", std::string(kSandboxOutputDir) + "/" + path}, {"size", got}};
 }
 
 json Server::server_info(Request&, std::vector<std::string>&) {
@@ -616,16 +634,18 @@ json Server::server_info(Request&, std::vector<std::string>&) {
     for (const auto& [name, image] : images_) images.push_back(name);
     std::size_t open = 0;
     for (const auto& [id, s] : sessions_) open += s->closed() ? 0 : 1;
-    return {{"status", "ok"},
-            {"implementation", "cellblock"},
-            {"version", kVersion},
-            {"protocol_version", std::string(kProtocolVersion)},
-            {"images", images},
-            {"default_image", options_.default_image},
-            {"pool", pool_->state()},
-            {"sessions", {{"open", open}, {"starting", creating_.size()}, {"max", options_.policy.max_sessions}}},
-            {"policy", options_.policy.to_json()},
-            {"state_dir", settings_.state_dir.string()}};
+    return {
+        {"status", "ok"},
+        {"implementation", "cellblock"},
+        {"version", kVersion},
+        {"protocol_version", std::string(kProtocolVersion)},
+        {"images", images},
+        {"default_image", options_.default_image},
+        {"pool", pool_->state()},
+        {"sessions",
+         {{"open", open}, {"starting", creating_.size()}, {"max", options_.policy.max_sessions}}},
+        {"policy", options_.policy.to_json()},
+        {"state_dir", settings_.state_dir.string()}};
 }
 
 void Server::on_execution(const ExecutionRecord& record) {
@@ -644,7 +664,8 @@ void Server::on_state(const std::string& session_id, const std::string& state) {
     }
 }
 
-void Server::on_event(const std::string& session_id, const std::string& kind, const std::string& detail) {
+void Server::on_event(const std::string& session_id, const std::string& kind,
+                      const std::string& detail) {
     try {
         store_.add_event({session_id, unix_now(), kind, detail});
     } catch (const std::exception& e) {
@@ -656,7 +677,8 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     input_bytes_.erase(session_id);
     auto it = sessions_.find(session_id);
     std::int64_t executions = 0;
-    if (it != sessions_.end() && it->second->governor()) executions = it->second->governor()->executions();
+    if (it != sessions_.end() && it->second->governor())
+        executions = it->second->governor()->executions();
     try {
         store_.close_session(session_id, reason, unix_now(), executions, 0, 0);
         store_.add_event({session_id, unix_now(), "closed", reason});
@@ -689,14 +711,16 @@ int Server::run() {
         long timeout_ms = -1;
         if (next) {
             timeout_ms = std::max<long>(
-                0, std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now()).count() + 1);
+                0, std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now())
+                           .count() +
+                       1);
         }
         zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout_ms));
         if (items[2].revents & ZMQ_POLLIN) {
             signalfd_siginfo info;
             [[maybe_unused]] auto n = ::read(signal_fd_, &info, sizeof info);
-            spdlog::info("cellblock serve: {}; closing {} session(s)", strsignal(static_cast<int>(info.ssi_signo)),
-                         sessions_.size());
+            spdlog::info("cellblock serve: {}; closing {} session(s)",
+                         strsignal(static_cast<int>(info.ssi_signo)), sessions_.size());
             return 0;
         }
         for (std::size_t i = 0; i < order.size(); ++i) {

@@ -12,10 +12,10 @@
 namespace cellblock {
 
 struct ServeOptions {
-    ServerPaths paths;                     // state_dir: /var/lib/cellblock by default
+    ServerPaths paths;  // state_dir: /var/lib/cellblock by default
     std::string manager_endpoint = "tcp://127.0.0.1:*";
     std::string default_image = "host";
-    std::map<std::string, int> pool;       // image -> warm sandboxes to keep
+    std::map<std::string, int> pool;  // image -> warm sandboxes to keep
     int pool_workers = 2;
     bool audit_code_hash_only = false;
     ServerPolicy policy;

@@ -78,7 +78,8 @@ SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
       outer_(outer),
       outer_signer_(outer.key, outer.signature_scheme),
       outer_shell_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
-      outer_control_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
+      outer_control_(
+          make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
       outer_stdin_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
       outer_iopub_(make_socket(context, zmq::socket_type::pub, options_.max_frame_bytes, 1000)),
       outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)) {
@@ -162,22 +163,32 @@ void SessionProxy::handle(const zmq::pollitem_t* items) {
 
 zmq::socket_t& SessionProxy::outer_socket(Channel channel) {
     switch (channel) {
-        case Channel::shell: return outer_shell_;
-        case Channel::control: return outer_control_;
-        case Channel::stdin_: return outer_stdin_;
-        case Channel::iopub: return outer_iopub_;
-        case Channel::hb: return outer_hb_;
+        case Channel::shell:
+            return outer_shell_;
+        case Channel::control:
+            return outer_control_;
+        case Channel::stdin_:
+            return outer_stdin_;
+        case Channel::iopub:
+            return outer_iopub_;
+        case Channel::hb:
+            return outer_hb_;
     }
     return outer_shell_;
 }
 
 zmq::socket_t& SessionProxy::inner_socket(Channel channel) {
     switch (channel) {
-        case Channel::shell: return inner_shell_;
-        case Channel::control: return inner_control_;
-        case Channel::stdin_: return inner_stdin_;
-        case Channel::iopub: return inner_iopub_;
-        case Channel::hb: return inner_hb_;
+        case Channel::shell:
+            return inner_shell_;
+        case Channel::control:
+            return inner_control_;
+        case Channel::stdin_:
+            return inner_stdin_;
+        case Channel::iopub:
+            return inner_iopub_;
+        case Channel::hb:
+            return inner_hb_;
     }
     return inner_shell_;
 }
@@ -224,7 +235,8 @@ void SessionProxy::on_outer_request(Channel channel) {
     for (std::size_t i = at.header(); i <= at.content(); ++i) {
         auto parsed = parse_json_frame(views[i], options_.outer_limits.max_json_depth);
         if (!parsed || !parsed->is_object()) {
-            reject(name, sender, "frame " + std::to_string(i - at.delimiter) + " is not a JSON object");
+            reject(name, sender,
+                   "frame " + std::to_string(i - at.delimiter) + " is not a JSON object");
             return;
         }
         if (i == at.header()) header = std::move(*parsed);
@@ -266,7 +278,8 @@ void SessionProxy::on_outer_request(Channel channel) {
         if (auto cb = metadata.find("cellblock"); cb != metadata.end() && cb->is_object()) {
             if (auto t = cb->find("timeout_s"); t != cb->end()) {
                 if (!t->is_number()) {
-                    refuse(request, "InvalidLimits", "metadata.cellblock.timeout_s must be a number");
+                    refuse(request, "InvalidLimits",
+                           "metadata.cellblock.timeout_s must be a number");
                     return;
                 }
                 timeout = t->get<double>();
@@ -332,7 +345,8 @@ void SessionProxy::on_outer_stdin() {
     for (std::size_t i = at.header(); i <= at.content(); ++i) {
         auto parsed = parse_json_frame(views[i], options_.outer_limits.max_json_depth);
         if (!parsed || !parsed->is_object()) {
-            reject("stdin", sender, "frame " + std::to_string(i - at.delimiter) + " is not a JSON object");
+            reject("stdin", sender,
+                   "frame " + std::to_string(i - at.delimiter) + " is not a JSON object");
             return;
         }
     }
@@ -371,8 +385,10 @@ void SessionProxy::forward_to_outer(zmq::socket_t& socket,
     auto view = [&](std::size_t i) {
         return std::string_view(static_cast<const char*>(frames[i].data()), frames[i].size());
     };
-    const std::string_view metadata = new_metadata ? std::string_view(*new_metadata) : view(at.metadata());
-    const std::string_view content = new_content ? std::string_view(*new_content) : view(at.content());
+    const std::string_view metadata =
+        new_metadata ? std::string_view(*new_metadata) : view(at.metadata());
+    const std::string_view content =
+        new_content ? std::string_view(*new_content) : view(at.content());
     std::vector<zmq::message_t> out;
     out.reserve(frames.size() + (identities ? identities->size() : 0));
     if (identities) {
@@ -381,12 +397,14 @@ void SessionProxy::forward_to_outer(zmq::socket_t& socket,
         for (std::size_t i = 0; i < at.delimiter; ++i) out.push_back(std::move(frames[i]));
     }
     out.push_back(to_frame(kDelimiter));
-    out.push_back(to_frame(outer_signer_.sign(view(at.header()), view(at.parent()), metadata, content)));
+    out.push_back(
+        to_frame(outer_signer_.sign(view(at.header()), view(at.parent()), metadata, content)));
     out.push_back(std::move(frames[at.header()]));
     out.push_back(std::move(frames[at.parent()]));
     out.push_back(new_metadata ? to_frame(*new_metadata) : std::move(frames[at.metadata()]));
     out.push_back(new_content ? to_frame(*new_content) : std::move(frames[at.content()]));
-    for (std::size_t i = at.first_buffer(); i < frames.size(); ++i) out.push_back(std::move(frames[i]));
+    for (std::size_t i = at.first_buffer(); i < frames.size(); ++i)
+        out.push_back(std::move(frames[i]));
     send_multipart(socket, out);
 }
 
@@ -395,7 +413,8 @@ void SessionProxy::release_held_reply() {
     HeldReply held = std::move(*held_reply_);
     held_reply_.reset();
     auto view = [&](std::size_t i) {
-        return std::string_view(static_cast<const char*>(held.frames[i].data()), held.frames[i].size());
+        return std::string_view(static_cast<const char*>(held.frames[i].data()),
+                                held.frames[i].size());
     };
     const WireLayout& at = held.layout;
     // The budget an agent needs rides on the reply: metadata.cellblock.
@@ -418,11 +437,13 @@ void SessionProxy::release_held_reply() {
         record.session_id = session_id_;
         record.count = execution_->count;
         record.msg_id = execution_->msg_id;
-        record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+        record.code =
+            options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
         record.status = status.empty() ? "unknown" : status;
         record.ename = ename;
         record.started_at = execution_->started_at;
-        record.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+        record.wall_ms =
+            std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
         record.cpu_ms = cpu_ms;
         record.memory_peak_bytes = usage.memory_peak_bytes;
         record.output_bytes = execution_->output_bytes;
@@ -473,7 +494,8 @@ void SessionProxy::on_inner_reply(Channel channel) {
         scratch_.frames.clear();
         return;
     }
-    forward_to_outer(outer_socket(channel), &request.identities, scratch_.frames, at, nullptr, nullptr);
+    forward_to_outer(outer_socket(channel), &request.identities, scratch_.frames, at, nullptr,
+                     nullptr);
 
     if (request.msg_type == "shutdown_request") {
         shutdown_request_.reset();
@@ -514,7 +536,8 @@ void SessionProxy::on_inner_iopub() {
     // Output shaping for the running execution.
     execution_->output_bytes += scratch_.total_bytes;
     const auto header = parse_json_frame(views[at.header()], options_.inner_limits.max_json_depth);
-    const std::string msg_type = header && header->is_object() ? json_string(*header, "msg_type") : "";
+    const std::string msg_type =
+        header && header->is_object() ? json_string(*header, "msg_type") : "";
     if (msg_type == "status") {
         const auto content = parse_json_frame(views[at.content()], 8);
         if (held_reply_ && content && content->is_object() &&
@@ -546,14 +569,15 @@ void SessionProxy::on_inner_iopub() {
     }
     if (options_.policy &&
         scratch_.total_bytes > static_cast<std::size_t>(options_.policy->max_message_bytes) &&
-        (msg_type == "display_data" || msg_type == "execute_result" || msg_type == "update_display_data")) {
-        json notice = {{"data",
-                        {{"text/plain", "[cellblock: a " + msg_type + " message of " +
-                                            std::to_string(scratch_.total_bytes) +
-                                            " bytes was replaced: the limit is " +
-                                            std::to_string(options_.policy->max_message_bytes) +
-                                            " bytes]"}}},
-                       {"metadata", json::object()}};
+        (msg_type == "display_data" || msg_type == "execute_result" ||
+         msg_type == "update_display_data")) {
+        json notice = {
+            {"data",
+             {{"text/plain", "[cellblock: a " + msg_type + " message of " +
+                                 std::to_string(scratch_.total_bytes) +
+                                 " bytes was replaced: the limit is " +
+                                 std::to_string(options_.policy->max_message_bytes) + " bytes]"}}},
+            {"metadata", json::object()}};
         if (msg_type == "execute_result") notice["execution_count"] = execution_->count;
         const std::string new_content = notice.dump();
         // Buffers go too: the notice replaces the whole message.
@@ -578,7 +602,8 @@ void SessionProxy::on_inner_stdin() {
     }
     const WireLayout& at = check.layout;
     const auto parent = parse_json_frame(views[at.parent()], options_.inner_limits.max_json_depth);
-    const std::string parent_id = parent && parent->is_object() ? json_string(*parent, "msg_id") : "";
+    const std::string parent_id =
+        parent && parent->is_object() ? json_string(*parent, "msg_id") : "";
     auto it = pending_.find(parent_id);
     if (it == pending_.end() || it->second.msg_type != "execute_request") {
         reject("kernel stdin", "", "input_request for a request that is not open");
@@ -608,7 +633,8 @@ std::optional<Clock::time_point> SessionProxy::next_deadline() const {
         if (!next || t < *next) next = t;
     };
     if (held_reply_) consider(held_reply_->release_by);
-    if (execution_ && !held_reply_) consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
+    if (execution_ && !held_reply_)
+        consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
     if (governor_) consider(governor_->next_expiry_check(Clock::now()));
     return next;
 }
@@ -649,14 +675,17 @@ void SessionProxy::on_timer(Clock::time_point now) {
         if (!execution_->kill_at && now >= execution_->deadline) {
             spdlog::info("session {}: execution {} passed its {:.0f} s timeout; interrupting",
                          session_id_, execution_->count, execution_->timeout_s);
-            if (options_.observer) options_.observer->on_event(session_id_, "interrupted", "execution timeout");
+            if (options_.observer)
+                options_.observer->on_event(session_id_, "interrupted", "execution timeout");
             sandbox_->interrupt();
-            execution_->kill_at = now + std::chrono::duration_cast<Clock::duration>(
-                                            std::chrono::duration<double>(options_.policy->kill_grace_s));
+            execution_->kill_at =
+                now + std::chrono::duration_cast<Clock::duration>(
+                          std::chrono::duration<double>(options_.policy->kill_grace_s));
         } else if (execution_->kill_at && now >= *execution_->kill_at) {
-            const std::string evalue = "the execution ran past its timeout of " +
-                                       std::to_string(static_cast<int>(execution_->timeout_s)) +
-                                       " s and did not stop when interrupted; the session was killed";
+            const std::string evalue =
+                "the execution ran past its timeout of " +
+                std::to_string(static_cast<int>(execution_->timeout_s)) +
+                " s and did not stop when interrupted; the session was killed";
             spdlog::warn("session {}: {}", session_id_, evalue);
             sandbox_->kill();
             finish_execution("timeout", "ExecutionTimeout");
@@ -677,11 +706,13 @@ void SessionProxy::finish_execution(const std::string& status, const std::string
         record.session_id = session_id_;
         record.count = execution_->count;
         record.msg_id = execution_->msg_id;
-        record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+        record.code =
+            options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
         record.status = status;
         record.ename = ename;
         record.started_at = execution_->started_at;
-        record.wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+        record.wall_ms =
+            std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
         record.output_bytes = execution_->output_bytes;
         record.truncated = governor_ && governor_->truncated();
         if (sandbox_) record.memory_peak_bytes = sandbox_->usage().memory_peak_bytes;

@@ -33,7 +33,7 @@ namespace cellblock {
 // What the server records about a session (the audit trail); called on the
 // server's loop thread.
 class SessionObserver {
-public:
+  public:
     virtual ~SessionObserver() = default;
     virtual void on_execution(const ExecutionRecord& record) = 0;
     virtual void on_state(const std::string& session_id, const std::string& state) = 0;
@@ -57,7 +57,7 @@ struct ProxyOptions {
 };
 
 class SessionProxy {
-public:
+  public:
     static constexpr std::size_t kPollItems = 10;
 
     // Binds the outer channels of `outer`; a port of 0 binds a free port
@@ -92,7 +92,7 @@ public:
     const SessionGovernor* governor() const { return governor_ ? &*governor_ : nullptr; }
     std::string state() const;
 
-private:
+  private:
     struct PendingRequest {
         Channel channel;
         std::vector<std::string> identities;

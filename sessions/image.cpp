@@ -22,9 +22,8 @@ void read_field(const json& j, const char* name, T& out, const std::string& wher
 }  // namespace
 
 json SandboxLimits::to_json() const {
-    return {{"memory_mb", memory_mb}, {"pids", pids},           {"disk_mb", disk_mb},
-            {"shm_mb", shm_mb},       {"output_mb", output_mb}, {"cpus", cpus},
-            {"nofile", nofile}};
+    return {{"memory_mb", memory_mb}, {"pids", pids}, {"disk_mb", disk_mb}, {"shm_mb", shm_mb},
+            {"output_mb", output_mb}, {"cpus", cpus}, {"nofile", nofile}};
 }
 
 SandboxLimits SandboxLimits::from_json(const json& j, const SandboxLimits& base) {
@@ -80,7 +79,8 @@ Image Image::load(const fs::path& image_json) {
     std::ifstream in(image_json);
     if (!in) throw std::runtime_error("image file " + image_json.string() + ": cannot open");
     json j = json::parse(in, nullptr, false);
-    if (j.is_discarded()) throw std::runtime_error("image file " + image_json.string() + ": not JSON");
+    if (j.is_discarded())
+        throw std::runtime_error("image file " + image_json.string() + ": not JSON");
     try {
         return from_json(j);
     } catch (const std::exception& e) {
@@ -89,7 +89,8 @@ Image Image::load(const fs::path& image_json) {
 }
 
 Image find_image(const std::string& name, const std::vector<fs::path>& image_dirs) {
-    if (name.empty() || name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
+    if (name.empty() || name.find('/') != std::string::npos ||
+        name.find("..") != std::string::npos) {
         throw std::runtime_error("image '" + name + "': not a valid image name");
     }
     std::string searched;

@@ -21,7 +21,7 @@ json tmpfs_mount(const std::string& destination, std::vector<std::string> option
 }
 
 json bind_mount(const std::string& source, const std::string& destination, bool read_only,
-          bool exec = false) {
+                bool exec = false) {
     std::vector<std::string> options{"rbind", read_only ? "ro" : "rw", "nosuid", "nodev"};
     if (!exec) options.push_back("noexec");
     return {{"destination", destination},
@@ -70,17 +70,65 @@ std::vector<std::string> sandbox_environment(const Image& image) {
 json make_seccomp_profile() {
     // Docker's default profile denies these to an unprivileged container; so do
     // we, plus the calls that let same-uid code hijack another process.
-    static const std::vector<std::string> denied = {
-        "acct", "add_key", "bpf", "chroot", "clock_adjtime", "clock_settime", "create_module",
-        "delete_module", "fanotify_init", "finit_module", "fsconfig", "fsmount", "fsopen",
-        "fspick", "get_kernel_syms", "init_module", "io_uring_enter", "io_uring_register",
-        "io_uring_setup", "ioperm", "iopl", "kcmp", "kexec_file_load", "kexec_load", "keyctl",
-        "lookup_dcookie", "mount", "mount_setattr", "move_mount", "name_to_handle_at",
-        "nfsservctl", "open_by_handle_at", "open_tree", "perf_event_open", "pidfd_getfd",
-        "pivot_root", "process_madvise", "process_vm_readv", "process_vm_writev", "ptrace",
-        "query_module", "quotactl", "quotactl_fd", "reboot", "request_key", "setdomainname",
-        "sethostname", "setns", "settimeofday", "swapoff", "swapon", "_sysctl", "syslog",
-        "umount2", "unshare", "uselib", "userfaultfd", "ustat", "vhangup"};
+    static const std::vector<std::string> denied = {"acct",
+                                                    "add_key",
+                                                    "bpf",
+                                                    "chroot",
+                                                    "clock_adjtime",
+                                                    "clock_settime",
+                                                    "create_module",
+                                                    "delete_module",
+                                                    "fanotify_init",
+                                                    "finit_module",
+                                                    "fsconfig",
+                                                    "fsmount",
+                                                    "fsopen",
+                                                    "fspick",
+                                                    "get_kernel_syms",
+                                                    "init_module",
+                                                    "io_uring_enter",
+                                                    "io_uring_register",
+                                                    "io_uring_setup",
+                                                    "ioperm",
+                                                    "iopl",
+                                                    "kcmp",
+                                                    "kexec_file_load",
+                                                    "kexec_load",
+                                                    "keyctl",
+                                                    "lookup_dcookie",
+                                                    "mount",
+                                                    "mount_setattr",
+                                                    "move_mount",
+                                                    "name_to_handle_at",
+                                                    "nfsservctl",
+                                                    "open_by_handle_at",
+                                                    "open_tree",
+                                                    "perf_event_open",
+                                                    "pidfd_getfd",
+                                                    "pivot_root",
+                                                    "process_madvise",
+                                                    "process_vm_readv",
+                                                    "process_vm_writev",
+                                                    "ptrace",
+                                                    "query_module",
+                                                    "quotactl",
+                                                    "quotactl_fd",
+                                                    "reboot",
+                                                    "request_key",
+                                                    "setdomainname",
+                                                    "sethostname",
+                                                    "setns",
+                                                    "settimeofday",
+                                                    "swapoff",
+                                                    "swapon",
+                                                    "_sysctl",
+                                                    "syslog",
+                                                    "umount2",
+                                                    "unshare",
+                                                    "uselib",
+                                                    "userfaultfd",
+                                                    "ustat",
+                                                    "vhangup"};
     json syscalls = json::array();
     syscalls.push_back(
         {{"names", denied}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 1 /* EPERM */}});
@@ -94,12 +142,14 @@ json make_seccomp_profile() {
         0x08000000 /* CLONE_NEWIPC */,    0x10000000 /* CLONE_NEWUSER */,
         0x20000000 /* CLONE_NEWPID */,    0x40000000 /* CLONE_NEWNET */};
     for (auto flag : namespace_flags) {
-        syscalls.push_back(
-            {{"names", {"clone"}},
-             {"action", "SCMP_ACT_ERRNO"},
-             {"errnoRet", 1},
-             {"args",
-              {{{"index", 0}, {"value", flag}, {"valueTwo", flag}, {"op", "SCMP_CMP_MASKED_EQ"}}}}});
+        syscalls.push_back({{"names", {"clone"}},
+                            {"action", "SCMP_ACT_ERRNO"},
+                            {"errnoRet", 1},
+                            {"args",
+                             {{{"index", 0},
+                               {"value", flag},
+                               {"valueTwo", flag},
+                               {"op", "SCMP_CMP_MASKED_EQ"}}}}});
     }
     // AF_VSOCK (40) reaches the hypervisor's host side.
     syscalls.push_back({{"names", {"socket"}},
@@ -121,11 +171,13 @@ json make_oci_config(const SandboxSpec& spec) {
                       {"source", "proc"},
                       {"options", {"nosuid", "noexec", "nodev"}}});
     mounts.push_back(tmpfs_mount("/dev", {"nosuid", "strictatime", "mode=755", "size=64k"}));
-    mounts.push_back({{"destination", "/dev/pts"},
-                      {"type", "devpts"},
-                      {"source", "devpts"},
-                      {"options", {"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}}});
-    mounts.push_back(tmpfs_mount("/dev/shm", {"nosuid", "noexec", "nodev", "mode=1777", size_mb(lim.shm_mb)}));
+    mounts.push_back(
+        {{"destination", "/dev/pts"},
+         {"type", "devpts"},
+         {"source", "devpts"},
+         {"options", {"nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"}}});
+    mounts.push_back(
+        tmpfs_mount("/dev/shm", {"nosuid", "noexec", "nodev", "mode=1777", size_mb(lim.shm_mb)}));
     mounts.push_back({{"destination", "/dev/mqueue"},
                       {"type", "mqueue"},
                       {"source", "mqueue"},
@@ -141,11 +193,12 @@ json make_oci_config(const SandboxSpec& spec) {
         mounts.push_back(bind_mount(path, path, true));
     }
     for (const auto& path : spec.image.hidden_paths) {
-        mounts.push_back(tmpfs_mount(path, {"ro", "nosuid", "nodev", "noexec", "size=4k", "mode=755"}));
+        mounts.push_back(
+            tmpfs_mount(path, {"ro", "nosuid", "nodev", "noexec", "size=4k", "mode=755"}));
     }
     mounts.push_back(tmpfs_mount("/tmp", {"nosuid", "nodev", "mode=1777", size_mb(lim.disk_mb)}));
     mounts.push_back(tmpfs_mount(kSandboxHome, {"nosuid", "nodev", "mode=700", "uid=" + uid,
-                                          "gid=" + uid, size_mb(lim.disk_mb)}));
+                                                "gid=" + uid, size_mb(lim.disk_mb)}));
     mounts.push_back(bind_mount(spec.ipc_dir.string(), kSandboxIpcDir, false));
     mounts.push_back(bind_mount(spec.input_dir.string(), kSandboxInputDir, true));
     mounts.push_back(bind_mount(spec.output_dir.string(), kSandboxOutputDir, false));
@@ -170,8 +223,7 @@ json make_oci_config(const SandboxSpec& spec) {
           {"permitted", no_caps},
           {"ambient", no_caps}}},
         {"rlimits",
-         {rlimit("RLIMIT_NOFILE", static_cast<std::uint64_t>(lim.nofile)),
-          rlimit("RLIMIT_CORE", 0),
+         {rlimit("RLIMIT_NOFILE", static_cast<std::uint64_t>(lim.nofile)), rlimit("RLIMIT_CORE", 0),
           rlimit("RLIMIT_NPROC", static_cast<std::uint64_t>(lim.pids) * 4)}}};
 
     const std::int64_t memory = static_cast<std::int64_t>(lim.memory_mb) << 20;
@@ -187,25 +239,24 @@ json make_oci_config(const SandboxSpec& spec) {
         namespaces.push_back({{"type", ns}});
     }
 
-    return {
-        {"ociVersion", "1.0.2"},
-        {"process", process},
-        {"root", {{"path", spec.rootfs.string()}, {"readonly", true}}},
-        {"hostname", "sandbox"},
-        {"mounts", mounts},
-        {"linux",
-         {{"uidMappings", id_mapping(spec.ids)},
-          {"gidMappings", id_mapping(spec.ids)},
-          {"namespaces", namespaces},
-          {"cgroupsPath", "/" + spec.cgroup_parent + "/" + spec.container_id},
-          {"resources", resources},
-          {"seccomp", make_seccomp_profile()},
-          {"maskedPaths",
-           {"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
-            "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
-            "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"}},
-          {"readonlyPaths",
-           {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"}}}}};
+    return {{"ociVersion", "1.0.2"},
+            {"process", process},
+            {"root", {{"path", spec.rootfs.string()}, {"readonly", true}}},
+            {"hostname", "sandbox"},
+            {"mounts", mounts},
+            {"linux",
+             {{"uidMappings", id_mapping(spec.ids)},
+              {"gidMappings", id_mapping(spec.ids)},
+              {"namespaces", namespaces},
+              {"cgroupsPath", "/" + spec.cgroup_parent + "/" + spec.container_id},
+              {"resources", resources},
+              {"seccomp", make_seccomp_profile()},
+              {"maskedPaths",
+               {"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
+                "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
+                "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"}},
+              {"readonlyPaths",
+               {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"}}}}};
 }
 
 namespace {
@@ -239,8 +290,8 @@ void prepare_host_rootfs(const SandboxSpec& spec, const json& oci_config) {
     for (const auto& mount : oci_config.at("mounts")) {
         const std::string destination = mount.at("destination");
         const fs::path target = root / destination.substr(1);
-        const bool is_file_bind =
-            mount.at("type") == "bind" && fs::is_regular_file(mount.at("source").get<std::string>());
+        const bool is_file_bind = mount.at("type") == "bind" &&
+                                  fs::is_regular_file(mount.at("source").get<std::string>());
         if (is_file_bind) {
             make_dirs(target.parent_path());
             if (!fs::exists(target)) write_file(target, "");
@@ -253,10 +304,12 @@ void prepare_host_rootfs(const SandboxSpec& spec, const json& oci_config) {
     ::chmod((root / "dev/shm").c_str(), 01777);
 
     const std::string uid = std::to_string(kSandboxUid);
-    write_file(root / "etc/passwd", "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                    "sandbox:x:" + uid + ":" + uid + ":sandbox:" +
-                                        kSandboxHome + ":/bin/sh\n"
-                                        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
+    write_file(root / "etc/passwd",
+               "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+               "sandbox:x:" +
+                   uid + ":" + uid + ":sandbox:" + kSandboxHome +
+                   ":/bin/sh\n"
+                   "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
     write_file(root / "etc/group", "root:x:0:\nsandbox:x:" + uid + ":\nnogroup:x:65534:\n");
     write_file(root / "etc/hosts", "127.0.0.1\tlocalhost sandbox\n::1\tlocalhost ip6-localhost\n");
     write_file(root / "etc/hostname", "sandbox\n");

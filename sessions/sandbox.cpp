@@ -4,8 +4,8 @@
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/mount.h>
-#include <sys/socket.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -52,8 +52,9 @@ std::string log_tail(const fs::path& log) {
 }
 
 void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner) {
-    const std::string options = "size=" + std::to_string(size_mb) + "m,mode=0700,uid=" +
-                                std::to_string(owner) + ",gid=" + std::to_string(owner);
+    const std::string options = "size=" + std::to_string(size_mb) +
+                                "m,mode=0700,uid=" + std::to_string(owner) +
+                                ",gid=" + std::to_string(owner);
     if (::mount("tmpfs", target.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                 options.c_str()) != 0) {
         throw SandboxError("mount tmpfs " + target.string() + ": " + errno_text());
@@ -192,7 +193,8 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         if (fs::exists(path)) {
             spec.image.host_binds.push_back(path);
         } else {
-            spdlog::debug("image {}: host path {} does not exist here; not bound", image.name, path);
+            spdlog::debug("image {}: host path {} does not exist here; not bound", image.name,
+                          path);
         }
     }
     spec.limits = limits;
@@ -226,11 +228,11 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         throw SandboxError("open " + log.string() + ": " + errno_text());
     }
     const fs::path pid_file = dir / "init.pid";
-    const auto result = run_process(
-        runtime_argv(settings, {"run", "--detach", "--pid-file", pid_file.string(),
-                                "--preserve-fds", "1", "--bundle", (dir / "bundle").string(),
-                                box->container_id_}),
-        pair[1], log_fd);
+    const auto result =
+        run_process(runtime_argv(settings, {"run", "--detach", "--pid-file", pid_file.string(),
+                                            "--preserve-fds", "1", "--bundle",
+                                            (dir / "bundle").string(), box->container_id_}),
+                    pair[1], log_fd);
     ::close(pair[1]);
     ::close(log_fd);
     if (result.exit_code != 0) {
@@ -260,7 +262,8 @@ bool Sandbox::read_lifeline() {
 bool Sandbox::memory_limit_hit() const {
     const auto u = usage();
     return u.oom_kills > 0 ||
-           u.memory_peak_bytes >= (static_cast<std::uint64_t>(limits_.memory_mb) << 20) - (1u << 20);
+           u.memory_peak_bytes >=
+               (static_cast<std::uint64_t>(limits_.memory_mb) << 20) - (1u << 20);
 }
 
 std::string Sandbox::exit_description() const {
@@ -349,7 +352,8 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
             // No lock yet: another process may be creating it right now.
             std::error_code age_ec;
             const auto mtime = fs::last_write_time(entry.path(), age_ec);
-            if (!age_ec && fs::file_time_type::clock::now() - mtime < std::chrono::seconds(60)) continue;
+            if (!age_ec && fs::file_time_type::clock::now() - mtime < std::chrono::seconds(60))
+                continue;
         }
         // Either its owner died (the lock was released with it) or it never got a lock.
         const pid_t pid = static_cast<pid_t>(read_u64(entry.path() / "init.pid"));

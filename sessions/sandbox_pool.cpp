@@ -37,15 +37,18 @@ void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits) {
         if (fs::exists(dir / "memory.limit_in_bytes")) {
             // memory+swap must stay >= memory: order the two writes by direction.
             const bool memsw = fs::exists(dir / "memory.memsw.limit_in_bytes");
-            if (raising && memsw) write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
+            if (raising && memsw)
+                write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
             write_value(dir / "memory.limit_in_bytes", std::to_string(memory));
-            if (!raising && memsw) write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
+            if (!raising && memsw)
+                write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
         }
         if (fs::exists(dir / "memory.max")) {
             write_value(dir / "memory.max", std::to_string(memory));
             if (fs::exists(dir / "memory.swap.max")) write_value(dir / "memory.swap.max", "0");
         }
-        if (fs::exists(dir / "pids.max")) write_value(dir / "pids.max", std::to_string(limits.pids));
+        if (fs::exists(dir / "pids.max"))
+            write_value(dir / "pids.max", std::to_string(limits.pids));
         if (fs::exists(dir / "cpu.cfs_quota_us")) {
             write_value(dir / "cpu.cfs_period_us", std::to_string(period));
             write_value(dir / "cpu.cfs_quota_us", std::to_string(quota));

@@ -26,18 +26,18 @@ struct SandboxLimits {
 };
 
 struct Image {
-    std::string name;                                 // "host"
+    std::string name;  // "host"
     std::string display_name = "Python 3 (cellblock)";
     std::string language = "python";
-    std::string runtime = "runc";                     // runc, crun or runsc
+    std::string runtime = "runc";  // runc, crun or runsc
     // "host": a skeleton root plus read-only binds of the host's /usr and the
     // few /etc entries named in `host_binds`; otherwise the path of an
     // unpacked root filesystem.
     std::string rootfs = "host";
-    std::vector<std::string> host_binds;              // read-only, same path inside
-    std::vector<std::string> hidden_paths;            // covered by an empty read-only tmpfs
-    std::vector<std::string> kernel_argv;             // "{connection_file}" is substituted
-    std::map<std::string, std::string> env;           // the kernel's environment additions
+    std::vector<std::string> host_binds;     // read-only, same path inside
+    std::vector<std::string> hidden_paths;   // covered by an empty read-only tmpfs
+    std::vector<std::string> kernel_argv;    // "{connection_file}" is substituted
+    std::map<std::string, std::string> env;  // the kernel's environment additions
     SandboxLimits limits;
     // The image's "limits" object as written (session and sandbox fields),
     // layered between the server's defaults and a session request.

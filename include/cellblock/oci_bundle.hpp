@@ -34,11 +34,11 @@ struct SandboxSpec {
     Image image;
     SandboxLimits limits;
     IdMapping ids;
-    std::filesystem::path rootfs;      // host path of the root filesystem
-    std::filesystem::path ipc_dir;     // host dir mounted at /run/cellblock
-    std::filesystem::path input_dir;   // host dir mounted read-only at /data/input
-    std::filesystem::path output_dir;  // host dir mounted at /data/output
-    std::filesystem::path libexec_dir; // host dir with cellblock-shim, mounted at /opt/cellblock
+    std::filesystem::path rootfs;       // host path of the root filesystem
+    std::filesystem::path ipc_dir;      // host dir mounted at /run/cellblock
+    std::filesystem::path input_dir;    // host dir mounted read-only at /data/input
+    std::filesystem::path output_dir;   // host dir mounted at /data/output
+    std::filesystem::path libexec_dir;  // host dir with cellblock-shim, mounted at /opt/cellblock
     std::string cgroup_parent = "cellblock";
 };
 

@@ -20,14 +20,14 @@ namespace cellblock {
 
 // A failure that names the step and the resource ("runc run cb-1f2e: ...").
 class SandboxError : public std::runtime_error {
-public:
+  public:
     using std::runtime_error::runtime_error;
 };
 
 struct RuntimeSettings {
-    std::string runtime = "runc";                 // runc, crun or runsc (a binary on PATH or a path)
-    std::filesystem::path state_dir;              // root of everything cellblock keeps
-    std::filesystem::path libexec_dir;            // holds cellblock-shim and the kernel launcher
+    std::string runtime = "runc";       // runc, crun or runsc (a binary on PATH or a path)
+    std::filesystem::path state_dir;    // root of everything cellblock keeps
+    std::filesystem::path libexec_dir;  // holds cellblock-shim and the kernel launcher
     IdMapping ids;
     std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
     std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
@@ -42,7 +42,7 @@ struct SandboxUsage {
 };
 
 class Sandbox {
-public:
+  public:
     // Creates the session directory (lock, bundle, capped ipc and output
     // mounts), writes the inner connection file, and starts the container
     // detached with the shim as init. Returns once the runtime has started it;
@@ -87,7 +87,7 @@ public:
     void set_limits(const SandboxLimits& limits) { limits_ = limits; }
     const std::string& image_name() const { return image_name_; }
 
-private:
+  private:
     Sandbox() = default;
     std::string session_id_;
     std::string container_id_;

@@ -47,7 +47,7 @@ struct StartResult {
 };
 
 class SandboxPool {
-public:
+  public:
     // `notify` is called from a worker thread whenever a StartResult is ready
     // (the server wakes its loop with it); it must not block.
     SandboxPool(RuntimeSettings settings, ReadinessProbe probe, std::vector<PoolImage> images,
@@ -73,10 +73,11 @@ public:
     // {image: {ready, starting, target, failures, last_error}}
     nlohmann::json state() const;
     std::size_t ready(const std::string& image) const;
-    // Blocks until every image has `target` ready sandboxes or the timeout passes (tests, benchmarks).
+    // Blocks until every image has `target` ready sandboxes or the timeout passes (tests,
+    // benchmarks).
     bool wait_until_full(std::chrono::milliseconds timeout) const;
 
-private:
+  private:
     struct Job {
         enum Kind { refill, cold, destroy } kind;
         std::string image;
@@ -97,7 +98,7 @@ private:
     void work();
     void schedule_refills_locked();
     WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
-                                             const SandboxLimits& limits);
+                                const SandboxLimits& limits);
 
     RuntimeSettings settings_;
     ReadinessProbe probe_;

@@ -37,25 +37,26 @@ struct SessionLimits {
 
 // An error that reaches a client as {status: "error", ename, evalue}.
 class PolicyError : public std::runtime_error {
-public:
+  public:
     PolicyError(std::string ename, const std::string& evalue)
         : std::runtime_error(evalue), ename_(std::move(ename)) {}
     const std::string& ename() const { return ename_; }
 
-private:
+  private:
     std::string ename_;
 };
 
 struct ServerPolicy {
     SessionLimits defaults;
-    SessionLimits maxima;                 // no layer may go above these
-    double kill_grace_s = 3;              // after an interrupt at the deadline, before the kill
-    double closed_memory_s = 600;         // how long a closed session still answers SessionClosed
+    SessionLimits maxima;          // no layer may go above these
+    double kill_grace_s = 3;       // after an interrupt at the deadline, before the kill
+    double closed_memory_s = 600;  // how long a closed session still answers SessionClosed
     std::int64_t max_message_bytes = 16 << 20;  // one iopub message larger is replaced by a notice
     std::int64_t max_file_bytes = 64 << 20;     // file_put / file_get
     int max_sessions = 256;
 
-    ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16 GB)
+    ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16
+                     // GB)
 
     // Throws PolicyError("InvalidLimits", ...) if a default or maximum is not
     // positive or a default is above its maximum (a misconfigured server).
@@ -73,13 +74,13 @@ using Clock = std::chrono::steady_clock;
 
 // The per-session rules, fed the events of the stream by the proxy.
 class SessionGovernor {
-public:
+  public:
     SessionGovernor(SessionLimits limits, const ServerPolicy& policy, Clock::time_point now);
 
     struct ExecuteDecision {
         bool forward = true;
-        std::string ename, evalue;              // when !forward
-        Clock::time_point deadline{};           // when forward: interrupt at this time
+        std::string ename, evalue;     // when !forward
+        Clock::time_point deadline{};  // when forward: interrupt at this time
     };
     // A client's execute_request. `requested_timeout_s` is metadata.cellblock.timeout_s.
     // Refuses past max_executions (ExecutionLimitExceeded), a timeout above
@@ -95,9 +96,9 @@ public:
                                     std::uint64_t memory_peak_bytes);
 
     struct StreamDecision {
-        std::size_t keep = 0;      // bytes of this message's text to keep
-        bool add_marker = false;   // append the one marker now
-        std::string marker;        // "\n[cellblock: output truncated at N bytes; the rest ...]\n"
+        std::size_t keep = 0;     // bytes of this message's text to keep
+        bool add_marker = false;  // append the one marker now
+        std::string marker;       // "\n[cellblock: output truncated at N bytes; the rest ...]\n"
     };
     // A stream message of the current execution with `bytes` of text. The proxy
     // cuts the text at utf8_safe_prefix(text, keep), never mid-character.
@@ -120,7 +121,7 @@ public:
 
     const SessionLimits& limits() const { return limits_; }
 
-private:
+  private:
     StreamDecision shape_stream(std::size_t bytes, std::size_t room_to_keep);
 
     SessionLimits limits_;

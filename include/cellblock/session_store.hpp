@@ -15,10 +15,10 @@ namespace cellblock {
 struct SessionRecord {
     std::string id;
     std::string image;
-    std::string state;           // starting, idle, busy, closing, closed, failed
-    std::string close_reason;    // "" while open
-    double created_at = 0;       // unix seconds
-    double closed_at = 0;        // 0 while open
+    std::string state;         // starting, idle, busy, closing, closed, failed
+    std::string close_reason;  // "" while open
+    double created_at = 0;     // unix seconds
+    double closed_at = 0;      // 0 while open
     nlohmann::json limits = nlohmann::json::object();    // effective
     nlohmann::json metadata = nlohmann::json::object();  // the client's, as given
     std::int64_t execution_count = 0;
@@ -28,10 +28,10 @@ struct SessionRecord {
 
 struct ExecutionRecord {
     std::string session_id;
-    std::int64_t count = 0;       // 1-based within the session
+    std::int64_t count = 0;  // 1-based within the session
     std::string msg_id;
-    std::string code;             // the code, or "sha256:<hex>" when the policy keeps hashes
-    std::string status;           // ok, error, aborted, refused, timeout
+    std::string code;    // the code, or "sha256:<hex>" when the policy keeps hashes
+    std::string status;  // ok, error, aborted, refused, timeout
     std::string ename;
     double started_at = 0;
     double wall_ms = 0;
@@ -44,12 +44,12 @@ struct ExecutionRecord {
 struct EventRecord {
     std::string session_id;
     double at = 0;
-    std::string kind;    // created, closed, interrupted, killed, reaped, ...
+    std::string kind;  // created, closed, interrupted, killed, reaped, ...
     std::string detail;
 };
 
 class SessionStore {
-public:
+  public:
     // Opens or creates the database (WAL, foreign keys, schema version checked).
     // Throws std::runtime_error("database <path>: <why>").
     explicit SessionStore(const std::filesystem::path& path);
@@ -75,7 +75,7 @@ public:
     // (crash recovery: "server_restart"), returning their ids.
     std::vector<std::string> close_all_open(const std::string& reason, double at);
 
-private:
+  private:
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };

@@ -11,7 +11,7 @@ namespace cellblock {
 // HMAC-SHA256, as lowercase hex. An empty key disables signing, as the
 // messaging spec says: sign() returns "" and verify() accepts only "".
 class Signer {
-public:
+  public:
     // Only "hmac-sha256" is supported; anything else throws std::invalid_argument.
     explicit Signer(std::string key, std::string_view scheme = "hmac-sha256");
     ~Signer();
@@ -31,7 +31,7 @@ public:
     bool verify(std::string_view signature, std::string_view header, std::string_view parent,
                 std::string_view metadata, std::string_view content) const;
 
-private:
+  private:
     struct Impl;
     std::string key_;
     std::unique_ptr<Impl> impl_;

@@ -23,7 +23,7 @@ inline constexpr std::string_view kProtocolVersion = "5.3";
 // Caps applied before any parsing; libzmq's ZMQ_MAXMSGSIZE limits one frame,
 // not a multipart message, so these are counted here.
 struct WireLimits {
-    std::size_t max_frames = 1024;            // whole multipart, identities and buffers included
+    std::size_t max_frames = 1024;  // whole multipart, identities and buffers included
     std::size_t max_identities = 16;
     std::size_t max_json_frame_bytes = 16u << 20;  // each of header/parent/metadata/content
     std::size_t max_total_bytes = 128u << 20;      // all frames together
@@ -93,10 +93,10 @@ nlohmann::json make_header(std::string_view msg_type, std::string_view session,
                            std::string_view username = "cellblock");
 
 // A reply or broadcast whose parent is `parent`.
-WireMessage make_reply(const WireMessage& parent, std::string_view msg_type,
-                       nlohmann::json content, std::string_view session);
+WireMessage make_reply(const WireMessage& parent, std::string_view msg_type, nlohmann::json content,
+                       std::string_view session);
 
-std::string make_uuid();       // uuid4, canonical 36-character form
-std::string iso8601_now();     // e.g. 2026-11-22T12:00:00.123456Z
+std::string make_uuid();    // uuid4, canonical 36-character form
+std::string iso8601_now();  // e.g. 2026-11-22T12:00:00.123456Z
 
 }  // namespace cellblock
