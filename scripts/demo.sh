@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# The main job: sets everything up, builds cellblock, installs the
-# cellblock-python kernelspec into the build tree, and runs a real session:
-# a Jupyter client starts the sandboxed kernel and runs a short analysis.
+# The main job: sets everything up, builds cellblock, starts `cellblock serve`,
+# and runs a real session through it the way an agent would: create a
+# session, upload a CSV, analyse it in the sandbox, fetch the plot, print the
+# audit history, close the session, stop the server.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
 bash scripts/build.sh "$root/build"
-"$root/build/bin/cellblock" kernelspec install --prefix "$root/build"
-export JUPYTER_PATH="$root/build/share/jupyter"
-exec /usr/bin/python3 "$root/scripts/demo_session.py" --out "$root/build/demo"
+state=/run/cellblock-demo
+out="$root/build/demo"
+mkdir -p "$out"
+"$root/build/bin/cellblock" serve --state-dir "$state" --pool host=1 2>"$out/server.log" &
+server=$!
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 100); do [[ -f $state/server.json ]] && break; sleep 0.1; done
+[[ -f $state/server.json ]] || { cat "$out/server.log"; exit 1; }
+/usr/bin/python3 "$root/scripts/demo_session.py" --state-dir "$state" --out "$out"
+echo
+"$root/build/bin/cellblock" ls --all --state-dir "$state"

@@ -426,6 +426,8 @@ void SessionProxy::release_held_reply() {
     const std::uint64_t cpu_ms =
         (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
     md["cellblock"] = governor_->on_execute_reply(Clock::now(), cpu_ms, usage.memory_peak_bytes);
+    memory_peak_bytes_ = std::max(memory_peak_bytes_, usage.memory_peak_bytes);
+    cpu_ms_total_ += cpu_ms;
     const std::string new_metadata = md.dump();
     const bool content_ok = content && content->is_object();
     const std::string status = content_ok ? json_string(*content, "status") : "";
@@ -492,6 +494,7 @@ void SessionProxy::on_inner_reply(Channel channel) {
         held_reply_ = HeldReply{std::move(request), std::move(scratch_.frames), at,
                                 Clock::now() + std::chrono::seconds(2)};
         scratch_.frames.clear();
+        if (execution_->idle_seen) release_held_reply();
         return;
     }
     forward_to_outer(outer_socket(channel), &request.identities, scratch_.frames, at, nullptr,
@@ -540,9 +543,12 @@ void SessionProxy::on_inner_iopub() {
         header && header->is_object() ? json_string(*header, "msg_type") : "";
     if (msg_type == "status") {
         const auto content = parse_json_frame(views[at.content()], 8);
-        if (held_reply_ && content && content->is_object() &&
-            json_string(*content, "execution_state") == "idle") {
-            release_held_reply();
+        if (content && content->is_object() && json_string(*content, "execution_state") == "idle") {
+            if (held_reply_) {
+                release_held_reply();
+            } else {
+                execution_->idle_seen = true;  // iopub outran shell: the reply goes out on arrival
+            }
         }
         forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
         return;

@@ -91,6 +91,9 @@ class SessionProxy {
     Sandbox* sandbox() { return sandbox_.get(); }
     const SessionGovernor* governor() const { return governor_ ? &*governor_ : nullptr; }
     std::string state() const;
+    // Over the session's executions so far (the registry keeps them at close).
+    std::uint64_t memory_peak_bytes() const { return memory_peak_bytes_; }
+    std::uint64_t cpu_ms() const { return cpu_ms_total_; }
 
   private:
     struct PendingRequest {
@@ -110,6 +113,7 @@ class SessionProxy {
         Clock::time_point deadline{};
         std::optional<Clock::time_point> kill_at;  // set once interrupted
         double timeout_s = 0;
+        bool idle_seen = false;  // the kernel's idle for it came before its reply
     };
 
     void on_outer_request(Channel channel);
@@ -158,6 +162,8 @@ class SessionProxy {
     std::deque<std::string> recent_order_;
     std::unordered_set<std::string> recent_;
     std::unordered_set<std::string> probe_ids_;
+    std::uint64_t memory_peak_bytes_ = 0;
+    std::uint64_t cpu_ms_total_ = 0;
     std::optional<Execution> execution_;
     // The running execution's reply, held until the kernel's idle status for
     // it has arrived on iopub, so all its output is shaped and counted first.
