@@ -253,8 +253,20 @@ void SessionProxy::on_outer_request(Channel channel) {
         reject(name, sender, "'" + msg_type + "' is not a request");
         return;
     }
-    PendingRequest request{channel, {}, msg_type, std::string(views[at.header()])};
-    for (std::size_t i = 0; i < at.delimiter; ++i) request.identities.emplace_back(views[i]);
+    dispatch_request(channel, scratch_.frames, at, header, metadata, content);
+}
+
+void SessionProxy::dispatch_request(Channel channel, std::vector<zmq::message_t>& frames,
+                                    const WireLayout& at, const json& header, const json& metadata,
+                                    const json& content) {
+    const char* name = channel_name(channel);
+    auto view = [&](std::size_t i) {
+        return std::string_view(static_cast<const char*>(frames[i].data()), frames[i].size());
+    };
+    const std::string msg_id = json_string(header, "msg_id");
+    const std::string msg_type = json_string(header, "msg_type");
+    PendingRequest request{channel, {}, msg_type, std::string(view(at.header()))};
+    for (std::size_t i = 0; i < at.delimiter; ++i) request.identities.emplace_back(view(i));
 
     if (closed_ || !sandbox_) {
         refuse(request, "SessionClosed",
@@ -269,9 +281,15 @@ void SessionProxy::on_outer_request(Channel channel) {
     }
     if (msg_type == "execute_request" && governor_) {
         if (execution_) {
-            // One execution at a time is what the kernel does anyway; the
-            // policy's clock needs it too.
-            refuse(request, "SessionBusy", "an execution is already running in this session");
+            // The kernel runs one execution at a time anyway; queueing here
+            // keeps the policy's clock per execution.
+            if (queue_.size() >= kMaxQueuedExecutes) {
+                refuse(
+                    request, "SessionBusy",
+                    "more than " + std::to_string(kMaxQueuedExecutes) + " executions are queued");
+                return;
+            }
+            queue_.push_back({channel, std::move(frames), at, header, metadata, content});
             return;
         }
         std::optional<double> timeout;
@@ -315,13 +333,11 @@ void SessionProxy::on_outer_request(Channel channel) {
     pending_[msg_id] = std::move(request);
 
     std::vector<zmq::message_t> out;
-    out.reserve(scratch_.frames.size() - at.delimiter);
+    out.reserve(frames.size() - at.delimiter);
     out.push_back(to_frame(kDelimiter));
-    out.push_back(to_frame(inner_signer_.sign(views[at.header()], views[at.parent()],
-                                              views[at.metadata()], views[at.content()])));
-    for (std::size_t i = at.header(); i < scratch_.frames.size(); ++i) {
-        out.push_back(std::move(scratch_.frames[i]));
-    }
+    out.push_back(to_frame(inner_signer_.sign(view(at.header()), view(at.parent()),
+                                              view(at.metadata()), view(at.content()))));
+    for (std::size_t i = at.header(); i < frames.size(); ++i) out.push_back(std::move(frames[i]));
     if (!send_multipart(inner_socket(channel), out)) {
         spdlog::warn("session {} {}: kernel queue full; request {} dropped", session_id_, name,
                      msg_id);
@@ -454,6 +470,33 @@ void SessionProxy::release_held_reply() {
     }
     execution_.reset();
     notify_state("idle");
+    drain_queue(status == "error");
+}
+
+void SessionProxy::drain_queue(bool previous_failed) {
+    while (!queue_.empty() && !execution_ && !closed_) {
+        QueuedRequest next = std::move(queue_.front());
+        queue_.pop_front();
+        const bool stop_on_error =
+            !next.content.contains("stop_on_error") || next.content["stop_on_error"] != false;
+        if (previous_failed && stop_on_error) {
+            // As the kernel does with requests queued behind an error.
+            PendingRequest request{next.channel, {}, "execute_request", next.header.dump()};
+            for (std::size_t i = 0; i < next.layout.delimiter; ++i) {
+                request.identities.emplace_back(static_cast<const char*>(next.frames[i].data()),
+                                                next.frames[i].size());
+            }
+            const json parent = next.header;
+            publish_status(parent, "busy");
+            send_reply(request, "execute_reply",
+                       {{"status", "aborted"},
+                        {"execution_count", governor_ ? governor_->executions() : 0}});
+            publish_status(parent, "idle");
+            continue;
+        }
+        dispatch_request(next.channel, next.frames, next.layout, next.header, next.metadata,
+                         next.content);
+    }
 }
 
 void SessionProxy::on_inner_reply(Channel channel) {
@@ -806,6 +849,15 @@ void SessionProxy::fail_pending(const std::string& ename, const std::string& eva
 
 void SessionProxy::close(const std::string& reason) {
     if (closed_) return;
+    for (auto& queued : queue_) {
+        PendingRequest request{queued.channel, {}, "execute_request", queued.header.dump()};
+        for (std::size_t i = 0; i < queued.layout.delimiter; ++i) {
+            request.identities.emplace_back(static_cast<const char*>(queued.frames[i].data()),
+                                            queued.frames[i].size());
+        }
+        refuse(request, "SessionClosed", "the session closed: " + reason);
+    }
+    queue_.clear();
     close_reason_ = reason;
     closed_ = true;
     closed_at_ = Clock::now();

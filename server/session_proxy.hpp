@@ -117,6 +117,12 @@ class SessionProxy {
     };
 
     void on_outer_request(Channel channel);
+    // A verified, parsed client request: policy, then forward to the kernel.
+    void dispatch_request(Channel channel, std::vector<zmq::message_t>& frames,
+                          const WireLayout& at, const nlohmann::json& header,
+                          const nlohmann::json& metadata, const nlohmann::json& content);
+    // Starts the next queued execute once the running one has finished.
+    void drain_queue(bool previous_failed);
     void on_outer_stdin();
     void on_outer_heartbeat();
     void on_inner_reply(Channel channel);
@@ -174,6 +180,15 @@ class SessionProxy {
         Clock::time_point release_by;
     };
     std::optional<HeldReply> held_reply_;
+    // Executes sent while one runs (a notebook's "Run All"), in order.
+    struct QueuedRequest {
+        Channel channel;
+        std::vector<zmq::message_t> frames;
+        WireLayout layout;
+        nlohmann::json header, metadata, content;
+    };
+    std::deque<QueuedRequest> queue_;
+    static constexpr std::size_t kMaxQueuedExecutes = 256;
 
     std::optional<Clock::time_point> shutdown_deadline_;
     std::optional<PendingRequest> shutdown_request_;
