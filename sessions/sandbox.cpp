@@ -240,6 +240,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     }
     box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
     if (box->init_pid_ <= 0) throw SandboxError("pid file " + pid_file.string() + ": no pid");
+    box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
     return box;
 }
 
@@ -307,7 +308,8 @@ void Sandbox::reap_init() {
 
 SandboxUsage Sandbox::usage() const {
     SandboxUsage u;
-    for (const auto& dir : sandbox_cgroup_dirs(container_id_)) {
+    if (destroyed_) return u;
+    for (const auto& dir : cgroup_dirs_) {
         if (fs::exists(dir / "memory.max_usage_in_bytes")) {
             u.memory_peak_bytes = read_u64(dir / "memory.max_usage_in_bytes");
             u.memory_bytes = read_u64(dir / "memory.usage_in_bytes");

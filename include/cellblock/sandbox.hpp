@@ -103,6 +103,7 @@ class Sandbox {
     bool reaped_ = false;
     std::string shim_status_;
     std::string image_name_;
+    std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
 };
 
 // Removes what earlier cellblock processes left behind: sessions whose lock
