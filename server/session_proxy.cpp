@@ -323,7 +323,15 @@ void SessionProxy::dispatch_request(Channel channel, std::vector<zmq::message_t>
         e.deadline = decision.deadline;
         e.timeout_s = std::chrono::duration<double>(decision.deadline - now).count();
         execution_ = std::move(e);
+        background_bytes_ = 0;
+        background_marker_sent_ = false;
         notify_state("busy");
+    }
+    if (pending_.size() >= kMaxPendingRequests) {
+        refuse(
+            request, "SessionBusy",
+            std::to_string(kMaxPendingRequests) + " requests are waiting for the kernel already");
+        return;
     }
     if (msg_type == "shutdown_request") {
         shutdown_deadline_ = now + options_.shutdown_grace;
@@ -575,8 +583,40 @@ void SessionProxy::on_inner_iopub() {
         reject("kernel iopub", "", "parent is not a request of this session: '" + parent_id + "'");
         return;
     }
-    if (!governor_ || !execution_ || execution_->msg_id != parent_id) {
+    if (!governor_) {
         forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
+        return;
+    }
+    if (!execution_ || execution_->msg_id != parent_id) {
+        // Output no running execution accounts for: status and other
+        // bookkeeping pass, everything else shares one capped budget.
+        const auto header =
+            parse_json_frame(views[at.header()], options_.inner_limits.max_json_depth);
+        const std::string type =
+            header && header->is_object() ? json_string(*header, "msg_type") : "";
+        if (type == "status" || type == "execute_input" || type == "clear_output") {
+            forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
+            return;
+        }
+        const auto cap = static_cast<std::uint64_t>(governor_->limits().output_bytes);
+        if (background_bytes_ + scratch_.total_bytes <= cap) {
+            background_bytes_ += scratch_.total_bytes;
+            forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
+            return;
+        }
+        if (!background_marker_sent_) {
+            background_marker_sent_ = true;
+            spdlog::info(
+                "session {}: background output past {} bytes; dropping until the next execution",
+                session_id_, cap);
+            const auto parent_json =
+                parse_json_frame(views[at.parent()], 64).value_or(json::object());
+            publish(parent_json, "stream",
+                    {{"name", "stderr"},
+                     {"text", "\n[cellblock: output outside a running execution passed " +
+                                  std::to_string(cap) +
+                                  " bytes; more is dropped until the next execution]\n"}});
+        }
         return;
     }
     // Output shaping for the running execution.

@@ -168,6 +168,11 @@ class SessionProxy {
     std::deque<std::string> recent_order_;
     std::unordered_set<std::string> recent_;
     std::unordered_set<std::string> probe_ids_;
+    // Output outside the running execution (a thread an earlier cell started
+    // keeps printing under that cell's parent): capped like an execution's.
+    std::uint64_t background_bytes_ = 0;
+    bool background_marker_sent_ = false;
+    static constexpr std::size_t kMaxPendingRequests = 4096;
     std::uint64_t memory_peak_bytes_ = 0;
     std::uint64_t cpu_ms_total_ = 0;
     std::optional<Execution> execution_;
