@@ -1,0 +1,557 @@
+"""Shared fixtures and helpers for the `cellblock serve` integration tests.
+
+A test gets a real `cellblock serve` process with a fresh state dir, talks to
+its manager socket with a plain jupyter_client Session on a zmq DEALER (the
+Jupyter wire format, signed with the key from server.json), and drives the
+sessions it creates with ordinary BlockingKernelClients.
+
+Everything the server claims is checked against the host itself: runc's state
+(`runc --root DIR/runtime list`), DIR/sessions/<id>, /proc/self/mountinfo,
+/sys/fs/cgroup/*/cellblock/cb-<id> and the processes whose /proc/<pid>/cgroup
+names the session's cgroup (or whose root lies in the state dir).
+
+The state dir lives under /run (not under pytest's tmp_path): the sandbox's
+mapped user must be able to reach it, and /tmp/pytest-of-root is mode 0700.
+"""
+import glob
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+import zmq
+from jupyter_client import BlockingKernelClient
+from jupyter_client.session import Session
+
+CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
+PROTOCOL_VERSION = "5.3"
+
+
+# ---------------------------------------------------------------- small helpers
+
+def wait_for(predicate, timeout=10.0, interval=0.05):
+    """Polls predicate until it is true or the timeout passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value
+
+
+def proc_state(pid):
+    """The one-letter state of a process, or None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def alive(pids):
+    """Which of pids still run (zombies and vanished processes count as gone)."""
+    return [pid for pid in pids if proc_state(pid) not in (None, "Z")]
+
+
+def session_pids(sid, include_zombies=False):
+    """Host pids of the processes in session `sid`'s cgroup."""
+    marker = f"/cellblock/cb-{sid}"
+    pids = []
+    for path in glob.glob("/proc/[0-9]*/cgroup"):
+        pid = int(path.split("/")[2])
+        try:
+            with open(path) as f:
+                if marker not in f.read():
+                    continue
+        except OSError:
+            continue
+        if include_zombies or proc_state(pid) not in (None, "Z"):
+            pids.append(pid)
+    return sorted(pids)
+
+
+def pids_rooted_in(directory, include_zombies=False):
+    """Host pids whose root directory (chroot / pivot_root) lies inside `directory`."""
+    prefix = directory.rstrip("/") + "/"
+    pids = []
+    for path in glob.glob("/proc/[0-9]*/root"):
+        pid = int(path.split("/")[2])
+        try:
+            root = os.readlink(path)
+        except OSError:
+            continue
+        if root.startswith(prefix) and (include_zombies or proc_state(pid) not in (None, "Z")):
+            pids.append(pid)
+    return sorted(pids)
+
+
+def mounts_under(text):
+    """Mount points (from our own mountinfo) whose path contains `text`."""
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f if text in line.split()[4]]
+
+
+def session_cgroups(sid):
+    cid = f"cb-{sid}"
+    return sorted(set(glob.glob(f"/sys/fs/cgroup/*/cellblock/{cid}") +
+                      glob.glob(f"/sys/fs/cgroup/cellblock/{cid}")))
+
+
+def runc_list(state_dir):
+    """Container ids runc knows in this server's runtime root."""
+    root = os.path.join(state_dir, "runtime")
+    if not os.path.isdir(root):
+        return []
+    out = subprocess.run(["runc", "--root", root, "list", "-q"],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.split()
+
+
+def runc_states(state_dir):
+    """{container id: status} from `runc list --format json`."""
+    root = os.path.join(state_dir, "runtime")
+    if not os.path.isdir(root):
+        return {}
+    out = subprocess.run(["runc", "--root", root, "list", "--format", "json"],
+                         capture_output=True, text=True, timeout=30).stdout.strip()
+    if not out or out == "null":
+        return {}
+    return {c["id"]: c["status"] for c in json.loads(out)}
+
+
+def session_residue(state_dir, sid, pids=(), include_zombies=False):
+    """Everything of session `sid` the host still holds, checked from the host.
+
+    pids: host pids the session's processes had; they are checked by pid too,
+    since a dying process may already have left its cgroup.
+    """
+    residue = {}
+    cid = f"cb-{sid}"
+    if cid in runc_list(state_dir):
+        residue["runc container"] = cid
+    if os.path.exists(os.path.join(state_dir, "runtime", cid)):
+        residue["runc state dir"] = os.path.join(state_dir, "runtime", cid)
+    session_dir = os.path.join(state_dir, "sessions", sid)
+    if os.path.lexists(session_dir):
+        residue["session dir"] = session_dir
+    mounts = mounts_under(sid)
+    if mounts:
+        residue["mounts"] = mounts
+    cgroups = session_cgroups(sid)
+    if cgroups:
+        residue["cgroups"] = cgroups
+    procs = set(session_pids(sid, include_zombies))
+    procs |= {pid for pid in pids
+              if proc_state(pid) is not None and (include_zombies or proc_state(pid) != "Z")}
+    if procs:
+        residue["processes"] = {pid: proc_state(pid) for pid in sorted(procs)}
+    return residue
+
+
+def sessions_on_disk(state_dir):
+    return sorted(os.listdir(os.path.join(state_dir, "sessions"))) \
+        if os.path.isdir(os.path.join(state_dir, "sessions")) else []
+
+
+def state_dir_residue(state_dir, ids=()):
+    """Everything any sandbox of this server (or sessions `ids`) left on the host."""
+    residue = {}
+    listed = runc_list(state_dir)
+    if listed:
+        residue["runc containers"] = listed
+    runtime = os.path.join(state_dir, "runtime")
+    if os.path.isdir(runtime) and os.listdir(runtime):
+        residue["runc state dirs"] = sorted(os.listdir(runtime))
+    on_disk = sessions_on_disk(state_dir)
+    if on_disk:
+        residue["session dirs"] = on_disk
+    mounts = mounts_under(state_dir)
+    if mounts:
+        residue["mounts"] = mounts
+    all_ids = set(ids) | set(on_disk) | {c[3:] for c in listed if c.startswith("cb-")}
+    cgroups = [cg for sid in sorted(all_ids) for cg in session_cgroups(sid)]
+    if cgroups:
+        residue["cgroups"] = cgroups
+    procs = set(pids_rooted_in(state_dir))
+    for sid in all_ids:
+        procs |= set(session_pids(sid))
+    if procs:
+        residue["processes"] = sorted(procs)
+    return residue
+
+
+def assert_session_gone(state_dir, sid, pids=(), timeout=15):
+    """Waits (a killed sandbox init is reaped by the host's PID 1 on its own
+    schedule) until nothing of session `sid` is left, then asserts it."""
+    wait_for(lambda: not session_residue(state_dir, sid, pids), timeout=timeout, interval=0.2)
+    left = session_residue(state_dir, sid, pids)
+    assert left == {}, f"session {sid} left on the host: {left}"
+
+
+def assert_session_present(state_dir, sid):
+    """The session really has everything whose absence is checked later."""
+    r = session_residue(state_dir, sid)
+    for kind in ("runc container", "runc state dir", "session dir", "mounts", "cgroups", "processes"):
+        assert kind in r, f"session {sid} has no {kind} while open: a later absence proves nothing ({r})"
+    assert runc_states(state_dir).get(f"cb-{sid}") == "running", runc_states(state_dir)
+    return r
+
+
+# ---------------------------------------------------------------- Jupyter helpers
+
+def stream_text(msgs, name="stdout"):
+    return "".join(m["content"]["text"] for m in msgs
+                   if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+
+def collect_execution(kc, msg_id, timeout=60):
+    """Reads shell until the reply to msg_id and iopub until its idle.
+
+    Returns (reply message, iopub messages whose parent is msg_id, other shell
+    replies seen while waiting). The reply is looked for on shell only.
+    """
+    deadline = time.monotonic() + timeout
+    reply = None
+    others = []
+    while reply is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no shell reply to {msg_id} in {timeout} s")
+        try:
+            msg = kc.get_shell_msg(timeout=left)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id:
+            reply = msg
+        else:
+            others.append(msg)
+    iopub = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no idle status for {msg_id} in {timeout} s; iopub: "
+                                 f"{[m['msg_type'] for m in iopub]}")
+        try:
+            msg = kc.get_iopub_msg(timeout=left)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        iopub.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return reply, iopub, others
+
+
+def execute(kc, code, metadata=None, timeout=60):
+    """Executes code, optionally with request metadata (e.g. {"cellblock": {"timeout_s": 5}}).
+
+    Returns (reply message, iopub messages of this execution).
+    """
+    content = dict(code=code, silent=False, store_history=True, user_expressions={},
+                   allow_stdin=False, stop_on_error=True)
+    msg = kc.session.msg("execute_request", content, metadata=metadata or {})
+    kc.shell_channel.send(msg)
+    reply, iopub, _ = collect_execution(kc, msg["header"]["msg_id"], timeout=timeout)
+    return reply, iopub
+
+
+def drain(channel_get, timeout=0.3):
+    msgs = []
+    while True:
+        try:
+            msgs.append(channel_get(timeout=timeout))
+        except queue.Empty:
+            return msgs
+
+
+# ---------------------------------------------------------------- the server
+
+class ServerProcess:
+    """A `cellblock serve` subprocess with its own state dir and a manager client."""
+
+    def __init__(self, state_dir, args=()):
+        self.state_dir = state_dir
+        self.args = list(args)
+        self.proc = None
+        self.clients = []
+        self.session_ids = set()   # every session this object saw created
+        self.ctx = zmq.Context()
+        self.socket = None
+        self.session = None
+        self.info = None
+        self.log_path = state_dir + ".log"
+        self._log_file = None
+
+    # -- process
+    def start(self, timeout=60):
+        old_pid = self.proc.pid if self.proc else None
+        self._log_file = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [CELLBLOCK_BIN, "serve", "--state-dir", self.state_dir, *self.args],
+            stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=self._log_file)
+        server_json = os.path.join(self.state_dir, "server.json")
+
+        def ready():
+            assert self.proc.poll() is None, \
+                f"cellblock serve exited with {self.proc.returncode}:\n{self.log()}"
+            try:
+                with open(server_json) as f:
+                    info = json.load(f)
+            except (OSError, ValueError):
+                return None
+            # After a kill -9 the old server.json stays: wait for ours.
+            return info if info.get("pid") == self.proc.pid and info.get("pid") != old_pid else None
+
+        self.info = wait_for(ready, timeout=timeout)
+        assert self.info, f"no server.json from pid {self.proc.pid} in {timeout} s:\n{self.log()}"
+        self._connect_manager()
+        return self
+
+    def _connect_manager(self):
+        if self.socket is not None:
+            self.socket.close(linger=0)
+        self.session = Session(key=self.info["key"].encode(),
+                               signature_scheme=self.info["signature_scheme"],
+                               username="cellblock-test")
+        self.socket = self.ctx.socket(zmq.DEALER)
+        self.socket.linger = 0
+        self.socket.connect(self.info["manager"])
+
+    def log(self):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._log_file.close()
+
+    def terminate(self, timeout=60):
+        """SIGTERM; returns the exit code (asserts it exited in time)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+                raise AssertionError(f"cellblock serve did not exit {timeout} s after SIGTERM:\n"
+                                     f"{self.log()[-5000:]}")
+        if self._log_file and not self._log_file.closed:
+            self._log_file.close()
+        return self.proc.returncode
+
+    # -- manager API
+    def send(self, msg_type, content, buffers=None):
+        """Sends a manager request; returns its msg_id."""
+        msg = self.session.send(self.socket, msg_type, content, buffers=buffers)
+        return msg["header"]["msg_id"]
+
+    def receive(self, msg_id, timeout=60):
+        """The reply to msg_id (None after timeout). Buffers come back as bytes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.socket.poll(int(left * 1000) + 1):
+                return None
+            frames = self.socket.recv_multipart()
+            _, msg = self.session.feed_identities(frames)
+            reply = self.session.deserialize(msg)  # verifies the signature
+            reply["buffers"] = [bytes(b) for b in reply["buffers"]]
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
+
+    def call(self, msg_type, content, buffers=None, timeout=60):
+        """One manager request and its reply message (asserting a reply comes)."""
+        msg_id = self.send(msg_type, content, buffers)
+        reply = self.receive(msg_id, timeout)
+        if reply is None:
+            state = "is still running" if self.proc.poll() is None else \
+                f"has exited with {self.proc.returncode} (was it signalled from outside the test?)"
+            raise AssertionError(f"no {msg_type} reply in {timeout} s; the server {state}; "
+                                 f"log {self.log_path} ends:\n{self.log()[-3000:]}")
+        assert reply["msg_type"] == msg_type.replace("_request", "_reply"), reply
+        return reply
+
+    def call_many(self, requests, timeout=120):
+        """Sends every (msg_type, content) at once, then collects the replies.
+
+        Returns the replies in request order; asserts each request got exactly
+        one reply (extra replies are looked for during a short drain).
+        """
+        ids = [self.send(t, c) for t, c in requests]
+        replies = {}
+        counts = {i: 0 for i in ids}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(ids):
+            left = deadline - time.monotonic()
+            assert left > 0 and self.socket.poll(int(left * 1000) + 1), \
+                f"{len(ids) - len(replies)} of {len(ids)} requests unanswered after {timeout} s"
+            _, msg = self.session.feed_identities(self.socket.recv_multipart())
+            reply = self.session.deserialize(msg)
+            parent = reply["parent_header"].get("msg_id")
+            if parent in counts:
+                counts[parent] += 1
+                replies[parent] = reply
+        while self.socket.poll(300):
+            _, msg = self.session.feed_identities(self.socket.recv_multipart())
+            parent = self.session.deserialize(msg)["parent_header"].get("msg_id")
+            if parent in counts:
+                counts[parent] += 1
+        assert all(n == 1 for n in counts.values()), f"replies per request: {sorted(counts.values())}"
+        return [replies[i] for i in ids]
+
+    def ok(self, msg_type, content, buffers=None, timeout=60):
+        reply = self.call(msg_type, content, buffers, timeout)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        return reply
+
+    def create(self, limits=None, image=None, metadata=None, timeout=90):
+        """session_create_request; returns the reply content (asserting ok)."""
+        content = {}
+        if limits is not None:
+            content["limits"] = limits
+        if image is not None:
+            content["image"] = image
+        if metadata is not None:
+            content["metadata"] = metadata
+        reply = self.ok("session_create_request", content, timeout=timeout)["content"]
+        self.session_ids.add(reply["session_id"])
+        return reply
+
+    def info_of(self, sid):
+        return self.ok("session_info_request", {"session_id": sid})["content"]
+
+    def connect(self, connection, ready_timeout=60):
+        """A started, ready BlockingKernelClient on a session's connection dict."""
+        kc = BlockingKernelClient()
+        kc.load_connection_info(connection)
+        kc.start_channels()
+        self.clients.append(kc)
+        kc.wait_for_ready(timeout=ready_timeout)
+        return kc
+
+    def open_session(self, limits=None, **kw):
+        """Creates a session and connects to it: (session id, client, create reply)."""
+        reply = self.create(limits=limits, **kw)
+        return reply["session_id"], self.connect(reply["connection"]), reply
+
+    def cli(self, *args, timeout=60, check=True):
+        """Runs a `cellblock` client subcommand against this server."""
+        cmd = [CELLBLOCK_BIN, args[0], "--state-dir", self.state_dir, *args[1:]]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert result.returncode == 0, \
+                f"{cmd} exited {result.returncode}:\nstdout: {result.stdout}\nstderr: {result.stderr}"
+        return result
+
+    def close_clients(self):
+        for kc in self.clients:
+            try:
+                kc.stop_channels()
+            except Exception:
+                pass
+        self.clients.clear()
+
+    def shutdown(self, keep_log=False):
+        """Teardown: SIGTERM, clean exit, nothing of any sandbox left, state dir removed.
+
+        Returns a list of problems (empty when all is well). The server's log
+        is removed only when there are none and keep_log is false.
+        """
+        problems = []
+        self.close_clients()
+        if self.socket is not None:
+            self.socket.close(linger=0)
+        if self.proc is not None:
+            try:
+                code = self.terminate()
+                if code != 0:
+                    problems.append(f"cellblock serve exited with {code} after SIGTERM")
+            except AssertionError as e:
+                problems.append(str(e))
+        ids = set(self.session_ids) | set(sessions_on_disk(self.state_dir))
+        wait_for(lambda: not state_dir_residue(self.state_dir, ids), timeout=15, interval=0.2)
+        left = state_dir_residue(self.state_dir, ids)
+        if left:
+            problems.append(f"after SIGTERM the server left: {left}")
+        if os.path.exists(os.path.join(self.state_dir, "server.json")):
+            problems.append("server.json still exists after a clean exit")
+        self.ctx.term()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        if os.path.exists(self.state_dir):
+            problems.append(f"state dir {self.state_dir} could not be removed")
+        log = self.log()
+        if problems:
+            problems.append(f"server log kept at {self.log_path}; its end:\n{log[-4000:]}")
+        elif not keep_log:
+            os.unlink(self.log_path)
+        return problems
+
+
+def new_state_dir():
+    path = f"/run/cellblock-test-{secrets.token_hex(6)}"
+    assert not os.path.exists(path)
+    return path
+
+
+def start_server(args=(), timeout=60):
+    return ServerProcess(new_state_dir(), args).start(timeout=timeout)
+
+
+@pytest.fixture
+def server_factory(request):
+    """Starts `cellblock serve` processes on demand; stops and checks them all afterwards."""
+    started = []
+    failed_before = request.session.testsfailed
+
+    def make(args=()):
+        srv = start_server(args)
+        started.append(srv)
+        return srv
+
+    yield make
+    # The server logs of a failed test are kept (their paths are in the messages).
+    keep = request.session.testsfailed > failed_before
+    problems = []
+    for srv in started:
+        problems += srv.shutdown(keep_log=keep)
+        if keep:
+            print(f"cellblock serve log kept: {srv.log_path}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    """One `cellblock serve` (default pool: host=2) shared by a test module."""
+    failed_before = request.session.testsfailed
+    srv = start_server(())
+    yield srv
+    keep = request.session.testsfailed > failed_before
+    problems = srv.shutdown(keep_log=keep)
+    if keep:
+        print(f"cellblock serve log kept: {srv.log_path}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def clients(server):
+    """Closes the kernel clients a test opened on the shared server."""
+    yield server
+    server.close_clients()
+
+
+def write_temp(data, suffix=""):
+    fd, path = tempfile.mkstemp(prefix="cellblock-test-", suffix=suffix)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
