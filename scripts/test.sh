@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets everything up and runs all tests: unit tests and the integration suite
 # (real runc sandboxes, real jupyter_client, jupyter_kernel_test, nbclient),
-# then the unit tests again under ASan+UBSan, then a clang-format check.
+# then the unit tests again under ASan+UBSan, a clang-format check, and a short
+# run of the libFuzzer targets (tests/fuzz, built with clang into build-fuzz).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -24,4 +25,10 @@ if ! clang-format --dry-run --Werror $files; then
   echo "clang-format: the files above need formatting (clang-format -i)" >&2
   exit 1
 fi
+
+echo "== fuzz (short)"
+cmake -S "$root/tests/fuzz" -B "$root/build-fuzz" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
+cmake --build "$root/build-fuzz" -j"$(nproc)"
+bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20
+
 echo "== all tests passed"

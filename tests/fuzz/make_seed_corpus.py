@@ -1,0 +1,253 @@
+#!/usr/bin/python3
+"""Writes the fuzz targets' seed corpora under tests/fuzz/corpus/<target>/.
+
+wire: the messages jupyter_client serialized (tests/fixtures/
+jupyter_client_vectors.json), in the wire target's input format, plus
+hand-made edge cases. connection_file: the connection files jupyter_client
+wrote, plus edge cases. limits and image: the documented examples, the repo's
+image.json files, plus edge cases.
+
+    /usr/bin/python3 tests/fuzz/make_seed_corpus.py
+
+Deterministic: regenerating changes files only when the inputs change.
+"""
+
+import base64
+import hashlib
+import hmac
+import json
+import pathlib
+import shutil
+import struct
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+VECTORS = ROOT / "tests" / "fixtures" / "jupyter_client_vectors.json"
+CORPUS = HERE / "corpus"
+DELIM = b"<IDS|MSG>"
+
+# The wire target's keys, by the index in its flags byte (fuzz_wire.cpp).
+KEYS = [b"5f9e1c2a-vector-key-0123456789abcdef", b"\x00\xffbinary\x80key\x00", b"k" * 200, b""]
+RESIGN = 4
+SMALL_LIMITS = 8
+
+
+def wire_input(frames, flags=0):
+    """The wire target's format: a flags byte, then (u16 little-endian length, bytes) frames."""
+    out = bytes([flags])
+    for f in frames:
+        assert len(f) < 65536
+        out += struct.pack("<H", len(f)) + f
+    return out
+
+
+def sign(key, header, parent, metadata, content):
+    if not key:
+        return b""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in (header, parent, metadata, content):
+        h.update(part)
+    return h.hexdigest().encode()
+
+
+def message(key=KEYS[0], header=None, parent=b"{}", metadata=b"{}", content=b"{}",
+            identities=(), buffers=()):
+    if header is None:
+        header = json.dumps({"msg_id": "fuzz-0001", "msg_type": "execute_request",
+                             "username": "fuzz", "session": "fuzz-session",
+                             "date": "2024-05-06T07:08:09.123456Z", "version": "5.3"}).encode()
+    return [*identities, DELIM, sign(key, header, parent, metadata, content),
+            header, parent, metadata, content, *buffers]
+
+
+def wire_seeds():
+    seeds = {}
+    vectors = json.loads(VECTORS.read_text())["vectors"]
+    for v in vectors:
+        key = base64.b64decode(v["key_b64"])
+        frames = [base64.b64decode(f) for f in v["frames_b64"]]
+        index = KEYS.index(key)  # a new fixture key needs a slot in fuzz_wire.cpp
+        seeds[f"jc-{v['name']}"] = wire_input(frames, index)
+        seeds[f"jc-{v['name']}-resign"] = wire_input(frames, index | RESIGN)
+        seeds[f"jc-{v['name']}-small"] = wire_input(frames, index | RESIGN | SMALL_LIMITS)
+
+    good = message()
+    hdr = good[2]
+    seeds["edge-missing-delimiter"] = wire_input(good[:1] + good[2:])
+    seeds["edge-only-delimiter"] = wire_input([DELIM])
+    for n in range(5):
+        seeds[f"edge-{n}-frames-after-delimiter"] = wire_input([b"id"] + good[:n + 1])
+    seeds["edge-two-delimiters"] = wire_input([DELIM] + good)
+    seeds["edge-17-identities"] = wire_input([b"i%d" % i for i in range(17)] + good)
+    seeds["edge-uppercase-signature"] = wire_input([DELIM, good[1].upper()] + good[2:])
+    seeds["edge-long-signature"] = wire_input([DELIM, good[1] * 3] + good[2:])
+    seeds["edge-empty-key-empty-signature"] = wire_input(message(key=b""), 3)
+    seeds["edge-empty-key-with-signature"] = wire_input(good, 3)
+    seeds["edge-buffers"] = wire_input(good + [b"\x00\xff", b"", DELIM])
+    seeds["edge-many-frames-small"] = wire_input(good + [b""] * 20, SMALL_LIMITS)
+
+    # Correctly signed by the target (RESIGN), so they reach the JSON checks.
+    def signed(name, **frames):
+        seeds[name] = wire_input(message(**frames), RESIGN)
+
+    signed("json-deep", content=b"[" * 70 + b"]" * 70)
+    signed("json-deep-in-string", content=b'{"s": "' + b"[" * 100 + b'"}')
+    signed("json-nul-after-object", content=b"{}\x00junk")
+    signed("json-nul-in-string", content=b'{"s": "a\x00b"}')
+    signed("json-bom", content=b"\xef\xbb\xbf{}")
+    signed("json-nan", content=b'{"x": NaN}')
+    signed("json-infinity", content=b'{"x": -Infinity}')
+    signed("json-overflow-number", content=b'{"x": 1e400}')
+    signed("json-big-integer", content=b'{"x": 18446744073709551616}')
+    signed("json-negative-zero", content=b'{"x": -0.0, "y": -0}')
+    signed("json-duplicate-keys", content=b'{"a": 1, "a": 2}')
+    signed("json-bad-utf8", content=b'{"s": "\xff\xfe"}')
+    signed("json-overlong-utf8", content=b'{"s": "\xc0\xaf"}')
+    signed("json-lone-surrogate", content=b'{"s": "\\ud800"}')
+    signed("json-surrogate-pair", content=b'{"s": "\\ud83d\\ude00"}')
+    signed("json-comment", content=b"{/* c */}")
+    signed("json-trailing-comma", content=b'{"a": 1,}')
+    signed("json-array", content=b"[]")
+    signed("json-empty", content=b"")
+    signed("header-msg-id-number", header=b'{"msg_id": 1, "msg_type": "execute_request"}')
+    signed("header-no-msg-type", header=b'{"msg_id": "x"}')
+    signed("header-msg-type-null", header=b'{"msg_id": "x", "msg_type": null}')
+    signed("header-not-object", header=b'"execute_request"')
+    signed("parent-not-object", parent=b"[1]")
+    signed("metadata-deep", metadata=b'{"a":' * 63 + b"1" + b"}" * 63)
+
+    # Replay guard model: repeated and case-varied signatures (capacity 1..8).
+    sigs = [hashlib.sha256(bytes([i])).hexdigest().encode() for i in range(4)]
+    seeds["replay-repeats"] = wire_input(sigs + [sigs[0], sigs[0].upper(), b""] + sigs, 0x20)
+    seeds["replay-evict"] = wire_input(sigs * 3, 0x00)
+    return seeds
+
+
+def connection_seeds():
+    seeds = {}
+    for c in json.loads(VECTORS.read_text())["connection"]:
+        seeds[f"jc-{c['transport']}"] = c["file_text"].encode()
+    base = json.loads(seeds["jc-tcp"])
+
+    def variant(name, **changes):
+        j = dict(base)
+        for k, v in changes.items():
+            if v is ...:
+                j.pop(k, None)
+            else:
+                j[k] = v
+        seeds[name] = json.dumps(j).encode()
+
+    variant("port-negative", shell_port=-1)
+    variant("port-65536", iopub_port=65536)
+    variant("port-2-63", stdin_port=2 ** 63)
+    variant("port-2-64-1", control_port=2 ** 64 - 1)
+    variant("port-float", hb_port=5555.0)
+    variant("port-string", shell_port="5555")
+    variant("port-zero", shell_port=0)
+    variant("no-key", key=...)
+    variant("no-transport", transport=...)
+    variant("key-nul", key="a\u0000b")
+    variant("key-unicode", key="kéy-☃-😀")
+    variant("key-empty", key="")
+    variant("transport-udp", transport="udp")
+    variant("scheme-md5", signature_scheme="hmac-md5")
+    variant("kernel-name-null", kernel_name=None)
+    variant("kernel-name-number", kernel_name=3)
+    variant("ip-path", transport="ipc", ip="/tmp/x/../y")
+    variant("extra-field", extra={"a": [1, 2]})
+    seeds["not-object"] = b"[1, 2, 3]"
+    seeds["empty"] = b""
+    seeds["trailing-nul-junk"] = seeds["jc-tcp"] + b"\x00junk"
+    seeds["bom"] = b"\xef\xbb\xbf" + seeds["jc-tcp"]
+    seeds["truncated"] = seeds["jc-tcp"][:40]
+    return seeds
+
+
+LIMIT_FIELDS = ["max_executions", "idle_timeout_s", "lifetime_s", "exec_timeout_s",
+                "output_bytes", "memory_mb", "pids", "disk_mb", "shm_mb", "output_mb",
+                "cpus", "nofile"]
+
+
+def limits_seeds():
+    seeds = {
+        "empty-object": b"{}",
+        "null": b"null",
+        "docs-example": b'{"max_executions": 50}',
+        "docs-defaults": json.dumps({"max_executions": 1000, "idle_timeout_s": 1800,
+                                     "lifetime_s": 86400, "exec_timeout_s": 30,
+                                     "output_bytes": 1048576, "memory_mb": 1024, "pids": 256,
+                                     "disk_mb": 256, "shm_mb": 64, "output_mb": 256,
+                                     "cpus": 1, "nofile": 4096}).encode(),
+        "docs-maxima": json.dumps({"max_executions": 100000, "idle_timeout_s": 604800,
+                                   "lifetime_s": 604800, "exec_timeout_s": 3600,
+                                   "output_bytes": 67108864, "memory_mb": 16384,
+                                   "pids": 4096, "disk_mb": 16384, "shm_mb": 4096,
+                                   "output_mb": 16384, "nofile": 65536}).encode(),
+        "image-and-request": b'[{"memory_mb": 2048}, {"max_executions": 3, "cpus": 0.5}]',
+        "request-above-max": b'{"memory_mb": 16385}',
+        "unknown-field": b'{"memory": 1}',
+        "zero": b'{"pids": 0}',
+        "negative": b'{"exec_timeout_s": -1}',
+        "whole-float": b'{"max_executions": 1000.0}',
+        "fraction": b'{"max_executions": 1.5}',
+        "huge-float": b'{"memory_mb": 9.3e18}',
+        "int64-max": b'{"output_bytes": 9223372036854775807}',
+        "uint64-max": b'{"output_bytes": 18446744073709551615}',
+        "int-overflow": b'{"nofile": 4294967297}',
+        "string": b'{"exec_timeout_s": "30"}',
+        "bool": b'{"cpus": true}',
+        "nested": b'{"cpus": {"n": 1}}',
+        "not-object": b"[1]",
+        "tiny": b'{"lifetime_s": 1e-300}',
+        "utf8-two-byte": "é".encode() * 8,
+        "utf8-three-byte": "☃".encode() * 8,
+        "utf8-four-byte": "😀".encode() * 8,
+        "utf8-mixed": "a é ☃ 😀 z".encode(),
+        "utf8-truncated": "😀".encode()[:3] + b"abc",
+        "utf8-stray-continuation": b"\x80\x80\x80\x80abc",
+        "utf8-overlong": b"\xc0\xaf\xe0\x80\xaf",
+        "utf8-five-byte-lead": b"\xf8\x88\x80\x80\x80",
+        "utf8-surrogate": b"\xed\xa0\x80",
+    }
+    for field in LIMIT_FIELDS:
+        seeds[f"field-{field}"] = json.dumps({field: 2}).encode()
+    return seeds
+
+
+def image_seeds():
+    seeds = {}
+    for path in sorted((ROOT / "images").glob("*/image.json")):
+        seeds[f"repo-{path.parent.name}"] = path.read_bytes()
+    minimal = {"name": "x", "kernel_argv": ["/bin/true"]}
+
+    def variant(name, **changes):
+        seeds[name] = json.dumps({**minimal, **changes}).encode()
+
+    variant("minimal")
+    variant("limits-session-fields", limits={"max_executions": 5, "memory_mb": 512})
+    variant("limits-not-object", limits=5)
+    variant("limits-string", limits={"memory_mb": "1024"})
+    variant("limits-fraction", limits={"cpus": 0.25, "pids": 1.5})
+    variant("host-bind-relative", host_binds=["etc"])
+    variant("host-bind-dotdot", host_binds=["/etc/../root"])
+    variant("env-not-strings", env={"A": 1})
+    variant("argv-not-strings", kernel_argv=[1, 2])
+    seeds["no-name"] = b'{"kernel_argv": ["x"]}'
+    seeds["not-object"] = b'"host"'
+    return seeds
+
+
+def main():
+    for target, seeds in (("wire", wire_seeds()), ("connection_file", connection_seeds()),
+                          ("limits", limits_seeds()), ("image", image_seeds())):
+        out = CORPUS / target
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        for name, data in sorted(seeds.items()):
+            (out / name).write_bytes(data)
+        print(f"{out.relative_to(ROOT)}: {len(seeds)} seeds")
+
+
+if __name__ == "__main__":
+    main()
