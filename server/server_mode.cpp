@@ -4,11 +4,13 @@
 #include <linux/openat2.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <unordered_map>
 
@@ -116,6 +118,23 @@ void check_state_dir_reachable(const fs::path& state_dir) {
     }
 }
 
+// Each session holds about ten sockets and twenty-odd descriptors: lift the
+// process's descriptor limit to its hard maximum and size the ZMQ context by
+// it (libzmq's default is 1023 sockets per context). Must run before the
+// first socket exists.
+zmq::context_t make_server_context() {
+    rlimit nofile{};
+    if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        ::setrlimit(RLIMIT_NOFILE, &nofile);
+    }
+    ::getrlimit(RLIMIT_NOFILE, &nofile);
+    zmq::context_t context(1);
+    const auto sockets = std::clamp<rlim_t>(nofile.rlim_cur / 2, 1024, 65536);
+    context.set(zmq::ctxopt::max_sockets, static_cast<int>(sockets));
+    return context;
+}
+
 std::vector<Image> load_images(const std::vector<fs::path>& dirs) {
     std::map<std::string, Image> found;
     for (const auto& dir : dirs) {
@@ -183,7 +202,7 @@ class Server final : public SessionObserver {
     RuntimeSettings settings_;
     std::map<std::string, Image> images_;
     SessionStore store_;
-    zmq::context_t context_{1};
+    zmq::context_t context_ = make_server_context();
     zmq::socket_t manager_{context_, zmq::socket_type::router};
     std::string manager_endpoint_;
     std::string key_ = make_random_key();
@@ -382,15 +401,29 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
                                                   std::to_string(options_.policy.max_sessions) +
                                                   " sessions"};
     }
+    // The image's runtime, or the one the request names (allowlisted, installed).
+    Image image_def = image->second;
+    if (c.contains("runtime") && !c["runtime"].is_null()) {
+        if (!c["runtime"].is_string() || !runtime_allowed(c["runtime"].get<std::string>())) {
+            throw RequestError{"UnknownRuntime", "runtime must be one of runc, runsc, crun"};
+        }
+        image_def.runtime = c["runtime"].get<std::string>();
+    }
+    if (!runtime_installed(image_def.runtime)) {
+        throw RequestError{"UnknownRuntime",
+                           "runtime '" + image_def.runtime + "' is not installed on this host"};
+    }
     PendingCreate pending{r.message, "", image_name, limits, metadata, Clock::now()};
-    if (WarmSandbox warm = pool_->take(image_name, limits.sandbox)) {
-        pending.session_id = warm.sandbox->session_id();
-        finish_create(pending, std::move(warm), 0, true);
-        return nullptr;
+    // The pool holds sandboxes of the image's own runtime only.
+    if (image_def.runtime == image->second.runtime) {
+        if (WarmSandbox warm = pool_->take(image_name, limits.sandbox)) {
+            pending.session_id = warm.sandbox->session_id();
+            finish_create(pending, std::move(warm), 0, true);
+            return nullptr;
+        }
     }
     pending.session_id = make_session_id();
-    const std::uint64_t ticket =
-        pool_->start_cold(pending.session_id, image->second, limits.sandbox);
+    const std::uint64_t ticket = pool_->start_cold(pending.session_id, image_def, limits.sandbox);
     creating_.emplace(ticket, std::move(pending));
     return nullptr;  // answered when the sandbox is up
 }
@@ -410,6 +443,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     SandboxPool* pool = pool_.get();
     opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
     auto channels = std::static_pointer_cast<InnerChannels>(warm.channels);
+    const std::string runtime = warm.sandbox->runtime();
     auto proxy = std::make_unique<SessionProxy>(context_, pending.session_id, outer, opts);
     proxy->attach(std::move(warm.sandbox), std::move(*channels));
 
@@ -422,17 +456,19 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     record.metadata = pending.metadata;
     store_.add_session(record);
     store_.add_event({pending.session_id, record.created_at, "created",
-                      warm_start
-                          ? "warm sandbox from the pool"
-                          : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms"});
+                      (warm_start ? "warm sandbox from the pool"
+                                  : "cold start in " +
+                                        std::to_string(static_cast<int>(start_ms)) + " ms") +
+                          " on " + runtime});
     json connection = proxy->outer_connection().to_json();
-    spdlog::info("session {}: created ({}, image {})", pending.session_id,
-                 warm_start ? "warm" : "cold", pending.image);
+    spdlog::info("session {}: created ({}, image {}, {})", pending.session_id,
+                 warm_start ? "warm" : "cold", pending.image, runtime);
     sessions_.emplace(pending.session_id, std::move(proxy));
     reply(pending.request, {{"status", "ok"},
                             {"session_id", pending.session_id},
                             {"connection", connection},
                             {"limits", pending.limits.to_json()},
+                            {"runtime", runtime},
                             {"warm", warm_start}});
 }
 

@@ -918,6 +918,10 @@ void SessionProxy::close(const std::string& reason) {
     inner_stdin_.close();
     inner_iopub_.close();
     inner_hb_.close();
+    // A closed session keeps only what answers SessionClosed (shell, control)
+    // and the iopub its busy/idle statuses go out on; no heartbeat answers.
+    outer_stdin_.close();
+    outer_hb_.close();
     spdlog::info("session {}: closed ({})", session_id_, reason);
     if (options_.observer) options_.observer->on_closed(session_id_, reason);
 }
