@@ -4,8 +4,10 @@
 // must be a usable connection (ports in range, a known transport and scheme,
 // a key a Signer takes) that survives write() and read() unchanged.
 #include <fcntl.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -27,18 +29,26 @@ using json = nlohmann::json;
 constexpr Channel kChannels[] = {Channel::shell, Channel::iopub, Channel::stdin_, Channel::control,
                                  Channel::hb};
 
-// One private directory per process, on tmpfs when there is one.
+// One private directory per process, on tmpfs when there is one, named by
+// pid: libFuzzer ends without running atexit handlers, so each start removes
+// the directories of processes that are gone.
 const fs::path& scratch_dir() {
     static const fs::path dir = [] {
         const fs::path base =
             fs::exists("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
-        std::string tmpl = (base / "cellblock-fuzz-conn-XXXXXX").string();
-        if (::mkdtemp(tmpl.data()) == nullptr) std::abort();
-        const fs::path made = tmpl;
-        std::atexit([] {
-            std::error_code ec;
-            fs::remove_all(scratch_dir(), ec);
-        });
+        const std::string prefix = "cellblock-fuzz-conn-";
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(base, ec)) {
+            const std::string name = entry.path().filename().string();
+            if (name.rfind(prefix, 0) != 0) continue;
+            const long pid = std::strtol(name.c_str() + prefix.size(), nullptr, 10);
+            if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+                fs::remove_all(entry.path(), ec);
+            }
+        }
+        const fs::path made = base / (prefix + std::to_string(::getpid()));
+        fs::create_directories(made);
+        fs::permissions(made, fs::perms::owner_all);
         return made;
     }();
     return dir;
