@@ -8,6 +8,9 @@ using nlohmann::json;
 namespace {
 
 constexpr std::size_t kRecentParents = 256;
+// How long an execute_reply waits for its idle status. Only a kernel that
+// never sends idle (a hostile one) waits this long, and only for its own reply.
+constexpr auto kReplyHoldLimit = std::chrono::seconds(30);
 constexpr auto kKernelExitDrain = std::chrono::milliseconds(200);
 constexpr std::size_t kMaxHeartbeatFrames = 4;
 constexpr std::size_t kMaxHeartbeatBytes = 4096;
@@ -207,6 +210,7 @@ void SessionProxy::remember_parent(const std::string& msg_id) {
         recent_order_.push_back(msg_id);
         if (recent_order_.size() > kRecentParents) {
             recent_.erase(recent_order_.front());
+            free_passes_.erase(recent_order_.front());
             recent_order_.pop_front();
         }
     }
@@ -476,6 +480,7 @@ void SessionProxy::release_held_reply() {
         record.truncated = governor_->truncated();
         options_.observer->on_execution(record);
     }
+    last_execution_id_ = execution_->msg_id;
     execution_.reset();
     notify_state("idle");
     drain_queue(status == "error");
@@ -543,7 +548,7 @@ void SessionProxy::on_inner_reply(Channel channel) {
 
     if (execution_ && execution_->msg_id == parent_id && governor_) {
         held_reply_ = HeldReply{std::move(request), std::move(scratch_.frames), at,
-                                Clock::now() + std::chrono::seconds(2)};
+                                Clock::now() + kReplyHoldLimit};
         scratch_.frames.clear();
         if (execution_->idle_seen) release_held_reply();
         return;
@@ -587,14 +592,20 @@ void SessionProxy::on_inner_iopub() {
         forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
         return;
     }
-    if (!execution_ || execution_->msg_id != parent_id) {
+    const bool late_output_of_last = !execution_ && parent_id == last_execution_id_;
+    if ((!execution_ || execution_->msg_id != parent_id) && !late_output_of_last) {
         // Output no running execution accounts for: status and other
         // bookkeeping pass, everything else shares one capped budget.
         const auto header =
             parse_json_frame(views[at.header()], options_.inner_limits.max_json_depth);
         const std::string type =
             header && header->is_object() ? json_string(*header, "msg_type") : "";
-        if (type == "status" || type == "execute_input" || type == "clear_output") {
+        constexpr std::size_t kFreePassBytes = 2048;
+        constexpr int kFreePassesPerRequest = 4;  // busy, idle, execute_input, a clear_output
+        if ((type == "status" || type == "execute_input" || type == "clear_output") &&
+            scratch_.total_bytes <= kFreePassBytes &&
+            free_passes_[parent_id] < kFreePassesPerRequest) {
+            ++free_passes_[parent_id];
             forward_to_outer(outer_iopub_, nullptr, scratch_.frames, at, nullptr, nullptr);
             return;
         }
@@ -619,8 +630,8 @@ void SessionProxy::on_inner_iopub() {
         }
         return;
     }
-    // Output shaping for the running execution.
-    execution_->output_bytes += scratch_.total_bytes;
+    // Output shaping for the running (or, late, the last) execution.
+    if (execution_) execution_->output_bytes += scratch_.total_bytes;
     const auto header = parse_json_frame(views[at.header()], options_.inner_limits.max_json_depth);
     const std::string msg_type =
         header && header->is_object() ? json_string(*header, "msg_type") : "";
@@ -629,7 +640,7 @@ void SessionProxy::on_inner_iopub() {
         if (content && content->is_object() && json_string(*content, "execution_state") == "idle") {
             if (held_reply_) {
                 release_held_reply();
-            } else {
+            } else if (execution_) {
                 execution_->idle_seen = true;  // iopub outran shell: the reply goes out on arrival
             }
         }
@@ -667,7 +678,9 @@ void SessionProxy::on_inner_iopub() {
                                  " bytes was replaced: the limit is " +
                                  std::to_string(options_.policy->max_message_bytes) + " bytes]"}}},
             {"metadata", json::object()}};
-        if (msg_type == "execute_result") notice["execution_count"] = execution_->count;
+        if (msg_type == "execute_result") {
+            notice["execution_count"] = execution_ ? execution_->count : governor_->executions();
+        }
         const std::string new_content = notice.dump();
         // Buffers go too: the notice replaces the whole message.
         scratch_.frames.resize(at.first_buffer());

@@ -171,6 +171,9 @@ class SessionProxy {
     // Output outside the running execution (a thread an earlier cell started
     // keeps printing under that cell's parent): capped like an execution's.
     std::uint64_t background_bytes_ = 0;
+    // Bookkeeping messages (status, execute_input, clear_output) pass outside
+    // the budget only while small and few per request.
+    std::unordered_map<std::string, int> free_passes_;
     bool background_marker_sent_ = false;
     static constexpr std::size_t kMaxPendingRequests = 4096;
     std::uint64_t memory_peak_bytes_ = 0;
@@ -185,6 +188,9 @@ class SessionProxy {
         Clock::time_point release_by;
     };
     std::optional<HeldReply> held_reply_;
+    // The last finished execution: its late output (past a held reply's
+    // deadline on a loaded machine) is still shaped as that execution's.
+    std::string last_execution_id_;
     // Executes sent while one runs (a notebook's "Run All"), in order.
     struct QueuedRequest {
         Channel channel;

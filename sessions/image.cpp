@@ -1,5 +1,7 @@
 #include "cellblock/image.hpp"
 
+#include <climits>
+#include <cstdint>
 #include <fstream>
 #include <stdexcept>
 
@@ -17,6 +19,33 @@ void read_field(const json& j, const char* name, T& out, const std::string& wher
     } catch (const json::exception&) {
         throw std::runtime_error(where + ": field '" + name + "' has the wrong type");
     }
+}
+
+// A limit that must be a positive whole number that fits an int: nlohmann's
+// get<int>() would cast 1e10 or 1.9 without a range check (undefined behaviour).
+void read_field(const json& j, const char* name, int& out, const std::string& where) {
+    if (!j.contains(name)) return;
+    const json& v = j.at(name);
+    if (!v.is_number_integer()) {
+        throw std::runtime_error(where + ": field '" + name + "' must be a whole number");
+    }
+    const bool fits = v.is_number_unsigned()
+                          ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT_MAX)
+                          : v.get<std::int64_t>() >= 1 && v.get<std::int64_t>() <= INT_MAX;
+    if (!fits || v.get<std::int64_t>() < 1) {
+        throw std::runtime_error(where + ": field '" + name + "' must be between 1 and " +
+                                 std::to_string(INT_MAX));
+    }
+    out = static_cast<int>(v.get<std::int64_t>());
+}
+
+void read_field(const json& j, const char* name, double& out, const std::string& where) {
+    if (!j.contains(name)) return;
+    const json& v = j.at(name);
+    if (!v.is_number() || !(v.get<double>() > 0) || v.get<double>() > 1e6) {
+        throw std::runtime_error(where + ": field '" + name + "' must be a positive number");
+    }
+    out = v.get<double>();
 }
 
 }  // namespace
