@@ -80,16 +80,27 @@ SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
       options_(std::move(options)),
       outer_(outer),
       outer_signer_(outer.key, outer.signature_scheme),
-      outer_shell_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
+      // libzmq hands over a multipart only once all its frames arrived and caps
+      // frames, not messages: a small frame cap on the client's side bounds
+      // what one frame from a peer without the key can make the server hold.
+      outer_shell_(
+          make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
       outer_control_(
-          make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
-      outer_stdin_(make_socket(context, zmq::socket_type::router, options_.max_frame_bytes, 1000)),
-      outer_iopub_(make_socket(context, zmq::socket_type::pub, options_.max_frame_bytes, 1000)),
+          make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
+      outer_stdin_(
+          make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
+      outer_iopub_(
+          make_socket(context, zmq::socket_type::pub, options_.max_client_frame_bytes, 1000)),
       outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)) {
     // A kernel's single large output (a 50 MB print) must reach output shaping
     // to be cut with a marker, not be dropped whole: the JSON frame cap for the
     // kernel's side is the socket's frame cap.
     options_.inner_limits.max_json_frame_bytes = static_cast<std::size_t>(options_.max_frame_bytes);
+    // A client's JSON frame (code, comm data) is refused and logged above 8 MB,
+    // under the client socket's frame cap, so the refusal is cellblock's own.
+    options_.outer_limits.max_json_frame_bytes =
+        std::min<std::size_t>(options_.outer_limits.max_json_frame_bytes,
+                              static_cast<std::size_t>(options_.max_client_frame_bytes) / 2);
     for (auto* s : {&outer_shell_, &outer_control_, &outer_stdin_, &outer_hb_}) {
         s->set(zmq::sockopt::router_handover, 1);
     }

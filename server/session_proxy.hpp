@@ -46,7 +46,8 @@ struct ProxyOptions {
     WireLimits outer_limits;
     WireLimits inner_limits;
     std::chrono::milliseconds shutdown_grace{3000};
-    int max_frame_bytes = 64 << 20;  // ZMQ_MAXMSGSIZE on every socket
+    int max_frame_bytes = 64 << 20;         // ZMQ_MAXMSGSIZE on the kernel's sockets
+    int max_client_frame_bytes = 16 << 20;  // and on the client's: code and comms are small
     // Server mode: the policy to enforce (none in kernel mode).
     const ServerPolicy* policy = nullptr;
     std::optional<SessionLimits> limits;
