@@ -3,7 +3,9 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +36,30 @@ void report(const std::string& line) {
     [[maybe_unused]] ssize_t n = write(kLifelineFd, text.data(), text.size());
 }
 
+// Under a runtime that cannot pass fds (runsc), the server listens on a unix
+// socket whose path is in CELLBLOCK_LIFELINE and accepts exactly one
+// connection: this one, made before the kernel exists. It becomes fd 3.
+bool connect_lifeline(const char* path) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof addr.sun_path) return false;
+    strcpy(addr.sun_path, path);
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        close(fd);
+        return false;
+    }
+    if (fd != kLifelineFd) {
+        if (dup3(fd, kLifelineFd, O_CLOEXEC) != kLifelineFd) {
+            close(fd);
+            return false;
+        }
+        close(fd);
+    }
+    return true;
+}
+
 void make_dir(const char* path) {
     if (mkdir(path, 0700) != 0 && errno != EEXIST) say("mkdir %s failed", path);
 }
@@ -58,8 +84,17 @@ int main(int argc, char** argv) {
         say("usage: cellblock-shim -- KERNEL [ARGS...]");
         return 2;
     }
-    const bool have_lifeline = fcntl(kLifelineFd, F_GETFD) != -1;
-    if (have_lifeline) fcntl(kLifelineFd, F_SETFD, FD_CLOEXEC);
+    bool have_lifeline = fcntl(kLifelineFd, F_GETFD) != -1;
+    if (have_lifeline) {
+        fcntl(kLifelineFd, F_SETFD, FD_CLOEXEC);
+    } else if (const char* path = getenv("CELLBLOCK_LIFELINE"); path && *path) {
+        // Without its lifeline the sandbox would outlive a dead server: refuse to start.
+        if (!connect_lifeline(path)) {
+            say("cannot connect to the lifeline %s", path);
+            return 1;
+        }
+        have_lifeline = true;
+    }
 
     if (const char* home = getenv("HOME")) make_dir(home);
     if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
@@ -108,6 +143,7 @@ int main(int argc, char** argv) {
     close(err_pipe[1]);
     fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
 
+    std::string lifeline_line;  // what the server sent, up to a newline
     size_t stderr_copied = 0;
     bool stderr_open = true;
     int term_deadline_ms = -1;
@@ -152,6 +188,16 @@ int main(int argc, char** argv) {
                 // The server is gone: end the sandbox with it.
                 say("server gone; ending the sandbox");
                 return 1;
+            }
+            // "interrupt\n": SIGINT to the kernel (runsc's init pid is the
+            // Sentry, which the server cannot signal on the kernel's behalf).
+            for (ssize_t i = 0; i < n; ++i) {
+                if (buf[i] != '\n') {
+                    if (lifeline_line.size() < 64) lifeline_line.push_back(buf[i]);
+                    continue;
+                }
+                if (lifeline_line == "interrupt") kill(kernel, SIGINT);
+                lifeline_line.clear();
             }
         }
         if (fds[2].revents & (POLLIN | POLLHUP | POLLERR)) {

@@ -10,8 +10,8 @@ PACKAGES=(
   libsqlitecpp-dev libsqlite3-dev libgtest-dev libcli11-dev libspdlog-dev libfmt-dev
   # fuzzing (tests/fuzz: clang's libFuzzer and sanitizer runtimes)
   clang libclang-rt-14-dev
-  # sandbox runtime
-  runc
+  # sandbox runtimes (runsc: the gVisor tier, image host-gvisor)
+  runc runsc
   # the default image's kernel and data stack
   python3 python3-ipykernel python3-numpy python3-pandas python3-matplotlib fonts-dejavu-core
   # clients and tests

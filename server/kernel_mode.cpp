@@ -67,6 +67,10 @@ int run_kernel_mode(const KernelModeOptions& options) {
     Image image = find_image(options.image, options.paths.image_dirs);
     RuntimeSettings settings;
     settings.runtime = options.runtime.empty() ? image.runtime : options.runtime;
+    if (!runtime_installed(settings.runtime)) {
+        spdlog::error("OCI runtime '{}' is not installed on this host", settings.runtime);
+        return 1;
+    }
     settings.state_dir = options.paths.state_dir / "kernels";
     settings.libexec_dir = options.paths.libexec_dir;
     if (!fs::exists(settings.libexec_dir / "cellblock-shim")) {

@@ -42,6 +42,19 @@ json id_mapping(const IdMapping& ids) {
 
 }  // namespace
 
+RuntimeKind runtime_kind(const std::string& runtime) {
+    const std::string base = fs::path(runtime).filename().string();
+    if (base == "runsc") return RuntimeKind::runsc;
+    if (base == "crun") return RuntimeKind::crun;
+    return RuntimeKind::runc;
+}
+
+bool runtime_passes_fds(RuntimeKind kind) { return kind != RuntimeKind::runsc; }
+
+int host_pids_limit(RuntimeKind kind, int pids) {
+    return kind == RuntimeKind::runsc ? pids * 16 + 256 : pids;
+}
+
 std::vector<std::string> kernel_command(const Image& image) {
     std::vector<std::string> argv;
     for (const auto& arg : image.kernel_argv) {
@@ -67,7 +80,7 @@ std::vector<std::string> sandbox_environment(const Image& image) {
     return out;
 }
 
-json make_seccomp_profile() {
+json make_seccomp_profile(RuntimeKind kind) {
     // Docker's default profile denies these to an unprivileged container; so do
     // we, plus the calls that let same-uid code hijack another process.
     static const std::vector<std::string> denied = {"acct",
@@ -133,8 +146,11 @@ json make_seccomp_profile() {
     syscalls.push_back(
         {{"names", denied}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 1 /* EPERM */}});
     // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
-    syscalls.push_back(
-        {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 38 /* ENOSYS */}});
+    // gVisor has no clone3 (ENOSYS already) and would turn this errno into EPERM.
+    if (kind != RuntimeKind::runsc) {
+        syscalls.push_back(
+            {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 38 /* ENOSYS */}});
+    }
     // clone with any namespace flag (one rule per flag: seccomp compares with AND).
     const std::uint64_t namespace_flags[] = {
         0x00000080 /* CLONE_NEWTIME */,   0x00020000 /* CLONE_NEWNS */,
@@ -164,6 +180,7 @@ json make_seccomp_profile() {
 json make_oci_config(const SandboxSpec& spec) {
     const SandboxLimits& lim = spec.limits;
     const std::string uid = std::to_string(kSandboxUid);
+    const RuntimeKind kind = runtime_kind(spec.runtime);
 
     json mounts = json::array();
     mounts.push_back({{"destination", "/proc"},
@@ -207,12 +224,19 @@ json make_oci_config(const SandboxSpec& spec) {
     std::vector<std::string> args{kSandboxShim, "--"};
     for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
 
+    std::vector<std::string> env = sandbox_environment(spec.image);
+    if (!runtime_passes_fds(kind)) {
+        // The shim connects here instead of inheriting fd 3, and strips every
+        // CELLBLOCK_ variable from the kernel's environment.
+        env.push_back(std::string(kLifelineEnv) + "=" + kSandboxLifelineSocket);
+    }
+
     const json no_caps = json::array();
     json process = {
         {"terminal", false},
         {"user", {{"uid", kSandboxUid}, {"gid", kSandboxUid}}},
         {"args", args},
-        {"env", sandbox_environment(spec.image)},
+        {"env", env},
         {"cwd", kSandboxHome},
         {"noNewPrivileges", true},
         {"oomScoreAdj", 1000},
@@ -224,13 +248,16 @@ json make_oci_config(const SandboxSpec& spec) {
           {"ambient", no_caps}}},
         {"rlimits",
          {rlimit("RLIMIT_NOFILE", static_cast<std::uint64_t>(lim.nofile)), rlimit("RLIMIT_CORE", 0),
-          rlimit("RLIMIT_NPROC", static_cast<std::uint64_t>(lim.pids) * 4)}}};
+          // Under runc RLIMIT_NPROC counts the host uid, which every sandbox
+          // shares: only a loose bound. gVisor counts the sandbox's own tasks.
+          rlimit("RLIMIT_NPROC",
+                 static_cast<std::uint64_t>(lim.pids) * (kind == RuntimeKind::runsc ? 1 : 4))}}};
 
     const std::int64_t memory = static_cast<std::int64_t>(lim.memory_mb) << 20;
     const std::int64_t period = 100000;
     json resources = {
         {"memory", {{"limit", memory}, {"swap", memory}}},
-        {"pids", {{"limit", lim.pids}}},
+        {"pids", {{"limit", host_pids_limit(kind, lim.pids)}}},
         {"cpu", {{"period", period}, {"quota", static_cast<std::int64_t>(lim.cpus * period)}}},
         {"devices", json::array({{{"allow", false}, {"access", "rwm"}}})}};
 
@@ -250,7 +277,7 @@ json make_oci_config(const SandboxSpec& spec) {
               {"namespaces", namespaces},
               {"cgroupsPath", "/" + spec.cgroup_parent + "/" + spec.container_id},
               {"resources", resources},
-              {"seccomp", make_seccomp_profile()},
+              {"seccomp", make_seccomp_profile(kind)},
               {"maskedPaths",
                {"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
                 "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",

@@ -1,18 +1,22 @@
 #include "cellblock/sandbox.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -72,8 +76,131 @@ std::string container_id_for(const std::string& session_id) { return "cb-" + ses
 
 std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std::string> args) {
     std::vector<std::string> argv{s.runtime, "--root", s.runtime_root().string()};
+    if (runtime_kind(s.runtime) == RuntimeKind::runsc) {
+        // gVisor's own network stack with nothing but loopback; unix sockets in
+        // the bind-mounted ipc dir are host sockets (the kernel's, which it
+        // creates, and the lifeline, which the shim opens); the bundle's
+        // seccomp profile is enforced by the Sentry on the sandbox's processes.
+        for (const char* flag : {"--network=none", "--host-uds=all", "--oci-seccomp"}) {
+            argv.emplace_back(flag);
+        }
+    }
     argv.insert(argv.end(), args.begin(), args.end());
     return argv;
+}
+
+// Which runtime created a session dir (written at start, read by the reaper).
+fs::path runtime_file(const fs::path& dir) { return dir / "runtime"; }
+
+// The lifeline of a runtime that cannot pass fds: a listening socket in the
+// session's ipc dir (bind-mounted at /run/cellblock), connectable only by the
+// sandbox's user.
+int listen_lifeline(const fs::path& path, std::uint32_t owner) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.string().size() >= sizeof addr.sun_path) {
+        throw SandboxError("lifeline socket path too long: " + path.string());
+    }
+    std::memcpy(addr.sun_path, path.c_str(), path.string().size());
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw SandboxError("lifeline socket: " + errno_text());
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::chown(path.c_str(), owner, owner) != 0 || ::chmod(path.c_str(), 0600) != 0 ||
+        ::listen(fd, 1) != 0 || ::fcntl(fd, F_SETFL, O_NONBLOCK) != 0) {
+        const std::string why = errno_text();
+        ::close(fd);
+        throw SandboxError("lifeline socket " + path.string() + ": " + why);
+    }
+    return fd;
+}
+
+bool process_gone(pid_t pid) {
+    const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+    const auto paren = stat.rfind(')');
+    return paren == std::string::npos || stat.compare(paren + 1, 3, " Z ") == 0;
+}
+
+// Accepts the shim's connection; -1 if the sandbox ended or the time passed first.
+int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+        // A sandbox that ended at once may still have connected first: accept before judging.
+        const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) return fd;
+        if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) return -1;
+        if ((init_pid > 0 && process_gone(init_pid)) ||
+            std::chrono::steady_clock::now() >= deadline) {
+            return -1;
+        }
+        pollfd p{listener, POLLIN, 0};
+        ::poll(&p, 1, 50);
+    }
+}
+
+// gVisor's Sentry forks its ptrace stubs; when the Sentry dies they are
+// orphaned to the nearest subreaper (this process) and must be reaped here.
+// The Sentry and gofer pids of live sandboxes are registered: their own
+// reap_init waits for them, and it must be the one to (it kills them by pid).
+struct RunscChildren {
+    std::mutex mutex;
+    std::set<pid_t> owned;  // Sentries and gofers of Sandbox objects not yet reaped
+    int starting = 0;       // runsc runs whose pids are not registered yet
+};
+RunscChildren& runsc_children() {
+    static RunscChildren children;
+    return children;
+}
+
+// Reaps zombie children that gVisor left: comm "exe" (gVisor re-executes
+// /proc/self/exe for the Sentry, the gofer and the stubs forked from the
+// Sentry) and no live Sandbox's own pid. Skipped while a runsc start is between
+// run and registration, when its pids are not known yet; a later sweep takes them.
+void reap_runsc_orphans() {
+    auto& children = runsc_children();
+    std::lock_guard lock(children.mutex);
+    if (children.starting > 0) return;
+    const std::string self = std::to_string(::getpid());
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+        const std::string stat = read_text(entry.path() / "stat");
+        const auto open = stat.find('(');
+        const auto close = stat.rfind(')');
+        if (open == std::string::npos || close == std::string::npos) continue;
+        std::istringstream rest(stat.substr(close + 1));
+        std::string state, ppid;
+        rest >> state >> ppid;
+        if (state != "Z" || ppid != self || stat.substr(open + 1, close - open - 1) != "exe")
+            continue;
+        const pid_t pid = static_cast<pid_t>(std::stoi(name));
+        if (children.owned.count(pid)) continue;
+        ::waitpid(pid, nullptr, WNOHANG);
+    }
+}
+
+// runsc run --detach leaves its gofer to the nearest subreaper (us) too:
+// found here so that it can be reaped with the sandbox.
+pid_t find_child_gofer(const fs::path& bundle) {
+    const std::string self = std::to_string(::getpid());
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+        const std::string stat = read_text(entry.path() / "stat");
+        const auto paren = stat.rfind(')');
+        if (paren == std::string::npos) continue;
+        std::istringstream rest(stat.substr(paren + 1));
+        std::string state, ppid;
+        rest >> state >> ppid;
+        if (ppid != self) continue;
+        const std::string cmdline = read_text(entry.path() / "cmdline");
+        if (cmdline.rfind(std::string("runsc-gofer") + '\0', 0) == 0 &&
+            cmdline.find('\0' + bundle.string() + '\0') != std::string::npos) {
+            return static_cast<pid_t>(std::stoi(name));
+        }
+    }
+    return -1;
 }
 
 void remove_cgroups(const std::string& container_id) {
@@ -88,9 +215,12 @@ void remove_cgroups(const std::string& container_id) {
 }
 
 // Removes a session directory completely: the container, mounts, cgroups, files.
-void remove_session(const RuntimeSettings& settings, const std::string& session_id,
-                    const fs::path& dir) {
+void remove_session(RuntimeSettings settings, const std::string& session_id, const fs::path& dir) {
     const std::string cid = container_id_for(session_id);
+    // The runtime that created it, which may not be the caller's default.
+    std::string recorded = read_text(runtime_file(dir));
+    while (!recorded.empty() && recorded.back() == '\n') recorded.pop_back();
+    if (!recorded.empty()) settings.runtime = recorded;
     const auto result = run_process(runtime_argv(settings, {"delete", "--force", cid}));
     if (result.exit_code != 0 && result.output.find("does not exist") == std::string::npos &&
         result.output.find("not exist") == std::string::npos) {
@@ -105,6 +235,24 @@ void remove_session(const RuntimeSettings& settings, const std::string& session_
 }
 
 }  // namespace
+
+bool runtime_allowed(const std::string& name) {
+    return name == "runc" || name == "runsc" || name == "crun";
+}
+
+bool runtime_installed(const std::string& runtime) {
+    if (runtime.empty()) return false;
+    if (runtime.find('/') != std::string::npos) return ::access(runtime.c_str(), X_OK) == 0;
+    // The PATH run_process gives the runtime's parent.
+    for (const char* dir :
+         {"/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"}) {
+        const fs::path candidate = fs::path(dir) / runtime;
+        std::error_code ec;
+        if (fs::is_regular_file(candidate, ec) && ::access(candidate.c_str(), X_OK) == 0)
+            return true;
+    }
+    return false;
+}
 
 std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
     std::vector<fs::path> dirs;
@@ -204,6 +352,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     spec.input_dir = dir / "input";
     spec.output_dir = dir / "output";
     spec.libexec_dir = settings.libexec_dir;
+    spec.runtime = settings.runtime;
     const json config = make_oci_config(spec);
     try {
         if (image.rootfs == "host") prepare_host_rootfs(spec, config);
@@ -216,30 +365,78 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         if (!out) throw SandboxError("write " + (dir / "bundle" / "config.json").string());
     }
 
-    int pair[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
-        throw SandboxError("lifeline socketpair: " + errno_text());
+    {
+        std::ofstream out(runtime_file(dir));
+        out << settings.runtime << "\n";
+        if (!out) throw SandboxError("write " + runtime_file(dir).string());
     }
-    box->lifeline_ = pair[0];
+
     const fs::path log = dir / "shim.log";
     const int log_fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
-    if (log_fd < 0) {
-        ::close(pair[1]);
-        throw SandboxError("open " + log.string() + ": " + errno_text());
-    }
+    if (log_fd < 0) throw SandboxError("open " + log.string() + ": " + errno_text());
     const fs::path pid_file = dir / "init.pid";
-    const auto result =
-        run_process(runtime_argv(settings, {"run", "--detach", "--pid-file", pid_file.string(),
-                                            "--preserve-fds", "1", "--bundle",
-                                            (dir / "bundle").string(), box->container_id_}),
-                    pair[1], log_fd);
-    ::close(pair[1]);
+    std::vector<std::string> run_args{"run", "--detach", "--pid-file", pid_file.string()};
+    int pass_fd = -1;
+    int listener = -1;
+    const fs::path lifeline_socket = dir / "ipc" / fs::path(kSandboxLifelineSocket).filename();
+    if (runtime_passes_fds(runtime_kind(settings.runtime))) {
+        // One end of a socketpair becomes the init's fd 3.
+        int pair[2];
+        if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+            ::close(log_fd);
+            throw SandboxError("lifeline socketpair: " + errno_text());
+        }
+        box->lifeline_ = pair[0];
+        pass_fd = pair[1];
+        run_args.insert(run_args.end(), {"--preserve-fds", "1"});
+    } else {
+        // The shim connects to this socket as its first act, before the kernel
+        // (the first untrusted code) exists; see accept_lifeline below.
+        try {
+            listener = listen_lifeline(lifeline_socket, sandbox_host_uid);
+        } catch (...) {
+            ::close(log_fd);
+            throw;
+        }
+    }
+    run_args.insert(run_args.end(), {"--bundle", (dir / "bundle").string(), box->container_id_});
+    const bool runsc = runtime_kind(settings.runtime) == RuntimeKind::runsc;
+    if (runsc) {
+        std::lock_guard lock(runsc_children().mutex);
+        ++runsc_children().starting;
+    }
+    const auto result = run_process(runtime_argv(settings, run_args), pass_fd, log_fd);
+    box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
+    if (runsc) {
+        const pid_t gofer = find_child_gofer(dir / "bundle");
+        std::lock_guard lock(runsc_children().mutex);
+        --runsc_children().starting;
+        if (box->init_pid_ > 0) runsc_children().owned.insert(box->init_pid_);
+        if (gofer > 0) runsc_children().owned.insert(gofer);
+        box->gofer_pid_ = gofer;
+    }
+    if (pass_fd >= 0) ::close(pass_fd);
     ::close(log_fd);
     if (result.exit_code != 0) {
+        if (listener >= 0) ::close(listener);
         throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " + log_tail(log));
     }
-    box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
-    if (box->init_pid_ <= 0) throw SandboxError("pid file " + pid_file.string() + ": no pid");
+    if (box->init_pid_ <= 0) {
+        if (listener >= 0) ::close(listener);
+        throw SandboxError("pid file " + pid_file.string() + ": no pid");
+    }
+    if (listener >= 0) {
+        // Only the first connection is taken; the socket is then closed and
+        // unlinked, so nothing started later in the sandbox can reach it. The
+        // shim connects before it starts the kernel, so the first is the shim's.
+        box->lifeline_ = accept_lifeline(listener, box->init_pid_, std::chrono::seconds(30));
+        ::close(listener);
+        ::unlink(lifeline_socket.c_str());
+        if (box->lifeline_ < 0) {
+            throw SandboxError(settings.runtime + " run " + box->container_id_ +
+                               ": the shim never connected to its lifeline; log: " + log_tail(log));
+        }
+    }
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
     return box;
 }
@@ -287,23 +484,43 @@ std::string Sandbox::exit_description() const {
 }
 
 void Sandbox::interrupt() {
-    if (!exited_ && init_pid_ > 0) ::kill(init_pid_, SIGINT);
+    if (exited_ || init_pid_ <= 0) return;
+    if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) {
+        // The init pid is gVisor's Sentry, which a SIGINT would end: ask the
+        // shim over the lifeline instead (it forwards SIGINT to the kernel).
+        static const char line[] = "interrupt\n";
+        [[maybe_unused]] auto n =
+            ::send(lifeline_, line, sizeof line - 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+        return;
+    }
+    ::kill(init_pid_, SIGINT);
 }
 
 void Sandbox::kill() {
-    // Killing PID 1 of the sandbox's PID namespace kills every process in it.
+    // Killing PID 1 of the sandbox's PID namespace kills every process in it;
+    // under runsc the init pid is the Sentry, whose death ends the sandbox too.
     if (init_pid_ > 0 && !reaped_) ::kill(init_pid_, SIGKILL);
+    if (gofer_pid_ > 0 && !reaped_) ::kill(gofer_pid_, SIGKILL);
 }
 
 void Sandbox::reap_init() {
     if (init_pid_ <= 0 || reaped_) return;
-    // The init is our child (we are a subreaper); after SIGKILL it ends at once.
-    for (int i = 0; i < 200; ++i) {
-        const pid_t r = ::waitpid(init_pid_, nullptr, WNOHANG);
-        if (r == init_pid_ || (r < 0 && errno == ECHILD)) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    // The init (and runsc's gofer) is our child (we are a subreaper); after
+    // SIGKILL it ends at once.
+    for (pid_t pid : {init_pid_, gofer_pid_}) {
+        if (pid <= 0) continue;
+        for (int i = 0; i < 200; ++i) {
+            const pid_t r = ::waitpid(pid, nullptr, WNOHANG);
+            if (r == pid || (r < 0 && errno == ECHILD)) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
     }
     reaped_ = true;
+    if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) {
+        std::lock_guard lock(runsc_children().mutex);
+        runsc_children().owned.erase(init_pid_);
+        runsc_children().owned.erase(gofer_pid_);
+    }
 }
 
 SandboxUsage Sandbox::usage() const {
@@ -335,6 +552,8 @@ void Sandbox::destroy() {
     if (lifeline_ >= 0) ::close(lifeline_);
     lifeline_ = -1;
     remove_session(settings_, session_id_, dir_);
+    // By now (runsc delete has run) the Sentry's stubs are dead: reap them.
+    if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) reap_runsc_orphans();
     if (lock_fd_ >= 0) ::close(lock_fd_);
     lock_fd_ = -1;
 }

@@ -12,9 +12,12 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-bool same_mounts(const SandboxLimits& a, const SandboxLimits& b) {
+// Whether a sandbox started with `a` can serve `b`: mount sizes and rlimits
+// are fixed at start. Under runsc the pids limit is an rlimit too (see
+// host_pids_limit), enforced inside the Sentry where the host cannot change it.
+bool same_fixed_limits(const SandboxLimits& a, const SandboxLimits& b, RuntimeKind kind) {
     return a.disk_mb == b.disk_mb && a.shm_mb == b.shm_mb && a.output_mb == b.output_mb &&
-           a.nofile == b.nofile;
+           a.nofile == b.nofile && (kind != RuntimeKind::runsc || a.pids == b.pids);
 }
 
 void write_value(const fs::path& file, const std::string& value) {
@@ -47,8 +50,10 @@ void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits) {
             write_value(dir / "memory.max", std::to_string(memory));
             if (fs::exists(dir / "memory.swap.max")) write_value(dir / "memory.swap.max", "0");
         }
-        if (fs::exists(dir / "pids.max"))
-            write_value(dir / "pids.max", std::to_string(limits.pids));
+        if (fs::exists(dir / "pids.max")) {
+            const RuntimeKind kind = runtime_kind(sandbox.runtime());
+            write_value(dir / "pids.max", std::to_string(host_pids_limit(kind, limits.pids)));
+        }
         if (fs::exists(dir / "cpu.cfs_quota_us")) {
             write_value(dir / "cpu.cfs_period_us", std::to_string(period));
             write_value(dir / "cpu.cfs_quota_us", std::to_string(quota));
@@ -110,7 +115,8 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
         std::lock_guard lock(mutex_);
         auto it = slots_.find(image);
         if (it == slots_.end() || it->second.ready.empty() ||
-            !same_mounts(it->second.config.limits, limits)) {
+            !same_fixed_limits(it->second.config.limits, limits,
+                               runtime_kind(it->second.config.image.runtime))) {
             return {};
         }
         warm = std::move(it->second.ready.front());
@@ -169,7 +175,10 @@ void SandboxPool::dispose(std::unique_ptr<Sandbox> sandbox) {
 WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Image& image,
                                          const SandboxLimits& limits) {
     WarmSandbox warm;
-    warm.sandbox = Sandbox::start(session_id, image, limits, settings_);
+    // Each image (or a session's request, through a copy of it) names its runtime.
+    RuntimeSettings settings = settings_;
+    if (!image.runtime.empty()) settings.runtime = image.runtime;
+    warm.sandbox = Sandbox::start(session_id, image, limits, settings);
     warm.channels = probe_(*warm.sandbox);
     return warm;
 }

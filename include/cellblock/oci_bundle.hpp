@@ -21,6 +21,26 @@ inline constexpr const char* kSandboxHome = "/home/sandbox";
 inline constexpr const char* kSandboxInputDir = "/data/input";
 inline constexpr const char* kSandboxOutputDir = "/data/output";
 inline constexpr std::uint32_t kSandboxUid = 1000;
+// Where the shim finds the server's lifeline socket when the runtime cannot pass
+// it an fd (runsc): the server listens there, accepts one connection, unlinks it.
+inline constexpr const char* kLifelineEnv = "CELLBLOCK_LIFELINE";
+inline constexpr const char* kSandboxLifelineSocket = "/run/cellblock/lifeline.sock";
+
+// The family of an OCI runtime, from the basename of its name or path: what
+// the bundle and the runtime's command line depend on.
+enum class RuntimeKind { runc, crun, runsc };
+// "runc", "/usr/bin/runsc", "crun" → their kind; anything else is treated as runc.
+RuntimeKind runtime_kind(const std::string& runtime);
+// Whether the runtime can hand the init an inherited fd (runc/crun
+// --preserve-fds); runsc 2022 cannot, so its shim connects to a socket instead.
+bool runtime_passes_fds(RuntimeKind kind);
+// The pids cgroup limit for a sandbox allowed `pids` processes and threads.
+// runc/crun: `pids` itself. runsc: the cgroup holds gVisor's Sentry and gofer
+// threads and, on the ptrace platform, about ten stub tasks per sandbox
+// process, and the Sentry dies when it cannot make a thread; so there the
+// cgroup is a generous backstop and `pids` is enforced inside, by gVisor, as
+// RLIMIT_NPROC (the sandbox has one user, so that counts all its tasks).
+int host_pids_limit(RuntimeKind kind, int pids);
 
 // Container ids 0..size-1 map to host ids host_base..; container root is never host root.
 struct IdMapping {
@@ -40,11 +60,15 @@ struct SandboxSpec {
     std::filesystem::path output_dir;   // host dir mounted at /data/output
     std::filesystem::path libexec_dir;  // host dir with cellblock-shim, mounted at /opt/cellblock
     std::string cgroup_parent = "cellblock";
+    std::string runtime = "runc";  // runc, crun, runsc (or a path to one)
 };
 
 // config.json for the spec: namespaces, user namespace mapping, read-only root,
 // capped tmpfs mounts, binds, no capabilities, no_new_privs, seccomp, masked
 // and read-only /proc paths, cgroup limits, rlimits, and the shim as init.
+// For runsc the shim is told where its lifeline socket is (kLifelineEnv), the
+// seccomp profile has no clone3 rule, and the pids limit moves inside (see
+// host_pids_limit).
 nlohmann::json make_oci_config(const SandboxSpec& spec);
 
 // The kernel's command line with the connection file substituted.
@@ -60,7 +84,10 @@ std::vector<std::string> sandbox_environment(const Image& image);
 void prepare_host_rootfs(const SandboxSpec& spec, const nlohmann::json& oci_config);
 
 // The seccomp section: Docker's default denials plus ptrace, process_vm_*,
-// pidfd_getfd, namespace-creating clone flags and AF_VSOCK sockets.
-nlohmann::json make_seccomp_profile();
+// pidfd_getfd, namespace-creating clone flags and AF_VSOCK sockets. Under
+// runsc (the Sentry enforces it, with --oci-seccomp) clone3 is left out: gVisor
+// answers clone3 with ENOSYS itself, and it applies every SCMP_ACT_ERRNO as
+// EPERM whatever errnoRet says, which would stop glibc falling back to clone.
+nlohmann::json make_seccomp_profile(RuntimeKind kind = RuntimeKind::runc);
 
 }  // namespace cellblock

@@ -33,6 +33,12 @@ struct RuntimeSettings {
     std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
 };
 
+// The runtimes a session may ask for by name.
+bool runtime_allowed(const std::string& name);  // runc, runsc, crun
+// Whether `runtime` (a name looked up on the PATH cellblock gives its helpers,
+// or a path) is an executable file on this host.
+bool runtime_installed(const std::string& runtime);
+
 // Peak and current figures read from the sandbox's cgroup.
 struct SandboxUsage {
     std::uint64_t memory_peak_bytes = 0;
@@ -63,8 +69,14 @@ class Sandbox {
     std::filesystem::path output_dir() const { return dir_ / "output"; }
     pid_t init_pid() const { return init_pid_; }
 
+    // The runtime this sandbox runs on ("runc", "runsc", ...).
+    const std::string& runtime() const { return settings_.runtime; }
+
     // Readable when the shim writes a status line or exits (EOF); the server
     // holds the other end, so the shim also sees EOF when the server dies.
+    // Under runc/crun it is one end of a socketpair passed as the init's fd 3;
+    // under runsc it is the one connection accepted on a socket in the ipc dir,
+    // which is unlinked as soon as the shim is connected.
     int lifeline_fd() const { return lifeline_; }
     // Reads what the shim reported; returns false once the shim is gone.
     bool read_lifeline();
@@ -74,7 +86,7 @@ class Sandbox {
     std::string exit_description() const;
     bool memory_limit_hit() const;
 
-    void interrupt();  // SIGINT to the kernel (through the shim)
+    void interrupt();  // SIGINT to the kernel (through the shim: a signal, or a lifeline line)
     void kill();       // SIGKILL to every process of the sandbox
     void reap_init();  // waits for the killed init (a child of this subreaper)
     // Kills, deletes the container, unmounts and removes every file of the
@@ -96,6 +108,7 @@ class Sandbox {
     SandboxLimits limits_;
     ConnectionInfo inner_;
     pid_t init_pid_ = -1;
+    pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
     int lifeline_ = -1;
     int lock_fd_ = -1;
     bool exited_ = false;

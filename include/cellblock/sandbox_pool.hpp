@@ -56,7 +56,10 @@ class SandboxPool {
     SandboxPool(const SandboxPool&) = delete;
     SandboxPool& operator=(const SandboxPool&) = delete;
 
-    // A warm sandbox of `image` whose tmpfs sizes match `limits`, or nullptr.
+    // Sandboxes run on their image's runtime (Image::runtime); a session that
+    // asks for another runtime is a cold start with a copy of the image.
+    // A warm sandbox of `image` whose tmpfs sizes (and, under runsc, pids)
+    // match `limits`, or nullptr.
     // Memory, pids and CPU limits are applied to it here (cgroup writes).
     // Never blocks on sandbox work. Refill is scheduled in the background.
     WarmSandbox take(const std::string& image, const SandboxLimits& limits);

@@ -251,6 +251,108 @@ TEST(Seccomp, CloneWithAnyNamespaceFlagIsDenied) {
     EXPECT_EQ(covered, all_namespaces);
 }
 
+// ---------------------------------------------------------------- runtimes
+
+SandboxSpec runsc_spec() {
+    SandboxSpec spec = test_spec();
+    spec.runtime = "runsc";
+    return spec;
+}
+
+std::uint64_t rlimit_of(const json& config, const std::string& type) {
+    for (const auto& l : config["process"]["rlimits"]) {
+        if (l["type"] == type) return l["hard"].get<std::uint64_t>();
+    }
+    return 0;
+}
+
+bool has_rule_for(const json& profile, const std::string& name) {
+    for (const auto& rule : profile["syscalls"]) {
+        for (const auto& n : rule["names"]) {
+            if (n == name) return true;
+        }
+    }
+    return false;
+}
+
+TEST(Runtime, KindComesFromTheNameOrPath) {
+    EXPECT_EQ(runtime_kind("runc"), RuntimeKind::runc);
+    EXPECT_EQ(runtime_kind("/usr/sbin/runc"), RuntimeKind::runc);
+    EXPECT_EQ(runtime_kind("crun"), RuntimeKind::crun);
+    EXPECT_EQ(runtime_kind("runsc"), RuntimeKind::runsc);
+    EXPECT_EQ(runtime_kind("/usr/bin/runsc"), RuntimeKind::runsc);
+    EXPECT_EQ(runtime_kind("something-else"), RuntimeKind::runc);
+    EXPECT_TRUE(runtime_passes_fds(RuntimeKind::runc));
+    EXPECT_TRUE(runtime_passes_fds(RuntimeKind::crun));
+    EXPECT_FALSE(runtime_passes_fds(RuntimeKind::runsc));
+}
+
+TEST(Runtime, RuncBundleHasNoRunscDifferences) {
+    SandboxSpec spec = test_spec();
+    spec.runtime = "/usr/sbin/runc";
+    const json c = make_oci_config(spec);
+    for (const std::string e : c["process"]["env"]) {
+        EXPECT_NE(e.rfind(kLifelineEnv, 0), 0u) << "runc passes the lifeline as fd 3: " << e;
+    }
+    EXPECT_TRUE(has_rule_for(c["linux"]["seccomp"], "clone3"));
+    EXPECT_EQ(c["linux"]["resources"]["pids"]["limit"], 64);
+    EXPECT_EQ(rlimit_of(c, "RLIMIT_NPROC"), 64u * 4);
+    EXPECT_EQ(c, make_oci_config(test_spec())) << "the default runtime is runc";
+}
+
+TEST(Runtime, RunscShimIsToldWhereItsLifelineListens) {
+    const json c = make_oci_config(runsc_spec());
+    const std::vector<std::string> env = c["process"]["env"];
+    const std::string expected = std::string(kLifelineEnv) + "=" + kSandboxLifelineSocket;
+    EXPECT_NE(std::find(env.begin(), env.end(), expected), env.end());
+    // The socket is in the ipc dir, the one place the server and the sandbox share.
+    EXPECT_EQ(fs::path(kSandboxLifelineSocket).parent_path(), fs::path(kSandboxIpcDir));
+    // Nothing else of the environment differs from runc's.
+    std::vector<std::string> rest;
+    for (const auto& e : env) {
+        if (e != expected) rest.push_back(e);
+    }
+    EXPECT_EQ(json(rest), make_oci_config(test_spec())["process"]["env"]);
+}
+
+TEST(Runtime, RunscSeccompKeepsEveryDenialButClone3) {
+    const json runc = make_seccomp_profile(RuntimeKind::runc);
+    const json runsc = make_seccomp_profile(RuntimeKind::runsc);
+    EXPECT_FALSE(has_rule_for(runsc, "clone3"))
+        << "gVisor turns errnoRet ENOSYS into EPERM and glibc then cannot start threads";
+    json expected = json::array();
+    for (const auto& rule : runc["syscalls"]) {
+        if (rule["names"] != json::array({"clone3"})) expected.push_back(rule);
+    }
+    EXPECT_EQ(runsc["syscalls"], expected);
+    EXPECT_EQ(runsc["defaultAction"], runc["defaultAction"]);
+    EXPECT_EQ(make_oci_config(runsc_spec())["linux"]["seccomp"], runsc);
+}
+
+TEST(Runtime, RunscEnforcesPidsInsideWithTheCgroupAsBackstop) {
+    const json c = make_oci_config(runsc_spec());
+    EXPECT_EQ(rlimit_of(c, "RLIMIT_NPROC"), 64u);
+    const int host = c["linux"]["resources"]["pids"]["limit"];
+    EXPECT_EQ(host, host_pids_limit(RuntimeKind::runsc, 64));
+    EXPECT_GT(host, 64 * 10) << "room for the Sentry's threads and ptrace stubs";
+    EXPECT_EQ(host_pids_limit(RuntimeKind::runc, 64), 64);
+    EXPECT_EQ(host_pids_limit(RuntimeKind::crun, 64), 64);
+}
+
+TEST(Runtime, RunscBundleKeepsEveryOtherControl) {
+    json runc = make_oci_config(test_spec());
+    json runsc = make_oci_config(runsc_spec());
+    // Mounts, root, user, mappings, namespaces, masks, memory and CPU: the same.
+    for (json* c : {&runc, &runsc}) {
+        (*c)["process"].erase("env");
+        (*c)["process"].erase("rlimits");
+        (*c)["linux"].erase("seccomp");
+        (*c)["linux"]["resources"].erase("pids");
+    }
+    ASSERT_FALSE(runsc["mounts"].empty());
+    EXPECT_EQ(runc, runsc);
+}
+
 class RootfsTest : public ::testing::Test {
   protected:
     void SetUp() override {
