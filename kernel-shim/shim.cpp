@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -78,6 +79,10 @@ std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // The kernel runs as this same uid: without this, it could write this
+    // process's memory through /proc/1/mem (no ptrace needed) and take over
+    // the init, its lifeline and its log. Non-dumpable makes /proc/1/* root's.
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     int first = 1;
     if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
     if (first >= argc) {

@@ -1,3 +1,10 @@
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -12,7 +19,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 std::string log_tail(const Sandbox& sandbox) {
-    std::ifstream in(sandbox.dir() / "shim.log");
+    std::ifstream in(sandbox.dir() / "log" / "shim.log");
     std::stringstream ss;
     ss << in.rdbuf();
     std::string text = ss.str();
@@ -26,6 +33,57 @@ zmq::socket_t inner_socket(zmq::context_t& ctx, zmq::socket_type type, int max_f
     s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame_bytes));
     s.set(zmq::sockopt::reconnect_ivl, 10);
     return s;
+}
+
+// The kernel binds its ipc sockets in ipc/, which the sandbox can write. The
+// server must never connect there by path: the sandbox could swap a socket
+// for a symlink to any unix socket on the host, and the server (root) would
+// follow it on a reconnect. So, before any untrusted code runs, each socket
+// is hard-linked into ipc/.server/ (root's, 0700, on the same tmpfs; the
+// sticky ipc/ keeps the sandbox from renaming it), the link is checked to be
+// a socket, and the server connects to the links only. Returns the ipc "ip"
+// prefix of the links.
+std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline) {
+    const std::filesystem::path ipc = sandbox.dir() / "ipc";
+    const std::filesystem::path server_dir = ipc / ".server";
+    int linked = 0;
+    bool done[6] = {};
+    while (linked < 5) {
+        for (int port = 1; port <= 5; ++port) {
+            if (done[port]) continue;
+            const std::string name = "k-" + std::to_string(port);
+            const auto source = ipc / name;
+            const auto target = server_dir / name;
+            struct stat st {};
+            if (::lstat(source.c_str(), &st) != 0) continue;  // not bound yet
+            if (!S_ISSOCK(st.st_mode)) {
+                throw SandboxError("kernel of session " + sandbox.session_id() + ": ipc/" + name +
+                                   " is not a socket");
+            }
+            if (::link(source.c_str(), target.c_str()) != 0 && errno != EEXIST) {
+                throw SandboxError("link " + source.string() + ": " + std::strerror(errno));
+            }
+            if (::lstat(target.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) {
+                ::unlink(target.c_str());
+                throw SandboxError("kernel of session " + sandbox.session_id() + ": .server/" +
+                                   name + " is not a socket");
+            }
+            done[port] = true;
+            ++linked;
+        }
+        if (linked == 5) break;
+        if (Clock::now() >= deadline) {
+            throw SandboxError("kernel of session " + sandbox.session_id() +
+                               " did not create its sockets in time; log: " + log_tail(sandbox));
+        }
+        pollfd lifeline{sandbox.lifeline_fd(), POLLIN, 0};
+        if (::poll(&lifeline, 1, 2) > 0 && !sandbox.read_lifeline()) {
+            throw SandboxError("kernel of session " + sandbox.session_id() +
+                               " exited while starting: " + sandbox.exit_description() +
+                               "; log: " + log_tail(sandbox));
+        }
+    }
+    return (server_dir / "k").string();
 }
 
 }  // namespace
@@ -48,14 +106,17 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     ch->shell.set(zmq::sockopt::routing_id, identity);
     ch->stdin_.set(zmq::sockopt::routing_id, identity);
     ch->iopub.set(zmq::sockopt::subscribe, "");
-    ch->shell.connect(inner.endpoint(Channel::shell));
-    ch->control.connect(inner.endpoint(Channel::control));
-    ch->stdin_.connect(inner.endpoint(Channel::stdin_));
-    ch->iopub.connect(inner.endpoint(Channel::iopub));
-    ch->hb.connect(inner.endpoint(Channel::hb));
+    // Connect only to links the sandbox cannot touch (see link_kernel_sockets).
+    const auto deadline = Clock::now() + timeout;
+    ConnectionInfo linked = inner;
+    linked.ip = link_kernel_sockets(sandbox, deadline);
+    ch->shell.connect(linked.endpoint(Channel::shell));
+    ch->control.connect(linked.endpoint(Channel::control));
+    ch->stdin_.connect(linked.endpoint(Channel::stdin_));
+    ch->iopub.connect(linked.endpoint(Channel::iopub));
+    ch->hb.connect(linked.endpoint(Channel::hb));
 
     const std::string probe_session = make_uuid();
-    const auto deadline = Clock::now() + timeout;
     std::string request_id;
     auto send_kernel_info = [&] {
         WireMessage msg;

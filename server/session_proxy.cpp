@@ -160,19 +160,19 @@ void SessionProxy::add_poll_items(std::vector<zmq::pollitem_t>& items) {
 }
 
 void SessionProxy::handle(const zmq::pollitem_t* items) {
+    // Any handler may close the session (and its sockets): check before each.
     auto ready = [&](std::size_t i) { return (items[i].revents & ZMQ_POLLIN) != 0; };
-    if (sandbox_ && !closed_) {
-        if (ready(0)) on_inner_reply(Channel::shell);
-        if (ready(1)) on_inner_reply(Channel::control);
-        if (ready(2)) on_inner_stdin();
-        if (ready(3)) on_inner_iopub();
-        if (ready(4)) on_inner_heartbeat();
-    }
+    auto live = [&] { return sandbox_ && !closed_; };
+    if (ready(0) && live()) on_inner_reply(Channel::shell);
+    if (ready(1) && live()) on_inner_reply(Channel::control);
+    if (ready(2) && live()) on_inner_stdin();
+    if (ready(3) && live()) on_inner_iopub();
+    if (ready(4) && live()) on_inner_heartbeat();
     if (ready(5)) on_outer_request(Channel::shell);
     if (ready(6)) on_outer_request(Channel::control);
     if (ready(7)) on_outer_stdin();
     if (ready(8)) on_outer_heartbeat();
-    if (items[9].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) on_lifeline();
+    if ((items[9].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) && live()) on_lifeline();
 }
 
 zmq::socket_t& SessionProxy::outer_socket(Channel channel) {
@@ -368,6 +368,7 @@ void SessionProxy::dispatch_request(Channel channel, std::vector<zmq::message_t>
 }
 
 void SessionProxy::on_outer_stdin() {
+    if (!outer_stdin_) return;  // closed with the session in this same turn
     if (!recv_multipart(outer_stdin_, scratch_, options_.outer_limits.max_frames)) return;
     const auto views = scratch_.views();
     const std::string_view sender = views.empty() ? std::string_view() : views[0];
@@ -401,6 +402,7 @@ void SessionProxy::on_outer_stdin() {
 }
 
 void SessionProxy::on_outer_heartbeat() {
+    if (!outer_hb_) return;  // closed with the session in this same turn
     if (!recv_multipart(outer_hb_, scratch_, kMaxHeartbeatFrames)) return;
     if (scratch_.dropped_frames > 0 || scratch_.total_bytes > kMaxHeartbeatBytes) return;
     if (!sandbox_ || closed_) return;  // no kernel, no heartbeat

@@ -4,8 +4,11 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <set>
 #include <stdexcept>
 #include <system_error>
+
+#include "seccomp_syscalls.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
@@ -142,7 +145,37 @@ json make_seccomp_profile(RuntimeKind kind) {
                                                     "userfaultfd",
                                                     "ustat",
                                                     "vhangup"};
+    // An allowlist: every x86_64 system call the build's kernel headers know,
+    // less the denied ones, and nothing else. A call newer than the headers,
+    // or one only the i386 ABI has, gets ENOSYS instead of reaching the kernel.
+    const std::uint64_t namespace_flags =
+        0x00000080 /* CLONE_NEWTIME */ | 0x00020000 /* CLONE_NEWNS */ |
+        0x02000000 /* CLONE_NEWCGROUP */ | 0x04000000 /* CLONE_NEWUTS */ |
+        0x08000000 /* CLONE_NEWIPC */ | 0x10000000 /* CLONE_NEWUSER */ |
+        0x20000000 /* CLONE_NEWPID */ | 0x40000000 /* CLONE_NEWNET */;
+    const std::set<std::string> denied_set(denied.begin(), denied.end());
+    std::vector<std::string> allowed;
+    for (const auto& name : x86_64_syscall_names()) {
+        if (denied_set.count(name) || name == "clone" || name == "clone3" || name == "socket") {
+            continue;
+        }
+        allowed.push_back(name);
+    }
     json syscalls = json::array();
+    syscalls.push_back({{"names", allowed}, {"action", "SCMP_ACT_ALLOW"}});
+    // clone without any namespace flag (seccomp compares (flags & mask) == 0).
+    syscalls.push_back({{"names", {"clone"}},
+                        {"action", "SCMP_ACT_ALLOW"},
+                        {"args",
+                         {{{"index", 0},
+                           {"value", namespace_flags},
+                           {"valueTwo", 0},
+                           {"op", "SCMP_CMP_MASKED_EQ"}}}}});
+    // socket of any family but AF_VSOCK (40), which reaches the hypervisor's host side.
+    syscalls.push_back({{"names", {"socket"}},
+                        {"action", "SCMP_ACT_ALLOW"},
+                        {"args", {{{"index", 0}, {"value", 40}, {"op", "SCMP_CMP_NE"}}}}});
+    // The denied calls say EPERM, as under Docker's profile.
     syscalls.push_back(
         {{"names", denied}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 1 /* EPERM */}});
     // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
@@ -151,28 +184,8 @@ json make_seccomp_profile(RuntimeKind kind) {
         syscalls.push_back(
             {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 38 /* ENOSYS */}});
     }
-    // clone with any namespace flag (one rule per flag: seccomp compares with AND).
-    const std::uint64_t namespace_flags[] = {
-        0x00000080 /* CLONE_NEWTIME */,   0x00020000 /* CLONE_NEWNS */,
-        0x02000000 /* CLONE_NEWCGROUP */, 0x04000000 /* CLONE_NEWUTS */,
-        0x08000000 /* CLONE_NEWIPC */,    0x10000000 /* CLONE_NEWUSER */,
-        0x20000000 /* CLONE_NEWPID */,    0x40000000 /* CLONE_NEWNET */};
-    for (auto flag : namespace_flags) {
-        syscalls.push_back({{"names", {"clone"}},
-                            {"action", "SCMP_ACT_ERRNO"},
-                            {"errnoRet", 1},
-                            {"args",
-                             {{{"index", 0},
-                               {"value", flag},
-                               {"valueTwo", flag},
-                               {"op", "SCMP_CMP_MASKED_EQ"}}}}});
-    }
-    // AF_VSOCK (40) reaches the hypervisor's host side.
-    syscalls.push_back({{"names", {"socket"}},
-                        {"action", "SCMP_ACT_ERRNO"},
-                        {"errnoRet", 1},
-                        {"args", {{{"index", 0}, {"value", 40}, {"op", "SCMP_CMP_EQ"}}}}});
-    return {{"defaultAction", "SCMP_ACT_ALLOW"},
+    return {{"defaultAction", "SCMP_ACT_ERRNO"},
+            {"defaultErrnoRet", 38 /* ENOSYS */},
             {"architectures", {"SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"}},
             {"syscalls", syscalls}};
 }

@@ -55,10 +55,10 @@ std::string log_tail(const fs::path& log) {
     return text;
 }
 
-void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner) {
-    const std::string options = "size=" + std::to_string(size_mb) +
-                                "m,mode=0700,uid=" + std::to_string(owner) +
-                                ",gid=" + std::to_string(owner);
+void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner,
+                 const char* mode = "0700") {
+    const std::string options = "size=" + std::to_string(size_mb) + "m,mode=" + mode +
+                                ",uid=" + std::to_string(owner) + ",gid=" + std::to_string(owner);
     if (::mount("tmpfs", target.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                 options.c_str()) != 0) {
         throw SandboxError("mount tmpfs " + target.string() + ": " + errno_text());
@@ -228,6 +228,7 @@ void remove_session(RuntimeSettings settings, const std::string& session_id, con
     }
     unmount_if_mounted(dir / "ipc");
     unmount_if_mounted(dir / "output");
+    unmount_if_mounted(dir / "log");
     remove_cgroups(cid);
     std::error_code ec;
     fs::remove_all(dir, ec);
@@ -304,13 +305,23 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         throw SandboxError("session lock " + (dir / "lock").string() + ": " + errno_text());
     }
 
-    for (const char* sub : {"ipc", "input", "output", "bundle"}) {
+    for (const char* sub : {"ipc", "input", "output", "bundle", "log"}) {
         if (::mkdir((dir / sub).c_str(), 0711) != 0) {
             throw SandboxError("mkdir " + (dir / sub).string() + ": " + errno_text());
         }
     }
-    mount_tmpfs(dir / "ipc", 4, sandbox_host_uid);
+    // The kernel creates its sockets in ipc/, so the sandbox can write there;
+    // the directory is root's and sticky, and holds .server/ (root only) where
+    // the server links the kernel's sockets before connecting: a socket the
+    // sandbox later swaps for a symlink never redirects the server.
+    mount_tmpfs(dir / "ipc", 4, 0, "1777");
+    if (::mkdir((dir / "ipc" / ".server").c_str(), 0700) != 0) {
+        throw SandboxError("mkdir " + (dir / "ipc" / ".server").string() + ": " + errno_text());
+    }
     mount_tmpfs(dir / "output", limits.output_mb, sandbox_host_uid);
+    // The init's stdout and stderr: its own 1 MB tmpfs, so nothing the sandbox
+    // does can grow a file on the host's disk.
+    mount_tmpfs(dir / "log", 1, 0);
     ::chmod((dir / "input").c_str(), 0755);
 
     // The inner connection: ipc sockets in the session's own directory and a
@@ -371,7 +382,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         if (!out) throw SandboxError("write " + runtime_file(dir).string());
     }
 
-    const fs::path log = dir / "shim.log";
+    const fs::path log = dir / "log" / "shim.log";
     const int log_fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
     if (log_fd < 0) throw SandboxError("open " + log.string() + ": " + errno_text());
     const fs::path pid_file = dir / "init.pid";

@@ -478,7 +478,7 @@ def test_sandbox_init_cannot_be_taken_over_through_proc_mem(fresh):
     if "errno" in probe:
         assert probe["errno"] in (errno.EACCES, errno.EPERM), probe
         return
-    log = os.path.join(STATE_DIR, "sessions", sid, "shim.log")
+    log = os.path.join(STATE_DIR, "sessions", sid, "log", "shim.log")
     tag = f"CELLBLOCK-HIJACK-{secrets.token_hex(6)}"
     size_before = os.path.getsize(log)
     hijack = run_ok(kc, cell(PROC_MEM_HIJACK.format(tag=tag, code=HIJACK_CODE)))

@@ -452,6 +452,6 @@ def test_server_log_names_every_rejection(server):
                     for fd in os.listdir(f"/proc/{pid}/fd")
                     if os.readlink(os.path.join(f"/proc/{pid}/fd", fd)).startswith(sessions)}
     assert len(session_dirs) == 1, session_dirs
-    with open(os.path.join(session_dirs.pop(), "shim.log"), errors="replace") as f:
+    with open(os.path.join(session_dirs.pop(), "log", "shim.log"), errors="replace") as f:
         shim_log = f.read()
     assert "kernel-exit" not in shim_log and "server gone" not in shim_log, shim_log

@@ -286,7 +286,7 @@ def test_sigkill_sandbox_ends_itself_and_next_start_reaps_it():
         # The sandbox's init sees the lifeline close and takes every process with it.
         assert wait_for(lambda: not alive(pids), timeout=5), \
             f"sandbox processes outlived the killed server: { {p: proc_state(p) for p in alive(pids)} }"
-        with open(os.path.join(SESSIONS, sid, "shim.log"), errors="replace") as f:
+        with open(os.path.join(SESSIONS, sid, "log", "shim.log"), errors="replace") as f:
             shim_log = f.read()
         assert "server gone" in shim_log, shim_log
         # What only a cellblock process can clean is still there (nobody ran teardown)...
@@ -306,7 +306,7 @@ def test_sigkill_sandbox_ends_itself_and_next_start_reaps_it():
         for path in (os.path.join(RUNTIME_ROOT, f"cb-{sid}"),
                      os.path.join(SESSIONS, sid, "bundle"),
                      os.path.join(SESSIONS, sid, "ipc", "kernel.json"),
-                     os.path.join(SESSIONS, sid, "shim.log"),
+                     os.path.join(SESSIONS, sid, "log", "shim.log"),
                      *mounts, *cgroups):
             assert not os.path.exists(path), f"{path} survived the reaping"
         with open("/proc/self/mountinfo") as f:

@@ -247,7 +247,7 @@ def test_no_host_file_is_open_in_the_sandbox(sandbox):
     shim.log of the session, opened by the server (test_attacks.py shows what a
     kernel that takes over the init does with it)."""
     sid = sandbox["sid"]
-    shim_log = os.path.join(STATE_DIR, "sessions", sid, "shim.log")
+    shim_log = os.path.join(STATE_DIR, "sessions", sid, "log", "shim.log")
     rootfs = os.stat(os.path.join(STATE_DIR, "sessions", sid, "bundle", "rootfs"))
     problems, by_design = [], []
     for pid in sandbox_pids(sid, include_zombies=False):

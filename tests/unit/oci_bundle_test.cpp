@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include <gtest/gtest.h>
 
@@ -190,7 +191,7 @@ TEST(OciBundle, EnvironmentHoldsNothingOfTheServers) {
 
 TEST(Seccomp, DeniesEscapeAndHijackSyscalls) {
     const json p = make_seccomp_profile();
-    EXPECT_EQ(p["defaultAction"], "SCMP_ACT_ALLOW");
+    EXPECT_EQ(p["defaultAction"], "SCMP_ACT_ERRNO");
     std::vector<std::string> denied;
     for (const auto& rule : p["syscalls"]) {
         if (rule["action"] == "SCMP_ACT_ERRNO" && !rule.contains("args")) {
@@ -236,19 +237,59 @@ TEST(Seccomp, DeniesEscapeAndHijackSyscalls) {
     }
 }
 
-TEST(Seccomp, CloneWithAnyNamespaceFlagIsDenied) {
+TEST(Seccomp, CloneIsAllowedOnlyWithoutNamespaceFlags) {
     const json p = make_seccomp_profile();
-    std::uint64_t covered = 0;
+    int clone_rules = 0;
     for (const auto& rule : p["syscalls"]) {
         if (rule["names"] == json::array({"clone"})) {
+            ++clone_rules;
+            EXPECT_EQ(rule["action"], "SCMP_ACT_ALLOW");
             ASSERT_EQ(rule["args"].size(), 1u);
             EXPECT_EQ(rule["args"][0]["op"], "SCMP_CMP_MASKED_EQ");
-            covered |= rule["args"][0]["value"].get<std::uint64_t>();
+            EXPECT_EQ(rule["args"][0]["valueTwo"], 0);
+            const std::uint64_t all_namespaces = 0x80 | 0x20000 | 0x02000000 | 0x04000000 |
+                                                 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000;
+            EXPECT_EQ(rule["args"][0]["value"].get<std::uint64_t>(), all_namespaces);
         }
     }
-    const std::uint64_t all_namespaces = 0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 |
-                                         0x10000000 | 0x20000000 | 0x40000000;
-    EXPECT_EQ(covered, all_namespaces);
+    EXPECT_EQ(clone_rules, 1);
+}
+
+TEST(Seccomp, IsAnAllowlistOfKnownCallsWithoutTheDeniedOnes) {
+    const json p = make_seccomp_profile();
+    EXPECT_EQ(p["defaultAction"], "SCMP_ACT_ERRNO");
+    EXPECT_EQ(p["defaultErrnoRet"], 38);  // ENOSYS: glibc falls back, nothing new gets through
+    std::set<std::string> allowed_unconditionally;
+    for (const auto& rule : p["syscalls"]) {
+        if (rule["action"] == "SCMP_ACT_ALLOW" && !rule.contains("args")) {
+            for (const auto& n : rule["names"]) allowed_unconditionally.insert(n);
+        }
+    }
+    for (const char* needed : {"read", "write", "mmap", "futex", "epoll_wait", "execve", "openat",
+                               "close_range", "rseq", "statx"}) {
+        EXPECT_TRUE(allowed_unconditionally.count(needed)) << needed;
+    }
+    for (const char* refused :
+         {"ptrace", "mount", "bpf", "unshare", "clone", "clone3", "socket", "process_vm_writev",
+          "pidfd_getfd", "userfaultfd",
+          // newer than the headers, or i386 only: never listed
+          "open_tree_attr", "listmount", "umount", "stime", "clock_settime64"}) {
+        EXPECT_FALSE(allowed_unconditionally.count(refused)) << refused;
+    }
+}
+
+TEST(Seccomp, SocketIsAllowedForEveryFamilyButVsock) {
+    const json p = make_seccomp_profile();
+    bool found = false;
+    for (const auto& rule : p["syscalls"]) {
+        if (rule["names"] == json::array({"socket"})) {
+            found = true;
+            EXPECT_EQ(rule["action"], "SCMP_ACT_ALLOW");
+            EXPECT_EQ(rule["args"][0]["op"], "SCMP_CMP_NE");
+            EXPECT_EQ(rule["args"][0]["value"], 40);
+        }
+    }
+    EXPECT_TRUE(found);
 }
 
 // ---------------------------------------------------------------- runtimes
