@@ -179,14 +179,19 @@ json make_seccomp_profile(RuntimeKind kind) {
     syscalls.push_back(
         {{"names", denied}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 1 /* EPERM */}});
     // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
-    // gVisor has no clone3 (ENOSYS already) and would turn this errno into EPERM.
     if (kind != RuntimeKind::runsc) {
         syscalls.push_back(
             {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 38 /* ENOSYS */}});
+    } else {
+        // gVisor (runsc 2022) applies every SCMP_ACT_ERRNO, the default one
+        // too, as EPERM whatever errnoRet says: glibc would then not fall back
+        // to clone and no thread could start. Its Sentry has no clone3 and
+        // answers ENOSYS itself, so the call is let through to it.
+        syscalls.push_back({{"names", {"clone3"}}, {"action", "SCMP_ACT_ALLOW"}});
     }
     return {{"defaultAction", "SCMP_ACT_ERRNO"},
             {"defaultErrnoRet", 38 /* ENOSYS */},
-            {"architectures", {"SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"}},
+            {"architectures", {"SCMP_ARCH_X86_64"}},
             {"syscalls", syscalls}};
 }
 

@@ -67,8 +67,8 @@ struct SandboxSpec {
 // capped tmpfs mounts, binds, no capabilities, no_new_privs, seccomp, masked
 // and read-only /proc paths, cgroup limits, rlimits, and the shim as init.
 // For runsc the shim is told where its lifeline socket is (kLifelineEnv), the
-// seccomp profile has no clone3 rule, and the pids limit moves inside (see
-// host_pids_limit).
+// seccomp profile lets clone3 through to the Sentry (see make_seccomp_profile),
+// and the pids limit moves inside (see host_pids_limit).
 nlohmann::json make_oci_config(const SandboxSpec& spec);
 
 // The kernel's command line with the connection file substituted.
@@ -83,11 +83,13 @@ std::vector<std::string> sandbox_environment(const Image& image);
 // The host's /etc is never copied.
 void prepare_host_rootfs(const SandboxSpec& spec, const nlohmann::json& oci_config);
 
-// The seccomp section: Docker's default denials plus ptrace, process_vm_*,
-// pidfd_getfd, namespace-creating clone flags and AF_VSOCK sockets. Under
-// runsc (the Sentry enforces it, with --oci-seccomp) clone3 is left out: gVisor
-// answers clone3 with ENOSYS itself, and it applies every SCMP_ACT_ERRNO as
-// EPERM whatever errnoRet says, which would stop glibc falling back to clone.
+// The seccomp section: an allowlist of the x86_64 calls the build's headers
+// know, less Docker's default denials plus ptrace, process_vm_*, pidfd_getfd,
+// namespace-creating clone flags and AF_VSOCK sockets. Under runsc (the Sentry
+// enforces it, with --oci-seccomp) clone3 is allowed instead of answered with
+// ENOSYS: gVisor applies every SCMP_ACT_ERRNO as EPERM whatever errnoRet says,
+// which would stop glibc falling back to clone, and its Sentry has no clone3
+// (it answers ENOSYS itself).
 nlohmann::json make_seccomp_profile(RuntimeKind kind = RuntimeKind::runc);
 
 }  // namespace cellblock

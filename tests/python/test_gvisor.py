@@ -303,6 +303,45 @@ def test_interrupt_reaches_the_kernel(box):
     assert reply["status"] == "ok", reply
 
 
+# (name, x86-64 number, arguments): refused by the bundle's seccomp profile,
+# which runsc --oci-seccomp has the Sentry enforce (gVisor answers EPERM for
+# every refusal: it ignores errnoRet).
+DENIED_SYSCALLS = [
+    ("ptrace(PTRACE_ATTACH, 1)", 101, (16, 1, 0, 0)),
+    ("unshare(CLONE_NEWUSER)", 272, (0x10000000,)),  # gVisor would allow it without the profile
+    ("mount(tmpfs)", 165, ("none", "/tmp", "tmpfs", 0, 0)),
+    ("keyctl(GET_KEYRING_ID)", 250, (0, -3, 0)),
+    ("bpf(MAP_CREATE)", 321, (0, 0, 0)),
+    ("socket(AF_VSOCK)", 41, (40, 1, 0)),
+    ("clone(CLONE_NEWUSER)", 56, (0x10000000 | 17, 0, 0, 0, 0)),
+]
+
+
+def test_dangerous_syscalls_are_refused(box):
+    inside = run_ok(box["kc"], cell(f"""
+import ctypes, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+result = {{}}
+for name, nr, args in {DENIED_SYSCALLS!r}:
+    cargs = [ctypes.c_char_p(a.encode()) if isinstance(a, str) else ctypes.c_long(a) for a in args]
+    ctypes.set_errno(0)
+    rc = libc.syscall(ctypes.c_long(nr), *cargs)
+    if rc == 0 and name.startswith('clone'):
+        os._exit(0)  # the child, had it been allowed
+    result[name] = 'succeeded' if rc >= 0 else ctypes.get_errno()
+# What the profile must still let through: threads and fork.
+t = threading.Thread(target=lambda: None); t.start(); t.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+result['fork'] = os.waitpid(pid, 0)[1] >> 8
+"""))
+    assert inside.pop("fork") == 7, inside
+    for name, outcome in inside.items():
+        assert outcome in (errno.EPERM, errno.EACCES, errno.ENOSYS), f"{name}: {outcome}"
+
+
 def test_host_shadow_is_unreadable(box):
     before = hashlib.sha256(open("/etc/shadow", "rb").read()).hexdigest()
     inside = run_ok(box["kc"], cell("""
