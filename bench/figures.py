@@ -1,0 +1,865 @@
+"""The figures of the benchmark. Each returns rows for the table and keeps its raw
+samples in bench.raw for the JSON; nothing here prints a number it did not measure."""
+import base64
+import json
+import os
+import resource
+import shutil
+import time
+
+import zmq
+
+from client import BenchError, MultiDriver
+from servers import (HOST_IMAGE, BareKernels, CellblockServer, cgroup_memory, cgroup_throttling,
+                     process_cpu_ns, process_sched, proc_status, pss_bytes, wait_ready)
+from stats import Row, ms, summary, unavailable
+
+GIB = 1 << 30
+MB = 1 << 20
+
+ONE_PLUS_ONE = "1+1"
+HUNDRED_LINES = "for i in range(100):\n    print(i)"
+IMPORTS = "import numpy, pandas, matplotlib\nimport matplotlib.pyplot as plt\nimport gc; gc.collect()"
+
+# A valid PNG of random RGBA pixels (incompressible, so the file is ~1 MB), built
+# in the kernel once; the measured cell only displays it.
+PNG_SETUP = """
+import random as _r, struct as _s, zlib as _z
+from IPython.display import Image as _Image, display as _display
+def _bench_png(w, h, seed=7):
+    rnd = _r.Random(seed)
+    raw = b"".join(b"\\x00" + rnd.randbytes(w * 4) for _ in range(h))
+    def chunk(t, d):
+        return _s.pack(">I", len(d)) + t + d + _s.pack(">I", _z.crc32(t + d) & 0xffffffff)
+    return (b"\\x89PNG\\r\\n\\x1a\\n" + chunk(b"IHDR", _s.pack(">IIBBBBB", w, h, 8, 6, 0, 0, 0))
+            + chunk(b"IDAT", _z.compress(raw, 6)) + chunk(b"IEND", b""))
+_bench_png_bytes = _bench_png(512, 512)
+len(_bench_png_bytes)
+"""
+PNG_CELL = "_display(_Image(data=_bench_png_bytes, format='png'))"
+
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+MEMORY_BOMB = "x = []\nwhile True:\n    x.append(b'\\x01' * (64 << 20))"
+CPU_SPIN = "while True:\n    pass"
+
+# Sessions that run thousands of steps ask for the maximum execution cap (the
+# default, 1000, would have the server refuse the rest).
+MANY_STEPS = {"max_executions": 100000}
+
+
+class Bench:
+    """What every figure shares: options, the zmq context, raw results, the log."""
+
+    def __init__(self, quick, reps=None, profile=True, sessions=None):
+        self.quick = quick
+        self.reps_override = reps
+        self.profile = profile and shutil.which("perf") is not None
+        self.sessions = sessions        # throughput session counts, if overridden
+        self.zmq = zmq.Context()
+        self.raw = {}
+        self.appendix = []              # extra Markdown sections (profiles)
+
+    def n(self, full, quick):
+        if self.reps_override:
+            return self.reps_override if full >= 20 else min(full, self.reps_override)
+        return quick if self.quick else full
+
+    def log(self, text):
+        print(f"  [{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def check(condition, what):
+    if not condition:
+        raise BenchError(what)
+
+
+def text_result(ex):
+    """The text/plain of an execution's execute_result (outputs must have been kept)."""
+    for m in ex.outputs:
+        if m["msg_type"] == "execute_result":
+            return m["content"]["data"].get("text/plain")
+    return None
+
+
+def ab_blocks(run_a, run_b, reps, block=1, meter_a=None, meter_b=None):
+    """reps samples of each of two measurements, interleaved (AB BA AB ... in blocks
+    of `block`) so the load swings of a shared machine fall on both sides alike.
+
+    meter_x: a function returning a tuple of counters (e.g. CPU ns of the processes
+    involved), read around each block of x; their summed deltas are returned too."""
+    a, b = [], []
+    used = {"a": None, "b": None}
+    turn = 0
+    while len(a) < reps:
+        k = min(block, reps - len(a))
+        pair = [(run_a, a, meter_a, "a"), (run_b, b, meter_b, "b")]
+        if turn % 2:
+            pair.reverse()
+        for fn, out, meter, side in pair:
+            before = meter() if meter else None
+            for _ in range(k):
+                out.append(fn())
+            if meter:
+                after = meter()
+                delta = tuple((y - x) if x is not None and y is not None else None
+                              for x, y in zip(before, after))
+                prev = used[side]
+                used[side] = delta if prev is None else tuple(
+                    (p + d) if p is not None and d is not None else None
+                    for p, d in zip(prev, delta))
+        turn += 1
+    return a, b, used["a"], used["b"]
+
+
+def phase_medians(executions):
+    """Median (request path, kernel, reply path) in ms over executions that carry dates."""
+    got = [ex.phases() for ex in executions]
+    got = [p for p in got if p is not None]
+    if not got:
+        return None
+    return tuple(summary([p[i] * 1000 for p in got])["median"] for i in range(3))
+
+
+def sched_meters(srv, sid, bare_pid):
+    """Counter readers for ab_blocks: (server CPU, server wait, sandbox CPU, sandbox wait)
+    for cellblock, (kernel CPU, kernel wait) for the bare kernel; ns."""
+    sandbox = srv.session_pids(sid)
+    return (lambda: process_sched([srv.pid]) + process_sched(sandbox),
+            lambda: process_sched([bare_pid]))
+
+
+def throttling_note(sid):
+    t = cgroup_throttling(sid)
+    return "" if t is None else (f"; the sandbox's CPU cgroup was throttled {t[0]} times "
+                                 f"({t[1]:.0f} ms) over the session's life")
+
+
+def step_note(cb_execs, bare_execs, cb_sched, bare_sched, n):
+    """Where the time goes: the phases of a round trip, and per round trip the CPU used
+    and the time spent runnable but waiting for a CPU (run queue) by each process."""
+    parts = []
+    pc, pb = phase_medians(cb_execs), phase_medians(bare_execs)
+    if pc and pb:
+        parts.append("median phases cellblock vs bare (ms): request→kernel busy "
+                     f"{pc[0]:.2f} vs {pb[0]:.2f}, kernel busy→idle {pc[1]:.2f} vs {pb[1]:.2f}, "
+                     f"kernel idle→client {pc[2]:.2f} vs {pb[2]:.2f}")
+
+    def us(v):
+        return "?" if v is None else f"{v / n / 1000:.0f}"
+
+    if cb_sched and bare_sched:
+        parts.append(f"per round trip, CPU / run-queue wait (µs): server {us(cb_sched[0])} / "
+                     f"{us(cb_sched[1])}, sandbox {us(cb_sched[2])} / {us(cb_sched[3])}, "
+                     f"bare kernel {us(bare_sched[0])} / {us(bare_sched[1])}")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------ 1 / 7: session ready
+
+def one_ready(srv, content):
+    """session_create_request → first 1+1 result. Returns a dict of timings (ms)."""
+    t0 = time.perf_counter()
+    reply = srv.create(content)
+    created = time.perf_counter()
+    ch = srv.open_channels(reply["connection"])
+    try:
+        ex = ch.execute_until_reply(ONE_PLUS_ONE, user_expressions={"r": ONE_PLUS_ONE})
+        # Outside the figure: what a second step costs in the same new session.
+        second = ch.execute(ONE_PLUS_ONE).round_trip
+    finally:
+        ch.close()
+    c = ex.reply["content"]
+    value = c.get("user_expressions", {}).get("r", {}).get("data", {}).get("text/plain")
+    check(c.get("status") == "ok" and value == "2", f"first 1+1 in a new session: {c}")
+    srv.close_session(reply["session_id"])
+    return {"session_id": reply["session_id"], "warm": reply.get("warm"),
+            "create_ms": (created - t0) * 1000,
+            "reply_ms": (ex.reply_at - t0) * 1000,
+            "first_execute_ms": (ex.reply_at - created) * 1000,
+            "second_ms": second * 1000,
+            "result_ms": (ex.result_at - t0) * 1000 if ex.result_at else None,
+            "kernel_wall_ms": ex.reply.get("metadata", {}).get("cellblock", {}).get("wall_ms"),
+            "kernel_cpu_ms": ex.reply.get("metadata", {}).get("cellblock", {}).get("cpu_ms")}
+
+
+def session_ready(bench, figure="1", label="runc", image=None, images_dir=None):
+    warm_reps = bench.n(30, 5)
+    cold_reps = bench.n(8, 2)
+    pool_image = image or "host"
+    content = {"image": image} if image else {}
+    warm_pool = {"host": 0, pool_image: 2} if image else {"host": 2}
+    warm, cold = [], []
+    with CellblockServer(f"ready-warm-{label}", warm_pool, images_dir=images_dir) as wsrv, \
+            CellblockServer(f"ready-cold-{label}", {"host": 0}, images_dir=images_dir) as csrv:
+        bench.log(f"session ready ({label}): waiting for the warm pool")
+        wsrv.wait_pool(pool_image)
+        # One discarded run of each: first-use costs of the client and the server.
+        closed = {wsrv: [one_ready(wsrv, content)["session_id"]],
+                  csrv: [one_ready(csrv, content)["session_id"]]}
+        every = max(1, warm_reps // cold_reps)
+        i = 0
+        while len(warm) < warm_reps or len(cold) < cold_reps:
+            for srv, out, pooled in ((wsrv, warm, True), (csrv, cold, False)):
+                if pooled and len(out) >= warm_reps:
+                    continue
+                if not pooled and (len(out) >= cold_reps or i % every):
+                    continue
+                # Quiet start: nothing of the previous sessions left, the pool full.
+                for s, ids in closed.items():
+                    s.wait_sessions_gone(ids)
+                    ids.clear()
+                wsrv.wait_pool(pool_image)
+                r = one_ready(srv, content)
+                closed[srv].append(r["session_id"])
+                if pooled and not r["warm"]:
+                    raise BenchError("a session from a full pool was not warm")
+                out.append(r)
+            i += 1
+            if i % 10 == 0:
+                bench.log(f"session ready ({label}): {len(warm)} warm, {len(cold)} cold")
+    bench.raw[f"session_ready_{label}"] = {"warm": warm, "cold": cold}
+
+    def col(rows, key):
+        return [r[key] for r in rows if r[key] is not None]
+
+    w, c = summary(col(warm, "reply_ms")), summary(col(cold, "reply_ms"))
+    speedup = c["median"] / w["median"]
+    target = "median ≤ 10 ms and ≥ 50× faster than cold"
+
+    def med(rows, key):
+        got = summary(col(rows, key))
+        return f"{got['median']:.1f}" if got else "–"
+
+    detail = (f"medians warm vs cold (ms): session_create_reply {med(warm, 'create_ms')} vs "
+              f"{med(cold, 'create_ms')}; then connecting and the first 1+1 "
+              f"{med(warm, 'first_execute_ms')} vs {med(cold, 'first_execute_ms')}, of which the "
+              f"kernel itself (reply metadata wall_ms) {med(warm, 'kernel_wall_ms')} vs "
+              f"{med(cold, 'kernel_wall_ms')}, using {med(warm, 'kernel_cpu_ms')} vs "
+              f"{med(cold, 'kernel_cpu_ms')} ms of CPU (cpu_ms); a second 1+1 in the same new session takes "
+              f"{med(warm, 'second_ms')} vs {med(cold, 'second_ms')} round trip")
+    rows = [Row(figure, f"Session ready ({label}): create → execute_reply of the first 1+1 "
+                        "(carries the value 2)", "ms", w, c, "cold start, empty pool",
+                target=target, met=w["median"] <= 10 and speedup >= 50,
+                note=f"cold ÷ warm = {speedup:.0f}×", detail=detail)]
+    wr, cr = col(warm, "result_ms"), col(cold, "result_ms")
+    if wr and cr:
+        ws, cs = summary(wr), summary(cr)
+        rows.append(Row(figure, f"Session ready ({label}): create → execute_result on iopub",
+                        "ms", ws, cs, "cold start, empty pool", target=target,
+                        met=ws["median"] <= 10 and cs["median"] / ws["median"] >= 50,
+                        note=f"seen in {len(wr)}/{len(warm)} warm, {len(cr)}/{len(cold)} cold"))
+    else:
+        rows.append(unavailable(figure, f"Session ready ({label}): create → execute_result on iopub",
+                                f"iopub result seen in {len(wr)}/{len(warm)} warm, "
+                                f"{len(cr)}/{len(cold)} cold runs (slow joiner)"))
+    rows.append(Row(figure, f"Session ready ({label}): session_create_reply alone", "ms",
+                    summary(col(warm, "create_ms")), summary(col(cold, "create_ms")),
+                    "cold start, empty pool", note="breakdown, no target"))
+    return rows
+
+
+# ------------------------------------------------------------------ 2 / 7: step overhead
+
+def validate_cells(ch, side):
+    ex = ch.execute(ONE_PLUS_ONE, keep_outputs=True)
+    check(ex.status() == "ok" and text_result(ex) == "2", f"{side}: 1+1 gave {ex.reply}")
+    ex = ch.execute(HUNDRED_LINES, keep_outputs=True)
+    lines = ex.stream_text().splitlines()
+    check(ex.status() == "ok" and lines == [str(i) for i in range(100)],
+          f"{side}: the 100-line cell printed {len(lines)} lines")
+
+
+def profile_server(bench, srv, ch, code, seconds):
+    """perf record of the server while `code` runs back to back (after the measurement,
+    so perf's own cost touches no figure); returns the top of perf report as text."""
+    import subprocess
+    import tempfile
+    fd, data = tempfile.mkstemp(prefix="cellblock-bench-perf-", dir="/dev/shm")
+    os.close(fd)
+    perf = subprocess.Popen(["perf", "record", "-F", "999", "-g", "-p", str(srv.pid), "-o", data],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        cpu0, t0, n = process_cpu_ns(srv.pid), time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            ch.execute(code)
+            n += 1
+        cpu1 = process_cpu_ns(srv.pid)
+    finally:
+        perf.send_signal(2)
+        _, err = perf.communicate(timeout=60)
+    try:
+        if perf.returncode not in (0, -2) or not os.path.exists(data):
+            return f"perf record failed: {err.decode(errors='replace')[-300:]}"
+        out = []
+        for sort, top in (("dso", 8), ("dso,symbol", 25)):
+            rep = subprocess.run(["perf", "report", "-i", data, "--no-children", "--sort", sort,
+                                  "-g", "none", "--stdio", "--percent-limit", "0.7"],
+                                 capture_output=True, text=True, timeout=120).stdout
+            lines = [line.rstrip()[:150] for line in rep.splitlines()
+                     if line.strip() and not line.startswith("#")]
+            out.append("\n".join(lines[:top]))
+        kids = subprocess.run(["perf", "report", "-i", data, "--children", "--sort", "symbol",
+                               "-g", "none", "--stdio", "--percent-limit", "3"],
+                              capture_output=True, text=True, timeout=120).stdout
+        chosen = [line.rstrip()[:150] for line in kids.splitlines()
+                  if any(k in line for k in ("fstatat", "open", "sqlite3_step", "sqlite3Prepare",
+                                             "__send", "__poll", "epoll_wait", "read", "write"))]
+        head = (f"{n} executions of {code!r} in {seconds} s; server CPU "
+                f"{(cpu1 - cpu0) / n / 1000:.0f} µs per round trip (all threads)")
+        return (head + "\n\nby shared object (self):\n" + out[0] + "\n\nhottest symbols (self):\n"
+                + out[1] + "\n\nselected inclusive costs (children):\n" + "\n".join(chosen[:15]))
+    finally:
+        if os.path.exists(data):
+            os.unlink(data)
+
+
+def step_overhead(bench, figure="2", label="runc", image=None, images_dir=None):
+    reps = bench.n(200, 40)
+    warmup = bench.n(30, 10)
+    content = {"image": image, "limits": MANY_STEPS} if image else {"limits": MANY_STEPS}
+    pool = {"host": 0, image: 1} if image else {"host": 1}
+    rows = []
+    with CellblockServer(f"step-{label}", pool, images_dir=images_dir) as srv:
+        bare = BareKernels(bench.zmq)
+        try:
+            srv.wait_pool(image or "host")
+            reply = srv.create(content)
+            ch = srv.open_channels(reply["connection"])
+            wait_ready(ch, time.monotonic() + 120)
+            (bch,), _ = bare.start(1)
+            srv.wait_pool(image or "host")  # the refill after our take is over
+            if image:
+                ex = ch.execute("print(open('/proc/version').read())", keep_outputs=True)
+                bench.raw[f"kernel_version_{label}"] = ex.stream_text().strip()
+            validate_cells(ch, "cellblock")
+            validate_cells(bch, "bare")
+            raw = {}
+            sid, bare_pid = reply["session_id"], bare.pids()[0]
+            meter_cb, meter_bare = sched_meters(srv, sid, bare_pid)
+            for name, code in (("1+1", ONE_PLUS_ONE), ("print 100 lines", HUNDRED_LINES)):
+                bench.log(f"step ({label}): {name}: {warmup} warm-up + {reps} reps each side")
+                for _ in range(warmup):
+                    ch.execute(code)
+                    bch.execute(code)
+                cbx, bbx, cb_cpu, bare_cpu = ab_blocks(
+                    lambda: ch.execute(code), lambda: bch.execute(code), reps,
+                    meter_a=meter_cb, meter_b=meter_bare)
+                cb = [ex.round_trip for ex in cbx]
+                bb = [ex.round_trip for ex in bbx]
+                cs, bs = summary(ms(cb)), summary(ms(bb))
+                raw[name] = {"cellblock_ms": ms(cb), "bare_ms": ms(bb),
+                             "cellblock_phases_ms": [ex.phases() and [x * 1000 for x in ex.phases()]
+                                                     for ex in cbx],
+                             "bare_phases_ms": [ex.phases() and [x * 1000 for x in ex.phases()]
+                                                for ex in bbx],
+                             "cellblock_cpu_ns": cb_cpu, "bare_cpu_ns": bare_cpu}
+                rows.append(Row(figure, f"Step ({label}): execute round trip of {name}", "ms",
+                                cs, bs, "bare ipykernel", target="median ≤ 1.10× bare",
+                                met=cs["median"] <= 1.10 * bs["median"],
+                                note=f"{cs['median'] - bs['median']:+.2f} ms at the median",
+                                detail=step_note(cbx, bbx, cb_cpu, bare_cpu, reps) +
+                                throttling_note(sid)))
+            bench.raw[f"step_{label}"] = raw
+            if bench.profile and not image:
+                bench.log(f"step ({label}): profiling the server with perf (after the figures)")
+                text = profile_server(bench, srv, ch, ONE_PLUS_ONE, bench.n(10, 4))
+                bench.raw["profile_step"] = text
+                bench.appendix.append(("Where the server's time goes during 1+1 steps "
+                                       "(perf record -g on `cellblock serve`, after the "
+                                       "measurements)", text))
+            ch.close()
+        finally:
+            bare.stop()
+    return rows
+
+
+# ------------------------------------------------------------------ 3: rich output
+
+def rich_output(bench):
+    reps = bench.n(100, 20)
+    warmup = bench.n(10, 3)
+    with CellblockServer("rich", {"host": 1}) as srv:
+        bare = BareKernels(bench.zmq)
+        try:
+            srv.wait_pool()
+            reply = srv.create({"limits": MANY_STEPS})
+            ch = srv.open_channels(reply["connection"])
+            wait_ready(ch, time.monotonic() + 120)
+            (bch,), _ = bare.start(1)
+            srv.wait_pool()
+            sizes = {}
+            for side, c in (("cellblock", ch), ("bare", bch)):
+                ex = c.execute(PNG_SETUP, keep_outputs=True)
+                check(ex.status() == "ok", f"{side}: building the PNG failed: {ex.reply}")
+                sizes[side] = int(text_result(ex))
+                ex = c.execute(PNG_CELL, keep_outputs=True)
+                png = ex.rich("image/png")
+                check(ex.status() == "ok" and png is not None,
+                      f"{side}: no image/png displayed: {ex.reply}")
+                check(len(base64.b64decode(png)) == sizes[side],
+                      f"{side}: the PNG arrived with {len(base64.b64decode(png))} of "
+                      f"{sizes[side]} bytes")
+            bench.log(f"rich output: {sizes['cellblock']} byte PNG, {reps} reps each side")
+            for _ in range(warmup):
+                ch.execute(PNG_CELL)
+                bch.execute(PNG_CELL)
+            sid = reply["session_id"]
+            meter_cb, meter_bare = sched_meters(srv, sid, bare.pids()[0])
+            cbx, bbx, cb_cpu, bare_cpu = ab_blocks(
+                lambda: ch.execute(PNG_CELL), lambda: bch.execute(PNG_CELL), reps,
+                meter_a=meter_cb, meter_b=meter_bare)
+            throttled = throttling_note(sid)
+            ch.close()
+        finally:
+            bare.stop()
+    cb = [ex.round_trip for ex in cbx]
+    bb = [ex.round_trip for ex in bbx]
+    cs, bs = summary(ms(cb)), summary(ms(bb))
+    added = cs["median"] - bs["median"]
+    bench.raw["rich_output"] = {"png_bytes": sizes["cellblock"], "cellblock_ms": ms(cb),
+                                "bare_ms": ms(bb)}
+    return [Row("3", f"Rich output: display a {sizes['cellblock'] / 1e6:.2f} MB PNG", "ms", cs, bs,
+                "bare ipykernel", target="≤ 5 ms added at the median", met=added <= 5,
+                note=f"{added:+.2f} ms at the median",
+                detail=step_note(cbx, bbx, cb_cpu, bare_cpu, reps) + throttled)]
+
+
+# ------------------------------------------------------------------ 4: throughput
+
+def cpu_seconds(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return None
+
+
+def self_cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def window(channels, seconds, warmup, server_pid=None):
+    """Every kernel executes 1+1 back to back; returns rates and latencies of the window."""
+    driver = MultiDriver(channels)
+    c0, s0 = self_cpu(), cpu_seconds(server_pid) if server_pid else None
+    start = time.perf_counter()
+    finished, failures = driver.run(ONE_PLUS_ONE, warmup + seconds)
+    c1, s1 = self_cpu(), cpu_seconds(server_pid) if server_pid else None
+    elapsed = time.perf_counter() - start
+    w0 = start + warmup
+    w1 = w0 + seconds
+    inside = [(s, e) for s, e in finished if w0 <= e < w1]
+    buckets = [0] * int(seconds)
+    for _, e in inside:
+        k = int(e - w0)
+        if k < len(buckets):
+            buckets[k] += 1
+    return {"executions": len(inside), "rate": len(inside) / seconds,
+            "per_second": buckets, "latency_ms": [(e - s) * 1000 for s, e in inside],
+            "failures": failures, "client_cpu_share": (c1 - c0) / elapsed,
+            "server_cpu_share": (s1 - s0) / elapsed if s0 is not None and s1 is not None else None}
+
+
+def mem_available():
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def throughput(bench):
+    counts = bench.sessions or ([10] if bench.quick else [10, 50, 100])
+    seconds = bench.n(15, 5)
+    warmup = bench.n(3, 1)
+    rows, raw = [], {}
+    with CellblockServer("throughput", {"host": 2}) as srv:
+        bare = BareKernels(bench.zmq)
+        try:
+            srv.wait_pool()
+            rss0 = proc_status(srv.pid, "VmRSS")
+            cb_channels, bare_channels = [], []
+            for n in counts:
+                need = (n - len(cb_channels)) * 2 * 90 * MB + 2 * GIB
+                if mem_available() < need:
+                    rows.append(unavailable("4", f"Throughput, {n} sessions",
+                                            f"MemAvailable {mem_available() / GIB:.1f} GiB < "
+                                            f"{need / GIB:.1f} GiB needed for {n} more of each"))
+                    break
+                bench.log(f"throughput: creating {n - len(cb_channels)} sessions")
+                replies, created_s = srv.create_many(n - len(cb_channels),
+                                                     {"limits": MANY_STEPS})
+                t = time.perf_counter()
+                new = [srv.open_channels(r["connection"]) for r in replies]
+                for ch in new:
+                    wait_ready(ch, time.monotonic() + 300)
+                ready_s = created_s + time.perf_counter() - t
+                cb_channels += new
+                bench.log(f"throughput: {len(new)} sessions created in {created_s:.1f} s; "
+                          f"starting {len(new)} bare kernels")
+                _, bare_s = bare.start(n - len(bare_channels))
+                bare_channels = list(bare.channels)
+                srv.wait_pool()
+                bench.log(f"throughput: {n} each; measuring {seconds} s windows, alternating")
+                cb_runs, bare_runs = [], []
+                for order in range(2):
+                    pair = [("cb", cb_channels, cb_runs, srv.pid), ("bare", bare_channels,
+                                                                    bare_runs, None)]
+                    if order:
+                        pair.reverse()
+                    for _, chans, out, pid in pair:
+                        out.append(window(chans, seconds / 2, warmup, pid))
+                rss = proc_status(srv.pid, "VmRSS")
+
+                def merge(runs):
+                    return {"rate": sum(r["executions"] for r in runs) / seconds,
+                            "per_second": sum((r["per_second"] for r in runs), []),
+                            "latency_ms": sum((r["latency_ms"] for r in runs), []),
+                            "failures": sum(r["failures"] for r in runs),
+                            "client_cpu_share": max(r["client_cpu_share"] for r in runs),
+                            "server_cpu_share": max((r["server_cpu_share"] or 0) for r in runs)}
+
+                cbm, bm = merge(cb_runs), merge(bare_runs)
+                raw[n] = {"cellblock": cbm, "bare": bm, "create_s": created_s,
+                          "ready_s": ready_s, "bare_start_s": bare_s,
+                          "server_rss_bytes": rss, "server_rss0_bytes": rss0}
+                check(cbm["failures"] == 0 and bm["failures"] == 0,
+                      f"{cbm['failures']} cellblock and {bm['failures']} bare executions failed")
+                detail = (f"{n} sessions created in {created_s:.1f} s (all answering "
+                          f"{ready_s:.1f} s), the bare kernels started in {bare_s:.1f} s; "
+                          f"during the cellblock windows the server used "
+                          f"{cbm['server_cpu_share']:.0%} of a core; the benchmark client "
+                          f"≤ {max(cbm['client_cpu_share'], bm['client_cpu_share']):.0%}; server "
+                          f"VmRSS {rss / MB:.1f} MB ({(rss - rss0) / n / 1024:.0f} KiB per "
+                          "session over the idle server)")
+                rows.append(Row("4", f"Throughput, {n} sessions × 1+1 back to back "
+                                     "(executions per 1 s bucket)", "exec/s",
+                                summary(cbm["per_second"]), summary(bm["per_second"]),
+                                f"{n} bare ipykernels",
+                                note=f"total {cbm['rate']:.0f} vs {bm['rate']:.0f} exec/s",
+                                detail=detail))
+                rows.append(Row("4", f"Throughput, {n} sessions: round trip latency", "ms",
+                                summary(cbm["latency_ms"]), summary(bm["latency_ms"]),
+                                f"{n} bare ipykernels", ratio_on="p99"))
+            for ch in cb_channels:
+                ch.close()
+        finally:
+            bare.stop()
+    bench.raw["throughput"] = raw
+    return rows
+
+
+# ------------------------------------------------------------------ 5: density
+
+def sandbox_pss(srv, sid):
+    pids = srv.session_pids(sid)
+    values = [pss_bytes(p) for p in pids]
+    return sum(v for v in values if v), len(pids)
+
+
+def density(bench):
+    k = bench.n(10, 3)
+    with CellblockServer("density", {"host": 2}) as srv:
+        bare = BareKernels(bench.zmq)
+        try:
+            srv.wait_pool()
+            time.sleep(1)
+            rss0 = proc_status(srv.pid, "VmRSS")
+            anon0 = proc_status(srv.pid, "RssAnon")
+            bench.log(f"density: creating {k} sessions and {k} bare kernels, importing "
+                      "numpy, pandas, matplotlib in each")
+            replies, _ = srv.create_many(k)
+            chans = [srv.open_channels(r["connection"]) for r in replies]
+            bare_chans, _ = bare.start(k)
+            for side, cs in (("cellblock", chans), ("bare", bare_chans)):
+                for ch in cs:
+                    wait_ready(ch, time.monotonic() + 300)
+                    ex = ch.execute(IMPORTS, timeout=300)
+                    check(ex.status() == "ok", f"{side}: imports failed: {ex.reply['content']}")
+            srv.wait_pool()
+            time.sleep(2)   # idle: let the kernels' and the server's activity settle
+            rss = proc_status(srv.pid, "VmRSS")
+            anon = proc_status(srv.pid, "RssAnon")
+            usage, rss_cg, cache_cg, pss, nprocs = [], [], [], [], []
+            for r in replies:
+                u, stat = cgroup_memory(r["session_id"])
+                usage.append(u)
+                rss_cg.append(stat.get("rss", stat.get("anon", 0)))
+                cache_cg.append(stat.get("cache", stat.get("file", 0)))
+                p, n = sandbox_pss(srv, r["session_id"])
+                pss.append(p)
+                nprocs.append(n)
+            bare_pss = [pss_bytes(pid) for pid in bare.pids()]
+            bare_rss = [proc_status(pid, "VmRSS") for pid in bare.pids()]
+            for ch in chans:
+                ch.close()
+        finally:
+            bare.stop()
+    per_session_server = (rss - rss0) / k
+    bench.raw["density"] = {"sessions": k, "cgroup_usage_bytes": usage, "cgroup_rss_bytes": rss_cg,
+                            "cgroup_cache_bytes": cache_cg, "sandbox_pss_bytes": pss,
+                            "sandbox_processes": nprocs, "bare_pss_bytes": bare_pss,
+                            "bare_rss_bytes": bare_rss, "server_rss0_bytes": rss0,
+                            "server_rss_bytes": rss, "server_anon0_bytes": anon0,
+                            "server_anon_bytes": anon}
+    to_mb = lambda xs: [x / MB for x in xs]  # noqa: E731
+    usage_s = summary(to_mb(usage))
+    per_24 = [24 * GIB / (u + max(per_session_server, 0)) for u in usage]
+    per_24_pss = [24 * GIB / (p + max(per_session_server, 0)) for p in pss]
+    bare_24 = [24 * GIB / p for p in bare_pss]
+    return [
+        Row("5", f"Density: PSS of an idle session's sandbox processes ({k} sessions, numpy, "
+                 "pandas, matplotlib imported)", "MB", summary(to_mb(pss)),
+            summary(to_mb(bare_pss)), "bare ipykernel, same imports",
+            note=f"{max(nprocs)} processes per sandbox"),
+        Row("5", "Density: memory cgroup usage per session (memory.usage_in_bytes)", "MB",
+            usage_s, note=f"anon rss median {summary(to_mb(rss_cg))['median']:.1f} MB, "
+                          f"page cache median {summary(to_mb(cache_cg))['median']:.1f} MB"),
+        Row("5", f"Server's own memory per session ((VmRSS with {k} − with 0) / {k})", "MB",
+            summary([per_session_server / MB]), target="≤ 1 MB per session",
+            met=per_session_server <= MB,
+            note=f"VmRSS {rss0 / MB:.1f} → {rss / MB:.1f} MB; RssAnon {anon0 / MB:.1f} → "
+                 f"{anon / MB:.1f} MB"),
+        Row("5", "Sessions that 24 GiB holds (24 GiB / (cgroup usage + server share))",
+            "sessions", summary(per_24), summary(bare_24), "bare ipykernels by PSS",
+            higher_is_better=True,
+            note=f"by sandbox PSS instead: median {summary(per_24_pss)['median']:.0f}"),
+    ]
+
+
+# ------------------------------------------------------------------ 6: noisy neighbours
+
+def round_trips(ch, reps, min_seconds=0.0, max_seconds=60.0):
+    """1+1 round trips until reps and min_seconds are both reached (or max_seconds).
+    Returns (seconds of each, None) or, at the first execution that does not answer
+    `2` with status ok, (those before it, a description of what came instead)."""
+    out = []
+    start = time.perf_counter()
+    while True:
+        elapsed = time.perf_counter() - start
+        if (len(out) >= reps and elapsed >= min_seconds) or elapsed > max_seconds:
+            return out, None
+        try:
+            ex = ch.execute(ONE_PLUS_ONE, timeout=30, check=False)
+        except BenchError as e:
+            return out, str(e)
+        c = ex.reply["content"]
+        if c.get("status") != "ok":
+            return out, f"{c.get('ename')}: {str(c.get('evalue'))[:200]}"
+        out.append(ex.round_trip)
+
+
+def neighbour_outcome(noisy, runs, replies):
+    """What became of the neighbours by the end of the loud window."""
+    deadline = time.monotonic() + 1.0   # replies already on their way
+    while time.monotonic() < deadline and any(ex.reply is None for ex in runs):
+        for ch in noisy:
+            ch.pump(0.02)
+    outcome = {}
+    for ex in runs:
+        key = "no reply yet" if ex.reply is None else (
+            ex.reply["content"].get("ename") or ex.reply["content"].get("status"))
+        outcome[key] = outcome.get(key, 0) + 1
+    pids, memory = [], []
+    for r in replies:
+        try:
+            with open(f"/sys/fs/cgroup/pids/cellblock/cb-{r['session_id']}/pids.current") as f:
+                pids.append(int(f.read()))
+        except OSError:
+            pids.append(None)
+        try:
+            memory.append(round(cgroup_memory(r["session_id"])[0] / MB))
+        except (BenchError, OSError):
+            memory.append(None)
+    return outcome, pids, memory
+
+
+def noisy_neighbours(bench):
+    reps = bench.n(300, 60)
+    loud_seconds = bench.n(10, 4)
+    scenarios = [("4 fork bombs, 3 memory bombs, 3 CPU spins",
+                  [FORK_BOMB] * 4 + [MEMORY_BOMB] * 3 + [CPU_SPIN] * 3)]
+    if not bench.quick:
+        scenarios += [("10 fork bombs", [FORK_BOMB] * 10), ("10 memory bombs", [MEMORY_BOMB] * 10),
+                      ("10 CPU spins", [CPU_SPIN] * 10)]
+    rows, raw = [], {}
+    with CellblockServer("noisy", {"host": 2}) as srv:
+        for name, cells in scenarios:
+            title = f"Noisy neighbours ({name}): quiet session's 1+1 round trip"
+            # Each memory bomb grows to its session's memory limit (1 GiB by default).
+            need = cells.count(MEMORY_BOMB) * GIB + 4 * GIB
+            if mem_available() < need:
+                rows.append(unavailable("6", title, f"MemAvailable {mem_available() / GIB:.1f} "
+                                                    f"GiB < {need / GIB:.0f} GiB this scenario "
+                                                    "may use"))
+                continue
+            # A fresh quiet session per scenario: one scenario's harm stays its own.
+            srv.wait_pool()
+            quiet_reply = srv.create({"limits": MANY_STEPS})
+            qid = quiet_reply["session_id"]
+            quiet = srv.open_channels(quiet_reply["connection"])
+            wait_ready(quiet, time.monotonic() + 120)
+            for _ in range(30):
+                quiet.execute(ONE_PLUS_ONE)
+            bench.log(f"noisy neighbours: {name}: creating {len(cells)} sessions")
+            replies, _ = srv.create_many(len(cells))
+            noisy = [srv.open_channels(r["connection"]) for r in replies]
+            for ch in noisy:
+                wait_ready(ch, time.monotonic() + 300)
+            srv.wait_pool()
+            time.sleep(1)
+            quiet_pids = srv.session_pids(qid)
+
+            def sched():
+                return process_sched(quiet_pids) + process_sched([srv.pid])
+
+            s0 = sched()
+            quiet_rt, failed = round_trips(quiet, reps)
+            s1 = sched()
+            if failed:
+                raise BenchError(f"{name}: the quiet session failed before its neighbours "
+                                 f"started: {failed}")
+            bench.log(f"noisy neighbours: {name}: quiet p99 "
+                      f"{summary(ms(quiet_rt))['p99']:.2f} ms; starting the neighbours")
+            runs = [ch.send_execute(code) for ch, code in zip(noisy, cells)]
+            time.sleep(0.25)
+            s2 = sched()
+            loud_rt, failed = round_trips(quiet, reps, min_seconds=loud_seconds, max_seconds=25)
+            s3 = sched()
+            outcome, pids_at_end, memory_at_end = neighbour_outcome(noisy, runs, replies)
+            quiet_state = None
+            if failed:
+                info = srv.manager.call("session_info_request", {"session_id": qid}, check=False)
+                quiet_state = {"state": info.get("state"), "close_reason": info.get("close_reason"),
+                               "server_log": [line for line in srv.log_tail(200000).splitlines()
+                                              if qid in line][-10:]}
+                bench.log(f"noisy neighbours: {name}: the quiet session failed: {failed}; "
+                          f"{quiet_state['state']} ({quiet_state['close_reason']})")
+
+            def per_rt(a, b, i, n):
+                return "?" if not n or a[i] is None or b[i] is None else \
+                    f"{(b[i] - a[i]) / n / 1000:.0f}"
+
+            nq, nl = len(quiet_rt), len(loud_rt)
+            detail = ("neighbours at the end of the loud window: " +
+                      ", ".join(f"{v} {k}" for k, v in sorted(outcome.items())) +
+                      f"; their pids.current {pids_at_end}; their memory (MB) {memory_at_end}"
+                      "; per round trip, CPU / run-queue wait (µs) quiet → loud: the quiet "
+                      f"sandbox {per_rt(s0, s1, 0, nq)} / {per_rt(s0, s1, 1, nq)} → "
+                      f"{per_rt(s2, s3, 0, nl)} / {per_rt(s2, s3, 1, nl)}, the server "
+                      f"{per_rt(s0, s1, 2, nq)} / {per_rt(s0, s1, 3, nq)} → "
+                      f"{per_rt(s2, s3, 2, nl)} / {per_rt(s2, s3, 3, nl)}")
+            for ch, r in zip(noisy, replies):
+                ch.close()
+                srv.close_session(r["session_id"])
+            quiet.close()
+            srv.close_session(qid)
+            qs, ls = summary(ms(quiet_rt)), summary(ms(loud_rt))
+            raw[name] = {"quiet_ms": ms(quiet_rt), "loud_ms": ms(loud_rt), "failed": failed,
+                         "quiet_session": quiet_state, "neighbours_at_end": outcome,
+                         "neighbour_pids_at_end": pids_at_end,
+                         "neighbour_memory_mb_at_end": memory_at_end,
+                         "loud_window_s": loud_seconds}
+            if failed:
+                why = (f"; the session is {quiet_state['state']} "
+                       f"({quiet_state['close_reason'] or 'no reason recorded'})")
+                rows.append(Row("6", title, "ms", ls, qs, "same session, neighbours idle",
+                                ratio_on="p99", target="p99 ≤ 2× quiet p99", met=False,
+                                note=f"**the quiet session failed after {nl} loud round trips: "
+                                     f"{failed}{why}**", detail=detail))
+            else:
+                rows.append(Row("6", title, "ms", ls, qs, "same session, neighbours idle",
+                                ratio_on="p99", target="p99 ≤ 2× quiet p99",
+                                met=ls["p99"] <= 2 * qs["p99"],
+                                note=f"{nl} round trips while loud", detail=detail))
+            # The sandboxes are destroyed before the next scenario.
+            srv.wait_sessions_gone([r["session_id"] for r in replies] + [qid])
+    bench.raw["noisy_neighbours"] = raw
+    return rows
+
+
+# ------------------------------------------------------------------ 7: isolation tiers
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def runsc_tier(bench):
+    """The session-ready and step figures with runsc (gVisor) as the OCI runtime: through
+    the server's own `host-gvisor` image when it has one, else through an image identical
+    to `host` but for its runtime, given to the server in CELLBLOCK_IMAGES_DIR."""
+    name = "Isolation tier runsc (gVisor)"
+    if shutil.which("runsc") is None:
+        return [unavailable("7", name, "runsc is not installed")]
+    images_dir = "/run/cellblock-bench-images"
+    try:
+        with CellblockServer("runsc-probe", {"host": 0}) as srv:
+            images = srv.server_info().get("images", [])
+        if "host-gvisor" in images:
+            image, dirs = "host-gvisor", None
+        else:
+            image, dirs = "bench-runsc", images_dir
+            os.makedirs(os.path.join(images_dir, image), exist_ok=True)
+            with open(HOST_IMAGE) as f:
+                spec = json.load(f)
+            spec.update(name=image, runtime="runsc", display_name="Python 3 (cellblock, runsc)")
+            with open(os.path.join(images_dir, image, "image.json"), "w") as f:
+                json.dump(spec, f, indent=1)
+        bench.log(f"runsc: probing with image {image}")
+        # Does this image's sandbox start, and under gVisor? One cold start says.
+        with CellblockServer("runsc-probe", {"host": 0}, images_dir=dirs) as srv:
+            msg_id = srv.manager.send("session_create_request", {"image": image})
+            try:
+                reply = srv.manager.wait(msg_id, timeout=180)["content"]
+            except BenchError as e:
+                return [unavailable("7", name, f"runsc: {e}")]
+            if reply.get("status") != "ok":
+                reason = f"{reply.get('ename')}: {reply.get('evalue', '')}"[:300]
+                return [unavailable("7", name, f"runsc: {reason}")]
+            ch = srv.open_channels(reply["connection"])
+            try:
+                wait_ready(ch, time.monotonic() + 120)
+                inside = ch.execute("print(open('/proc/version').read())",
+                                    keep_outputs=True).stream_text().strip()
+                host_comms = sorted({comm(p) for p in srv.session_pids(reply["session_id"])})
+            finally:
+                ch.close()
+            srv.close_session(reply["session_id"])
+            with open("/proc/version") as f:
+                host = f.read().strip()
+            bench.raw["runsc_probe"] = {"image": image, "reply_runtime": reply.get("runtime"),
+                                        "proc_version_inside": inside,
+                                        "host_processes": host_comms}
+            if inside == host or "python3" in host_comms:
+                return [unavailable("7", name, f"runsc: image {image} (\"runtime\": \"runsc\") "
+                                    "started, but its kernel ran under the host kernel (its "
+                                    "/proc/version is the host's; host processes of the sandbox: "
+                                    f"{', '.join(host_comms)}), so `cellblock serve` did not "
+                                    "use runsc")]
+        rows = session_ready(bench, "7", "runsc", image, dirs)
+        rows += step_overhead(bench, "7", "runsc", image, dirs)
+        for r in rows:
+            r.detail = (r.detail + "; " if r.detail else "") + \
+                f"image {image}; the sandbox's /proc/version: {inside[:40]}"
+        return rows
+    finally:
+        shutil.rmtree(images_dir, ignore_errors=True)
+
+
+FIGURES = {
+    "ready": ("1. Session ready", session_ready),
+    "step": ("2. Step overhead", step_overhead),
+    "rich": ("3. Rich output", rich_output),
+    "throughput": ("4. Throughput", throughput),
+    "density": ("5. Density", density),
+    "noisy": ("6. Noisy neighbours", noisy_neighbours),
+    "runsc": ("7. Isolation tiers", runsc_tier),
+}
+ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc"]

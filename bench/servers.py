@@ -1,0 +1,311 @@
+"""What the figures measure against: a `cellblock serve` process, and bare ipykernels."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+from jupyter_client.manager import KernelManager
+
+from client import BenchError, KernelChannels, ManagerClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CELLBLOCK = os.path.join(ROOT, "build", "bin", "cellblock")
+HOST_IMAGE = os.path.join(ROOT, "images", "host", "image.json")
+
+
+def proc_status(pid, field):
+    """A /proc/<pid>/status field in bytes (VmRSS, RssAnon, ...), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def pss_bytes(pid):
+    """Proportional set size of one process (/proc/<pid>/smaps_rollup), or None."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def process_sched(pids):
+    """(CPU ns, run-queue wait ns) summed over every thread of the processes `pids`
+    (/proc/<pid>/task/*/schedstat: time on a CPU, time runnable but waiting for one)."""
+    cpu = wait = 0
+    found = False
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    fields = f.read().split()
+                cpu += int(fields[0])
+                wait += int(fields[1])
+                found = True
+            except (OSError, ValueError, IndexError):
+                continue
+    return (cpu, wait) if found else (None, None)
+
+
+def cgroup_throttling(sid):
+    """(nr_throttled, throttled ms) of a session's CPU cgroup so far, or None."""
+    for path in (f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}/cpu.stat",
+                 f"/sys/fs/cgroup/cpu,cpuacct/cellblock/cb-{sid}/cpu.stat",
+                 f"/sys/fs/cgroup/cellblock/cb-{sid}/cpu.stat"):
+        try:
+            with open(path) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+        except OSError:
+            continue
+        if "throttled_time" in stat:
+            return int(stat["nr_throttled"]), int(stat["throttled_time"]) / 1e6
+        if "throttled_usec" in stat:
+            return int(stat["nr_throttled"]), int(stat["throttled_usec"]) / 1e3
+    return None
+
+
+def process_cpu_ns(pid):
+    """CPU time of every thread of a process (ns)."""
+    return process_sched([pid])[0]
+
+
+class CellblockServer:
+    """`cellblock serve` with its own state dir under /run, stopped and removed on exit."""
+
+    def __init__(self, name, pool, extra_args=(), images_dir=None, workers=2):
+        self.state_dir = f"/run/cellblock-bench-{name}"
+        self.log_path = f"/run/cellblock-bench-{name}.log"
+        self.args = [CELLBLOCK, "serve", "--state-dir", self.state_dir,
+                     "--pool-workers", str(workers)]
+        for image, n in pool.items():
+            self.args += ["--pool", f"{image}={n}"]
+        self.args += list(extra_args)
+        self.images_dir = images_dir
+        self.proc = None
+        self.manager = None
+        self.info = None
+
+    def __enter__(self):
+        if os.path.exists(self.state_dir):
+            raise BenchError(f"{self.state_dir} exists: another benchmark running, or a leftover "
+                             "(remove it when no `cellblock serve` uses it)")
+        env = dict(os.environ)
+        if self.images_dir:
+            env["CELLBLOCK_IMAGES_DIR"] = self.images_dir
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=self._log, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"cellblock serve exited with {self.proc.returncode}: "
+                                 f"{self.log_tail()}")
+            try:
+                with open(os.path.join(self.state_dir, "server.json")) as f:
+                    info = json.load(f)
+                if info.get("pid") == self.proc.pid:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError("no server.json in 60 s")
+            time.sleep(0.05)
+        self.info = info
+        import zmq
+        self.ctx = zmq.Context()
+        self.manager = ManagerClient(self.ctx, info)
+        return self
+
+    def __exit__(self, *exc):
+        if self.manager:
+            self.manager.close()
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        if exc[0] is None:
+            os.unlink(self.log_path)
+        else:
+            print(f"  (server log kept: {self.log_path})")
+        return False
+
+    def log_tail(self, n=2000):
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def server_info(self):
+        return self.manager.call("server_info_request", {})
+
+    def wait_pool(self, image="host", timeout=300):
+        """Waits (outside any timed region) until the pool of `image` is full and idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pool = self.server_info()["pool"].get(image, {})
+            if pool.get("ready", 0) >= pool.get("target", 0) and pool.get("starting", 0) == 0:
+                return pool
+            if time.monotonic() > deadline:
+                raise BenchError(f"pool {image} not full after {timeout} s: {pool}")
+            time.sleep(0.1)
+
+    def wait_sessions_gone(self, ids, timeout=120):
+        """Waits until the directories of closed sessions `ids` are removed (their
+        sandboxes destroyed); raises BenchError if one is still there after timeout."""
+        deadline = time.monotonic() + timeout
+        left = list(ids)
+        while left:
+            left = [i for i in left if os.path.lexists(os.path.join(self.state_dir, "sessions", i))]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise BenchError(f"{len(left)} closed session(s) not destroyed after {timeout} s")
+            time.sleep(0.1)
+
+    def create(self, content=None, timeout=300):
+        return self.manager.call("session_create_request", content or {}, timeout=timeout)
+
+    def close_session(self, sid):
+        return self.manager.call("session_close_request", {"session_id": sid}, check=False)
+
+    def open_channels(self, connection):
+        return KernelChannels(self.ctx, connection)
+
+    def create_many(self, n, content=None, timeout=900):
+        """Sends n session_create_requests at once; returns (replies, seconds until the last)."""
+        t0 = time.perf_counter()
+        ids = [self.manager.send("session_create_request", content or {}) for _ in range(n)]
+        replies = [self.manager.wait(i, timeout)["content"] for i in ids]
+        elapsed = time.perf_counter() - t0
+        bad = [r for r in replies if r.get("status") != "ok"]
+        if bad:
+            raise BenchError(f"{len(bad)} of {n} session_create_requests failed: "
+                             f"{bad[0].get('ename')}: {bad[0].get('evalue')}")
+        return replies, elapsed
+
+    def session_pids(self, sid):
+        """Host pids of a session's sandbox processes (by their cgroup)."""
+        marker = f"/cellblock/cb-{sid}"
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cgroup") as f:
+                    if marker in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+        return pids
+
+
+def memory_cgroup(sid):
+    for path in (f"/sys/fs/cgroup/memory/cellblock/cb-{sid}", f"/sys/fs/cgroup/cellblock/cb-{sid}"):
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def cgroup_memory(sid):
+    """(usage bytes, memory.stat dict) of a session's memory cgroup, v1 or v2."""
+    path = memory_cgroup(sid)
+    if path is None:
+        raise BenchError(f"no memory cgroup for session {sid}")
+    stat = {}
+    with open(os.path.join(path, "memory.stat")) as f:
+        for line in f:
+            k, v = line.split()
+            stat[k] = int(v)
+    usage_file = "memory.usage_in_bytes" if os.path.exists(
+        os.path.join(path, "memory.usage_in_bytes")) else "memory.current"
+    with open(os.path.join(path, usage_file)) as f:
+        usage = int(f.read())
+    return usage, stat
+
+
+class BareKernels:
+    """Debian's ipykernel started by jupyter_client, with no sandbox: the baseline."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.managers = []
+        self.channels = []
+        self.tmp = tempfile.mkdtemp(prefix="cellblock-bench-bare-", dir="/dev/shm")
+
+    def start(self, n, timeout=600):
+        """Starts n kernels at once; returns their channels and the seconds until all answered."""
+        t0 = time.perf_counter()
+        env = dict(os.environ)
+        # What the sandbox gives its kernel: a tmpfs home for IPython, no debugger noise.
+        env.update(IPYTHONDIR=os.path.join(self.tmp, "ipython"),
+                   PYDEVD_DISABLE_FILE_VALIDATION="1", PYTHONDONTWRITEBYTECODE="1",
+                   MPLBACKEND="module://matplotlib_inline.backend_inline")
+        new = []
+        for _ in range(n):
+            km = KernelManager(kernel_name="python3")
+            km.start_kernel(env=env, cwd=self.tmp)
+            self.managers.append(km)
+            new.append(km)
+        started = []
+        deadline = time.monotonic() + timeout
+        for km in new:
+            ch = KernelChannels(self.ctx, km.get_connection_info(session=False))
+            wait_ready(ch, deadline)
+            started.append(ch)
+        self.channels += started
+        return started, time.perf_counter() - t0
+
+    def pids(self):
+        return [km.provisioner.process.pid for km in self.managers
+                if km.provisioner and km.provisioner.process]
+
+    def stop(self):
+        for ch in self.channels:
+            ch.close()
+        for km in self.managers:
+            try:
+                km.shutdown_kernel(now=True)
+            except Exception:
+                pass
+        self.managers.clear()
+        self.channels.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def wait_ready(channels, deadline):
+    """Executes a no-op until a reply and its idle arrive (shell up, iopub subscribed)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BenchError("kernel not ready in time")
+        try:
+            channels.execute("pass", timeout=min(2.0, left))
+            return
+        except BenchError:
+            continue
