@@ -455,11 +455,11 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     record.limits = pending.limits.to_json();
     record.metadata = pending.metadata;
     store_.add_session(record);
-    store_.add_event({pending.session_id, record.created_at, "created",
-                      (warm_start ? "warm sandbox from the pool"
-                                  : "cold start in " +
-                                        std::to_string(static_cast<int>(start_ms)) + " ms") +
-                          " on " + runtime});
+    store_.add_event(
+        {pending.session_id, record.created_at, "created",
+         (warm_start ? "warm sandbox from the pool"
+                     : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms") +
+             " on " + runtime});
     json connection = proxy->outer_connection().to_json();
     spdlog::info("session {}: created ({}, image {}, {})", pending.session_id,
                  warm_start ? "warm" : "cold", pending.image, runtime);
@@ -693,6 +693,9 @@ void Server::on_execution(const ExecutionRecord& record) {
 }
 
 void Server::on_state(const std::string& session_id, const std::string& state) {
+    // busy/idle change twice per execution and are served from memory
+    // (session_list, session_info); the registry keeps lifecycle states only.
+    if (state == "busy" || state == "idle") return;
     try {
         store_.set_state(session_id, state);
     } catch (const std::exception& e) {
