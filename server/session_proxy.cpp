@@ -476,21 +476,9 @@ void SessionProxy::release_held_reply() {
     forward_to_outer(outer_socket(held.request.channel), &held.request.identities, held.frames, at,
                      &new_metadata, nullptr);
     if (options_.observer) {
-        ExecutionRecord record;
-        record.session_id = session_id_;
-        record.count = execution_->count;
-        record.msg_id = execution_->msg_id;
-        record.code =
-            options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
-        record.status = status.empty() ? "unknown" : status;
-        record.ename = ename;
-        record.started_at = execution_->started_at;
-        record.wall_ms =
-            std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+        ExecutionRecord record = execution_record(status.empty() ? "unknown" : status, ename);
         record.cpu_ms = cpu_ms;
         record.memory_peak_bytes = usage.memory_peak_bytes;
-        record.output_bytes = execution_->output_bytes;
-        record.truncated = governor_->truncated();
         options_.observer->on_execution(record);
     }
     last_execution_id_ = execution_->msg_id;
@@ -814,22 +802,27 @@ void SessionProxy::on_timer(Clock::time_point now) {
     }
 }
 
+ExecutionRecord SessionProxy::execution_record(const std::string& status,
+                                               const std::string& ename) const {
+    ExecutionRecord record;
+    record.session_id = session_id_;
+    record.count = execution_->count;
+    record.msg_id = execution_->msg_id;
+    record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+    record.status = status;
+    record.ename = ename;
+    record.started_at = execution_->started_at;
+    record.wall_ms =
+        std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
+    record.output_bytes = execution_->output_bytes;
+    record.truncated = governor_ && governor_->truncated();
+    return record;
+}
+
 void SessionProxy::finish_execution(const std::string& status, const std::string& ename) {
     if (!execution_) return;
     if (options_.observer) {
-        ExecutionRecord record;
-        record.session_id = session_id_;
-        record.count = execution_->count;
-        record.msg_id = execution_->msg_id;
-        record.code =
-            options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
-        record.status = status;
-        record.ename = ename;
-        record.started_at = execution_->started_at;
-        record.wall_ms =
-            std::chrono::duration<double, std::milli>(Clock::now() - execution_->started).count();
-        record.output_bytes = execution_->output_bytes;
-        record.truncated = governor_ && governor_->truncated();
+        ExecutionRecord record = execution_record(status, ename);
         if (sandbox_) record.memory_peak_bytes = sandbox_->usage().memory_peak_bytes;
         options_.observer->on_execution(record);
     }

@@ -137,6 +137,8 @@ class SessionProxy {
     void refuse(const PendingRequest& request, const std::string& ename, const std::string& evalue);
     void fail_pending(const std::string& ename, const std::string& evalue);
     void finish_execution(const std::string& status, const std::string& ename);
+    // The audit record of the running execution, up to its resource figures.
+    ExecutionRecord execution_record(const std::string& status, const std::string& ename) const;
     void remember_parent(const std::string& msg_id);
     bool known_parent(std::string_view msg_id) const;
     void publish_status(const nlohmann::json& parent, const char* state);
