@@ -11,6 +11,25 @@ using nlohmann::json;
 
 namespace {
 
+// A dotted Python module name: identifiers of [A-Za-z_][A-Za-z0-9_]* joined by '.'.
+bool is_module_name(const std::string& name) {
+    if (name.empty() || name.size() > 200) return false;
+    bool start = true;
+    for (char c : name) {
+        const bool alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+        const bool digit = c >= '0' && c <= '9';
+        if (c == '.') {
+            if (start) return false;
+            start = true;
+        } else if (alpha || (digit && !start)) {
+            start = false;
+        } else {
+            return false;
+        }
+    }
+    return !start;
+}
+
 template <typename T>
 void read_field(const json& j, const char* name, T& out, const std::string& where) {
     if (!j.contains(name)) return;
@@ -82,6 +101,7 @@ Image Image::from_json(const json& j) {
     read_field(j, "hidden_paths", image.hidden_paths, where);
     read_field(j, "kernel_argv", image.kernel_argv, where);
     read_field(j, "env", image.env, where);
+    read_field(j, "preload", image.preload, where);
     if (j.contains("limits")) {
         image.limits_json = j.at("limits");
         // Session-level fields (max_executions, ...) are layered by the server's policy.
@@ -99,6 +119,12 @@ Image Image::from_json(const json& j) {
         if (path.empty() || path[0] != '/' || path.find("..") != std::string::npos) {
             throw std::runtime_error("image " + image.name + ": host bind '" + path +
                                      "' is not an absolute path");
+        }
+    }
+    for (const auto& module : image.preload) {
+        if (!is_module_name(module)) {
+            throw std::runtime_error("image " + image.name + ": preload '" + module +
+                                     "' is not a module name");
         }
     }
     return image;

@@ -279,6 +279,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     box->settings_ = settings;
     box->limits_ = limits;
     box->image_name_ = image.name;
+    box->preload_ = image.preload;
     box->dir_ = settings.sessions_dir() / session_id;
     const fs::path& dir = box->dir_;
     const std::uint32_t sandbox_host_uid = settings.ids.host_uid(kSandboxUid);

@@ -38,6 +38,9 @@ struct Image {
     std::vector<std::string> hidden_paths;   // covered by an empty read-only tmpfs
     std::vector<std::string> kernel_argv;    // "{connection_file}" is substituted
     std::map<std::string, std::string> env;  // the kernel's environment additions
+    // Modules a pooled kernel imports before it is handed out (names only,
+    // checked to be dotted identifiers), so a session's first import is free.
+    std::vector<std::string> preload;
     SandboxLimits limits;
     // The image's "limits" object as written (session and sandbox fields),
     // layered between the server's defaults and a session request.

@@ -98,6 +98,8 @@ class Sandbox {
     // Records limits applied after start (a pooled sandbox handed to a session).
     void set_limits(const SandboxLimits& limits) { limits_ = limits; }
     const std::string& image_name() const { return image_name_; }
+    // The image's preload modules (Image::preload).
+    const std::vector<std::string>& preload() const { return preload_; }
 
   private:
     Sandbox() = default;
@@ -116,6 +118,7 @@ class Sandbox {
     bool reaped_ = false;
     std::string shim_status_;
     std::string image_name_;
+    std::vector<std::string> preload_;
     std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
 };
 

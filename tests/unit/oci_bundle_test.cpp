@@ -443,6 +443,18 @@ TEST(Image, RejectsRelativeBindsAndMissingFields) {
                  std::runtime_error);
 }
 
+TEST(Image, PreloadTakesModuleNamesOnly) {
+    const json base{{"name", "x"}, {"kernel_argv", {"k"}}};
+    json ok = base;
+    ok["preload"] = {"numpy", "matplotlib.pyplot", "_private2"};
+    EXPECT_EQ(Image::from_json(ok).preload.size(), 3u);
+    for (const char* bad : {"os; import sys", "", "a..b", ".a", "a.", "1abc", "__import__('os')"}) {
+        json j = base;
+        j["preload"] = {bad};
+        EXPECT_THROW(Image::from_json(j), std::runtime_error) << bad;
+    }
+}
+
 TEST(Image, LimitsLayerOverTheBase) {
     SandboxLimits base;
     base.memory_mb = 2048;
