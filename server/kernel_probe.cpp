@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "cellblock/signer.hpp"
@@ -117,69 +118,101 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     ch->hb.connect(linked.endpoint(Channel::hb));
 
     const std::string probe_session = make_uuid();
-    std::string request_id;
-    auto send_kernel_info = [&] {
+    auto send = [&](std::string_view msg_type, nlohmann::json content) {
         WireMessage msg;
-        msg.header = make_header("kernel_info_request", probe_session);
-        request_id = msg.msg_id();
-        ch->probe_msg_ids.push_back(request_id);
+        msg.header = make_header(msg_type, probe_session);
+        msg.content = std::move(content);
+        ch->probe_msg_ids.push_back(msg.msg_id());
         std::vector<zmq::message_t> frames;
         for (auto& f : encode(msg, signer)) frames.push_back(to_frame(f));
         send_multipart(ch->shell, frames);
+        return msg.msg_id();
     };
-    send_kernel_info();
-    bool replied = false, iopub_seen = false;
-    auto resend_at = Clock::now() + std::chrono::milliseconds(250);
+    auto fail = [&](const std::string& why) {
+        return SandboxError("kernel of session " + sandbox.session_id() + " " + why +
+                            "; log: " + log_tail(sandbox));
+    };
+    // Waits until the request's reply (of reply_type) has come on shell and
+    // its idle status on iopub; resend() is called every 250 ms while the
+    // reply is in but the status is not (a subscription that joined late).
     Multipart scratch;
-    while (!(replied && iopub_seen)) {
-        const auto now = Clock::now();
-        if (now >= deadline) {
-            throw SandboxError("kernel of session " + sandbox.session_id() +
-                               " did not answer within " + std::to_string(timeout.count() / 1000) +
-                               " s; log: " + log_tail(sandbox));
-        }
-        if (replied && !iopub_seen && now >= resend_at) {
-            // The subscription may have joined after the first status: ask again.
-            replied = false;
-            send_kernel_info();
-            resend_at = now + std::chrono::milliseconds(250);
-        }
-        zmq::pollitem_t items[] = {{ch->shell.handle(), 0, ZMQ_POLLIN, 0},
-                                   {ch->iopub.handle(), 0, ZMQ_POLLIN, 0},
-                                   {nullptr, sandbox.lifeline_fd(), ZMQ_POLLIN, 0}};
-        const auto wait = std::min(deadline, resend_at) - now;
-        zmq::poll(items, 3,
-                  std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
-                      std::chrono::milliseconds(1));
-        if (items[2].revents & ZMQ_POLLIN) {
-            if (!sandbox.read_lifeline()) {
-                throw SandboxError("kernel of session " + sandbox.session_id() +
-                                   " exited while starting: " + sandbox.exit_description() +
-                                   "; log: " + log_tail(sandbox));
+    auto exchange = [&](std::string request_id, std::string_view reply_type,
+                        const std::function<std::string()>& resend) {
+        bool replied = false, idle = false;
+        nlohmann::json reply;
+        auto resend_at = Clock::now() + std::chrono::milliseconds(250);
+        while (!(replied && idle)) {
+            const auto now = Clock::now();
+            if (now >= deadline)
+                throw fail("did not answer within " + std::to_string(timeout.count() / 1000) +
+                           " s");
+            if (resend && replied && now >= resend_at) {
+                replied = false;
+                request_id = resend();
+                resend_at = now + std::chrono::milliseconds(250);
             }
-        }
-        if (items[0].revents & ZMQ_POLLIN) {
-            while (recv_multipart(ch->shell, scratch, 64)) {
-                const auto views = scratch.views();
-                auto decoded = decode(views, signer, nullptr);
-                if (decoded.message && decoded.message->parent_msg_id() == request_id &&
-                    decoded.message->msg_type() == "kernel_info_reply") {
-                    replied = true;
-                    resend_at = Clock::now() + std::chrono::milliseconds(100);
+            zmq::pollitem_t items[] = {{ch->shell.handle(), 0, ZMQ_POLLIN, 0},
+                                       {ch->iopub.handle(), 0, ZMQ_POLLIN, 0},
+                                       {nullptr, sandbox.lifeline_fd(), ZMQ_POLLIN, 0}};
+            const auto wait = (resend ? std::min(deadline, resend_at) : deadline) - now;
+            zmq::poll(items, 3,
+                      std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
+                          std::chrono::milliseconds(1));
+            if ((items[2].revents & ZMQ_POLLIN) && !sandbox.read_lifeline())
+                throw fail("exited while starting: " + sandbox.exit_description());
+            if (items[0].revents & ZMQ_POLLIN) {
+                while (recv_multipart(ch->shell, scratch, 64)) {
+                    const auto views = scratch.views();
+                    auto decoded = decode(views, signer, nullptr);
+                    if (decoded.message && decoded.message->parent_msg_id() == request_id &&
+                        decoded.message->msg_type() == reply_type) {
+                        replied = true;
+                        reply = std::move(decoded.message->content);
+                        resend_at = Clock::now() + std::chrono::milliseconds(100);
+                    }
+                }
+            }
+            if (items[1].revents & ZMQ_POLLIN) {
+                while (recv_multipart(ch->iopub, scratch, 64)) {
+                    const auto views = scratch.views();
+                    auto decoded = decode(views, signer, nullptr);
+                    if (!decoded.message || decoded.message->parent_msg_id() != request_id)
+                        continue;
+                    // kernel_info: any message of ours proves the subscription.
+                    if (resend || (decoded.message->msg_type() == "status" &&
+                                   decoded.message->content.value("execution_state", "") == "idle"))
+                        idle = true;
                 }
             }
         }
-        if (items[1].revents & ZMQ_POLLIN) {
-            while (recv_multipart(ch->iopub, scratch, 64)) {
-                const auto views = scratch.views();
-                auto decoded = decode(views, signer, nullptr);
-                if (decoded.message && decoded.message->parent_msg_id() == request_id)
-                    iopub_seen = true;
-            }
-        }
+        return reply;
+    };
+    const auto kernel_info = [&] { return send("kernel_info_request", nlohmann::json::object()); };
+    exchange(kernel_info(), "kernel_info_reply", kernel_info);
+
+    // Warm-up: a fresh interpreter's first execution costs about twice a
+    // later one (lazy imports and first-use caches in IPython's execution
+    // path), and an image's preload modules are imported here, not in the
+    // session's first cell. store_history=false keeps the execution counter
+    // at 0; the displayhook flush then resets _ and Out, so a session
+    // starts from a clean namespace apart from the preloaded modules.
+    std::string code;
+    for (const auto& module : sandbox.preload()) code += "import " + module + "\n";
+    code += "1+1\n";
+    auto execute = [&](const std::string& source, bool silent) {
+        return send("execute_request", {{"code", source},
+                                        {"silent", silent},
+                                        {"store_history", false},
+                                        {"user_expressions", nlohmann::json::object()},
+                                        {"allow_stdin", false},
+                                        {"stop_on_error", false}});
+    };
+    const auto reply = exchange(execute(code, false), "execute_reply", {});
+    if (reply.value("status", "") != "ok") {
+        throw fail("failed its warm-up (" + reply.value("ename", std::string("?")) + ": " +
+                   reply.value("evalue", std::string()) + ")");
     }
-    // Let the kernel's idle status for the probe pass; the proxy drops any
-    // late one (its parent is not a client's request).
+    exchange(execute("get_ipython().displayhook.flush()", true), "execute_reply", {});
     return ch;
 }
 

@@ -12,7 +12,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -450,7 +452,38 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         }
     }
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
+    box->open_counters();
     return box;
+}
+
+void Sandbox::open_counters() {
+    auto open_first = [&](std::initializer_list<const char*> names, int flags) {
+        for (const auto& dir : cgroup_dirs_) {
+            for (const char* name : names) {
+                const int fd = ::open((dir / name).c_str(), flags | O_CLOEXEC);
+                if (fd >= 0) return fd;
+            }
+        }
+        return -1;
+    };
+    // v1 names first, then v2's.
+    counters_.memory_peak = open_first({"memory.max_usage_in_bytes", "memory.peak"}, O_RDONLY);
+    counters_.memory_usage = open_first({"memory.usage_in_bytes", "memory.current"}, O_RDONLY);
+    counters_.oom_control = open_first({"memory.oom_control", "memory.events"}, O_RDONLY);
+    counters_.cpu_usage = open_first({"cpuacct.usage"}, O_RDONLY);
+    counters_.cpu_weight = open_first({"cpu.shares"}, O_WRONLY);
+    if (counters_.cpu_weight < 0) {
+        counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
+        counters_.cpu_weight_v2 = counters_.cpu_weight >= 0;
+    }
+}
+
+void Sandbox::close_counters() {
+    for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
+                    &counters_.cpu_usage, &counters_.cpu_weight}) {
+        if (*fd >= 0) ::close(*fd);
+        *fd = -1;
+    }
 }
 
 Sandbox::~Sandbox() { destroy(); }
@@ -535,30 +568,61 @@ void Sandbox::reap_init() {
     }
 }
 
+namespace {
+
+// The whole of a small cgroup file, read again from its start.
+std::string_view pread_text(int fd, char (&buf)[512]) {
+    if (fd < 0) return {};
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    return n > 0 ? std::string_view(buf, static_cast<std::size_t>(n)) : std::string_view();
+}
+
+std::uint64_t parse_u64(std::string_view text) {
+    std::uint64_t v = 0;
+    std::from_chars(text.data(), text.data() + text.size(), v);
+    return v;
+}
+
+// The value after "key " in a "key value" per line file (0 when absent).
+std::uint64_t keyed_u64(std::string_view text, std::string_view key) {
+    for (std::size_t at = 0; at < text.size();) {
+        const std::size_t end = std::min(text.find('\n', at), text.size());
+        const std::string_view line = text.substr(at, end - at);
+        if (line.size() > key.size() && line.substr(0, key.size()) == key &&
+            line[key.size()] == ' ')
+            return parse_u64(line.substr(key.size() + 1));
+        at = end + 1;
+    }
+    return 0;
+}
+
+}  // namespace
+
 SandboxUsage Sandbox::usage() const {
     SandboxUsage u;
     if (destroyed_) return u;
-    for (const auto& dir : cgroup_dirs_) {
-        if (fs::exists(dir / "memory.max_usage_in_bytes")) {
-            u.memory_peak_bytes = read_u64(dir / "memory.max_usage_in_bytes");
-            u.memory_bytes = read_u64(dir / "memory.usage_in_bytes");
-            std::istringstream oom(read_text(dir / "memory.oom_control"));
-            std::string key;
-            std::uint64_t value;
-            while (oom >> key >> value) {
-                if (key == "oom_kill") u.oom_kills = value;
-            }
-        }
-        if (fs::exists(dir / "cpuacct.usage")) u.cpu_ns = read_u64(dir / "cpuacct.usage");
-        if (fs::exists(dir / "memory.peak")) u.memory_peak_bytes = read_u64(dir / "memory.peak");
-        if (fs::exists(dir / "memory.current")) u.memory_bytes = read_u64(dir / "memory.current");
-    }
+    char buf[512];
+    u.memory_peak_bytes = parse_u64(pread_text(counters_.memory_peak, buf));
+    u.memory_bytes = parse_u64(pread_text(counters_.memory_usage, buf));
+    u.oom_kills = keyed_u64(pread_text(counters_.oom_control, buf), "oom_kill");
+    u.cpu_ns = parse_u64(pread_text(counters_.cpu_usage, buf));
     return u;
+}
+
+bool Sandbox::set_cpu_weight(int shares) {
+    if (destroyed_ || counters_.cpu_weight < 0) return false;
+    // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
+    const long value = counters_.cpu_weight_v2 ? std::clamp(shares * 100L / 1024, 1L, 10000L)
+                                               : std::clamp<long>(shares, 2, 262144);
+    const std::string text = std::to_string(value);
+    return ::pwrite(counters_.cpu_weight, text.data(), text.size(), 0) ==
+           static_cast<ssize_t>(text.size());
 }
 
 void Sandbox::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
+    close_counters();
     kill();
     reap_init();
     if (lifeline_ >= 0) ::close(lifeline_);

@@ -93,7 +93,14 @@ class Sandbox {
     // session, removes its cgroup. Idempotent; never throws.
     void destroy();
 
+    // Read from cgroup files opened once at start: this runs on every
+    // execution's reply path, where a path lookup in cgroupfs (kernfs
+    // revalidation per component) cost more than the read itself.
     SandboxUsage usage() const;
+    // The sandbox's CPU weight relative to other sandboxes (cgroup v1
+    // cpu.shares, 1024 = default; v2 cpu.weight is scaled to match).
+    // Returns false when the sandbox has no CPU controller to write.
+    bool set_cpu_weight(int shares);
     const SandboxLimits& limits() const { return limits_; }
     // Records limits applied after start (a pooled sandbox handed to a session).
     void set_limits(const SandboxLimits& limits) { limits_ = limits; }
@@ -120,6 +127,14 @@ class Sandbox {
     std::string image_name_;
     std::vector<std::string> preload_;
     std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
+    // Kept-open cgroup files (-1 where the controller or file is absent).
+    struct CounterFiles {
+        int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
+        int cpu_weight = -1;
+        bool cpu_weight_v2 = false;
+    } counters_;
+    void open_counters();
+    void close_counters();
 };
 
 // Removes what earlier cellblock processes left behind: sessions whose lock
