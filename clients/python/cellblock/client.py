@@ -1,0 +1,526 @@
+"""A small client for a running `cellblock serve`: sessions, code, files.
+
+    import cellblock
+    with cellblock.connect() as server:
+        with server.session(limits={"max_executions": 20}) as s:
+            s.put("sales.csv", open("sales.csv", "rb").read())
+            r = s.run("import pandas as pd; pd.read_csv('/data/input/sales.csv').describe()")
+            print(r.text, r.budget["executions_left"])
+
+The manager socket and each session's channels speak the Jupyter wire format
+through jupyter_client's Session (and pyzmq, which jupyter_client brings).
+A Server may be shared by threads (each thread gets its own manager socket);
+a Session belongs to one thread at a time.
+"""
+import base64
+import json
+import os
+import threading
+import time
+
+import zmq
+from jupyter_client.session import Session as WireSession
+
+from .errors import (POLICY_ENAMES, ClientTimeout, CodeError, ServerNotFound,
+                     SessionClosed, error_for)
+
+DEFAULT_STATE_DIR = "/var/lib/cellblock"
+KILL_GRACE_S = 3.0        # the server's wait between interrupt and kill at a timeout
+REPLY_MARGIN_S = 15.0     # how much longer than the server's deadline the client waits
+_BINARY_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+
+
+def server_file(state_dir=None, path=None):
+    """Where the server's connection file is: `path`, else STATE_DIR/server.json with
+    STATE_DIR from the argument, $CELLBLOCK_STATE_DIR or /var/lib/cellblock."""
+    if path:
+        return path
+    if os.environ.get("CELLBLOCK_SERVER_FILE") and not state_dir:
+        return os.environ["CELLBLOCK_SERVER_FILE"]
+    state_dir = state_dir or os.environ.get("CELLBLOCK_STATE_DIR") or DEFAULT_STATE_DIR
+    return os.path.join(state_dir, "server.json")
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+def connect(state_dir=None, path=None, timeout=10.0):
+    """Connects to the server whose connection file is found by server_file();
+    raises ServerNotFound when there is none or it does not answer in `timeout` s."""
+    file = server_file(state_dir, path)
+    try:
+        with open(file) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise ServerNotFound(f"no server connection file at {file} (is `cellblock serve` running? "
+                             f"pass state_dir= or set CELLBLOCK_STATE_DIR)") from None
+    except (OSError, ValueError) as e:
+        raise ServerNotFound(f"cannot read {file}: {e}") from None
+    if "pid" in info and not _pid_alive(info["pid"]):
+        raise ServerNotFound(f"{file} names pid {info['pid']}, which is not running (a stale file)")
+    server = Server(info, file)
+    try:
+        server.info(timeout=timeout)
+    except ClientTimeout:
+        server.close()
+        raise ServerNotFound(f"the server of {file} does not answer on {info.get('manager')}") from None
+    return server
+
+
+class Server:
+    """A connection to a server's manager socket."""
+
+    def __init__(self, info, file=None):
+        self.file = file
+        self.manager = info["manager"]
+        self.pid = info.get("pid")
+        self._key = info["key"].encode()
+        self._scheme = info.get("signature_scheme", "hmac-sha256")
+        self._ctx = zmq.Context()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._sockets = []
+        self._sessions = []
+        self._closed = False
+
+    # -- plumbing
+    def _channel(self):
+        """This thread's (wire session, DEALER socket) for the manager."""
+        local = self._local
+        if getattr(local, "socket", None) is None:
+            if self._closed:
+                raise SessionClosed("this server connection is closed")
+            local.wire = WireSession(key=self._key, signature_scheme=self._scheme,
+                                     username="cellblock-client")
+            local.socket = self._ctx.socket(zmq.DEALER)
+            local.socket.linger = 0
+            local.socket.connect(self.manager)
+            with self._lock:
+                self._sockets.append(local.socket)
+        return local.wire, local.socket
+
+    def request(self, msg_type, content=None, buffers=None, timeout=60.0):
+        """One manager request; returns (reply content, reply buffers) or raises
+        the exception named by the reply's ename."""
+        wire, sock = self._channel()
+        msg = wire.send(sock, msg_type, content or {}, buffers=buffers)
+        msg_id = msg["header"]["msg_id"]
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise ClientTimeout(f"no {msg_type.replace('_request', '_reply')} in {timeout:g} s "
+                                    f"from {self.manager}")
+            _, frames = wire.feed_identities(sock.recv_multipart(copy=True))
+            reply = wire.deserialize(frames)        # verifies the signature
+            if reply["parent_header"].get("msg_id") != msg_id:
+                continue                            # a late reply to a timed-out request
+            c = reply["content"]
+            if c.get("status") != "ok":
+                raise error_for(c.get("ename", "ServerError"), c.get("evalue", ""))
+            return c, [bytes(b) for b in reply["buffers"]]
+
+    # -- the manager API
+    def info(self, timeout=60.0):
+        """server_info: version, images, pool, sessions, policy."""
+        return self.request("server_info_request", {}, timeout=timeout)[0]
+
+    def sessions(self, open_only=True):
+        """The registry's sessions, newest first (dicts)."""
+        return self.request("session_list_request", {"open_only": open_only})[0]["sessions"]
+
+    def session(self, image=None, limits=None, metadata=None, runtime=None, timeout=120.0):
+        """A new session in a fresh sandbox, ready to run code."""
+        content = {}
+        if image is not None:
+            content["image"] = image
+        if limits:
+            content["limits"] = dict(limits)
+        if metadata is not None:
+            content["metadata"] = metadata
+        if runtime is not None:
+            content["runtime"] = runtime
+        reply, _ = self.request("session_create_request", content, timeout=timeout)
+        session = Session(self, reply)
+        with self._lock:
+            self._sessions.append(session)
+        try:
+            session._wait_ready(timeout=timeout)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def close(self):
+        """Closes the sessions this connection opened (if still open) and its sockets."""
+        if self._closed:
+            return
+        for s in list(self._sessions):
+            try:
+                s.close()
+            except Exception:
+                pass
+        self._closed = True
+        with self._lock:
+            for sock in self._sockets:
+                sock.close(linger=0)
+            self._sockets.clear()
+        self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<cellblock.Server {self.manager} pid={self.pid}>"
+
+
+class Error:
+    """An error of an execution: the code's exception, or the server's refusal."""
+
+    def __init__(self, ename, evalue, traceback, by_server=False):
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = list(traceback or [])
+        #: True when the server sent it (policy), False when the code raised it
+        self.by_server = by_server
+
+    @property
+    def text(self):
+        return "\n".join(self.traceback) if self.traceback else f"{self.ename}: {self.evalue}"
+
+    def __repr__(self):
+        who = "server" if self.by_server else "code"
+        return f"<Error {self.ename}: {self.evalue!r} ({who})>"
+
+
+class Result:
+    """One rich output (execute_result or display_data): a MIME bundle.
+
+    Binary types (image/png, image/jpeg, ...) are decoded to bytes; `raw`
+    keeps the bundle as it came (base64) for nbformat.
+    """
+
+    def __init__(self, data, metadata=None, is_main_result=False, execution_count=None):
+        self.raw = dict(data)
+        self.metadata = dict(metadata or {})
+        self.is_main_result = is_main_result
+        self.execution_count = execution_count
+        self.data = {}
+        for mime, value in data.items():
+            if mime in _BINARY_MIMES and isinstance(value, str):
+                try:
+                    value = base64.b64decode(value)
+                except ValueError:
+                    pass
+            self.data[mime] = value
+
+    def __getitem__(self, mime):
+        return self.data[mime]
+
+    def __contains__(self, mime):
+        return mime in self.data
+
+    def formats(self):
+        return list(self.data)
+
+    text = property(lambda self: self.data.get("text/plain"))
+    html = property(lambda self: self.data.get("text/html"))
+    markdown = property(lambda self: self.data.get("text/markdown"))
+    svg = property(lambda self: self.data.get("image/svg+xml"))
+    png = property(lambda self: self.data.get("image/png"))
+    jpeg = property(lambda self: self.data.get("image/jpeg"))
+    json = property(lambda self: self.data.get("application/json"))
+
+    def __repr__(self):
+        return f"<Result {self.formats()}{' main' if self.is_main_result else ''}>"
+
+
+class Execution:
+    """What one `Session.run` produced."""
+
+    def __init__(self, code, msg_id):
+        self.code = code
+        self.msg_id = msg_id
+        self.stdout = ""
+        self.stderr = ""
+        self.results = []
+        self.error = None
+        self.execution_count = None
+        self.status = None
+        #: execute_reply metadata.cellblock: executions_left, wall_ms, cpu_ms,
+        #: memory_peak_bytes, output_truncated, ...
+        self.budget = {}
+        #: the outputs in nbformat v4 form, in order (for writing notebooks)
+        self.outputs = []
+        self.duration_s = 0.0
+        self.timed_out = False
+
+    @property
+    def ok(self):
+        return self.status == "ok"
+
+    @property
+    def text(self):
+        """text/plain of the execute_result (the cell's value), if any."""
+        for r in self.results:
+            if r.is_main_result:
+                return r.text
+        return None
+
+    @property
+    def truncated(self):
+        return bool(self.budget.get("output_truncated"))
+
+    def raise_for_error(self):
+        """Raises the error (the server's class, or CodeError for the code's own)."""
+        if self.error is None:
+            return
+        e = self.error
+        if e.by_server or self.timed_out:
+            raise error_for("ExecutionTimeout" if self.timed_out else e.ename, e.evalue,
+                            e.traceback, execution=self)
+        raise CodeError(e.evalue, ename=e.ename, traceback=e.traceback, execution=self)
+
+    def __repr__(self):
+        err = f" error={self.error.ename}" if self.error else ""
+        return (f"<Execution [{self.execution_count}] {self.status}{err} stdout={len(self.stdout)}B "
+                f"results={len(self.results)}>")
+
+
+class Session:
+    """One sandboxed session: a persistent kernel, its files, its budget."""
+
+    def __init__(self, server, reply):
+        self.server = server
+        self.id = reply["session_id"]
+        self.connection = reply["connection"]   # jupyter_client.load_connection_info() takes it
+        self.limits = reply.get("limits", {})
+        self.warm = reply.get("warm")
+        self.runtime = reply.get("runtime")
+        self.closed = False
+        c = self.connection
+        self._wire = WireSession(key=c["key"].encode(),
+                                 signature_scheme=c.get("signature_scheme", "hmac-sha256"),
+                                 username="cellblock-client")
+        ctx = server._ctx
+
+        def url(port):
+            if c.get("transport", "tcp") == "ipc":
+                return f"ipc://{c['ip']}-{port}"
+            return f"tcp://{c['ip']}:{port}"
+
+        self._shell = ctx.socket(zmq.DEALER)
+        self._control = ctx.socket(zmq.DEALER)
+        self._iopub = ctx.socket(zmq.SUB)
+        self._iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        for sock, port in ((self._shell, c["shell_port"]), (self._control, c["control_port"]),
+                           (self._iopub, c["iopub_port"])):
+            sock.linger = 0
+            sock.connect(url(port))
+
+    # -- channels
+    def _recv(self, sock):
+        _, frames = self._wire.feed_identities(sock.recv_multipart(copy=True))
+        return self._wire.deserialize(frames)
+
+    def _wait_ready(self, timeout=60.0):
+        """Until a kernel_info round trip also shows on IOPub (the SUB socket is joined)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._wire.send(self._shell, "kernel_info_request", {})
+            got_reply = got_iopub = False
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until and not (got_reply and got_iopub):
+                ready = dict(self._poll(50))
+                if self._shell in ready:
+                    reply = self._recv(self._shell)
+                    got_reply |= reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]
+                if self._iopub in ready:
+                    self._recv(self._iopub)
+                    got_iopub = True
+            if got_reply and got_iopub:
+                while self._iopub.poll(100):      # the rest of that round trip's status
+                    self._recv(self._iopub)
+                return
+        raise ClientTimeout(f"session {self.id} did not answer kernel_info in {timeout:g} s")
+
+    def _poll(self, ms):
+        poller = zmq.Poller()
+        poller.register(self._shell, zmq.POLLIN)
+        poller.register(self._iopub, zmq.POLLIN)
+        return poller.poll(ms)
+
+    # -- code
+    def run(self, code, *, on_stdout=None, on_stderr=None, on_result=None, on_error=None,
+            timeout=None, raise_errors=True, store_history=True):
+        """Executes `code` and returns an Execution.
+
+        timeout: seconds for this execution (the server interrupts, then kills,
+        past it); default the session's exec_timeout_s. Callbacks get each
+        piece of output as it arrives: on_stdout(str), on_stderr(str),
+        on_result(Result), on_error(Error).
+
+        An exception raised by the code is returned in `.error`. When the
+        server stops or refuses the execution (ExecutionLimitExceeded,
+        ExecutionTimeout, MemoryLimitExceeded, SessionClosed, ...), the matching
+        exception is raised, carrying the Execution as `.execution`, unless
+        raise_errors is False.
+        """
+        if self.closed:
+            raise SessionClosed(f"session {self.id} was closed by this client")
+        content = {"code": code, "silent": False, "store_history": store_history,
+                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
+        metadata = {"cellblock": {"timeout_s": timeout}} if timeout else {}
+        msg = self._wire.msg("execute_request", content, metadata=metadata)
+        msg_id = msg["header"]["msg_id"]
+        ex = Execution(code, msg_id)
+        server_timeout = float(timeout or self.limits.get("exec_timeout_s") or 30.0)
+        started = time.monotonic()
+        deadline = started + server_timeout + KILL_GRACE_S + REPLY_MARGIN_S
+        self._wire.send(self._shell, msg)
+        reply, idle, idle_grace = None, False, None
+        while not (reply is not None and idle):
+            now = time.monotonic()
+            if reply is not None and idle_grace is None:
+                idle_grace = now + 2.0            # a reply whose idle got lost
+            if now >= (idle_grace or deadline):
+                if reply is not None:
+                    break
+                raise ClientTimeout(f"no execute_reply in {deadline - started:.0f} s "
+                                    f"(session {self.id})", execution=ex)
+            for sock, _ in self._poll(int(((idle_grace or deadline) - now) * 1000) + 1):
+                m = self._recv(sock)
+                if m["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if sock is self._shell:
+                    reply = m
+                else:
+                    idle |= self._on_iopub(ex, m, on_stdout, on_stderr, on_result, on_error)
+        ex.duration_s = time.monotonic() - started
+        rc = reply["content"]
+        ex.status = rc.get("status")
+        ex.execution_count = rc.get("execution_count")
+        ex.budget = dict(reply["metadata"].get("cellblock") or rc.get("cellblock") or {})
+        if ex.status != "ok":
+            # The server's own replies carry no wall_ms: the kernel never answered them.
+            by_server = rc.get("ename") in POLICY_ENAMES and "wall_ms" not in ex.budget
+            if ex.error is None or ex.error.ename != rc.get("ename"):
+                ex.error = Error(rc.get("ename", "Error"), rc.get("evalue", ""),
+                                 rc.get("traceback"), by_server)
+            ex.error.by_server = by_server
+            ex.timed_out = by_server and ex.error.ename == "ExecutionTimeout" or (
+                ex.error.ename == "KeyboardInterrupt" and "wall_ms" in ex.budget and
+                ex.budget["wall_ms"] >= 1000 * float(ex.budget.get("timeout_s", server_timeout)))
+            if raise_errors and (by_server or ex.timed_out):
+                ex.raise_for_error()
+        return ex
+
+    def _on_iopub(self, ex, m, on_stdout, on_stderr, on_result, on_error):
+        kind, c = m["msg_type"], m["content"]
+        if kind == "status":
+            return c.get("execution_state") == "idle"
+        if kind == "stream":
+            text = c.get("text", "")
+            if c.get("name") == "stderr":
+                ex.stderr += text
+                on_stderr and on_stderr(text)
+            else:
+                ex.stdout += text
+                on_stdout and on_stdout(text)
+            last = ex.outputs[-1] if ex.outputs else None
+            if last and last["output_type"] == "stream" and last["name"] == c.get("name"):
+                last["text"] += text
+            else:
+                ex.outputs.append({"output_type": "stream", "name": c.get("name", "stdout"),
+                                   "text": text})
+        elif kind in ("execute_result", "display_data"):
+            main = kind == "execute_result"
+            r = Result(c.get("data", {}), c.get("metadata"), main, c.get("execution_count"))
+            ex.results.append(r)
+            out = {"output_type": kind, "data": dict(c.get("data", {})),
+                   "metadata": dict(c.get("metadata", {}))}
+            if main:
+                out["execution_count"] = c.get("execution_count")
+            ex.outputs.append(out)
+            on_result and on_result(r)
+        elif kind == "error":
+            ex.error = Error(c.get("ename", "Error"), c.get("evalue", ""), c.get("traceback"))
+            ex.outputs.append({"output_type": "error", "ename": ex.error.ename,
+                               "evalue": ex.error.evalue, "traceback": ex.error.traceback})
+            on_error and on_error(ex.error)
+        elif kind == "clear_output":
+            ex.outputs.clear()
+        return False
+
+    def interrupt(self, timeout=10.0):
+        """Sends interrupt_request on the control channel."""
+        msg = self._wire.send(self._control, "interrupt_request", {})
+        deadline = time.monotonic() + timeout
+        while self._control.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            reply = self._recv(self._control)
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                return reply["content"]
+            if time.monotonic() >= deadline:
+                break
+        raise ClientTimeout(f"no interrupt_reply in {timeout:g} s")
+
+    # -- files
+    def put(self, path, data):
+        """Writes bytes (or str, as UTF-8) to /data/input/<path>, read-only for the code.
+        Returns the path the code sees."""
+        if isinstance(data, str):
+            data = data.encode()
+        reply, _ = self.server.request("file_put_request", {"session_id": self.id, "path": path},
+                                       buffers=[bytes(data)])
+        return reply["path"]
+
+    def get(self, path):
+        """The bytes of /data/output/<path> (a file the code wrote)."""
+        _, buffers = self.server.request("file_get_request", {"session_id": self.id, "path": path})
+        return buffers[0] if buffers else b""
+
+    # -- the registry
+    def info(self):
+        return self.server.request("session_info_request", {"session_id": self.id})[0]
+
+    def history(self):
+        return self.server.request("session_history_request", {"session_id": self.id})[0]
+
+    def close(self):
+        """Closes the session: the sandbox and everything in it is destroyed."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.server.request("session_close_request", {"session_id": self.id})
+        except SessionClosed:
+            pass                  # closed already (a limit, a timeout, the kernel died)
+        finally:
+            for sock in (self._shell, self._control, self._iopub):
+                sock.close(linger=0)
+            try:
+                self.server._sessions.remove(self)
+            except ValueError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<cellblock.Session {self.id}{' closed' if self.closed else ''}>"
+
+
+__all__ = ["connect", "server_file", "Server", "Session", "Execution", "Result", "Error"]

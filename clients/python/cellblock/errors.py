@@ -1,0 +1,154 @@
+"""Exceptions named after the enames cellblock's server sends.
+
+A manager request that fails raises the class named by the reply's `ename`;
+an execution the server stopped or refused (its policy, not the code) raises
+the class named by the error the server put in the execute_reply. An
+exception raised by the code itself is not raised here: it is data, in
+`Execution.error` (an agent reads the traceback and writes the fix).
+"""
+
+
+class CellblockError(Exception):
+    """Any error reported by a cellblock server (or the client's own)."""
+
+    ename = "CellblockError"
+
+    def __init__(self, evalue="", ename=None, traceback=None, execution=None):
+        super().__init__(evalue)
+        if ename is not None:
+            self.ename = ename
+        self.evalue = evalue
+        self.traceback = list(traceback or [])
+        #: the Execution the error ended, for errors raised by Session.run
+        self.execution = execution
+
+    def __str__(self):
+        return f"{self.ename}: {self.evalue}"
+
+
+class ServerNotFound(CellblockError):
+    """No running server: no server.json, or nobody answers on its manager socket."""
+
+    ename = "ServerNotFound"
+
+
+class ClientTimeout(CellblockError):
+    """The server did not answer in time (the client's own deadline, not the server's)."""
+
+    ename = "ClientTimeout"
+
+
+class CodeError(CellblockError):
+    """The code raised an exception (only from Execution.raise_for_error)."""
+
+    ename = "CodeError"
+
+
+# ---- errors of the session's policy, sent in execute replies
+class PolicyError(CellblockError):
+    """The server stopped or refused an execution."""
+
+
+class ExecutionLimitExceeded(PolicyError):
+    """The session's max_executions are used; the code never ran."""
+
+
+class ExecutionTimeout(PolicyError):
+    """The execution passed its timeout. If the kernel stopped when interrupted
+    (a KeyboardInterrupt at the deadline) the session lives on; otherwise the
+    server killed the sandbox and the session is closed."""
+
+
+class SessionClosed(PolicyError):
+    """The session is closed (idle timeout, lifetime, a kill, a close request)."""
+
+
+class MemoryLimitExceeded(PolicyError):
+    """The kernel was killed at the session's memory limit; the session is closed."""
+
+
+class KernelDied(PolicyError):
+    """The kernel exited without a memory kill; the session is closed."""
+
+
+class SessionBusy(PolicyError):
+    """Too many requests are queued on the session."""
+
+
+class OutputLimitExceeded(PolicyError):
+    """Output past the session's output_bytes was dropped (see Execution.truncated)."""
+
+
+# ---- errors of manager requests
+class ManagerError(CellblockError):
+    """A manager request failed."""
+
+
+class UnknownImage(ManagerError):
+    pass
+
+
+class UnknownRuntime(ManagerError):
+    pass
+
+
+class LimitAboveMaximum(ManagerError, PolicyError):
+    pass
+
+
+class InvalidLimits(ManagerError, PolicyError):
+    pass
+
+
+class TooManySessions(ManagerError):
+    pass
+
+
+class SandboxStartFailed(ManagerError):
+    pass
+
+
+class NoSuchSession(ManagerError):
+    pass
+
+
+class InvalidPath(ManagerError):
+    pass
+
+
+class FileNotFound(ManagerError, FileNotFoundError):
+    pass
+
+
+class FileTooLarge(ManagerError):
+    pass
+
+
+class FileError(ManagerError):
+    pass
+
+
+class UnknownRequest(ManagerError):
+    pass
+
+
+class ServerError(ManagerError):
+    pass
+
+
+_BY_NAME = {cls.__name__: cls for cls in (
+    ExecutionLimitExceeded, ExecutionTimeout, SessionClosed, MemoryLimitExceeded, KernelDied,
+    SessionBusy, OutputLimitExceeded, UnknownImage, UnknownRuntime, LimitAboveMaximum,
+    InvalidLimits, TooManySessions, SandboxStartFailed, NoSuchSession, InvalidPath, FileNotFound,
+    FileTooLarge, FileError, UnknownRequest, ServerError)}
+
+#: enames the server itself sends on execute replies (not the code's exceptions)
+POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "SessionClosed",
+                           "MemoryLimitExceeded", "KernelDied", "SessionBusy", "InvalidLimits",
+                           "LimitAboveMaximum"})
+
+
+def error_for(ename, evalue="", traceback=None, execution=None, default=CellblockError):
+    """An exception instance of the class named `ename` (or `default`, keeping the name)."""
+    cls = _BY_NAME.get(ename, default)
+    return cls(evalue, ename=ename, traceback=traceback, execution=execution)
