@@ -12,6 +12,8 @@ PACKAGES=(
   clang libclang-rt-14-dev
   # sandbox runtimes (runsc: the gVisor tier, image host-gvisor)
   runc runsc
+  # building declarative images (cellblock image build)
+  mmdebstrap
   # the default image's kernel and data stack
   python3 python3-ipykernel python3-numpy python3-pandas python3-matplotlib fonts-dejavu-core
   # clients and tests

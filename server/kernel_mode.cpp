@@ -11,9 +11,11 @@
 #include <zmq.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/image_builder.hpp"
 #include "cellblock/sandbox.hpp"
 #include "cellblock/signer.hpp"
 #include "inner_channels.hpp"
+#include "manager_paths.hpp"
 #include "session_proxy.hpp"
 
 #ifndef CELLBLOCK_SOURCE_DIR
@@ -64,7 +66,22 @@ int run_kernel_mode(const KernelModeOptions& options) {
     const int signal_fd = block_server_signals();
     const ConnectionInfo outer = ConnectionInfo::read(options.connection_file);
 
-    Image image = find_image(options.image, options.paths.image_dirs);
+    Image image;
+    try {
+        const ImageStore store(options.paths.image_store.empty()
+                                   ? default_serve_state_dir() / "images"
+                                   : options.paths.image_store);
+        const auto imported = store.current(options.image);
+        try {
+            image = resolve_image(find_image(options.image, options.paths.image_dirs), store);
+        } catch (const std::exception&) {
+            if (!imported) throw;
+            image = store.image(*imported);  // imported, with no definition of its own
+        }
+    } catch (const std::exception& e) {
+        spdlog::error("{}", e.what());
+        return 1;
+    }
     RuntimeSettings settings;
     settings.runtime = options.runtime.empty() ? image.runtime : options.runtime;
     if (!runtime_installed(settings.runtime)) {

@@ -14,6 +14,9 @@ struct ServerPaths {
     std::filesystem::path state_dir;    // runtime state, sessions, database
     std::filesystem::path libexec_dir;  // cellblock-shim and the kernel launcher
     std::vector<std::filesystem::path> image_dirs;
+    // Built and imported images (image_builder.hpp). Empty: serve uses
+    // <state_dir>/images, kernel mode /var/lib/cellblock/images.
+    std::filesystem::path image_store;
 
     // Defaults: /run/cellblock; <exe>/../libexec/cellblock;
     // images from $CELLBLOCK_IMAGES_DIR, <exe>/../share/cellblock/images, the source tree.

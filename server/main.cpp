@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "image_cli.hpp"
 #include "kernel_mode.hpp"
 #include "manager_client.hpp"
 #include "manager_paths.hpp"
@@ -86,6 +87,8 @@ int main(int argc, char** argv) {
         ->required();
     kernel_cmd->add_option("--image", kernel.image, "image name")->capture_default_str();
     kernel_cmd->add_option("--runtime", kernel.runtime, "OCI runtime: runc, crun or runsc");
+    kernel_cmd->add_option("--image-store", kernel.paths.image_store,
+                           "built images (default /var/lib/cellblock/images)");
     kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")
         ->capture_default_str();
     kernel_cmd->add_option("--libexec-dir", kernel.paths.libexec_dir,
@@ -121,6 +124,8 @@ int main(int argc, char** argv) {
     serve_cmd->add_option("--manager", serve.manager_endpoint, "manager endpoint")
         ->capture_default_str();
     serve_cmd->add_option("--image", serve.default_image, "default image")->capture_default_str();
+    serve_cmd->add_option("--image-store", serve.paths.image_store,
+                          "built images (default STATE_DIR/images)");
     serve_cmd->add_option("--pool", pool_items,
                           "IMAGE=N warm sandboxes to keep (repeatable; default host=2)");
     serve_cmd
@@ -172,9 +177,13 @@ int main(int argc, char** argv) {
     auto* server_info_cmd =
         add_client("server-info", "the server's version, images, pool and limits");
 
+    // image build | ls | rm | import
+    cellblock::ImageCommands image_cli(app);
+
     CLI11_PARSE(app, argc, argv);
     setup_logging(log_level);
 
+    if (image_cli.parsed()) return image_cli.run();
     try {
         if (kernel_cmd->parsed()) {
             if (memory_mb > 0) kernel.limit_overrides["memory_mb"] = memory_mb;

@@ -18,6 +18,7 @@
 #include <zmq.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/image_builder.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/sandbox_pool.hpp"
 #include "cellblock/session_store.hpp"
@@ -179,6 +180,7 @@ class Server final : public SessionObserver {
         SessionLimits limits;
         json metadata;
         Clock::time_point started;
+        std::string image_id;  // content id of a built image's root
     };
     using Handler = json (Server::*)(Request&, std::vector<std::string>& reply_buffers);
 
@@ -201,6 +203,10 @@ class Server final : public SessionObserver {
     ServeOptions options_;
     RuntimeSettings settings_;
     std::map<std::string, Image> images_;
+    // Built and imported images (image_builder.hpp); the content id each
+    // image's pool was started with (a rebuilt image skips its older pool).
+    ImageStore image_store_;
+    std::map<std::string, std::string> pool_image_ids_;
     SessionStore store_;
     zmq::context_t context_ = make_server_context();
     zmq::socket_t manager_{context_, zmq::socket_type::router};
@@ -220,6 +226,8 @@ class Server final : public SessionObserver {
 
 Server::Server(const ServeOptions& options)
     : options_(options),
+      image_store_(options.paths.image_store.empty() ? options.paths.state_dir / "images"
+                                                     : options.paths.image_store),
       store_((fs::create_directories(options.paths.state_dir),
               options.paths.state_dir / "cellblock.db")) {
     settings_.state_dir = options_.paths.state_dir;
@@ -233,6 +241,18 @@ Server::Server(const ServeOptions& options)
     }
     options_.policy.validate();
     for (auto& image : load_images(options_.paths.image_dirs)) images_.emplace(image.name, image);
+    // Imported images without a definition in the image dirs run as stored.
+    for (const auto& name : image_store_.names()) {
+        if (images_.count(name)) continue;
+        try {
+            Image stored = image_store_.image(*image_store_.current(name));
+            stored.rootfs = "store";  // resolved again at each session_create
+            stored.content_id.clear();
+            images_.emplace(name, std::move(stored));
+        } catch (const std::exception& e) {
+            spdlog::warn("image store: {}: {}", name, e.what());
+        }
+    }
     if (!images_.count(options_.default_image)) {
         throw std::runtime_error("default image '" + options_.default_image + "' not found");
     }
@@ -258,7 +278,13 @@ Server::Server(const ServeOptions& options)
     std::vector<PoolImage> pool_images;
     for (const auto& [name, image] : images_) {
         PoolImage p;
-        p.image = image;
+        try {
+            p.image = resolve_image(image, image_store_);
+        } catch (const ImageNotBuilt& e) {
+            spdlog::warn("{} (no pool for it until then)", e.what());
+            continue;
+        }
+        pool_image_ids_[name] = p.image.content_id;
         p.limits = options_.policy.effective(image.limits_json, json::object()).sandbox;
         auto it = options_.pool.find(name);
         p.target = it != options_.pool.end() ? it->second : 0;
@@ -387,12 +413,23 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
                                        ? c["image"].get<std::string>()
                                        : options_.default_image;
     auto image = images_.find(image_name);
-    if (image == images_.end()) throw RequestError{"UnknownImage", "no image '" + image_name + "'"};
+    if (image == images_.end()) {
+        std::string known;
+        for (const auto& [name, def] : images_) known += (known.empty() ? "" : ", ") + name;
+        throw RequestError{"UnknownImage", "no image '" + image_name + "'; known images: " + known};
+    }
+    // A built image runs on its current version (a rebuild moves the name).
+    Image resolved;
+    try {
+        resolved = resolve_image(image->second, image_store_);
+    } catch (const std::exception& e) {
+        throw RequestError{"ImageNotBuilt", e.what()};
+    }
     const json requested = c.contains("limits") ? c["limits"] : json::object();
     if (!requested.is_object() && !requested.is_null()) {
         throw RequestError{"InvalidLimits", "limits must be an object"};
     }
-    const SessionLimits limits = options_.policy.effective(image->second.limits_json, requested);
+    const SessionLimits limits = options_.policy.effective(resolved.limits_json, requested);
     const json metadata = c.contains("metadata") ? c["metadata"] : json::object();
     if (!metadata.is_object()) throw RequestError{"InvalidRequest", "metadata must be an object"};
     if (sessions_.size() + creating_.size() >=
@@ -402,7 +439,7 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
                                                   " sessions"};
     }
     // The image's runtime, or the one the request names (allowlisted, installed).
-    Image image_def = image->second;
+    Image image_def = resolved;
     if (c.contains("runtime") && !c["runtime"].is_null()) {
         if (!c["runtime"].is_string() || !runtime_allowed(c["runtime"].get<std::string>())) {
             throw RequestError{"UnknownRuntime", "runtime must be one of runc, runsc, crun"};
@@ -413,9 +450,12 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
         throw RequestError{"UnknownRuntime",
                            "runtime '" + image_def.runtime + "' is not installed on this host"};
     }
-    PendingCreate pending{r.message, "", image_name, limits, metadata, Clock::now()};
-    // The pool holds sandboxes of the image's own runtime only.
-    if (image_def.runtime == image->second.runtime) {
+    PendingCreate pending{r.message, "",           image_name,          limits,
+                          metadata,  Clock::now(), image_def.content_id};
+    // The pool holds sandboxes of the image's own runtime and pool version only.
+    const auto pool_id = pool_image_ids_.find(image_name);
+    if (image_def.runtime == resolved.runtime && pool_id != pool_image_ids_.end() &&
+        pool_id->second == image_def.content_id) {
         if (WarmSandbox warm = pool_->take(image_name, limits.sandbox)) {
             pending.session_id = warm.sandbox->session_id();
             finish_create(pending, std::move(warm), 0, true);
@@ -450,6 +490,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     SessionRecord record;
     record.id = pending.session_id;
     record.image = pending.image;
+    record.image_id = pending.image_id;
     record.state = "idle";
     record.created_at = unix_now();
     record.limits = pending.limits.to_json();
@@ -459,7 +500,9 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
         {pending.session_id, record.created_at, "created",
          (warm_start ? "warm sandbox from the pool"
                      : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms") +
-             " on " + runtime});
+             " on " + runtime +
+             (pending.image_id.empty() ? ""
+                                       : ", image " + pending.image + "@" + pending.image_id)});
     json connection = proxy->outer_connection().to_json();
     spdlog::info("session {}: created ({}, image {}, {})", pending.session_id,
                  warm_start ? "warm" : "cold", pending.image, runtime);
@@ -469,6 +512,8 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
                             {"connection", connection},
                             {"limits", pending.limits.to_json()},
                             {"runtime", runtime},
+                            {"image", pending.image},
+                            {"image_id", pending.image_id},
                             {"warm", warm_start}});
 }
 
@@ -525,6 +570,7 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
     json info = {{"status", "ok"},
                  {"session_id", id},
                  {"image", record->image},
+                 {"image_id", record->image_id},
                  {"state", record->state},
                  {"created_at", record->created_at},
                  {"closed_at", record->closed_at},
@@ -578,6 +624,7 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
         events.push_back({{"at", e.at}, {"kind", e.kind}, {"detail", e.detail}});
     }
     return {{"status", "ok"},           {"session_id", id},
+            {"image", record->image},   {"image_id", record->image_id},
             {"state", record->state},   {"close_reason", record->close_reason},
             {"executions", executions}, {"events", events}};
 }
@@ -666,8 +713,26 @@ json Server::file_get(Request& r, std::vector<std::string>& buffers) {
 }
 
 json Server::server_info(Request&, std::vector<std::string>&) {
-    json images = json::array();
-    for (const auto& [name, image] : images_) images.push_back(name);
+    // {name: {rootfs, runtime, content_id, size_bytes, built, pool}}: a built
+    // image's current version, and the one its pool holds.
+    const json pools = pool_->state();
+    json images = json::object();
+    for (const auto& [name, image] : images_) {
+        json entry = {{"rootfs", image.rootfs == "store" ? "store" : image.rootfs},
+                      {"runtime", image.runtime},
+                      {"preload", image.preload},
+                      {"pool", pools.contains(name) ? pools[name] : json(nullptr)}};
+        if (image.rootfs == "store") {
+            const auto current = image_store_.current(name);
+            entry["built"] = current.has_value();
+            entry["content_id"] = current ? current->content_id : "";
+            entry["size_bytes"] = current ? current->size_bytes() : 0;
+            entry["source"] = current ? current->manifest.value("source", "") : "";
+            const auto pool_id = pool_image_ids_.find(name);
+            entry["pool_content_id"] = pool_id != pool_image_ids_.end() ? pool_id->second : "";
+        }
+        images[name] = entry;
+    }
     std::size_t open = 0;
     for (const auto& [id, s] : sessions_) open += s->closed() ? 0 : 1;
     return {
@@ -677,7 +742,7 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         {"protocol_version", std::string(kProtocolVersion)},
         {"images", images},
         {"default_image", options_.default_image},
-        {"pool", pool_->state()},
+        {"pool", pools},
         {"sessions",
          {{"open", open}, {"starting", creating_.size()}, {"max", options_.policy.max_sessions}}},
         {"policy", options_.policy.to_json()},

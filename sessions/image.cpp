@@ -1,5 +1,7 @@
 #include "cellblock/image.hpp"
 
+#include "cellblock/image_builder.hpp"
+
 #include <climits>
 #include <cstdint>
 #include <fstream>
@@ -102,6 +104,16 @@ Image Image::from_json(const json& j) {
     read_field(j, "kernel_argv", image.kernel_argv, where);
     read_field(j, "env", image.env, where);
     read_field(j, "preload", image.preload, where);
+    image.definition = j;
+    if (j.contains("build")) {
+        image.build = j.at("build");
+        try {
+            BuildSpec::from_json(image.build);
+        } catch (const std::exception& e) {
+            throw std::runtime_error("image " + image.name + ": " + e.what());
+        }
+        if (!j.contains("rootfs")) image.rootfs = "store";
+    }
     if (j.contains("limits")) {
         image.limits_json = j.at("limits");
         // Session-level fields (max_executions, ...) are layered by the server's policy.
@@ -114,6 +126,19 @@ Image Image::from_json(const json& j) {
     if (image.name.empty()) throw std::runtime_error("image: missing field 'name'");
     if (image.kernel_argv.empty()) {
         throw std::runtime_error("image " + image.name + ": missing field 'kernel_argv'");
+    }
+    if (image.rootfs != "host" && image.rootfs != "store" &&
+        (image.rootfs.empty() || image.rootfs[0] != '/')) {
+        throw std::runtime_error("image " + image.name + ": rootfs '" + image.rootfs +
+                                 "' is not host, store or an absolute path");
+    }
+    if (image.rootfs == "store" && !image.host_binds.empty()) {
+        throw std::runtime_error("image " + image.name +
+                                 ": host_binds are for the host image only (a built image "
+                                 "carries its own files)");
+    }
+    if (!image.build.is_null() && image.rootfs != "store") {
+        throw std::runtime_error("image " + image.name + ": a build section needs rootfs 'store'");
     }
     for (const auto& path : image.host_binds) {
         if (path.empty() || path[0] != '/' || path.find("..") != std::string::npos) {
@@ -137,7 +162,9 @@ Image Image::load(const fs::path& image_json) {
     if (j.is_discarded())
         throw std::runtime_error("image file " + image_json.string() + ": not JSON");
     try {
-        return from_json(j);
+        Image image = from_json(j);
+        image.definition_dir = image_json.parent_path();
+        return image;
     } catch (const std::exception& e) {
         throw std::runtime_error("image file " + image_json.string() + ": " + e.what());
     }

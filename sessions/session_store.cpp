@@ -21,7 +21,7 @@ namespace {
 using nlohmann::json;
 
 // Bump when the schema changes, and teach open() to upgrade each older version.
-constexpr int kSchemaVersion = 1;
+constexpr int kSchemaVersion = 2;
 constexpr int kBusyTimeoutMs = 5000;
 
 constexpr const char* kSchemaV1 = R"sql(
@@ -66,9 +66,14 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_session ON events (session_id, id);
 )sql";
 
+// Version 2: which built root a session ran on (image_builder.hpp's content id).
+constexpr const char* kSchemaV2 = R"sql(
+ALTER TABLE sessions ADD COLUMN image_id TEXT NOT NULL DEFAULT '';
+)sql";
+
 constexpr const char* kSessionColumns =
     "id, image, state, close_reason, created_at, closed_at, limits, metadata, "
-    "execution_count, memory_peak_bytes, cpu_ms";
+    "execution_count, memory_peak_bytes, cpu_ms, image_id";
 
 // SQLite integers are signed 64-bit; a counter past that is a bug upstream, not data.
 std::int64_t to_sql(std::uint64_t value, const char* field) {
@@ -113,6 +118,7 @@ SessionRecord read_session(const SQLite::Statement& row) {
     r.execution_count = row.getColumn(8).getInt64();
     r.memory_peak_bytes = from_sql(row.getColumn(9));
     r.cpu_ms = from_sql(row.getColumn(10));
+    r.image_id = row.getColumn(11).getString();
     return r;
 }
 
@@ -166,7 +172,8 @@ struct SessionStore::Impl {
             const int version = schema_version();
             if (version > kSchemaVersion) return version;  // rolled back, refused below
             if (version < kSchemaVersion) {
-                db.exec(kSchemaV1);
+                if (version < 1) db.exec(kSchemaV1);
+                if (version < 2) db.exec(kSchemaV2);
                 db.exec("PRAGMA user_version = " + std::to_string(kSchemaVersion));
             }
             tx.commit();
@@ -192,7 +199,7 @@ void SessionStore::add_session(const SessionRecord& r) {
         SQLite::Statement st(impl_->db,
                              "INSERT INTO sessions (id, image, state, close_reason, created_at, "
                              "closed_at, limits, metadata, execution_count, memory_peak_bytes, "
-                             "cpu_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+                             "cpu_ms, image_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
         st.bind(1, r.id);
         st.bind(2, r.image);
         st.bind(3, r.state);
@@ -204,6 +211,7 @@ void SessionStore::add_session(const SessionRecord& r) {
         st.bind(9, r.execution_count);
         st.bind(10, to_sql(r.memory_peak_bytes, "memory_peak_bytes"));
         st.bind(11, to_sql(r.cpu_ms, "cpu_ms"));
+        st.bind(12, r.image_id);
         st.exec();
     });
 }

@@ -31,8 +31,10 @@ struct Image {
     std::string language = "python";
     std::string runtime = "runc";  // runc, crun or runsc
     // "host": a skeleton root plus read-only binds of the host's /usr and the
-    // few /etc entries named in `host_binds`; otherwise the path of an
-    // unpacked root filesystem.
+    // few /etc entries named in `host_binds`; "store": the root built from
+    // the "build" section (or imported) into the image store, see
+    // image_builder.hpp (the default when there is a "build" section);
+    // otherwise the path of an unpacked root filesystem.
     std::string rootfs = "host";
     std::vector<std::string> host_binds;     // read-only, same path inside
     std::vector<std::string> hidden_paths;   // covered by an empty read-only tmpfs
@@ -45,6 +47,15 @@ struct Image {
     // The image's "limits" object as written (session and sandbox fields),
     // layered between the server's defaults and a session request.
     nlohmann::json limits_json = nlohmann::json::object();
+    // The "build" section as written (checked by BuildSpec::from_json), null if none.
+    nlohmann::json build;
+    // The whole definition as written: hashed into a built image's content id.
+    nlohmann::json definition = nlohmann::json::object();
+    // The folder of image.json (extra files are read relative to it); empty if none.
+    std::filesystem::path definition_dir;
+    // Set once a "store" image is resolved to the root it runs on: the content
+    // id of that root (see image_builder.hpp); empty for "host" images.
+    std::string content_id;
 
     // Reads images/<name>/image.json; throws std::runtime_error naming the file and field.
     static Image load(const std::filesystem::path& image_json);

@@ -15,6 +15,7 @@ namespace cellblock {
 struct SessionRecord {
     std::string id;
     std::string image;
+    std::string image_id;      // content id of a built image's root; "" for host images
     std::string state;         // starting, idle, busy, closing, closed, failed
     std::string close_reason;  // "" while open
     double created_at = 0;     // unix seconds

@@ -196,7 +196,7 @@ TEST_F(SessionStoreTest, WalModeIsOnForOtherConnections) {
     store.add_session(make_session("s1", 1.0));
     SQLite::Database other(db_path_.string(), SQLite::OPEN_READONLY);
     EXPECT_EQ(other.execAndGet("PRAGMA journal_mode").getString(), "wal");
-    EXPECT_EQ(other.execAndGet("PRAGMA user_version").getInt(), 1);
+    EXPECT_EQ(other.execAndGet("PRAGMA user_version").getInt(), 2);
     // A reader sees committed rows while the store stays open.
     EXPECT_EQ(other.execAndGet("SELECT count(*) FROM sessions").getInt(), 1);
 }
@@ -323,6 +323,43 @@ TEST_F(SessionStoreTest, DuplicateSessionIdThrows) {
     EXPECT_NE(error.find("add_session s1"), std::string::npos) << error;
 }
 
+TEST_F(SessionStoreTest, KeepsTheImageContentId) {
+    SessionStore store(db_path_);
+    auto s = make_session("s1", 1.0);
+    s.image = "python-minimal";
+    s.image_id = std::string(64, 'a');
+    store.add_session(s);
+    store.add_session(make_session("s2", 2.0));
+    EXPECT_EQ(store.session("s1")->image_id, std::string(64, 'a'));
+    EXPECT_EQ(store.session("s2")->image_id, "");
+}
+
+TEST_F(SessionStoreTest, UpgradesAVersion1Database) {
+    {
+        // The version 1 schema, as cellblock 0.1 wrote it, with one session.
+        SQLite::Database db(db_path_.string(), SQLite::OPEN_READWRITE | SQLite::OPEN_CREATE);
+        db.exec(
+            "CREATE TABLE sessions (id TEXT PRIMARY KEY NOT NULL, image TEXT NOT NULL, state "
+            "TEXT NOT NULL, close_reason TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL, "
+            "closed_at REAL NOT NULL DEFAULT 0, limits TEXT NOT NULL DEFAULT '{}', metadata TEXT "
+            "NOT NULL DEFAULT '{}', execution_count INTEGER NOT NULL DEFAULT 0, "
+            "memory_peak_bytes INTEGER NOT NULL DEFAULT 0, cpu_ms INTEGER NOT NULL DEFAULT 0)");
+        db.exec(
+            "INSERT INTO sessions (id, image, state, created_at) VALUES ('old', 'host', "
+            "'closed', 1.0)");
+        db.exec("PRAGMA user_version = 1");
+    }
+    SessionStore store(db_path_);
+    ASSERT_TRUE(store.session("old").has_value());
+    EXPECT_EQ(store.session("old")->image_id, "");
+    auto s = make_session("new", 2.0);
+    s.image_id = "abc";
+    store.add_session(s);
+    EXPECT_EQ(store.session("new")->image_id, "abc");
+    SQLite::Database db(db_path_.string(), SQLite::OPEN_READONLY);
+    EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 2);
+}
+
 TEST_F(SessionStoreTest, RefusesANewerSchema) {
     {
         SQLite::Database db(db_path_.string(), SQLite::OPEN_READWRITE | SQLite::OPEN_CREATE);
@@ -330,7 +367,7 @@ TEST_F(SessionStoreTest, RefusesANewerSchema) {
     }
     const std::string error = error_of([&] { SessionStore store(db_path_); });
     EXPECT_EQ(error, "database " + db_path_.string() +
-                         ": schema version 7 is newer than this cellblock (1)");
+                         ": schema version 7 is newer than this cellblock (2)");
     // The newer file is left alone: still version 7, not switched to WAL, no tables added.
     SQLite::Database db(db_path_.string(), SQLite::OPEN_READONLY);
     EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 7);
