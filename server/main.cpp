@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "eval_command.hpp"
 #include "image_cli.hpp"
 #include "kernel_mode.hpp"
 #include "manager_client.hpp"
@@ -69,6 +70,8 @@ json parse_limits(const std::vector<std::string>& items) {
 }  // namespace
 
 int main(int argc, char** argv) {
+    // `cellblock eval ...` is the Python evaluator (clients/python); its options are its own.
+    if (argc > 1 && std::string_view(argv[1]) == "eval") return cellblock::exec_eval(argc, argv);
     CLI::App app{"cellblock: sandboxed Jupyter sessions for untrusted code"};
     app.require_subcommand(1);
     std::string log_level = "info";
