@@ -1,0 +1,135 @@
+#!/usr/bin/env node
+// Opens a notebook in Jupyter Notebook (classic, 6.x) in headless Chromium and
+// uses it as a person would: waits for the kernel, Cell > Run All, waits for
+// every cell to finish, File > Save and Checkpoint, takes a screenshot, then
+// File > Close and Halt. Prints one JSON object with what the page showed;
+// tests/python/test_frontends.py makes the assertions.
+//
+// usage: node run_notebook.js --url http://127.0.0.1:PORT/ --token T
+//          --notebook NAME.ipynb --screenshot OUT.png [--chromium /usr/bin/chromium]
+//          [--timeout-ms 180000]
+'use strict';
+
+const { chromium } = require('playwright-core');
+
+function parseArgs(argv) {
+  const args = { chromium: '/usr/bin/chromium', timeoutMs: 180000 };
+  for (let i = 0; i < argv.length; i += 2) {
+    const key = argv[i].replace(/^--/, '').replace(/-([a-z])/g, (_, c) => c.toUpperCase());
+    args[key] = argv[i + 1];
+  }
+  for (const required of ['url', 'token', 'notebook', 'screenshot']) {
+    if (!args[required]) throw new Error(`missing --${required}`);
+  }
+  args.timeoutMs = Number(args.timeoutMs);
+  return args;
+}
+
+// The server's view, through its REST API (the same token the page uses).
+async function api(args, path) {
+  const res = await fetch(new URL(path, args.url), { headers: { Authorization: `token ${args.token}` } });
+  if (!res.ok) throw new Error(`GET ${path}: HTTP ${res.status}`);
+  return res.json();
+}
+
+async function waitFor(what, predicate, timeoutMs) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await predicate();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+async function clickMenu(page, menu, item) {
+  await page.click(`#${menu}`);
+  await page.click(`#${item}`);
+}
+
+async function main() {
+  const args = parseArgs(process.argv.slice(2));
+  const log = (msg) => process.stderr.write(`[run_notebook] ${msg}\n`);
+  const result = { console: [] };
+
+  // Chromium's own sandbox needs user namespaces it may not have as root in
+  // CI; --no-sandbox turns off the *browser's* sandbox, not cellblock's.
+  const launchArgs = ['--disable-dev-shm-usage', '--disable-gpu'];
+  if (process.getuid && process.getuid() === 0) launchArgs.push('--no-sandbox');
+  const browser = await chromium.launch({
+    executablePath: args.chromium, headless: true, args: launchArgs, timeout: args.timeoutMs,
+  });
+  try {
+    const page = await browser.newPage({ viewport: { width: 1280, height: 1000 } });
+    page.setDefaultTimeout(args.timeoutMs);
+    page.on('console', (m) => result.console.push(`${m.type()}: ${m.text()}`));
+    page.on('pageerror', (e) => result.console.push(`pageerror: ${e.message}`));
+    page.on('dialog', (d) => d.accept());
+
+    const url = new URL(`notebooks/${encodeURIComponent(args.notebook)}`, args.url);
+    url.searchParams.set('token', args.token);
+    log(`open ${url.pathname}`);
+    await page.goto(url.href, { waitUntil: 'load' });
+
+    // The kernel indicator turns to "idle" once kernel_info came back through cellblock.
+    await page.waitForSelector('#kernel_indicator_icon.kernel_idle_icon');
+    result.kernelName = await page.evaluate(() => Jupyter.notebook.kernel.name);
+    result.kernelInfo = await page.evaluate(() => Jupyter.notebook.kernel.info_reply || null);
+    log(`kernel ${result.kernelName} idle`);
+
+    const codeCells = await page.locator('.cell.code_cell').count();
+    await clickMenu(page, 'celllink', 'run_all_cells');
+    // Done when every code cell has a number in its prompt ("In [3]:") and
+    // the kernel is idle again; "In [*]:" means queued or running.
+    await page.waitForFunction((n) => {
+      const prompts = [...document.querySelectorAll('.cell.code_cell .input_prompt')].map((p) => p.textContent);
+      return prompts.length === n && prompts.every((p) => /\[\d+\]/.test(p)) &&
+        document.querySelector('#kernel_indicator_icon.kernel_idle_icon') !== null;
+    }, codeCells);
+    log('all cells ran');
+
+    result.cells = await page.evaluate(() => [...document.querySelectorAll('.cell.code_cell')].map((cell) => ({
+      prompt: cell.querySelector('.input_prompt').textContent.replace(/\s+/g, ' ').trim(),
+      stdout: [...cell.querySelectorAll('.output_stdout pre')].map((e) => e.textContent).join(''),
+      errors: [...cell.querySelectorAll('.output_error pre')].map((e) => e.textContent),
+      images: [...cell.querySelectorAll('.output_png img')].map((img) => ({
+        srcPrefix: img.src.slice(0, 22),
+        srcLength: img.src.length,
+        complete: img.complete,
+        naturalWidth: img.naturalWidth,
+        naturalHeight: img.naturalHeight,
+        width: img.getBoundingClientRect().width,
+        height: img.getBoundingClientRect().height,
+      })),
+    })));
+
+    // Scroll the plot into view and keep what the person would see.
+    const img = page.locator('.output_png img').first();
+    if (await img.count()) await img.scrollIntoViewIfNeeded();
+    await page.screenshot({ path: args.screenshot, fullPage: true });
+    log(`screenshot ${args.screenshot}`);
+
+    await clickMenu(page, 'filelink', 'save_checkpoint');
+    await page.waitForFunction(() => Jupyter.notebook.dirty === false);
+    result.saved = true;
+
+    const sessions = await api(args, 'api/sessions');
+    result.sessionsBefore = sessions.map((s) => ({ path: s.path, kernel: s.kernel.name, id: s.kernel.id }));
+
+    // Close and Halt deletes the session on the server, which shuts the kernel down.
+    log('close and halt');
+    await clickMenu(page, 'filelink', 'close_and_halt');
+    await waitFor('the server to have no kernels', async () => (await api(args, 'api/kernels')).length === 0,
+      args.timeoutMs);
+    result.kernelsAfter = await api(args, 'api/kernels');
+    result.sessionsAfter = await api(args, 'api/sessions');
+  } finally {
+    await browser.close();
+  }
+  process.stdout.write(JSON.stringify(result, null, 1) + '\n');
+}
+
+main().catch((err) => {
+  process.stderr.write(`[run_notebook] ${err.stack || err}\n`);
+  process.exit(1);
+});
