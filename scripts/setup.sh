@@ -19,6 +19,9 @@ PACKAGES=(
   # clients and tests
   python3-jupyter-client python3-jupyter-kernel-test python3-nbclient python3-nbformat
   jupyter-console python3-pytest python3-zmq python3-pexpect tmux iproute2 procps
+  # real frontends (tests/python/test_frontends.py): classic Notebook 6, nbconvert,
+  # and headless Chromium driven by playwright-core (tests/frontend/install.sh)
+  jupyter-notebook jupyter-nbconvert python3-nbconvert chromium nodejs
 )
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -40,3 +43,6 @@ if ((${#missing[@]})); then
 else
   echo "setup.sh: all ${#PACKAGES[@]} packages present"
 fi
+
+# playwright-core from the npm registry (pinned; no browser download).
+bash "$(dirname "$0")/../tests/frontend/install.sh"
