@@ -18,6 +18,7 @@
 #include <zmq.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/cpu_fairness.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/sandbox_pool.hpp"
@@ -189,6 +190,7 @@ class Server final : public SessionObserver {
     void on_pool_results();
     void finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms, bool warm_start);
     SessionProxy& live_session(const json& content);
+    void flush_audit();
     std::string session_id_of(const json& content) const;
 
     json session_create(Request& r, std::vector<std::string>& buffers);
@@ -222,6 +224,14 @@ class Server final : public SessionObserver {
     std::unordered_map<std::string, std::uint64_t> input_bytes_;
     std::unordered_map<std::string, Handler> handlers_;
     Multipart scratch_;
+    // Execution records wait here until the turn's messages are sent: the
+    // SQLite write then overlaps the client's receive instead of delaying
+    // the idle status behind it. Flushed before any manager request is read.
+    std::vector<ExecutionRecord> audit_queue_;
+    // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
+    void balance_cpu(Clock::time_point now);
+    std::unordered_map<std::string, CpuFairness> fairness_;
+    Clock::time_point next_balance_{};
 };
 
 Server::Server(const ServeOptions& options)
@@ -316,6 +326,7 @@ Server::Server(const ServeOptions& options)
 Server::~Server() {
     for (auto& [id, session] : sessions_) session->close("server_shutdown");
     sessions_.clear();
+    flush_audit();
     pool_.reset();  // joins workers, destroys warm sandboxes
     std::error_code ec;
     fs::remove(server_file(settings_.state_dir), ec);
@@ -749,12 +760,34 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         {"state_dir", settings_.state_dir.string()}};
 }
 
-void Server::on_execution(const ExecutionRecord& record) {
-    try {
-        store_.add_execution(record);
-    } catch (const std::exception& e) {
-        spdlog::error("audit: {}", e.what());
+void Server::on_execution(const ExecutionRecord& record) { audit_queue_.push_back(record); }
+
+void Server::balance_cpu(Clock::time_point now) {
+    for (auto& [id, session] : sessions_) {
+        Sandbox* box = session->sandbox();
+        if (session->closed() || !box) continue;
+        auto& fairness = fairness_[id];
+        const auto weight = fairness.observe(now, box->usage().cpu_ns);
+        if (!weight || !box->set_cpu_weight(*weight)) continue;
+        const bool demoted = fairness.demoted();
+        spdlog::info(
+            "session {}: CPU weight {} ({})", id, *weight,
+            demoted ? "it has used more than half a core without pause" : "it has calmed down");
+        on_event(id, demoted ? "cpu_demoted" : "cpu_restored",
+                 "cpu.shares " + std::to_string(*weight));
     }
+    next_balance_ = now + CpuFairnessPolicy{}.interval;
+}
+
+void Server::flush_audit() {
+    for (const auto& record : audit_queue_) {
+        try {
+            store_.add_execution(record);
+        } catch (const std::exception& e) {
+            spdlog::error("audit: {}", e.what());
+        }
+    }
+    audit_queue_.clear();
 }
 
 void Server::on_state(const std::string& session_id, const std::string& state) {
@@ -779,6 +812,7 @@ void Server::on_event(const std::string& session_id, const std::string& kind,
 
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
     input_bytes_.erase(session_id);
+    fairness_.erase(session_id);
     auto it = sessions_.find(session_id);
     std::int64_t executions = 0;
     if (it != sessions_.end() && it->second->governor())
@@ -812,6 +846,7 @@ int Server::run() {
             session->add_poll_items(items);
             if (auto d = session->next_deadline(); d && (!next || *d < *next)) next = d;
         }
+        if (!sessions_.empty() && (!next || next_balance_ < *next)) next = next_balance_;
         long timeout_ms = -1;
         if (next) {
             timeout_ms = std::max<long>(
@@ -830,9 +865,11 @@ int Server::run() {
         for (std::size_t i = 0; i < order.size(); ++i) {
             order[i]->handle(&items[3 + i * SessionProxy::kPollItems]);
         }
+        flush_audit();
         if (items[0].revents & ZMQ_POLLIN) on_manager();
         if (items[1].revents & ZMQ_POLLIN) on_pool_results();
         const auto now = Clock::now();
+        if (now >= next_balance_) balance_cpu(now);
         for (auto it = sessions_.begin(); it != sessions_.end();) {
             it->second->on_timer(now);
             if (it->second->expired(now)) {
