@@ -62,7 +62,9 @@ def main():
 
     with cellblock.connect(state_dir=args.state_dir) as server:
         info = server.info()
-        print(f"cellblock {info['version']}: images {info['images']}, pool {info['pool']}")
+        pool = {name: f"{p.get('ready', 0)}/{p.get('target', 0)} warm"
+                for name, p in info["pool"].items() if p and p.get("target")}
+        print(f"cellblock {info['version']}: images {', '.join(sorted(info['images']))}; pool {pool}")
         t = time.monotonic()
         s = server.session(limits={"max_executions": 20, "exec_timeout_s": 60},
                            metadata={"who": "demo"})
@@ -88,7 +90,7 @@ def main():
         for title, code in REFUSALS:
             r = s.run(code)
             show(title, code, r)
-            failures += (r.error is None) != (title != "who am I")
+            failures += (r.error is None) != (title == "who am I")
 
         print()
         for name in ("revenue_by_month.png", "region_summary.csv"):
