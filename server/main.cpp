@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
     if (argc > 1 && std::string_view(argv[1]) == "eval") return cellblock::exec_eval(argc, argv);
     CLI::App app{"cellblock: sandboxed Jupyter sessions for untrusted code"};
     app.require_subcommand(1);
+    // Listed for --help; `cellblock eval` itself is handled above, before parsing.
+    app.add_subcommand("eval", "run notebooks as tests, each in a fresh session (eval --help)");
     std::string log_level = "info";
     app.add_option("--log-level", log_level, "trace, debug, info, warn, error")
         ->capture_default_str();
