@@ -47,10 +47,12 @@ async function clickMenu(page, menu, item) {
   await page.click(`#${item}`);
 }
 
+// What the page showed; on failure, printed to stderr as far as it got.
+const result = { console: [] };
+
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   const log = (msg) => process.stderr.write(`[run_notebook] ${msg}\n`);
-  const result = { console: [] };
 
   // Chromium's own sandbox needs user namespaces it may not have as root in
   // CI; --no-sandbox turns off the *browser's* sandbox, not cellblock's.
@@ -71,8 +73,11 @@ async function main() {
     log(`open ${url.pathname}`);
     await page.goto(url.href, { waitUntil: 'load' });
 
-    // The kernel indicator turns to "idle" once kernel_info came back through cellblock.
-    await page.waitForSelector('#kernel_indicator_icon.kernel_idle_icon');
+    // Ready: the page holds the kernel_info_reply that came back through
+    // cellblock, and the kernel indicator shows "idle".
+    await page.waitForFunction(() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel &&
+      Jupyter.notebook.kernel.info_reply && Jupyter.notebook.kernel.info_reply.status === 'ok' &&
+      document.querySelector('#kernel_indicator_icon.kernel_idle_icon') !== null);
     result.kernelName = await page.evaluate(() => Jupyter.notebook.kernel.name);
     result.kernelInfo = await page.evaluate(() => Jupyter.notebook.kernel.info_reply || null);
     log(`kernel ${result.kernelName} idle`);
@@ -131,5 +136,6 @@ async function main() {
 
 main().catch((err) => {
   process.stderr.write(`[run_notebook] ${err.stack || err}\n`);
+  process.stderr.write(`[run_notebook] page so far: ${JSON.stringify(result, null, 1)}\n`);
   process.exit(1);
 });
