@@ -767,12 +767,14 @@ void Server::balance_cpu(Clock::time_point now) {
         Sandbox* box = session->sandbox();
         if (session->closed() || !box) continue;
         auto& fairness = fairness_[id];
-        const auto weight = fairness.observe(now, box->usage().cpu_ns);
+        const auto running = session->running_since();
+        const bool sustained = running ? now - *running >= fairness.policy().long_execution
+                                       : session->idle_since() <= fairness.last_sample();
+        const auto weight = fairness.observe(now, box->usage().cpu_ns, sustained);
         if (!weight || !box->set_cpu_weight(*weight)) continue;
         const bool demoted = fairness.demoted();
-        spdlog::info(
-            "session {}: CPU weight {} ({})", id, *weight,
-            demoted ? "it has used more than half a core without pause" : "it has calmed down");
+        spdlog::info("session {}: CPU weight {} ({})", id, *weight,
+                     demoted ? "it has burned CPU without pause" : "it has calmed down");
         on_event(id, demoted ? "cpu_demoted" : "cpu_restored",
                  "cpu.shares " + std::to_string(*weight));
     }

@@ -483,6 +483,7 @@ void SessionProxy::release_held_reply() {
     }
     last_execution_id_ = execution_->msg_id;
     execution_.reset();
+    idle_since_ = Clock::now();
     notify_state("idle");
     drain_queue(status == "error");
 }
@@ -827,6 +828,7 @@ void SessionProxy::finish_execution(const std::string& status, const std::string
         options_.observer->on_execution(record);
     }
     execution_.reset();
+    idle_since_ = Clock::now();
 }
 
 void SessionProxy::publish(const json& parent, const std::string& msg_type, json content) {

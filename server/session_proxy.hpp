@@ -95,6 +95,13 @@ class SessionProxy {
     // Over the session's executions so far (the registry keeps them at close).
     std::uint64_t memory_peak_bytes() const { return memory_peak_bytes_; }
     std::uint64_t cpu_ms() const { return cpu_ms_total_; }
+    // When the running execution started (none: the kernel is idle), and
+    // when the last one ended: what CPU fairness needs to tell a long
+    // computation (or work left running in the background) from short cells.
+    std::optional<Clock::time_point> running_since() const {
+        return execution_ ? std::optional(execution_->started) : std::nullopt;
+    }
+    Clock::time_point idle_since() const { return idle_since_; }
 
   private:
     struct PendingRequest {
@@ -182,6 +189,7 @@ class SessionProxy {
     std::uint64_t memory_peak_bytes_ = 0;
     std::uint64_t cpu_ms_total_ = 0;
     std::optional<Execution> execution_;
+    Clock::time_point idle_since_ = Clock::now();
     // The running execution's reply, held until the kernel's idle status for
     // it has arrived on iopub, so all its output is shaped and counted first.
     struct HeldReply {
