@@ -131,6 +131,7 @@ def test_a_wrong_expectation_and_an_undeclared_limit_fail_and_nothing_else(serve
         ("x = 1 + 1\nprint(x)", {"output_contains": "2"}),
         ("x * 10", {"error": "ZeroDivisionError"}),             # deliberately wrong
         ("print('<script>alert(1)</script>')", {"output_contains": "nothing like this"}),
+        ("print('typo')", {"output_contain": "typo"}),            # a typo cannot pass silently
     ])
     declared_fail = notebook(tmp_path / "declared_fail.ipynb", [
         ("1 / 0", None),                                       # an error nobody declared...
@@ -148,8 +149,9 @@ def test_a_wrong_expectation_and_an_undeclared_limit_fail_and_nothing_else(serve
     assert data["server"]["embedded"] is False
     nb = {n["name"]: n for n in data["notebooks"]}
     assert (nb["wrong"]["verdict"], nb["wrong"]["as_declared"]) == ("fail", False)
-    assert [c["passed"] for c in nb["wrong"]["cells"]] == [True, False, False]
+    assert [c["passed"] for c in nb["wrong"]["cells"]] == [True, False, False, False]
     assert nb["wrong"]["cells"][1]["mismatches"] == ["expected error ZeroDivisionError, got ok"]
+    assert nb["wrong"]["cells"][3]["mismatches"][0].startswith("unknown expectation output_contain")
     assert (nb["declared_fail"]["verdict"], nb["declared_fail"]["as_declared"]) == ("fail", True)
     assert (nb["hog"]["verdict"], nb["hog"]["as_declared"]) == ("fail", False)
     assert [(c["outcome"], c["ename"]) for c in nb["hog"]["cells"]] == \

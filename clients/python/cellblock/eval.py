@@ -396,6 +396,10 @@ class EmbeddedServer:
         shutil.rmtree(self.state_dir, ignore_errors=True)
         if self.proc is not None and self.proc.returncode == 0:
             os.unlink(self.log_path)
+        else:
+            print(f"cellblock eval: the embedded server exited with "
+                  f"{self.proc.returncode if self.proc else '?'}; its log: {self.log_path}",
+                  file=sys.stderr)
 
 
 def find_binary():
