@@ -10,6 +10,7 @@
 //          [--timeout-ms 180000]
 'use strict';
 
+const crypto = require('crypto');
 const { chromium } = require('playwright-core');
 
 function parseArgs(argv) {
@@ -98,8 +99,7 @@ async function main() {
       stdout: [...cell.querySelectorAll('.output_stdout pre')].map((e) => e.textContent).join(''),
       errors: [...cell.querySelectorAll('.output_error pre')].map((e) => e.textContent),
       images: [...cell.querySelectorAll('.output_png img')].map((img) => ({
-        srcPrefix: img.src.slice(0, 22),
-        srcLength: img.src.length,
+        src: img.src,
         complete: img.complete,
         naturalWidth: img.naturalWidth,
         naturalHeight: img.naturalHeight,
@@ -107,6 +107,18 @@ async function main() {
         height: img.getBoundingClientRect().height,
       })),
     })));
+    // Report the image by prefix, length and the SHA-256 of its decoded bytes
+    // (the test compares it with the PNG the notebook saved), not whole.
+    for (const cell of result.cells) {
+      for (const image of cell.images) {
+        const comma = image.src.indexOf(',');
+        image.srcPrefix = image.src.slice(0, comma + 1);
+        image.srcLength = image.src.length;
+        image.sha256 = crypto.createHash('sha256')
+          .update(Buffer.from(image.src.slice(comma + 1), 'base64')).digest('hex');
+        delete image.src;
+      }
+    }
 
     // Scroll the plot into view and keep what the person would see.
     const img = page.locator('.output_png img').first();

@@ -14,6 +14,7 @@
 browser for the module keep this quick (it runs twice in CI, once under ASan).
 """
 import base64
+import hashlib
 import json
 import os
 import re
@@ -246,7 +247,8 @@ def test_notebook_in_chromium_shows_plot_and_text(notebook_server):
     pngs = [o.data["image/png"] for o in code[2].outputs
             if o.output_type == "display_data" and "image/png" in o.data]
     assert len(pngs) == 1
-    check_png(pngs[0], "saved notebook")
+    # The page showed exactly the PNG the kernel sent (and the server saved).
+    assert hashlib.sha256(check_png(pngs[0], "saved notebook")).hexdigest() == img["sha256"]
 
     # Close and Halt: the server shut the kernel down, and nothing of the
     # session's sandbox is left on the host.
