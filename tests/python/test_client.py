@@ -140,6 +140,7 @@ def test_timeout_interrupts_and_the_session_lives_on(cb):
         assert time.monotonic() - t < 10
         assert e.value.execution.timed_out
         assert e.value.execution.error.ename == "KeyboardInterrupt"
+        assert "passed its timeout of 1.0 s" in str(e.value)
         assert s.run("x + 1").text == "6"
 
 

@@ -286,9 +286,13 @@ class Execution:
         if self.error is None:
             return
         e = self.error
-        if e.by_server or self.timed_out:
-            raise error_for("ExecutionTimeout" if self.timed_out else e.ename, e.evalue,
+        if self.timed_out and not e.by_server:
+            raise error_for("ExecutionTimeout",
+                            f"the execution passed its timeout of {self.budget.get('timeout_s')} s "
+                            f"and was interrupted ({e.ename}); the session lives on",
                             e.traceback, execution=self)
+        if e.by_server or self.timed_out:
+            raise error_for(e.ename, e.evalue, e.traceback, execution=self)
         raise CodeError(e.evalue, ename=e.ename, traceback=e.traceback, execution=self)
 
     def __repr__(self):
