@@ -228,3 +228,16 @@ def test_the_package_installs_with_pip(tmp_path):
                            env=dict(os.environ, PYTHONPATH=str(target)))
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.startswith(str(target)), probe.stdout
+
+
+def test_the_example_in_docs_client_md_runs(server):  # noqa: F811
+    import re
+    with open(os.path.join(SOURCE_DIR, "docs", "client.md")) as f:
+        doc = f.read()
+    example = re.search(r"## A runnable example.*?```python\n(.*?)```", doc, re.S).group(1)
+    example = example.replace('state_dir="/run/cb-demo"', f'state_dir="{server.state_dir}"')
+    out = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=CLIENT_DIR))
+    assert out.returncode == 0, out.stderr
+    assert "ZeroDivisionError division by zero" in out.stdout
+    assert "stopped: ExecutionTimeout" in out.stdout and out.stdout.rstrip().endswith("4")
