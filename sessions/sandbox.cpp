@@ -367,7 +367,9 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     spec.output_dir = dir / "output";
     spec.libexec_dir = settings.libexec_dir;
     spec.runtime = settings.runtime;
-    const json config = make_oci_config(spec);
+    json config = make_oci_config(spec);
+    if (settings.start_cpu_shares > 0)
+        config["linux"]["resources"]["cpu"]["shares"] = settings.start_cpu_shares;
     try {
         if (image.rootfs == "host") prepare_host_rootfs(spec, config);
     } catch (const std::exception& e) {

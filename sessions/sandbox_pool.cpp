@@ -20,6 +20,9 @@ bool same_fixed_limits(const SandboxLimits& a, const SandboxLimits& b, RuntimeKi
            a.nofile == b.nofile && (kind != RuntimeKind::runsc || a.pids == b.pids);
 }
 
+constexpr int kBackgroundCpuShares = 64;
+constexpr int kNormalCpuShares = 1024;
+
 void write_value(const fs::path& file, const std::string& value) {
     std::ofstream out(file);
     out << value;
@@ -133,6 +136,7 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
     try {
         apply_cgroup_limits(box, limits);
         box.set_limits(limits);
+        box.set_cpu_weight(kNormalCpuShares);
     } catch (const std::exception& e) {
         spdlog::warn("pool {}: {}; not handed out", image, e.what());
         warm.channels.reset();
@@ -173,10 +177,14 @@ void SandboxPool::dispose(std::unique_ptr<Sandbox> sandbox) {
 }
 
 WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Image& image,
-                                         const SandboxLimits& limits) {
+                                         const SandboxLimits& limits, bool background) {
     WarmSandbox warm;
     // Each image (or a session's request, through a copy of it) names its runtime.
     RuntimeSettings settings = settings_;
+    // A refill boots (and warms up) at a low CPU weight: on a busy machine it
+    // yields to the sessions in use, whose next step would otherwise wait
+    // behind a kernel starting. A cold start has a client waiting: default weight.
+    if (background) settings.start_cpu_shares = kBackgroundCpuShares;
     if (!image.runtime.empty()) settings.runtime = image.runtime;
     warm.sandbox = Sandbox::start(session_id, image, limits, settings);
     warm.channels = probe_(*warm.sandbox);
@@ -202,7 +210,7 @@ void SandboxPool::work() {
         result.ticket = job.ticket;
         try {
             const std::string id = job.kind == Job::cold ? job.session_id : make_session_id();
-            result.warm = start_and_probe(id, job.image_def, job.limits);
+            result.warm = start_and_probe(id, job.image_def, job.limits, job.kind != Job::cold);
         } catch (const std::exception& e) {
             result.error = e.what();
         }

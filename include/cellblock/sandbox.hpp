@@ -29,6 +29,11 @@ struct RuntimeSettings {
     std::filesystem::path state_dir;    // root of everything cellblock keeps
     std::filesystem::path libexec_dir;  // holds cellblock-shim and the kernel launcher
     IdMapping ids;
+    // The CPU weight (cgroup v1 cpu.shares) a sandbox starts with; 0 leaves
+    // the runtime's default. The pool starts its refills at a low weight so
+    // that a kernel booting in the background does not slow the sessions in
+    // use; the sandbox gets the default back when a session takes it.
+    int start_cpu_shares = 0;
     std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
     std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
 };

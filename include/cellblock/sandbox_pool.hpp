@@ -101,7 +101,7 @@ class SandboxPool {
     void work();
     void schedule_refills_locked();
     WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
-                                const SandboxLimits& limits);
+                                const SandboxLimits& limits, bool background);
 
     RuntimeSettings settings_;
     ReadinessProbe probe_;

@@ -74,3 +74,23 @@ def test_shares_are_writable_only_by_the_server(server):  # noqa: F811
     assert cpu_shares(sid) == 1024
     assert os.path.exists(f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}")
     server.ok("session_close_request", {"session_id": sid})
+
+
+def test_pool_refills_boot_at_a_low_weight_and_sessions_get_the_default(server):  # noqa: F811
+    """Warm sandboxes waiting in the pool were started at a low CPU weight (a
+    refill must not slow the sessions in use); the one a session takes is
+    given the default weight back."""
+    from server_helpers import sessions_on_disk
+
+    def pooled():
+        return [sid for sid in sessions_on_disk(server.state_dir)
+                if sid not in server.session_ids and cpu_shares(sid) is not None]
+
+    assert wait_for(lambda: len(pooled()) >= 1, timeout=120), "the pool never refilled"
+    waiting = pooled()
+    assert all(cpu_shares(sid) == 64 for sid in waiting), {s: cpu_shares(s) for s in waiting}
+    sid, kc, _ = server.open_session()
+    assert cpu_shares(sid) == 1024
+    reply, _ = execute(kc, "1+1")
+    assert reply["content"]["status"] == "ok"
+    server.ok("session_close_request", {"session_id": sid})
