@@ -218,9 +218,13 @@ def test_sessions_run_in_parallel_threads_and_see_nothing_of_each_other(cb):
 
 
 def test_the_package_installs_with_pip(tmp_path):
+    import shutil
+    # From a copy: setuptools builds in the source tree (build/, *.egg-info).
+    source = tmp_path / "src"
+    shutil.copytree(CLIENT_DIR, source, ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp_path / "site"
     out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                          "--no-build-isolation", "--no-index", "--target", str(target), CLIENT_DIR],
+                          "--no-build-isolation", "--no-index", "--target", str(target), str(source)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     probe = subprocess.run([sys.executable, "-c", "import cellblock, cellblock.eval; print(cellblock.__file__)"],
