@@ -506,17 +506,10 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     record.created_at = unix_now();
     record.limits = pending.limits.to_json();
     record.metadata = pending.metadata;
-    store_.add_session(record);
-    store_.add_event(
-        {pending.session_id, record.created_at, "created",
-         (warm_start ? "warm sandbox from the pool"
-                     : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms") +
-             " on " + runtime +
-             (pending.image_id.empty() ? ""
-                                       : ", image " + pending.image + "@" + pending.image_id)});
     json connection = proxy->outer_connection().to_json();
     spdlog::info("session {}: created ({}, image {}, {})", pending.session_id,
                  warm_start ? "warm" : "cold", pending.image, runtime);
+    SessionProxy& session = *proxy;
     sessions_.emplace(pending.session_id, std::move(proxy));
     reply(pending.request, {{"status", "ok"},
                             {"session_id", pending.session_id},
@@ -526,6 +519,21 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
                             {"image", pending.image},
                             {"image_id", pending.image_id},
                             {"warm", warm_start}});
+    // The registry is written once the client has its reply (the session
+    // is live either way); a session the registry cannot record is closed.
+    try {
+        store_.add_session(record);
+        store_.add_event(
+            {pending.session_id, record.created_at, "created",
+             (warm_start ? "warm sandbox from the pool"
+                         : "cold start in " + std::to_string(static_cast<int>(start_ms)) + " ms") +
+                 " on " + runtime +
+                 (pending.image_id.empty() ? ""
+                                           : ", image " + pending.image + "@" + pending.image_id)});
+    } catch (const std::exception& e) {
+        spdlog::error("session {}: registry: {}; closing it", pending.session_id, e.what());
+        session.close("server_error");
+    }
 }
 
 void Server::on_pool_results() {

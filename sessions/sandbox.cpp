@@ -6,6 +6,7 @@
 #include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -609,6 +610,16 @@ SandboxUsage Sandbox::usage() const {
     u.oom_kills = keyed_u64(pread_text(counters_.oom_control, buf), "oom_kill");
     u.cpu_ns = parse_u64(pread_text(counters_.cpu_usage, buf));
     return u;
+}
+
+void Sandbox::renice(int nice) {
+    if (destroyed_) return;
+    for (const auto& dir : cgroup_dirs_) {
+        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
+        if (!tasks) continue;
+        for (long tid = 0; tasks >> tid;) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+        return;
+    }
 }
 
 bool Sandbox::set_cpu_weight(int shares) {

@@ -1,5 +1,8 @@
 #include "cellblock/sandbox_pool.hpp"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <fstream>
 
 #include <spdlog/spdlog.h>
@@ -137,6 +140,7 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
         apply_cgroup_limits(box, limits);
         box.set_limits(limits);
         box.set_cpu_weight(kNormalCpuShares);
+        box.renice(0);
     } catch (const std::exception& e) {
         spdlog::warn("pool {}: {}; not handed out", image, e.what());
         warm.channels.reset();
@@ -210,7 +214,12 @@ void SandboxPool::work() {
         result.ticket = job.ticket;
         try {
             const std::string id = job.kind == Job::cold ? job.session_id : make_session_id();
-            result.warm = start_and_probe(id, job.image_def, job.limits, job.kind != Job::cold);
+            // The host side of a refill (the runtime's processes, mounts,
+            // namespace setup) runs at nice 19: a thread's nice value, which
+            // the runtime it forks inherits. A cold start runs at 0.
+            const bool background = job.kind != Job::cold;
+            ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), background ? 19 : 0);
+            result.warm = start_and_probe(id, job.image_def, job.limits, background);
         } catch (const std::exception& e) {
             result.error = e.what();
         }

@@ -106,6 +106,9 @@ class Sandbox {
     // cpu.shares, 1024 = default; v2 cpu.weight is scaled to match).
     // Returns false when the sandbox has no CPU controller to write.
     bool set_cpu_weight(int shares);
+    // Sets the nice value of every thread in the sandbox (the pool boots
+    // refills at nice 19; a session's kernel runs at 0).
+    void renice(int nice);
     const SandboxLimits& limits() const { return limits_; }
     // Records limits applied after start (a pooled sandbox handed to a session).
     void set_limits(const SandboxLimits& limits) { limits_ = limits; }

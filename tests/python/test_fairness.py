@@ -20,6 +20,19 @@ def cpu_shares(sid):
         return int(f.read())
 
 
+def nice_values(sid):
+    """The nice values of the threads in the sandbox's cpu cgroup."""
+    values = set()
+    for tasks in glob.glob(f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}/tasks"):
+        for tid in open(tasks).read().split():
+            try:
+                with open(f"/proc/{tid}/stat") as f:
+                    values.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+            except OSError:
+                pass
+    return values
+
+
 def events(server, sid):  # noqa: F811
     history = server.ok("session_history_request", {"session_id": sid})["content"]
     return [e["kind"] for e in history["events"]]
@@ -89,8 +102,11 @@ def test_pool_refills_boot_at_a_low_weight_and_sessions_get_the_default(server):
     assert wait_for(lambda: len(pooled()) >= 1, timeout=120), "the pool never refilled"
     waiting = pooled()
     assert all(cpu_shares(sid) == 64 for sid in waiting), {s: cpu_shares(s) for s in waiting}
+    assert all(nice_values(sid) == {19} for sid in waiting), \
+        {s: nice_values(s) for s in waiting}
     sid, kc, _ = server.open_session()
     assert cpu_shares(sid) == 1024
+    assert nice_values(sid) == {0}
     reply, _ = execute(kc, "1+1")
     assert reply["content"]["status"] == "ok"
     server.ok("session_close_request", {"session_id": sid})
