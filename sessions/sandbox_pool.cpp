@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
 
 #include <spdlog/spdlog.h>
 
@@ -24,6 +25,7 @@ bool same_fixed_limits(const SandboxLimits& a, const SandboxLimits& b, RuntimeKi
 }
 
 constexpr int kBackgroundCpuShares = 64;
+constexpr std::chrono::milliseconds kRefillDelay{250};
 constexpr int kNormalCpuShares = 1024;
 
 void write_value(const fs::path& file, const std::string& value) {
@@ -103,11 +105,13 @@ SandboxPool::~SandboxPool() {
     }
 }
 
-void SandboxPool::schedule_refills_locked() {
+void SandboxPool::schedule_refills_locked(std::chrono::milliseconds delay) {
+    const auto not_before = Clock::now() + delay;
     for (auto& [name, slot] : slots_) {
         int wanted = slot.config.target - static_cast<int>(slot.ready.size()) - slot.starting;
         for (; wanted > 0; --wanted) {
-            Job job{Job::refill, name, {}, slot.config.image, slot.config.limits, 0, nullptr};
+            Job job{Job::refill,        name, {},      slot.config.image,
+                    slot.config.limits, 0,    nullptr, not_before};
             jobs_.push_back(std::move(job));
             ++slot.starting;
         }
@@ -127,7 +131,7 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
         }
         warm = std::move(it->second.ready.front());
         it->second.ready.pop_front();
-        schedule_refills_locked();
+        schedule_refills_locked(kRefillDelay);
     }
     Sandbox& box = *warm.sandbox;
     if (box.exited() || !box.read_lifeline()) {
@@ -200,10 +204,30 @@ void SandboxPool::work() {
         Job job;
         {
             std::unique_lock lock(mutex_);
-            changed_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-            if (stopping_) return;
-            job = std::move(jobs_.front());
-            jobs_.pop_front();
+            // The first job that is due; delayed refills wait their turn
+            // (a cold start or a destruction queued meanwhile goes first).
+            auto due = jobs_.end();
+            for (;;) {
+                if (stopping_) return;
+                const auto now = Clock::now();
+                std::optional<Clock::time_point> next;
+                due = jobs_.end();
+                for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+                    if (it->not_before <= now) {
+                        due = it;
+                        break;
+                    }
+                    if (!next || it->not_before < *next) next = it->not_before;
+                }
+                if (due != jobs_.end()) break;
+                if (next) {
+                    changed_.wait_until(lock, *next);
+                } else {
+                    changed_.wait(lock);
+                }
+            }
+            job = std::move(*due);
+            jobs_.erase(due);
         }
         if (job.kind == Job::destroy) {
             job.sandbox->destroy();

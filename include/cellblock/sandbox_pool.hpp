@@ -89,6 +89,10 @@ class SandboxPool {
         SandboxLimits limits;
         std::uint64_t ticket = 0;
         std::unique_ptr<Sandbox> sandbox;
+        // A refill after a take waits a moment: the new session's first
+        // steps usually follow at once, and a kernel booting beside them on
+        // a small machine would slow them (see kRefillDelay).
+        std::chrono::steady_clock::time_point not_before{};
     };
     struct Slot {
         PoolImage config;
@@ -99,7 +103,7 @@ class SandboxPool {
     };
 
     void work();
-    void schedule_refills_locked();
+    void schedule_refills_locked(std::chrono::milliseconds delay = {});
     WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
                                 const SandboxLimits& limits, bool background);
 
