@@ -779,12 +779,22 @@ void Server::balance_cpu(Clock::time_point now) {
         const bool sustained = running ? now - *running >= fairness.policy().long_execution
                                        : session->idle_since() <= fairness.last_sample();
         const auto weight = fairness.observe(now, box->usage().cpu_ns, sustained);
-        if (!weight || !box->set_cpu_weight(*weight)) continue;
+        if (!weight) continue;
         const bool demoted = fairness.demoted();
+        // The kernel refuses a shares write to an idle group: leave idle first.
+        bool applied;
+        if (demoted) {
+            applied = box->set_cpu_weight(*weight);
+            applied = box->set_cpu_idle(true) || applied;
+        } else {
+            applied = box->set_cpu_idle(false);
+            applied = box->set_cpu_weight(*weight) || applied;
+        }
+        if (!applied) continue;
         spdlog::info("session {}: CPU weight {} ({})", id, *weight,
                      demoted ? "it has burned CPU without pause" : "it has calmed down");
         on_event(id, demoted ? "cpu_demoted" : "cpu_restored",
-                 "cpu.shares " + std::to_string(*weight));
+                 "cpu.shares " + std::to_string(*weight) + (demoted ? ", cpu.idle 1" : ""));
     }
     next_balance_ = now + CpuFairnessPolicy{}.interval;
 }

@@ -474,6 +474,7 @@ void Sandbox::open_counters() {
     counters_.memory_usage = open_first({"memory.usage_in_bytes", "memory.current"}, O_RDONLY);
     counters_.oom_control = open_first({"memory.oom_control", "memory.events"}, O_RDONLY);
     counters_.cpu_usage = open_first({"cpuacct.usage"}, O_RDONLY);
+    counters_.cpu_idle = open_first({"cpu.idle"}, O_WRONLY);
     counters_.cpu_weight = open_first({"cpu.shares"}, O_WRONLY);
     if (counters_.cpu_weight < 0) {
         counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
@@ -483,7 +484,7 @@ void Sandbox::open_counters() {
 
 void Sandbox::close_counters() {
     for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
-                    &counters_.cpu_usage, &counters_.cpu_weight}) {
+                    &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_idle}) {
         if (*fd >= 0) ::close(*fd);
         *fd = -1;
     }
@@ -620,6 +621,11 @@ void Sandbox::renice(int nice) {
         for (long tid = 0; tasks >> tid;) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
         return;
     }
+}
+
+bool Sandbox::set_cpu_idle(bool idle) {
+    if (destroyed_ || counters_.cpu_idle < 0) return false;
+    return ::pwrite(counters_.cpu_idle, idle ? "1" : "0", 1, 0) == 1;
 }
 
 bool Sandbox::set_cpu_weight(int shares) {

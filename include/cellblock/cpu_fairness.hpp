@@ -25,8 +25,8 @@
 namespace cellblock {
 
 struct CpuFairnessPolicy {
-    std::chrono::milliseconds interval{200};
-    std::chrono::milliseconds long_execution{500};
+    std::chrono::milliseconds interval{100};
+    std::chrono::milliseconds long_execution{200};
     double loud_share = 0.05;  // of one core, over a sample
     int loud_samples = 2;      // in a row
     int normal_weight = 1024;  // cgroup v1 cpu.shares

@@ -106,6 +106,9 @@ class Sandbox {
     // cpu.shares, 1024 = default; v2 cpu.weight is scaled to match).
     // Returns false when the sandbox has no CPU controller to write.
     bool set_cpu_weight(int shares);
+    // cgroup cpu.idle (Linux 5.15+): an idle group's tasks yield to any
+    // other runnable task at once. Returns false when the file is absent.
+    bool set_cpu_idle(bool idle);
     // Sets the nice value of every thread in the sandbox (the pool boots
     // refills at nice 19; a session's kernel runs at 0).
     void renice(int nice);
@@ -138,7 +141,7 @@ class Sandbox {
     // Kept-open cgroup files (-1 where the controller or file is absent).
     struct CounterFiles {
         int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
-        int cpu_weight = -1;
+        int cpu_weight = -1, cpu_idle = -1;
         bool cpu_weight_v2 = false;
     } counters_;
     void open_counters();
