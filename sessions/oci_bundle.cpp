@@ -178,6 +178,10 @@ json make_oci_config(const SandboxSpec& spec) {
                       {"options", {"nosuid", "noexec", "nodev", "ro"}}});
     if (spec.image.rootfs == "host") {
         mounts.push_back(bind_mount("/usr", "/usr", true, /*exec=*/true));
+    } else if (!spec.image.rootfs.empty() && spec.image.rootfs[0] == '/') {
+        // A built or unpacked root: its own /usr again, nosuid like the host's
+        // (the root itself is mounted without nosuid by the runtime).
+        mounts.push_back(bind_mount((spec.rootfs / "usr").string(), "/usr", true, /*exec=*/true));
     }
     for (const auto& path : spec.image.host_binds) {
         mounts.push_back(bind_mount(path, path, true));

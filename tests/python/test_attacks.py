@@ -388,13 +388,15 @@ result = {{'proc1_root': sorted(os.listdir(p1)), 'root': sorted(os.listdir('/'))
     host_only = {"root", "var", "boot", "srv", "mnt", "media"} & set(host_top)
     assert host_only, f"the host's / has none of {host_only}: the check proves nothing"
     assert not host_only & set(inside["proc1_root"]), (host_only, inside["proc1_root"])
-    # From the host: the shim's root is the session's bundle rootfs (same inode).
+    # From the host: the shim's root is the bundle's root (the session's
+    # skeleton for `host`, the shared read-only root of a built image).
     shim = [p for p in sandbox_pids(box["sid"], include_zombies=False)
             if status_fields(p)["NSpid"][-1] == "1"]
     assert len(shim) == 1, shim
     shim = shim[0]
     st_shim = os.stat(f"/proc/{shim}/root")
-    st_rootfs = os.stat(os.path.join(STATE_DIR, "sessions", box["sid"], "bundle", "rootfs"))
+    with open(os.path.join(STATE_DIR, "sessions", box["sid"], "bundle", "config.json")) as f:
+        st_rootfs = os.stat(json.load(f)["root"]["path"])
     assert (st_shim.st_dev, st_shim.st_ino) == (st_rootfs.st_dev, st_rootfs.st_ino)
 
 
@@ -1203,7 +1205,9 @@ for fd in range(3, 4096):
 
 @pytest.fixture(scope="module")
 def serve(host):
-    srv = sh.start_server()
+    # test_images.py runs this suite again on a built image: extra serve
+    # arguments (--image NAME --image-store DIR) come from the environment.
+    srv = sh.start_server(json.loads(os.environ.get("CELLBLOCK_ATTACK_SERVE_ARGS", "[]")))
     yield srv
     problems = srv.shutdown()
     assert not problems, "\n".join(problems)
