@@ -271,6 +271,9 @@ Server::Server(const ServeOptions& options)
     for (const auto& id : reap_abandoned_sessions(settings_)) {
         spdlog::info("reaped sandbox of session {} left by an earlier server", id);
     }
+    for (const auto& path : remove_orphan_cgroups(std::chrono::seconds(60))) {
+        spdlog::info("removed empty cgroup {} left by an earlier run", path.string());
+    }
     for (const auto& id : store_.close_all_open("server_restart", unix_now())) {
         spdlog::info("session {} marked closed: server_restart", id);
     }

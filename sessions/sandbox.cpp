@@ -653,6 +653,27 @@ void Sandbox::destroy() {
     lock_fd_ = -1;
 }
 
+std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {
+    std::vector<fs::path> removed;
+    std::vector<fs::path> parents = {"/sys/fs/cgroup/cellblock"};
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/sys/fs/cgroup", ec))
+        parents.push_back(entry.path() / "cellblock");
+    const auto now = fs::file_time_type::clock::now();
+    for (const auto& parent : parents) {
+        std::error_code it_ec;
+        for (const auto& entry : fs::directory_iterator(parent, it_ec)) {
+            const std::string name = entry.path().filename().string();
+            if (name.rfind("cb-", 0) != 0) continue;
+            std::error_code age_ec;
+            const auto mtime = fs::last_write_time(entry.path(), age_ec);
+            if (age_ec || now - mtime < min_age) continue;
+            if (::rmdir(entry.path().c_str()) == 0) removed.push_back(entry.path());
+        }
+    }
+    return removed;
+}
+
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings) {
     std::vector<std::string> reaped;
     std::error_code ec;

@@ -153,6 +153,13 @@ class Sandbox {
 // Returns the ids of the sessions reaped.
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
 
+// Removes cellblock's empty `cb-*` cgroups (every controller) that are older
+// than `min_age`: what runs killed mid-way leave when their session
+// directory is already gone. A cgroup with tasks is never removed (the
+// kernel refuses), and the age keeps a sandbox that another server is
+// creating at this moment out of reach. Returns the paths removed.
+std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds min_age);
+
 // The cgroup directories (one per v1 controller, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
 
