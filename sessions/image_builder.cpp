@@ -898,15 +898,18 @@ StoredImage import_image(const Image& definition, const fs::path& tarball, const
 // ------------------------------------------------------------------ rm, sweep
 
 std::vector<int> processes_using(const StoredImage& stored) {
+    // A sandbox's /proc/PID/root reads as "/" from here (it lives in its own
+    // mount namespace after pivot_root): compare the directory itself.
     std::vector<int> out;
-    const std::string root = stored.rootfs().string();
+    struct stat root {};
+    if (::stat(stored.rootfs().c_str(), &root) != 0) return out;
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator("/proc", ec)) {
         const std::string pid = entry.path().filename().string();
         if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos) continue;
-        std::error_code link_ec;
-        const std::string target = fs::read_symlink(entry.path() / "root", link_ec).string();
-        if (!link_ec && (target == root || target.rfind(root + "/", 0) == 0)) {
+        struct stat st {};
+        if (::stat((entry.path() / "root").c_str(), &st) == 0 && st.st_dev == root.st_dev &&
+            st.st_ino == root.st_ino) {
             out.push_back(std::stoi(pid));
         }
     }

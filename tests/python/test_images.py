@@ -43,14 +43,17 @@ def value(kc, expression):
     return eval(out.strip())  # our own repr of plain values
 
 
-def shim_roots(sid):
-    """Where the processes of session `sid` have their root, seen from the host."""
+def shim_roots(sid, candidates):
+    """Which of `candidates` (host dirs) the processes of session `sid` have as
+    their root, seen from the host (by inode: the link reads "/" from here)."""
+    by_inode = {(os.stat(c).st_dev, os.stat(c).st_ino): c for c in candidates}
     roots = set()
     for pid in sh.session_pids(sid):
         try:
-            roots.add(os.readlink(f"/proc/{pid}/root"))
+            st = os.stat(f"/proc/{pid}/root")
         except OSError:
-            pass
+            continue
+        roots.add(by_inode.get((st.st_dev, st.st_ino), "elsewhere"))
     return roots
 
 
@@ -163,9 +166,9 @@ def test_session_on_built_image_beside_host(minimal, server_factory):
 
     # From the host: the sessions' processes live in the stored root, shared, not copied.
     rootfs = os.path.join(ih.STORE, "store", minimal, "rootfs")
-    assert shim_roots(sid_min) == {rootfs}, shim_roots(sid_min)
-    assert shim_roots(sid_min2) == {rootfs}, shim_roots(sid_min2)
-    assert rootfs not in shim_roots(sid_host)
+    assert shim_roots(sid_min, [rootfs]) == {rootfs}, shim_roots(sid_min, [rootfs])
+    assert shim_roots(sid_min2, [rootfs]) == {rootfs}
+    assert shim_roots(sid_host, [rootfs]) == {"elsewhere"}
 
     # Writes: the root is read-only, /tmp is the session's own tmpfs.
     content, _ = run(kc_min, "open('/usr/cellblock-was-here', 'w')")
@@ -260,7 +263,7 @@ def test_changed_packages_give_a_new_id_and_running_sessions_keep_theirs(minimal
         assert value(kc_old, "__import__('os').path.exists('/usr/bin/hello')") is False
         assert os.path.isdir(os.path.join(ih.STORE, "store", minimal, "rootfs", "usr"))
         old_root = os.path.join(ih.STORE, "store", minimal, "rootfs")
-        assert shim_roots(sid_old) == {old_root}
+        assert shim_roots(sid_old, [old_root]) == {old_root}
 
         # A new session gets the new version.
         sid_new, kc_new, created_new = srv.open_session(image="python-minimal")
