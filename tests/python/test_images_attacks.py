@@ -37,6 +37,7 @@ def test_attack_suite_passes_on_a_built_image():
                      "--kernel-arg=--image", "--kernel-arg=python-minimal",
                      "--kernel-arg=--image-store", f"--kernel-arg={ih.STORE}", check=True)
         env = dict(os.environ, JUPYTER_PATH=os.path.join(jupyter, "share", "jupyter"),
+                   CELLBLOCK_ATTACK_IMAGE="python-minimal",
                    CELLBLOCK_ATTACK_SERVE_ARGS=json.dumps(["--image", "python-minimal",
                                                            "--image-store", ih.STORE]))
         # The kernelspec really starts python-minimal (no numpy, ipykernel present).
