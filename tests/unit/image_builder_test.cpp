@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cellblock/image.hpp"
+#include "cellblock/oci_bundle.hpp"
 
 namespace cellblock {
 namespace {
@@ -185,6 +186,28 @@ TEST(ImageStore, MountPointsOfAStoreImage) {
     }
     // No bind of the host's /usr into a built image.
     EXPECT_EQ(std::find(points.begin(), points.end(), "/usr"), points.end());
+}
+
+TEST(ImageStore, ABuiltRootGetsItsOwnUsrAgainNosuid) {
+    SandboxSpec spec;
+    spec.image = Image::from_json(minimal_definition());
+    spec.image.rootfs = "/var/lib/cellblock/images/store/abc/rootfs";
+    spec.rootfs = spec.image.rootfs;
+    const json config = make_oci_config(spec);
+    EXPECT_EQ(config["root"]["path"], spec.image.rootfs);
+    EXPECT_EQ(config["root"]["readonly"], true);
+    bool found = false;
+    for (const auto& m : config["mounts"]) {
+        if (m["destination"] != "/usr") continue;
+        found = true;
+        EXPECT_EQ(m["source"], "/var/lib/cellblock/images/store/abc/rootfs/usr");
+        const auto opts = m["options"].get<std::vector<std::string>>();
+        for (const char* o : {"ro", "nosuid", "nodev"}) {
+            EXPECT_NE(std::find(opts.begin(), opts.end(), o), opts.end()) << o;
+        }
+        EXPECT_EQ(std::find(opts.begin(), opts.end(), "noexec"), opts.end());
+    }
+    EXPECT_TRUE(found);
 }
 
 }  // namespace
