@@ -1,10 +1,14 @@
 #include "cellblock/image_builder.hpp"
 
 #include <fcntl.h>
+#include <grp.h>
 #include <openssl/evp.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/file.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -188,7 +192,30 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
         ::dup2(devnull, STDIN_FILENO);
         ::dup2(pipe_fds[1], STDOUT_FILENO);
         ::dup2(pipe_fds[1], STDERR_FILENO);
-        if (!root.empty() && (::chroot(root.c_str()) != 0 || ::chdir("/") != 0)) _exit(126);
+        if (!root.empty()) {
+            // The image's own code (an imported root is not trusted): in its
+            // own mount, network (empty) and IPC namespaces, its root bound
+            // nodev and nosuid (a tarball may carry device nodes and setuid
+            // files), the host's /dev/null over the image's, confined to the
+            // root, as nobody, never gaining privileges again.
+            ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+            const std::string dev_null = (root / "dev" / "null").string();
+            struct stat st {};
+            if (::unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC) != 0 ||
+                ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+                ::mount(root.c_str(), root.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0 ||
+                ::mount(nullptr, root.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_NODEV | MS_NOSUID,
+                        nullptr) != 0)
+                _exit(126);
+            if (::lstat(dev_null.c_str(), &st) == 0 && !S_ISLNK(st.st_mode))
+                ::mount("/dev/null", dev_null.c_str(), nullptr, MS_BIND, nullptr);
+            const rlimit nproc{256, 256};
+            if (::chroot(root.c_str()) != 0 || ::chdir("/") != 0 || ::setgroups(0, nullptr) != 0 ||
+                ::setresgid(65534, 65534, 65534) != 0 || ::setresuid(65534, 65534, 65534) != 0 ||
+                ::setrlimit(RLIMIT_NPROC, &nproc) != 0 ||
+                ::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0)
+                _exit(126);
+        }
         ::execvpe(args[0], args.data(), env.data());
         _exit(127);
     }

@@ -389,3 +389,72 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
         assert result.returncode != 0 and "not in the store" in result.stderr
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_an_imported_roots_own_code_runs_as_nobody_without_network(minimal):
+    """`image import` starts the image's Python to check its kernel imports.
+    An imported root is not trusted: that check must not run as root, nor
+    reach the host's network. The tarball's own code (a .pth file Python runs
+    at start) records what it could do, and a host listener on 127.0.0.1
+    must see no connection."""
+    import socket
+    import tarfile
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    probe = (
+        "import os, socket\n"
+        "out = ['uid=%d,%d gid=%d,%d groups=%s' % (os.getuid(), os.geteuid(), os.getgid(),\n"
+        "       os.getegid(), os.getgroups())]\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); out.append('net=reached')\n"
+        "except OSError as e:\n"
+        "    out.append('net=' + type(e).__name__)\n"
+        "try:\n"
+        "    open('/etc/cbprobe-root-write', 'w'); out.append('rootwrite=ok')\n"
+        "except OSError as e:\n"
+        "    out.append('rootwrite=' + type(e).__name__)\n"
+        "try:\n"
+        "    open('/cbprobe/out.txt', 'w').write(' '.join(out) + '\\n')\n"
+        "except OSError:\n"
+        "    pass\n")
+    state = tempfile.mkdtemp(prefix="cb-images-probe-", dir=ih.BUILD_DIR)
+    os.chmod(state, 0o755)
+    tarball = os.path.join(state, "rootfs.tar")
+    rootfs = os.path.join(ih.STORE, "store", minimal, "rootfs")
+    try:
+        subprocess.run(["tar", "--create", "--file", tarball, "--directory", rootfs, "."],
+                       check=True, timeout=300)
+        site = "./usr/lib/python3/dist-packages"
+        with tarfile.open(tarball, "a") as tar:
+            # Somewhere the probe can write (the stored root it came from is read-only).
+            outdir = tarfile.TarInfo("./cbprobe")
+            outdir.type, outdir.mode = tarfile.DIRTYPE, 0o777
+            tar.addfile(outdir)
+            for name, text in (("cbprobe.py", probe), ("cbprobe.pth", "import cbprobe\n")):
+                path = os.path.join(state, name)
+                with open(path, "w") as f:
+                    f.write(text)
+                info = tar.gettarinfo(path, arcname=f"{site}/{name}")
+                info.uid = info.gid = 0
+                info.mode = 0o644
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+        result = ih.cellblock("image", "import", "cb-probed", tarball, "--state-dir", state)
+        assert result.returncode == 0, result.stdout + result.stderr
+        _, vdir = ih.current("cb-probed", os.path.join(state, "images"))
+        with open(os.path.join(vdir, "rootfs", "cbprobe", "out.txt")) as f:
+            seen = f.read().split()
+        assert seen[0] == "uid=65534,65534" and seen[1] == "gid=65534,65534", seen
+        assert seen[2] == "groups=[]", seen
+        assert seen[3] in ("net=OSError", "net=ConnectionRefusedError", "net=TimeoutError"), seen
+        assert seen[3] != "net=reached" and seen[4] == "rootwrite=PermissionError", seen
+        assert not os.path.exists(os.path.join(vdir, "rootfs", "etc", "cbprobe-root-write"))
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+        shutil.rmtree(state, ignore_errors=True)
