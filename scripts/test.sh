@@ -11,6 +11,11 @@ bash scripts/setup.sh
 
 echo "== build"
 bash scripts/build.sh "$root/build"
+# The fuzz targets are built now, so a compile or link error shows in the first
+# minutes rather than after both test passes; they run at the end.
+echo "== build fuzz targets"
+cmake -S "$root/tests/fuzz" -B "$root/build-fuzz" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
+cmake --build "$root/build-fuzz" -j"$(nproc)"
 echo "== tests (unit + integration)"
 ctest --test-dir "$root/build" --output-on-failure --timeout 900
 
@@ -29,8 +34,6 @@ if ! clang-format --dry-run --Werror $files; then
 fi
 
 echo "== fuzz (short)"
-cmake -S "$root/tests/fuzz" -B "$root/build-fuzz" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
-cmake --build "$root/build-fuzz" -j"$(nproc)"
 bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20
 
 echo "== all tests passed"

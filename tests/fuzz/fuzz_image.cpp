@@ -2,7 +2,9 @@
 // Image::from_json and SandboxLimits::from_json on the input parsed as JSON
 // may throw only std::runtime_error; an accepted image has a name, a kernel
 // command and absolute host binds; its limits go through
-// ServerPolicy::effective as the server does when it loads images.
+// ServerPolicy::effective as the server does when it loads images. An accepted
+// "build" section names only Debian packages and writes only clean absolute
+// paths with modes no wider than 0755 and never group- or world-writable.
 // Separate from fuzz_limits so a finding in one does not stop the other.
 #include <cstdint>
 #include <stdexcept>
@@ -10,6 +12,7 @@
 #include <typeinfo>
 
 #include "cellblock/image.hpp"
+#include "cellblock/image_builder.hpp"
 #include "cellblock/session_policy.hpp"
 #include "fuzz_support.hpp"
 
@@ -17,6 +20,18 @@ namespace cellblock::fuzz {
 namespace {
 
 using json = nlohmann::json;
+
+// No "", "." or ".." component in a '/'-separated path (leading '/' skipped).
+bool clean_components(std::string_view path) {
+    if (!path.empty() && path[0] == '/') path.remove_prefix(1);
+    while (true) {
+        const auto slash = path.find('/');
+        const auto part = path.substr(0, slash);
+        if (part.empty() || part == "." || part == "..") return false;
+        if (slash == std::string_view::npos) return true;
+        path.remove_prefix(slash + 1);
+    }
+}
 
 template <typename F>
 bool only_runtime_error(const char* what, F&& f) {
@@ -46,6 +61,26 @@ void fuzz(const json& j) {
     for (const auto& bind : image.host_binds) {
         FUZZ_CHECK(!bind.empty() && bind[0] == '/' && bind.find("..") == std::string::npos,
                    "host bind '%s' accepted", bind.c_str());
+    }
+    if (!image.build.is_null()) {
+        BuildSpec spec;
+        if (only_runtime_error("BuildSpec::from_json",
+                               [&] { spec = BuildSpec::from_json(image.build); })) {
+            for (const auto& pkg : spec.packages) {
+                FUZZ_CHECK(!pkg.empty() && pkg.find_first_of(" \t\n/'\"$`;") == std::string::npos,
+                           "package '%s' accepted", pkg.c_str());
+            }
+            for (const auto& file : spec.files) {
+                FUZZ_CHECK(
+                    file.path.size() > 1 && file.path[0] == '/' && clean_components(file.path),
+                    "file path '%s' accepted", file.path.c_str());
+                FUZZ_CHECK(
+                    file.source.empty() || (file.source[0] != '/' && clean_components(file.source)),
+                    "file source '%s' accepted", file.source.c_str());
+                FUZZ_CHECK(file.mode >= 0 && file.mode <= 0755 && !(file.mode & 0022),
+                           "file mode %o accepted", static_cast<unsigned>(file.mode));
+            }
+        }
     }
     // As the server does at start: the image's limits layered on its defaults.
     static const ServerPolicy policy;

@@ -233,6 +233,16 @@ def image_seeds():
     variant("host-bind-dotdot", host_binds=["/etc/../root"])
     variant("env-not-strings", env={"A": 1})
     variant("argv-not-strings", kernel_argv=[1, 2])
+    variant("build-section", build={
+        "suite": "bookworm", "packages": ["python3", "python3-numpy=1:1.24.2-1"],
+        "strip_docs": False,
+        "files": [{"path": "/etc/x.conf", "content": "a", "mode": "0644"},
+                  {"path": "/usr/local/bin/y", "source": "files/y", "mode": "0755"}]})
+    variant("build-section-hostile", build={
+        "packages": ["bad name", "x;rm"], "mirror": "file:///",
+        "files": [{"path": "/tmp/../etc/passwd", "content": "x", "mode": "4755"},
+                  {"path": "/etc/a", "source": "../../etc/shadow"}]})
+    variant("build-not-object", build=["python3"])
     seeds["no-name"] = b'{"kernel_argv": ["x"]}'
     seeds["not-object"] = b'"host"'
     return seeds
