@@ -38,6 +38,9 @@ namespace {
 
 constexpr const char* kVersion = "0.1.0";
 constexpr auto kProbeTimeout = std::chrono::seconds(60);
+// How often the server checks whether a built image's name moved (a rebuild,
+// `image rm`): a readlink per built image.
+constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
 
 double unix_now() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
@@ -206,9 +209,12 @@ class Server final : public SessionObserver {
     RuntimeSettings settings_;
     std::map<std::string, Image> images_;
     // Built and imported images (image_builder.hpp); the content id each
-    // image's pool was started with (a rebuilt image skips its older pool).
+    // image's pool holds. A rebuild (or `image rm`) moves the name; the pool
+    // follows within kPoolVersionCheck, or at the next session_create.
     ImageStore image_store_;
     std::map<std::string, std::string> pool_image_ids_;
+    void follow_image_version(const std::string& name);
+    Clock::time_point next_version_check_{};
     SessionStore store_;
     zmq::context_t context_ = make_server_context();
     zmq::socket_t manager_{context_, zmq::socket_type::router};
@@ -433,6 +439,7 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
         throw RequestError{"UnknownImage", "no image '" + image_name + "'; known images: " + known};
     }
     // A built image runs on its current version (a rebuild moves the name).
+    follow_image_version(image_name);
     Image resolved;
     try {
         resolved = resolve_image(image->second, image_store_);
@@ -773,6 +780,37 @@ json Server::server_info(Request&, std::vector<std::string>&) {
 
 void Server::on_execution(const ExecutionRecord& record) { audit_queue_.push_back(record); }
 
+void Server::follow_image_version(const std::string& name) {
+    const auto image = images_.find(name);
+    if (image == images_.end() || image->second.rootfs != "store") return;
+    const auto current = image_store_.current(name);
+    const std::string current_id = current ? current->content_id : "";
+    const auto pooled = pool_image_ids_.find(name);
+    if (pooled != pool_image_ids_.end() ? pooled->second == current_id : current_id.empty()) {
+        return;
+    }
+    PoolImage p;
+    const auto target = options_.pool.find(name);
+    p.target = target != options_.pool.end() ? target->second : 0;
+    try {
+        p.image = current ? image_store_.image(*current) : image->second;
+        p.limits = options_.policy.effective(image->second.limits_json, json::object()).sandbox;
+    } catch (const std::exception& e) {
+        spdlog::warn("image {}: version {} unusable: {}", name, current_id.substr(0, 12), e.what());
+        return;
+    }
+    if (!current) {
+        p.target = 0;  // the name is gone: the pool empties
+        p.image.name = name;
+    }
+    const std::string old_id = pooled != pool_image_ids_.end() ? pooled->second : "";
+    spdlog::info("image {}: current version {} (pool held {}); the pool follows", name,
+                 current_id.empty() ? "none" : current_id.substr(0, 12),
+                 old_id.empty() ? "none" : old_id.substr(0, 12));
+    pool_image_ids_[name] = current_id;
+    pool_->replace_image(std::move(p));
+}
+
 void Server::balance_cpu(Clock::time_point now) {
     for (auto& [id, session] : sessions_) {
         Sandbox* box = session->sandbox();
@@ -870,6 +908,7 @@ int Server::run() {
             if (auto d = session->next_deadline(); d && (!next || *d < *next)) next = d;
         }
         if (!sessions_.empty() && (!next || next_balance_ < *next)) next = next_balance_;
+        if (!next || next_version_check_ < *next) next = next_version_check_;
         long timeout_ms = -1;
         if (next) {
             timeout_ms = std::max<long>(
@@ -893,6 +932,10 @@ int Server::run() {
         if (items[1].revents & ZMQ_POLLIN) on_pool_results();
         const auto now = Clock::now();
         if (now >= next_balance_) balance_cpu(now);
+        if (now >= next_version_check_) {
+            for (const auto& [name, image] : images_) follow_image_version(name);
+            next_version_check_ = now + kPoolVersionCheck;
+        }
         for (auto it = sessions_.begin(); it != sessions_.end();) {
             it->second->on_timer(now);
             if (it->second->expired(now)) {

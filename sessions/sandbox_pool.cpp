@@ -110,8 +110,8 @@ void SandboxPool::schedule_refills_locked(std::chrono::milliseconds delay) {
     for (auto& [name, slot] : slots_) {
         int wanted = slot.config.target - static_cast<int>(slot.ready.size()) - slot.starting;
         for (; wanted > 0; --wanted) {
-            Job job{Job::refill,        name, {},      slot.config.image,
-                    slot.config.limits, 0,    nullptr, not_before};
+            Job job{Job::refill, name,    {},         slot.config.image, slot.config.limits,
+                    0,           nullptr, not_before, slot.generation};
             jobs_.push_back(std::move(job));
             ++slot.starting;
         }
@@ -174,6 +174,35 @@ std::vector<StartResult> SandboxPool::drain_results() {
 void SandboxPool::dispose(std::unique_ptr<Sandbox> sandbox) {
     if (!sandbox) return;
     std::lock_guard lock(mutex_);
+    dispose_locked(std::move(sandbox));
+}
+
+void SandboxPool::replace_image(PoolImage config) {
+    const std::string name = config.image.name;
+    std::lock_guard lock(mutex_);
+    Slot& slot = slots_[name];
+    slot.config = std::move(config);
+    ++slot.generation;
+    slot.failures = 0;
+    slot.last_error.clear();
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+        if (it->kind == Job::refill && it->image == name) {
+            --slot.starting;
+            it = jobs_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    while (!slot.ready.empty()) {
+        WarmSandbox old = std::move(slot.ready.front());
+        slot.ready.pop_front();
+        old.channels.reset();
+        dispose_locked(std::move(old.sandbox));
+    }
+    if (!stopping_) schedule_refills_locked();
+}
+
+void SandboxPool::dispose_locked(std::unique_ptr<Sandbox> sandbox) {
     if (stopping_) {
         sandbox->destroy();
         return;
@@ -259,7 +288,13 @@ void SandboxPool::work() {
         std::unique_lock lock(mutex_);
         Slot& slot = slots_[job.image];
         --slot.starting;
-        if (result.warm) {
+        if (job.generation != slot.generation) {
+            // Booted from an image version the pool no longer holds.
+            if (result.warm) {
+                result.warm.channels.reset();
+                dispose_locked(std::move(result.warm.sandbox));
+            }
+        } else if (result.warm) {
             slot.failures = 0;
             slot.ready.push_back(std::move(result.warm));
             spdlog::debug("pool {}: warm sandbox ready in {:.0f} ms", job.image, result.start_ms);

@@ -11,7 +11,9 @@
 #include <array>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include <SQLiteCpp/SQLiteCpp.h>
 
@@ -147,6 +149,33 @@ struct SessionStore::Impl {
         }
     }
 
+    // Statements are prepared once and reused: parsing SQL was a tenth of the
+    // server's CPU per execution when every write prepared its statement anew.
+    std::unordered_map<std::string, std::unique_ptr<SQLite::Statement>> statements;
+
+    // A cached statement, reset with its bindings cleared; reset again when the
+    // use ends, so that a SELECT does not hold its read snapshot open.
+    class Use {
+      public:
+        explicit Use(SQLite::Statement& st) : st_(st) {
+            st_.tryReset();
+            st_.clearBindings();
+        }
+        ~Use() { st_.tryReset(); }
+        Use(const Use&) = delete;
+        Use& operator=(const Use&) = delete;
+        SQLite::Statement& operator*() const { return st_; }
+
+      private:
+        SQLite::Statement& st_;
+    };
+
+    SQLite::Statement& statement(const std::string& sql) {
+        auto& slot = statements[sql];
+        if (!slot) slot = std::make_unique<SQLite::Statement>(db, sql);
+        return *slot;
+    }
+
     int schema_version() { return db.execAndGet("PRAGMA user_version").getInt(); }
 
     void refuse_newer(int version) const {
@@ -196,10 +225,11 @@ SessionStore::~SessionStore() = default;
 
 void SessionStore::add_session(const SessionRecord& r) {
     impl_->guarded("add_session " + r.id, [&] {
-        SQLite::Statement st(impl_->db,
-                             "INSERT INTO sessions (id, image, state, close_reason, created_at, "
+        Impl::Use st_use(
+            impl_->statement("INSERT INTO sessions (id, image, state, close_reason, created_at, "
                              "closed_at, limits, metadata, execution_count, memory_peak_bytes, "
-                             "cpu_ms, image_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+                             "cpu_ms, image_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, r.id);
         st.bind(2, r.image);
         st.bind(3, r.state);
@@ -218,7 +248,8 @@ void SessionStore::add_session(const SessionRecord& r) {
 
 void SessionStore::set_state(const std::string& id, const std::string& state) {
     impl_->guarded("set_state " + id, [&] {
-        SQLite::Statement st(impl_->db, "UPDATE sessions SET state = ? WHERE id = ?");
+        Impl::Use st_use(impl_->statement("UPDATE sessions SET state = ? WHERE id = ?"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, state);
         st.bind(2, id);
         update_one(st);
@@ -231,10 +262,11 @@ void SessionStore::close_session(const std::string& id, const std::string& reaso
                                  std::int64_t execution_count, std::uint64_t memory_peak_bytes,
                                  std::uint64_t cpu_ms) {
     impl_->guarded("close_session " + id, [&] {
-        SQLite::Statement st(impl_->db,
-                             "UPDATE sessions SET state = 'closed', close_reason = ?, "
+        Impl::Use st_use(
+            impl_->statement("UPDATE sessions SET state = 'closed', close_reason = ?, "
                              "closed_at = ?, execution_count = ?, memory_peak_bytes = ?, "
-                             "cpu_ms = ? WHERE id = ?");
+                             "cpu_ms = ? WHERE id = ?"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, reason);
         st.bind(2, at);
         st.bind(3, execution_count);
@@ -247,11 +279,11 @@ void SessionStore::close_session(const std::string& id, const std::string& reaso
 
 void SessionStore::add_execution(const ExecutionRecord& r) {
     impl_->guarded("add_execution " + r.session_id + "/" + std::to_string(r.count), [&] {
-        SQLite::Statement st(
-            impl_->db,
+        Impl::Use st_use(impl_->statement(
             "INSERT INTO executions (session_id, count, msg_id, code, status, "
             "ename, started_at, wall_ms, cpu_ms, memory_peak_bytes, "
-            "output_bytes, truncated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+            "output_bytes, truncated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, r.session_id);
         st.bind(2, r.count);
         st.bind(3, r.msg_id);
@@ -270,8 +302,9 @@ void SessionStore::add_execution(const ExecutionRecord& r) {
 
 void SessionStore::add_event(const EventRecord& r) {
     impl_->guarded("add_event " + r.session_id + " " + r.kind, [&] {
-        SQLite::Statement st(
-            impl_->db, "INSERT INTO events (session_id, at, kind, detail) VALUES (?, ?, ?, ?)");
+        Impl::Use st_use(impl_->statement(
+            "INSERT INTO events (session_id, at, kind, detail) VALUES (?, ?, ?, ?)"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, r.session_id);
         st.bind(2, r.at);
         st.bind(3, r.kind);
@@ -282,8 +315,9 @@ void SessionStore::add_event(const EventRecord& r) {
 
 std::optional<SessionRecord> SessionStore::session(const std::string& id) const {
     return impl_->guarded("session " + id, [&]() -> std::optional<SessionRecord> {
-        SQLite::Statement st(
-            impl_->db, std::string("SELECT ") + kSessionColumns + " FROM sessions WHERE id = ?");
+        Impl::Use st_use(impl_->statement(std::string("SELECT ") + kSessionColumns +
+                                          " FROM sessions WHERE id = ?"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, id);
         if (!st.executeStep()) return std::nullopt;
         return read_session(st);
@@ -293,10 +327,11 @@ std::optional<SessionRecord> SessionStore::session(const std::string& id) const 
 std::vector<SessionRecord> SessionStore::sessions(bool open_only, std::size_t limit) const {
     return impl_->guarded("sessions", [&] {
         // rowid breaks ties between sessions created in the same instant: later insert first.
-        SQLite::Statement st(impl_->db, std::string("SELECT ") + kSessionColumns +
-                                            " FROM sessions WHERE (? = 0 OR state NOT IN "
-                                            "('closed', 'failed')) ORDER BY created_at DESC, "
-                                            "rowid DESC LIMIT ?");
+        Impl::Use st_use(impl_->statement(std::string("SELECT ") + kSessionColumns +
+                                          " FROM sessions WHERE (? = 0 OR state NOT IN "
+                                          "('closed', 'failed')) ORDER BY created_at DESC, "
+                                          "rowid DESC LIMIT ?"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, open_only ? 1 : 0);
         const auto max = static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max());
         st.bind(2, static_cast<std::int64_t>(limit < max ? limit : max));
@@ -308,10 +343,11 @@ std::vector<SessionRecord> SessionStore::sessions(bool open_only, std::size_t li
 
 std::vector<ExecutionRecord> SessionStore::executions(const std::string& session_id) const {
     return impl_->guarded("executions " + session_id, [&] {
-        SQLite::Statement st(impl_->db,
-                             "SELECT session_id, count, msg_id, code, status, ename, started_at, "
+        Impl::Use st_use(
+            impl_->statement("SELECT session_id, count, msg_id, code, status, ename, started_at, "
                              "wall_ms, cpu_ms, memory_peak_bytes, output_bytes, truncated "
-                             "FROM executions WHERE session_id = ? ORDER BY count");
+                             "FROM executions WHERE session_id = ? ORDER BY count"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, session_id);
         std::vector<ExecutionRecord> out;
         while (st.executeStep()) {
@@ -336,9 +372,10 @@ std::vector<ExecutionRecord> SessionStore::executions(const std::string& session
 
 std::vector<EventRecord> SessionStore::events(const std::string& session_id) const {
     return impl_->guarded("events " + session_id, [&] {
-        SQLite::Statement st(impl_->db,
-                             "SELECT session_id, at, kind, detail FROM events "
-                             "WHERE session_id = ? ORDER BY id");
+        Impl::Use st_use(
+            impl_->statement("SELECT session_id, at, kind, detail FROM events "
+                             "WHERE session_id = ? ORDER BY id"));
+        SQLite::Statement& st = *st_use;
         st.bind(1, session_id);
         std::vector<EventRecord> out;
         while (st.executeStep()) {
@@ -359,17 +396,20 @@ std::vector<std::string> SessionStore::close_all_open(const std::string& reason,
         SQLite::Transaction tx(impl_->db, SQLite::TransactionBehavior::IMMEDIATE);
         std::vector<std::string> ids;
         {
-            SQLite::Statement open(impl_->db,
-                                   "SELECT id FROM sessions WHERE state NOT IN ('closed', "
-                                   "'failed') ORDER BY created_at, rowid");
+            Impl::Use open_use(
+                impl_->statement("SELECT id FROM sessions WHERE state NOT IN ('closed', "
+                                 "'failed') ORDER BY created_at, rowid"));
+            SQLite::Statement& open = *open_use;
             while (open.executeStep()) ids.push_back(open.getColumn(0).getString());
         }
-        SQLite::Statement close(impl_->db,
-                                "UPDATE sessions SET state = 'closed', close_reason = ?, "
-                                "closed_at = ? WHERE id = ?");
-        SQLite::Statement event(impl_->db,
-                                "INSERT INTO events (session_id, at, kind, detail) "
-                                "VALUES (?, ?, 'closed', ?)");
+        Impl::Use close_use(
+            impl_->statement("UPDATE sessions SET state = 'closed', close_reason = ?, "
+                             "closed_at = ? WHERE id = ?"));
+        SQLite::Statement& close = *close_use;
+        Impl::Use event_use(
+            impl_->statement("INSERT INTO events (session_id, at, kind, detail) "
+                             "VALUES (?, ?, 'closed', ?)"));
+        SQLite::Statement& event = *event_use;
         for (const auto& id : ids) {
             close.reset();
             close.bind(1, reason);

@@ -73,6 +73,13 @@ class SandboxPool {
     // Destroys a sandbox in the background.
     void dispose(std::unique_ptr<Sandbox> sandbox);
 
+    // The pool of `config.image.name` from now on holds `config` (a rebuilt
+    // image's new version, or target 0 once its name is gone): the warm
+    // sandboxes of the old version are destroyed, refills not yet begun are
+    // dropped, and one that finishes booting the old version is destroyed
+    // instead of pooled. An image without a pool gets one.
+    void replace_image(PoolImage config);
+
     // {image: {ready, starting, target, failures, last_error}}
     nlohmann::json state() const;
     std::size_t ready(const std::string& image) const;
@@ -93,6 +100,7 @@ class SandboxPool {
         // steps usually follow at once, and a kernel booting beside them on
         // a small machine would slow them (see kRefillDelay).
         std::chrono::steady_clock::time_point not_before{};
+        std::uint64_t generation = 0;  // the slot's, when a refill was queued
     };
     struct Slot {
         PoolImage config;
@@ -100,10 +108,12 @@ class SandboxPool {
         int starting = 0;
         int failures = 0;
         std::string last_error;
+        std::uint64_t generation = 0;  // bumped by replace_image
     };
 
     void work();
     void schedule_refills_locked(std::chrono::milliseconds delay = {});
+    void dispose_locked(std::unique_ptr<Sandbox> sandbox);
     WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
                                 const SandboxLimits& limits, bool background);
 

@@ -57,6 +57,29 @@ def shim_roots(sid, candidates):
     return roots
 
 
+def pids_on_root(root):
+    """Host pids (not zombies) whose root directory is `root` (by inode)."""
+    want = os.stat(root)
+    pids = set()
+    for path in sh.glob.glob("/proc/[0-9]*/root"):
+        pid = int(path.split("/")[2])
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino) and \
+                sh.proc_state(pid) not in (None, "Z"):
+            pids.add(pid)
+    return pids
+
+
+def pool_holds(srv, name, content_id, ready=1):
+    """server_info's entry for NAME once its pool holds `ready` sandboxes of content_id."""
+    entry = srv.ok("server_info_request", {})["content"]["images"][name]
+    pool = entry["pool"] or {}
+    return entry if entry["pool_content_id"] == content_id and pool.get("ready") == ready else None
+
+
 def store_residue(store, name):
     """Anything a build of NAME left in the store: temp dirs, a name, versions, mounts."""
     left = {}
@@ -240,12 +263,22 @@ def test_server_info_lists_images_and_a_warm_pool_on_a_built_image(minimal, serv
 
 def test_changed_packages_give_a_new_id_and_running_sessions_keep_theirs(minimal, server_factory):
     """A definition with one more package builds to another content id and
-    moves the name; a session on the old version runs on undisturbed. The
-    unchanged definition then rebuilds to the very same id."""
-    srv = server_factory(["--image-store", ih.STORE])
+    moves the name; a session on the old version runs on undisturbed, the warm
+    pool follows the name (its old sandbox destroyed, seen from the host), and
+    the next session is warm on the new version. The unchanged definition then
+    rebuilds to the very same id, and the pool follows back."""
+    srv = server_factory(["--image-store", ih.STORE, "--pool", "python-minimal=1"])
+    old_root = os.path.join(ih.STORE, "store", minimal, "rootfs")
+    assert sh.wait_for(lambda: pool_holds(srv, "python-minimal", minimal), timeout=90, interval=0.5)
     sid_old, kc_old, created = srv.open_session(image="python-minimal")
-    assert created["image_id"] == minimal
+    assert created["image_id"] == minimal and created["warm"] is True, created
     assert run(kc_old, "x = 41")[0]["status"] == "ok"
+    old_session_pids = set(sh.session_pids(sid_old))
+    assert old_session_pids
+    # The refill after the take: a second sandbox on the old root, not a session.
+    assert sh.wait_for(lambda: pool_holds(srv, "python-minimal", minimal), timeout=90, interval=0.5)
+    pooled_old = pids_on_root(old_root) - old_session_pids
+    assert pooled_old, "the pool's sandbox of the old version is not on its root"
 
     changed = ih.definition("python-minimal")
     changed["build"]["packages"].append("hello")  # GNU hello: 50 kB
@@ -261,13 +294,22 @@ def test_changed_packages_give_a_new_id_and_running_sessions_keep_theirs(minimal
         # The old session: same root, same kernel, state intact.
         assert value(kc_old, "x + 1") == 42
         assert value(kc_old, "__import__('os').path.exists('/usr/bin/hello')") is False
-        assert os.path.isdir(os.path.join(ih.STORE, "store", minimal, "rootfs", "usr"))
-        old_root = os.path.join(ih.STORE, "store", minimal, "rootfs")
+        assert os.path.isdir(os.path.join(old_root, "usr"))
         assert shim_roots(sid_old, [old_root]) == {old_root}
 
-        # A new session gets the new version.
+        # The pool follows the name without a restart: a sandbox of the new
+        # version, and the old version's pooled sandbox gone from the host.
+        assert sh.wait_for(lambda: pool_holds(srv, "python-minimal", changed_id),
+                           timeout=90, interval=0.5), \
+            srv.ok("server_info_request", {})["content"]["images"]["python-minimal"]
+        assert sh.wait_for(lambda: not (pooled_old & pids_on_root(old_root)), timeout=30), \
+            "the old version's pooled sandbox still runs"
+        assert old_session_pids <= pids_on_root(old_root)  # the session was not touched
+        assert "the pool follows" in srv.log()
+
+        # A new session gets the new version, warm.
         sid_new, kc_new, created_new = srv.open_session(image="python-minimal")
-        assert created_new["image_id"] == changed_id, created_new
+        assert created_new["image_id"] == changed_id and created_new["warm"] is True, created_new
         assert value(kc_new, "__import__('subprocess').run(['/usr/bin/hello'], capture_output=True, "
                              "text=True).stdout") == "Hello, world!\n"
         assert srv.ok("session_history_request", {"session_id": sid_new})["content"]["image_id"] == changed_id
@@ -280,9 +322,12 @@ def test_changed_packages_give_a_new_id_and_running_sessions_keep_theirs(minimal
     assert ih.content_id_in(result.stdout) == minimal
     assert "already stored" in result.stdout
     assert ih.current("python-minimal")[0] == minimal
-    # Both sessions still answer.
+    # Both sessions still answer, and the pool is back on the first version.
     assert value(kc_old, "x") == 41
     assert value(kc_new, "2 * 21") == 42
+    assert sh.wait_for(lambda: pool_holds(srv, "python-minimal", minimal), timeout=90, interval=0.5)
+    sid_back, kc_back, created_back = srv.open_session(image="python-minimal")
+    assert created_back["image_id"] == minimal and created_back["warm"] is True, created_back
     assert not os.listdir(os.path.join(ih.STORE, "tmp"))
 
 

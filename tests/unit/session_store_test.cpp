@@ -323,6 +323,40 @@ TEST_F(SessionStoreTest, DuplicateSessionIdThrows) {
     EXPECT_NE(error.find("add_session s1"), std::string::npos) << error;
 }
 
+// Statements are prepared once and reused (session_store.cpp): a failed write
+// must not poison the next use, a reused statement must not keep an earlier
+// use's bindings, and a read must not keep its snapshot open afterwards.
+TEST_F(SessionStoreTest, ReusedStatementsSurviveFailuresAndReleaseTheirSnapshot) {
+    SessionStore store(db_path_);
+    store.add_session(make_session("s1", 1.0));
+    store.add_execution(make_execution("s1", 1));
+    EXPECT_THROW(store.add_execution(make_execution("s1", 1)), std::runtime_error);
+    EXPECT_THROW(store.add_execution(make_execution("ghost", 2)), std::runtime_error);
+    store.add_execution(make_execution("s1", 2));  // the same statement, after two failures
+    ExecutionRecord partial = make_execution("s1", 3);
+    partial.ename.clear();
+    store.add_execution(partial);
+    const auto executions = store.executions("s1");
+    ASSERT_EQ(executions.size(), 3u);
+    EXPECT_EQ(executions[1].count, 2);
+    EXPECT_EQ(executions[2].code, "x = 3");
+    EXPECT_EQ(executions[2].ename, "");
+
+    // session() stops at the first row; another connection's write is seen by
+    // the next read, and a checkpoint can truncate the WAL (no reader left).
+    ASSERT_TRUE(store.session("s1"));
+    {
+        SQLite::Database other(db_path_.string(), SQLite::OPEN_READWRITE);
+        other.exec("UPDATE sessions SET state = 'busy' WHERE id = 's1'");
+        SQLite::Statement checkpoint(other, "PRAGMA wal_checkpoint(TRUNCATE)");
+        ASSERT_TRUE(checkpoint.executeStep());
+        EXPECT_EQ(checkpoint.getColumn(0).getInt(), 0) << "checkpoint blocked by a reader";
+    }
+    EXPECT_EQ(store.session("s1")->state, "busy");
+    EXPECT_FALSE(store.session("ghost"));
+    EXPECT_EQ(store.session("s1")->id, "s1");
+}
+
 TEST_F(SessionStoreTest, KeepsTheImageContentId) {
     SessionStore store(db_path_);
     auto s = make_session("s1", 1.0);
