@@ -138,17 +138,23 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
         if (!root.empty()) {
             // The image's own code (an imported root is not trusted): in its
             // own mount, network (empty) and IPC namespaces, its root bound
-            // nodev and nosuid (a tarball may carry device nodes and setuid
-            // files), the host's /dev/null over the image's, confined to the
-            // root, as nobody, never gaining privileges again.
+            // read-only, nodev and nosuid (a tarball may carry device nodes
+            // and setuid files, and the code must not plant symlinks for the
+            // steps after it), a private tmpfs on its /tmp, the host's
+            // /dev/null over the image's, confined to the root, as nobody,
+            // never gaining privileges again.
             ::prctl(PR_SET_PDEATHSIG, SIGKILL);
             const std::string dev_null = (root / "dev" / "null").string();
+            const std::string tmp = (root / "tmp").string();
             struct stat st {};
             if (::unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC) != 0 ||
                 ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
                 ::mount(root.c_str(), root.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0 ||
-                ::mount(nullptr, root.c_str(), nullptr, MS_REMOUNT | MS_BIND | MS_NODEV | MS_NOSUID,
-                        nullptr) != 0)
+                ::mount(nullptr, root.c_str(), nullptr,
+                        MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NODEV | MS_NOSUID, nullptr) != 0 ||
+                ::lstat(tmp.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+                ::mount("tmpfs", tmp.c_str(), "tmpfs", MS_NODEV | MS_NOSUID,
+                        "size=268435456,mode=1777") != 0)
                 _exit(126);
             if (::lstat(dev_null.c_str(), &st) == 0 && !S_ISLNK(st.st_mode))
                 ::mount("/dev/null", dev_null.c_str(), nullptr, MS_BIND, nullptr);
@@ -318,7 +324,18 @@ std::uint64_t tree_size(const fs::path& dir) {
 
 // Takes every write bit away (the image's /tmp keeps 1777: a tmpfs is mounted
 // there with its mount point's mode).
-void make_read_only(const fs::path& dir, const fs::path& keep) {
+// What seal_root changed, for the progress output.
+struct Sealed {
+    std::size_t device_nodes = 0;  // removed
+    std::size_t set_id_files = 0;  // setuid/setgid cleared
+};
+
+// Makes a finished root read-only (but `keep`), and takes out what a session
+// must never find in it: device nodes (a tarball can carry any major:minor,
+// and the sandbox's root is not mounted nodev; the sandbox gets its own /dev)
+// and setuid/setgid bits (no_new_privs already ignores them). Symlinks are
+// never followed.
+Sealed seal_root(const fs::path& dir, const fs::path& keep) {
     std::error_code ec;
     std::vector<fs::path> paths{dir};
     for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::none, ec);
@@ -326,12 +343,32 @@ void make_read_only(const fs::path& dir, const fs::path& keep) {
         paths.push_back(it->path());
     }
     if (ec) throw std::runtime_error("walk " + dir.string() + ": " + ec.message());
+    Sealed sealed;
     for (const auto& path : paths) {
-        if (path == keep) continue;
         struct stat st {};
         if (::lstat(path.c_str(), &st) != 0 || S_ISLNK(st.st_mode)) continue;
-        if (st.st_mode & 0222) ::chmod(path.c_str(), st.st_mode & 07555);
+        if (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) {
+            if (::unlink(path.c_str()) != 0) {
+                throw std::runtime_error("remove device node " + path.string() + ": " +
+                                         errno_text());
+            }
+            ++sealed.device_nodes;
+            continue;
+        }
+        mode_t mode = st.st_mode & 07777;
+        if (mode & (S_ISUID | S_ISGID)) ++sealed.set_id_files;
+        mode &= ~static_cast<mode_t>(S_ISUID | S_ISGID);
+        if (path != keep) mode &= ~static_cast<mode_t>(0222);
+        if (mode != (st.st_mode & 07777) && ::chmod(path.c_str(), mode) != 0) {
+            throw std::runtime_error("chmod " + path.string() + ": " + errno_text());
+        }
     }
+    return sealed;
+}
+
+std::ostream& operator<<(std::ostream& out, const Sealed& sealed) {
+    return out << "  sealed read-only: " << sealed.device_nodes << " device node(s) removed, "
+               << sealed.set_id_files << " setuid/setgid bit(s) cleared\n";
 }
 
 std::string format_size(std::uint64_t bytes) {
@@ -382,25 +419,95 @@ std::vector<std::string> installed_packages(const fs::path& root) {
     return out;
 }
 
+// Each component of `rel` under `root` a real directory. An imported root is
+// hostile: a symlink there (`./etc -> /etc`) would send every later write
+// under it to the host, so a symlink, file or node in the way is removed and
+// a directory made in its place. Nothing under `root` is written through a
+// path before this has run on it.
+void make_real_dirs(const fs::path& root, const fs::path& rel) {
+    fs::path at = root;
+    for (const auto& part : rel.relative_path()) {
+        if (part.empty() || part == "." || part == "..") {
+            throw std::runtime_error("image root: bad path " + rel.string());
+        }
+        at /= part;
+        struct stat st {};
+        if (::lstat(at.c_str(), &st) == 0) {
+            if (S_ISDIR(st.st_mode)) continue;
+            if (::unlink(at.c_str()) != 0) {
+                throw std::runtime_error("image root: remove " + at.string() + ": " + errno_text());
+            }
+        } else if (errno != ENOENT) {
+            throw std::runtime_error("image root: " + at.string() + ": " + errno_text());
+        }
+        if (::mkdir(at.c_str(), 0755) != 0) {
+            throw std::runtime_error("image root: mkdir " + at.string() + ": " + errno_text());
+        }
+    }
+}
+
+// Whether any component of `rel` under `root` is a symlink (or missing).
+bool reached_without_symlinks(const fs::path& root, const fs::path& rel) {
+    fs::path at = root;
+    for (const auto& part : rel.relative_path()) {
+        at /= part;
+        struct stat st {};
+        if (::lstat(at.c_str(), &st) != 0 || S_ISLNK(st.st_mode)) return false;
+    }
+    return true;
+}
+
 // Mount points, a generated /etc/passwd, group, hosts, hostname and
 // nsswitch.conf (as for the host image), an empty resolv.conf and a 1777 /tmp.
+// Every directory this writes into is made real first (make_real_dirs).
 void prepare_stored_root(const Image& image, const fs::path& root) {
-    for (const char* file : {"etc/passwd", "etc/group", "etc/hosts", "etc/hostname",
-                             "etc/nsswitch.conf", "etc/resolv.conf"}) {
-        std::error_code ec;
-        fs::remove(root / file, ec);  // a symlink is replaced, never followed
-    }
     SandboxSpec spec;
     spec.image = image;
     spec.image.rootfs = root.string();
     spec.rootfs = root;
     spec.ipc_dir = spec.input_dir = spec.output_dir = spec.libexec_dir = "/nonexistent";
-    prepare_host_rootfs(spec, make_oci_config(spec));
+    const json config = make_oci_config(spec);
+    for (const char* dir :
+         {"usr", "etc", "proc", "dev", "dev/shm", "sys", "run", "opt", "data", "tmp", "home"}) {
+        make_real_dirs(root, dir);
+    }
+    for (const auto& mount : config.at("mounts")) {
+        const fs::path destination = mount.at("destination").get<std::string>();
+        make_real_dirs(root, destination.parent_path());
+        struct stat st {};
+        const fs::path target = root / destination.relative_path();
+        if (::lstat(target.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) ::unlink(target.c_str());
+    }
+    for (const char* file : {"etc/passwd", "etc/group", "etc/hosts", "etc/hostname",
+                             "etc/nsswitch.conf", "etc/resolv.conf"}) {
+        std::error_code ec;
+        fs::remove(root / file, ec);  // a symlink is replaced, never followed
+    }
+    prepare_host_rootfs(spec, config);
     write_file_bytes(root / "etc/resolv.conf", "", 0644);
-    // Whatever the kernel check or the packages left in /tmp.
+    // Whatever the packages left in /tmp (remove_all does not follow symlinks).
     std::error_code ec;
     for (const auto& entry : fs::directory_iterator(root / "tmp", ec)) fs::remove_all(entry, ec);
     ::chmod((root / "tmp").c_str(), 01777);
+}
+
+// The check binds the host's /dev/null over the image's (Python opens it at
+// start): a sealed root has none (seal_root removes device nodes), so an
+// empty file stands in as the mount point. The root's /dev must be a real
+// directory; a symlink there would point the bind outside the root.
+void dev_null_mount_point(const fs::path& root) {
+    struct stat st {};
+    if (::lstat((root / "dev").c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+        throw std::runtime_error("check kernel: the image's /dev is not a directory");
+    }
+    const fs::path null = root / "dev" / "null";
+    if (::lstat(null.c_str(), &st) == 0) {
+        if (S_ISREG(st.st_mode) || S_ISCHR(st.st_mode)) return;
+        throw std::runtime_error(
+            "check kernel: the image's /dev/null is neither a file nor a "
+            "device node");
+    }
+    write_file_bytes(null, "", 0644);
 }
 
 // The kernel's interpreter imports ipykernel and the preload modules in the
@@ -416,6 +523,7 @@ void check_kernel(const Image& image, const fs::path& root, std::ostream& progre
         image.kernel_argv.begin(), image.kernel_argv.end(),
         [](const std::string& a) { return a.find("cellblock_ipykernel.py") != std::string::npos; });
     if (!python_launcher) return;
+    dev_null_mount_point(root);
     std::string code = "import ipykernel.kernelapp";
     for (const auto& module : image.preload) code += "; import " + module;
     progress << "checking the kernel: " << interpreter << " -c '" << code << "'\n" << std::flush;
@@ -668,7 +776,7 @@ StoredImage build_image(const Image& definition, const ImageStore& store, std::o
                      {"packages", packages},    {"files", file_digests}};
     write_file_bytes(tmp.path() / "manifest.json", manifest.dump(2) + "\n", 0444);
     write_file_bytes(tmp.path() / "image.json", def.dump(2) + "\n", 0444);
-    make_read_only(rootfs, rootfs / "tmp");
+    progress << seal_root(rootfs, rootfs / "tmp") << std::flush;
     check_stop("read-only");
 
     progress << "[5/5] into place\n" << std::flush;
@@ -736,7 +844,10 @@ StoredImage import_image(const Image& definition, const fs::path& tarball, const
     prepare_stored_root(definition, rootfs);
     check_stop("check kernel");
     std::vector<std::string> packages;
-    if (fs::exists(rootfs / "var/lib/dpkg/status")) packages = installed_packages(rootfs);
+    // A dpkg database reached through a symlink could be the host's: not read.
+    if (reached_without_symlinks(rootfs, "var/lib/dpkg/status")) {
+        packages = installed_packages(rootfs);
+    }
     const json def = stored_definition(definition);
     const std::string id = image_content_id(def, {{"rootfs.tar", tar_digest}}, packages);
     const std::uint64_t size = tree_size(rootfs);
@@ -748,7 +859,7 @@ StoredImage import_image(const Image& definition, const fs::path& tarball, const
         {"packages", packages}};
     write_file_bytes(tmp.path() / "manifest.json", manifest.dump(2) + "\n", 0444);
     write_file_bytes(tmp.path() / "image.json", def.dump(2) + "\n", 0444);
-    make_read_only(rootfs, rootfs / "tmp");
+    progress << seal_root(rootfs, rootfs / "tmp") << std::flush;
 
     progress << "[4/4] into place\n" << std::flush;
     StoredImage stored = commit_version(store, tmp, definition.name, id, progress);

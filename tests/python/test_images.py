@@ -8,6 +8,7 @@ every CI run (docs/images.md): numpy is checked on `host` instead.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -73,6 +74,20 @@ def pids_on_root(root):
     return pids
 
 
+def unsealed(rootfs):
+    """([device nodes], [setuid/setgid files]) under rootfs, symlinks not followed."""
+    devices, set_id = [], []
+    for dirpath, dirnames, filenames in os.walk(rootfs):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                devices.append(path)
+            elif not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                set_id.append(path)
+    return devices, set_id
+
+
 def pool_holds(srv, name, content_id, ready=1):
     """server_info's entry for NAME once its pool holds `ready` sandboxes of content_id."""
     entry = srv.ok("server_info_request", {})["content"]["images"][name]
@@ -134,6 +149,9 @@ def test_built_image_is_stored_read_only_with_its_packages(minimal):
                  os.path.join(rootfs, "usr/bin/python3.11"), os.path.join(rootfs, "etc/passwd")):
         assert os.lstat(path).st_mode & 0o222 == 0, (path, oct(os.lstat(path).st_mode))
     assert stat.S_IMODE(os.lstat(os.path.join(rootfs, "tmp")).st_mode) == 0o1777
+    # Sealed: no device node (mmdebstrap makes /dev/null and friends) and no
+    # setuid/setgid file (Debian's su, mount, passwd ship setuid).
+    assert unsealed(rootfs) == ([], []), unsealed(rootfs)
     # The sandbox's skeleton is in the image: mount points and a generated passwd.
     for point in ("proc", "dev", "sys", "run/cellblock", "data/input", "data/output",
                   "opt/cellblock", "home/sandbox"):
@@ -399,9 +417,24 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
     try:
         subprocess.run(["tar", "--create", "--file", tarball, "--directory", rootfs, "."],
                        check=True, timeout=300)
+        # What a hostile tarball may carry: device nodes (a character device
+        # world-readable and writable, a block device) and a setuid-root file.
+        import tarfile
+        with tarfile.open(tarball, "a") as tar:
+            for name, kind, major, minor in (("./usr/share/cb-mem", tarfile.CHRTYPE, 1, 1),
+                                             ("./usr/share/cb-tty", tarfile.CHRTYPE, 5, 0),
+                                             ("./var/cb-disk", tarfile.BLKTYPE, 7, 200)):
+                node = tarfile.TarInfo(name)
+                node.type, node.devmajor, node.devminor, node.mode = kind, major, minor, 0o666
+                tar.addfile(node)
+            suid = tarfile.TarInfo("./usr/bin/cb-suid")
+            suid.mode, suid.size = 0o6755, len(b"#!/bin/sh\nid\n")
+            tar.addfile(suid, __import__("io").BytesIO(b"#!/bin/sh\nid\n"))
         result = ih.cellblock("image", "import", "cb-imported", tarball, "--state-dir", state)
         assert result.returncode == 0, result.stdout + result.stderr
         imported = ih.content_id_in(result.stdout)
+        removed = int(re.search(r"(\d+) device node\(s\) removed", result.stdout).group(1))
+        assert removed >= 3, result.stdout
         os.unlink(tarball)
         store = os.path.join(state, "images")
         id_, vdir = ih.current("cb-imported", store)
@@ -409,11 +442,20 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
         with open(os.path.join(vdir, "manifest.json")) as f:
             manifest = json.load(f)
         assert manifest["source"] == "import" and len(manifest["tarball_sha256"]) == 64
+        stored_root = os.path.join(vdir, "rootfs")
+        assert unsealed(stored_root) == ([], []), unsealed(stored_root)
+        assert stat.S_IMODE(os.lstat(os.path.join(stored_root, "usr/bin/cb-suid")).st_mode) == 0o555
 
         srv = server_factory(["--image-store", store])
         sid, kc, created = srv.open_session(image="cb-imported")
         assert created["image_id"] == imported
         assert value(kc, "6 * 7") == 42
+        # Inside: none of the nodes, the file without its bits, and the
+        # sandbox's own /dev/null.
+        assert value(kc, "[__import__('os').path.lexists(p) for p in "
+                         "('/usr/share/cb-mem', '/usr/share/cb-tty', '/var/cb-disk')]") == [False] * 3
+        assert value(kc, "oct(__import__('os').stat('/usr/bin/cb-suid').st_mode & 0o7777)") == "0o555"
+        assert value(kc, "open('/dev/null', 'w').write('x')") == 1
 
         # rm while the session runs: the name goes, the version in use stays.
         result = ih.cellblock("image", "rm", "cb-imported", "--state-dir", state)
@@ -438,10 +480,11 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
 
 def test_an_imported_roots_own_code_runs_as_nobody_without_network(minimal):
     """`image import` starts the image's Python to check its kernel imports.
-    An imported root is not trusted: that check must not run as root, nor
-    reach the host's network. The tarball's own code (a .pth file Python runs
-    at start) records what it could do, and a host listener on 127.0.0.1
-    must see no connection."""
+    An imported root is not trusted: that check must not run as root, reach
+    the host's network, or change the root (a symlink planted then would steer
+    the steps after the check). The tarball's own code (a .pth file Python
+    runs at start) reports what it could do by failing the check on purpose,
+    and a host listener on 127.0.0.1 must see no connection."""
     import socket
     import tarfile
 
@@ -451,21 +494,20 @@ def test_an_imported_roots_own_code_runs_as_nobody_without_network(minimal):
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
     probe = (
-        "import os, socket\n"
+        "import errno, os, socket, sys\n"
         "out = ['uid=%d,%d gid=%d,%d groups=%s' % (os.getuid(), os.geteuid(), os.getgid(),\n"
         "       os.getegid(), os.getgroups())]\n"
-        "try:\n"
-        f"    socket.create_connection(('127.0.0.1', {port}), timeout=2); out.append('net=reached')\n"
-        "except OSError as e:\n"
-        "    out.append('net=' + type(e).__name__)\n"
-        "try:\n"
-        "    open('/etc/cbprobe-root-write', 'w'); out.append('rootwrite=ok')\n"
-        "except OSError as e:\n"
-        "    out.append('rootwrite=' + type(e).__name__)\n"
-        "try:\n"
-        "    open('/cbprobe/out.txt', 'w').write(' '.join(out) + '\\n')\n"
-        "except OSError:\n"
-        "    pass\n")
+        "def attempt(name, action):\n"
+        "    try:\n"
+        "        action(); out.append(name + '=ok')\n"
+        "    except OSError as e:\n"
+        "        out.append(name + '=' + errno.errorcode.get(e.errno, type(e).__name__))\n"
+        f"attempt('net', lambda: socket.create_connection(('127.0.0.1', {port}), timeout=2))\n"
+        "attempt('rootwrite', lambda: open('/cbprobe/out.txt', 'w'))\n"
+        "attempt('symlink', lambda: os.symlink('/etc', '/cbprobe/etc-link'))\n"
+        "attempt('tmpwrite', lambda: open('/tmp/cbprobe-tmp', 'w').write('x'))\n"
+        "print('CBPROBE ' + ' '.join(out), file=sys.stderr)\n"
+        "os._exit(3)\n")
     state = tempfile.mkdtemp(prefix="cb-images-probe-", dir=ih.BUILD_DIR)
     os.chmod(state, 0o755)
     tarball = os.path.join(state, "rootfs.tar")
@@ -475,7 +517,7 @@ def test_an_imported_roots_own_code_runs_as_nobody_without_network(minimal):
                        check=True, timeout=300)
         site = "./usr/lib/python3/dist-packages"
         with tarfile.open(tarball, "a") as tar:
-            # Somewhere the probe can write (the stored root it came from is read-only).
+            # A directory open to everyone (so only the read-only mount stops writes).
             outdir = tarfile.TarInfo("./cbprobe")
             outdir.type, outdir.mode = tarfile.DIRTYPE, 0o777
             tar.addfile(outdir)
@@ -489,17 +531,95 @@ def test_an_imported_roots_own_code_runs_as_nobody_without_network(minimal):
                 with open(path, "rb") as f:
                     tar.addfile(info, f)
         result = ih.cellblock("image", "import", "cb-probed", tarball, "--state-dir", state)
-        assert result.returncode == 0, result.stdout + result.stderr
-        _, vdir = ih.current("cb-probed", os.path.join(state, "images"))
-        with open(os.path.join(vdir, "rootfs", "cbprobe", "out.txt")) as f:
-            seen = f.read().split()
+        output = result.stdout + result.stderr
+        assert result.returncode != 0 and "check kernel" in output, output
+        line = next((l for l in output.splitlines() if "CBPROBE " in l), None)
+        assert line, output
+        seen = line.split("CBPROBE ", 1)[1].split()
         assert seen[0] == "uid=65534,65534" and seen[1] == "gid=65534,65534", seen
         assert seen[2] == "groups=[]", seen
-        assert seen[3] in ("net=OSError", "net=ConnectionRefusedError", "net=TimeoutError"), seen
-        assert seen[3] != "net=reached" and seen[4] == "rootwrite=PermissionError", seen
-        assert not os.path.exists(os.path.join(vdir, "rootfs", "etc", "cbprobe-root-write"))
+        assert seen[3] in ("net=ENETUNREACH", "net=ECONNREFUSED", "net=TimeoutError"), seen
+        assert seen[4] == "rootwrite=EROFS" and seen[5] == "symlink=EROFS", seen
+        assert seen[6] == "tmpwrite=ok", seen  # a private tmpfs, gone with the check
         with pytest.raises(socket.timeout):
             listener.accept()
+        # The failed import left nothing: no name, no version, no temp dir, no mount.
+        assert store_residue(os.path.join(state, "images"), "cb-probed") == {}
     finally:
         listener.close()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_an_imported_roots_symlinks_never_lead_the_import_to_the_host(minimal):
+    """A tarball whose top-level dirs are symlinks to host directories
+    (`./etc -> /etc` would have had the import delete and rewrite the host's
+    /etc/passwd). Here they point at decoy directories on the host, each
+    holding a sentinel file: the import must leave every decoy exactly as it
+    was, and the stored root must have real directories there."""
+    import tarfile
+
+    state = tempfile.mkdtemp(prefix="cb-images-links-", dir=ih.BUILD_DIR)
+    os.chmod(state, 0o755)
+    decoys = tempfile.mkdtemp(prefix="cb-decoys-")
+    linked = ["etc", "tmp", "dev", "run", "opt", "data", "home", "proc", "sys"]
+    nested = {"dev/shm": "devshm", "data/input": "datainput", "run/cellblock": "runcb"}
+
+    def snapshot():
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(decoys):
+            for name in dirnames + filenames:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                content = open(path, "rb").read() if stat.S_ISREG(st.st_mode) else None
+                out[os.path.relpath(path, decoys)] = (st.st_mode, content)
+        return out
+
+    for name in linked + list(nested.values()):
+        os.makedirs(os.path.join(decoys, name))
+        for sentinel in ("passwd", "hosts", "sentinel"):
+            with open(os.path.join(decoys, name, sentinel), "w") as f:
+                f.write(f"decoy {name}/{sentinel}\n")
+        os.chmod(os.path.join(decoys, name), 0o700)
+    before = snapshot()
+    tarball = os.path.join(state, "rootfs.tar")
+    rootfs = os.path.join(ih.STORE, "store", minimal, "rootfs")
+    try:
+        excludes = [f"--exclude=./{d}" for d in linked]
+        subprocess.run(["tar", "--create", "--file", tarball, *excludes, "--directory", rootfs,
+                        "."], check=True, timeout=300)
+        with tarfile.open(tarball, "a") as tar:
+            for name in linked:
+                link = tarfile.TarInfo(f"./{name}")
+                link.type, link.linkname = tarfile.SYMTYPE, os.path.join(decoys, name)
+                tar.addfile(link)
+        result = ih.cellblock("image", "import", "cb-linked", tarball, "--state-dir", state)
+        output = result.stdout + result.stderr
+        assert snapshot() == before, "the import wrote through a symlink to the host"
+        assert result.returncode == 0, output
+        _, vdir = ih.current("cb-linked", os.path.join(state, "images"))
+        stored = os.path.join(vdir, "rootfs")
+        for name in linked:
+            assert stat.S_ISDIR(os.lstat(os.path.join(stored, name)).st_mode), name
+        with open(os.path.join(stored, "etc", "passwd")) as f:
+            assert "sandbox:x:" in f.read()
+
+        # The same with symlinks one level down (the tarball's own /dev and
+        # /data are real; their mount points are not).
+        tarball2 = os.path.join(state, "rootfs2.tar")
+        subprocess.run(["tar", "--create", "--file", tarball2, "--directory", rootfs, "."],
+                       check=True, timeout=300)
+        with tarfile.open(tarball2, "a") as tar:
+            for path, decoy in nested.items():
+                link = tarfile.TarInfo(f"./{path}")
+                link.type, link.linkname = tarfile.SYMTYPE, os.path.join(decoys, decoy)
+                tar.addfile(link)
+        result = ih.cellblock("image", "import", "cb-linked2", tarball2, "--state-dir", state)
+        output = result.stdout + result.stderr
+        assert snapshot() == before, "the import wrote through a nested symlink to the host"
+        assert result.returncode == 0, output
+        _, vdir2 = ih.current("cb-linked2", os.path.join(state, "images"))
+        for path in nested:
+            assert stat.S_ISDIR(os.lstat(os.path.join(vdir2, "rootfs", path)).st_mode), path
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(decoys, ignore_errors=True)
