@@ -890,6 +890,22 @@ std::vector<int> processes_using(const StoredImage& stored) {
     return out;
 }
 
+int hold_stored_version(const fs::path& rootfs) {
+    const fs::path manifest = rootfs.parent_path() / "manifest.json";
+    const std::string id = rootfs.parent_path().filename().string();
+    const int fd = ::open(manifest.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) {
+        throw std::runtime_error("image version " + id.substr(0, 12) + " is gone from the store (" +
+                                 errno_text() + ")");
+    }
+    if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
+        ::close(fd);
+        throw std::runtime_error("image version " + id.substr(0, 12) +
+                                 " is being removed (cellblock image rm)");
+    }
+    return fd;
+}
+
 std::vector<StoredImage> remove_image(const std::string& name, const ImageStore& store) {
     auto versions = store.versions(name);
     const bool named = store.current(name).has_value();
@@ -902,11 +918,22 @@ std::vector<StoredImage> remove_image(const std::string& name, const ImageStore&
     fs::remove(store.root() / "names" / name, ec);
     std::vector<StoredImage> kept;
     for (const auto& v : versions) {
-        if (!processes_using(v).empty()) {
+        // In use: a sandbox holds the version (hold_stored_version), from
+        // before its runtime starts, or a process runs on its root (a
+        // sandbox whose server is gone).
+        const int fd = ::open((v.dir / "manifest.json").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        if ((fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) || !processes_using(v).empty()) {
+            if (fd >= 0) ::close(fd);
             kept.push_back(v);
             continue;
         }
-        remove_tree(v.dir);
+        try {
+            remove_tree(v.dir);  // still holding the lock: no sandbox starts on it meanwhile
+        } catch (...) {
+            if (fd >= 0) ::close(fd);
+            throw;
+        }
+        if (fd >= 0) ::close(fd);
     }
     return kept;
 }

@@ -25,6 +25,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/image_builder.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 
@@ -285,6 +286,14 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     box->preload_ = image.preload;
     box->dir_ = settings.sessions_dir() / session_id;
     const fs::path& dir = box->dir_;
+    if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
+        // Kept from here until destroy(): `image rm` leaves this version alone.
+        try {
+            box->version_fd_ = hold_stored_version(image.rootfs);
+        } catch (const std::exception& e) {
+            throw SandboxError("image " + image.name + ": " + e.what());
+        }
+    }
     const std::uint32_t sandbox_host_uid = settings.ids.host_uid(kSandboxUid);
 
     // runc --detach leaves the sandbox's init to its parent's nearest
@@ -651,6 +660,8 @@ void Sandbox::destroy() {
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) reap_runsc_orphans();
     if (lock_fd_ >= 0) ::close(lock_fd_);
     lock_fd_ = -1;
+    if (version_fd_ >= 0) ::close(version_fd_);
+    version_fd_ = -1;
 }
 
 std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {

@@ -131,6 +131,15 @@ Image default_import_definition(const std::string& name);
 // Host processes whose root lies in this stored version (sandboxes on it).
 std::vector<int> processes_using(const StoredImage& stored);
 
+// A sandbox on a stored version holds a shared flock on the version's
+// manifest.json from before its runtime starts until it is destroyed; `image
+// rm` takes the lock exclusively (without waiting) and keeps a version it
+// cannot lock. So a session that is still starting (no process has the root
+// yet, processes_using sees nothing) keeps its version too. Returns the open
+// fd (the caller closes it to let go), or throws std::runtime_error when the
+// version is being removed or gone. `rootfs` is the version's rootfs dir.
+int hold_stored_version(const std::filesystem::path& rootfs);
+
 // Removes NAME from the store: the name, and every version of it no process
 // runs on. Returns the versions kept because they are in use (removed by a
 // later `rm`). Throws if NAME is not in the store.

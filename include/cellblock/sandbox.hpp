@@ -131,6 +131,7 @@ class Sandbox {
     pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
     int lifeline_ = -1;
     int lock_fd_ = -1;
+    int version_fd_ = -1;  // a stored image version held (hold_stored_version)
     bool exited_ = false;
     bool destroyed_ = false;
     bool reaped_ = false;

@@ -447,6 +447,15 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
         assert stat.S_IMODE(os.lstat(os.path.join(stored_root, "usr/bin/cb-suid")).st_mode) == 0o555
 
         srv = server_factory(["--image-store", store])
+        # While `image rm` holds a version (its exclusive lock), no sandbox
+        # starts on it: a clear error, and the next create works.
+        import fcntl
+        manifest_path = os.path.join(vdir, "manifest.json")
+        with open(manifest_path) as removing:
+            fcntl.flock(removing, fcntl.LOCK_EX)
+            reply = srv.call("session_create_request", {"image": "cb-imported"})["content"]
+        assert reply["status"] == "error" and reply["ename"] == "SandboxStartFailed", reply
+        assert "is being removed" in reply["evalue"], reply
         sid, kc, created = srv.open_session(image="cb-imported")
         assert created["image_id"] == imported
         assert value(kc, "6 * 7") == 42
@@ -456,6 +465,12 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
                          "('/usr/share/cb-mem', '/usr/share/cb-tty', '/var/cb-disk')]") == [False] * 3
         assert value(kc, "oct(__import__('os').stat('/usr/bin/cb-suid').st_mode & 0o7777)") == "0o555"
         assert value(kc, "open('/dev/null', 'w').write('x')") == 1
+
+        # The session holds its version (a shared flock on manifest.json,
+        # taken before its runtime starts): an exclusive lock cannot be had.
+        with open(manifest_path) as probe_lock:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
         # rm while the session runs: the name goes, the version in use stays.
         result = ih.cellblock("image", "rm", "cb-imported", "--state-dir", state)
@@ -469,6 +484,13 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
 
         srv.ok("session_close_request", {"session_id": sid})
         sh.assert_session_gone(srv.state_dir, sid)
+        # A sandbox still starting has no process on the root yet, only its
+        # hold on the version: rm keeps the version for it.
+        with open(manifest_path) as starting:
+            fcntl.flock(starting, fcntl.LOCK_SH)
+            result = ih.cellblock("image", "rm", "cb-imported", "--state-dir", state)
+            assert result.returncode == 0 and "kept" in result.stdout, result.stdout + result.stderr
+            assert os.path.isdir(vdir)
         result = ih.cellblock("image", "rm", "cb-imported", "--state-dir", state)
         assert result.returncode == 0, result.stderr
         assert not os.path.exists(vdir)
