@@ -71,7 +71,21 @@ json parse_limits(const std::vector<std::string>& items) {
 
 int main(int argc, char** argv) {
     // `cellblock eval ...` is the Python evaluator (clients/python); its options are its own.
-    if (argc > 1 && std::string_view(argv[1]) == "eval") return cellblock::exec_eval(argc, argv);
+    // A global --log-level before it is accepted (and has nothing to set there).
+    int eval_at = 1;
+    while (eval_at < argc) {
+        const std::string_view arg = argv[eval_at];
+        if (arg == "--log-level" && eval_at + 1 < argc) {
+            eval_at += 2;
+        } else if (arg.rfind("--log-level=", 0) == 0) {
+            eval_at += 1;
+        } else {
+            break;
+        }
+    }
+    if (eval_at < argc && std::string_view(argv[eval_at]) == "eval") {
+        return cellblock::exec_eval(argc - eval_at + 1, argv + eval_at - 1);
+    }
     CLI::App app{"cellblock: sandboxed Jupyter sessions for untrusted code"};
     app.require_subcommand(1);
     // Listed for --help; `cellblock eval` itself is handled above, before parsing.

@@ -174,3 +174,19 @@ def test_without_a_server_and_without_embedding_it_says_so(tmp_path):
                               "--report", str(tmp_path / "r"))
     assert proc.returncode == 2
     assert "no server connection file" in err
+
+
+def test_a_global_log_level_before_eval_is_accepted(tmp_path):
+    """`cellblock --log-level debug eval ...` runs the evaluator, as
+    `cellblock eval ...` does (the global option has nothing to set there)."""
+    nb = notebook(tmp_path / "one.ipynb", [("1", None)])
+    for prefix in (["--log-level", "debug"], ["--log-level=warn"]):
+        proc = subprocess.run([CELLBLOCK_BIN, *prefix, "eval", str(nb), "--state-dir",
+                               str(tmp_path), "--no-embedded", "--report", str(tmp_path / "r")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "no server connection file" in proc.stderr, proc.stderr
+    # Anything else before `eval` is still the C++ parser's to refuse.
+    proc = subprocess.run([CELLBLOCK_BIN, "--bogus", "eval"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "usage: cellblock eval" not in proc.stdout + proc.stderr
