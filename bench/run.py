@@ -48,7 +48,9 @@ def busy_share(before, after):
 def other_sandboxes():
     """Sandboxes of other cellblock servers on this machine (load we do not control)."""
     try:
-        return len(os.listdir("/sys/fs/cgroup/memory/cellblock"))
+        # One cb-<session> cgroup per sandbox (the rest are the controller's files).
+        return sum(1 for name in os.listdir("/sys/fs/cgroup/memory/cellblock")
+                   if name.startswith("cb-"))
     except OSError:
         return None
 
