@@ -39,7 +39,7 @@ namespace {
 constexpr const char* kVersion = "0.1.0";
 constexpr auto kProbeTimeout = std::chrono::seconds(60);
 // How often the server checks whether a built image's name moved (a rebuild,
-// `image rm`): a readlink per built image.
+// `image rm`): a readlink and a stat per built image (ImageStore::current_id).
 constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
 
 double unix_now() {
@@ -783,12 +783,14 @@ void Server::on_execution(const ExecutionRecord& record) { audit_queue_.push_bac
 void Server::follow_image_version(const std::string& name) {
     const auto image = images_.find(name);
     if (image == images_.end() || image->second.rootfs != "store") return;
+    const auto pooled = pool_image_ids_.find(name);
+    const auto same = [&](const std::string& id) {
+        return pooled != pool_image_ids_.end() ? pooled->second == id : id.empty();
+    };
+    if (same(image_store_.current_id(name))) return;  // the cheap check, every 2 s
     const auto current = image_store_.current(name);
     const std::string current_id = current ? current->content_id : "";
-    const auto pooled = pool_image_ids_.find(name);
-    if (pooled != pool_image_ids_.end() ? pooled->second == current_id : current_id.empty()) {
-        return;
-    }
+    if (same(current_id)) return;  // moved back meanwhile
     PoolImage p;
     const auto target = options_.pool.find(name);
     p.target = target != options_.pool.end() ? target->second : 0;

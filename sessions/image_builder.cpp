@@ -322,19 +322,18 @@ std::uint64_t tree_size(const fs::path& dir) {
     return total;
 }
 
-// Takes every write bit away (the image's /tmp keeps 1777: a tmpfs is mounted
-// there with its mount point's mode).
 // What seal_root changed, for the progress output.
 struct Sealed {
     std::size_t device_nodes = 0;  // removed
     std::size_t set_id_files = 0;  // setuid/setgid cleared
 };
 
-// Makes a finished root read-only (but `keep`), and takes out what a session
-// must never find in it: device nodes (a tarball can carry any major:minor,
-// and the sandbox's root is not mounted nodev; the sandbox gets its own /dev)
-// and setuid/setgid bits (no_new_privs already ignores them). Symlinks are
-// never followed.
+// Takes every write bit away (but from `keep`, the image's /tmp: it keeps
+// 1777, as a tmpfs is mounted there with its mount point's mode), and takes
+// out what a session must never find in a root: device nodes (a tarball can
+// carry any major:minor, and the sandbox's root is not mounted nodev; the
+// sandbox gets its own /dev) and setuid/setgid bits (no_new_privs already
+// ignores them). Symlinks are never followed.
 Sealed seal_root(const fs::path& dir, const fs::path& keep) {
     std::error_code ec;
     std::vector<fs::path> paths{dir};
@@ -446,7 +445,7 @@ void make_real_dirs(const fs::path& root, const fs::path& rel) {
     }
 }
 
-// Whether any component of `rel` under `root` is a symlink (or missing).
+// Whether every component of `rel` under `root` exists and none is a symlink.
 bool reached_without_symlinks(const fs::path& root, const fs::path& rel) {
     fs::path at = root;
     for (const auto& part : rel.relative_path()) {
@@ -644,14 +643,19 @@ std::string image_content_id(const json& definition,
 
 ImageStore::ImageStore(fs::path root) : root_(std::move(root)) {}
 
-std::optional<StoredImage> ImageStore::current(const std::string& name) const {
-    if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') return std::nullopt;
+std::string ImageStore::current_id(const std::string& name) const {
+    if (name.empty() || name.find('/') != std::string::npos || name[0] == '.') return "";
     std::error_code ec;
     const fs::path target = fs::read_symlink(root_ / "names" / name, ec);
-    if (ec) return std::nullopt;
-    const fs::path dir = root_ / "store" / target.filename();
-    if (!fs::exists(dir / "manifest.json")) return std::nullopt;
-    return read_stored(dir);
+    if (ec) return "";
+    const std::string id = target.filename().string();
+    return fs::exists(root_ / "store" / id / "manifest.json") ? id : "";
+}
+
+std::optional<StoredImage> ImageStore::current(const std::string& name) const {
+    const std::string id = current_id(name);
+    if (id.empty()) return std::nullopt;
+    return read_stored(root_ / "store" / id);
 }
 
 std::vector<StoredImage> ImageStore::versions(const std::string& name) const {

@@ -88,6 +88,9 @@ class ImageStore {
 
     // The current version of NAME, or nullopt if it has none.
     std::optional<StoredImage> current(const std::string& name) const;
+    // Its content id only ("" if none): a readlink and a stat, no manifest
+    // read (the server polls it).
+    std::string current_id(const std::string& name) const;
     // Every stored version (current or not) whose manifest names NAME.
     std::vector<StoredImage> versions(const std::string& name) const;
     // The names that have a current version, sorted.

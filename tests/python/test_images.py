@@ -88,6 +88,15 @@ def unsealed(rootfs):
     return devices, set_id
 
 
+def tar_of_stored_root(content_id, tarball, exclude=()):
+    """Writes TARBALL: the stored root of version CONTENT_ID, less the top-level
+    entries named in EXCLUDE (what a test then appends is the tarball's own)."""
+    rootfs = os.path.join(ih.STORE, "store", content_id, "rootfs")
+    excludes = [f"--exclude=./{name}" for name in exclude]
+    subprocess.run(["tar", "--create", "--file", tarball, *excludes, "--directory", rootfs, "."],
+                   check=True, timeout=300)
+
+
 def pool_holds(srv, name, content_id, ready=1):
     """server_info's entry for NAME once its pool holds `ready` sandboxes of content_id."""
     entry = srv.ok("server_info_request", {})["content"]["images"][name]
@@ -413,10 +422,8 @@ def test_import_a_rootfs_tarball_then_rm_spares_a_running_session(minimal, serve
     state = tempfile.mkdtemp(prefix="cb-images-import-", dir=ih.BUILD_DIR)
     os.chmod(state, 0o755)
     tarball = os.path.join(state, "rootfs.tar")
-    rootfs = os.path.join(ih.STORE, "store", minimal, "rootfs")
     try:
-        subprocess.run(["tar", "--create", "--file", tarball, "--directory", rootfs, "."],
-                       check=True, timeout=300)
+        tar_of_stored_root(minimal, tarball)
         # What a hostile tarball may carry: device nodes (a character device
         # world-readable and writable, a block device) and a setuid-root file.
         import tarfile
@@ -533,10 +540,8 @@ def test_an_imported_roots_own_code_runs_as_nobody_without_network(minimal):
     state = tempfile.mkdtemp(prefix="cb-images-probe-", dir=ih.BUILD_DIR)
     os.chmod(state, 0o755)
     tarball = os.path.join(state, "rootfs.tar")
-    rootfs = os.path.join(ih.STORE, "store", minimal, "rootfs")
     try:
-        subprocess.run(["tar", "--create", "--file", tarball, "--directory", rootfs, "."],
-                       check=True, timeout=300)
+        tar_of_stored_root(minimal, tarball)
         site = "./usr/lib/python3/dist-packages"
         with tarfile.open(tarball, "a") as tar:
             # A directory open to everyone (so only the read-only mount stops writes).
@@ -603,23 +608,24 @@ def test_an_imported_roots_symlinks_never_lead_the_import_to_the_host(minimal):
                 f.write(f"decoy {name}/{sentinel}\n")
         os.chmod(os.path.join(decoys, name), 0o700)
     before = snapshot()
-    tarball = os.path.join(state, "rootfs.tar")
-    rootfs = os.path.join(ih.STORE, "store", minimal, "rootfs")
-    try:
-        excludes = [f"--exclude=./{d}" for d in linked]
-        subprocess.run(["tar", "--create", "--file", tarball, *excludes, "--directory", rootfs,
-                        "."], check=True, timeout=300)
+
+    def import_with_links(name, links, exclude=()):
+        """Imports the stored minimal root (less EXCLUDE) plus the symlinks
+        LINKS {path in the tarball: decoy}; returns the stored root."""
+        tarball = os.path.join(state, f"{name}.tar")
+        tar_of_stored_root(minimal, tarball, exclude)
         with tarfile.open(tarball, "a") as tar:
-            for name in linked:
-                link = tarfile.TarInfo(f"./{name}")
-                link.type, link.linkname = tarfile.SYMTYPE, os.path.join(decoys, name)
+            for path, decoy in links.items():
+                link = tarfile.TarInfo(f"./{path}")
+                link.type, link.linkname = tarfile.SYMTYPE, os.path.join(decoys, decoy)
                 tar.addfile(link)
-        result = ih.cellblock("image", "import", "cb-linked", tarball, "--state-dir", state)
-        output = result.stdout + result.stderr
-        assert snapshot() == before, "the import wrote through a symlink to the host"
-        assert result.returncode == 0, output
-        _, vdir = ih.current("cb-linked", os.path.join(state, "images"))
-        stored = os.path.join(vdir, "rootfs")
+        result = ih.cellblock("image", "import", name, tarball, "--state-dir", state)
+        assert snapshot() == before, f"{name}: the import wrote through a symlink to the host"
+        assert result.returncode == 0, result.stdout + result.stderr
+        return os.path.join(ih.current(name, os.path.join(state, "images"))[1], "rootfs")
+
+    try:
+        stored = import_with_links("cb-linked", {name: name for name in linked}, exclude=linked)
         for name in linked:
             assert stat.S_ISDIR(os.lstat(os.path.join(stored, name)).st_mode), name
         with open(os.path.join(stored, "etc", "passwd")) as f:
@@ -627,21 +633,9 @@ def test_an_imported_roots_symlinks_never_lead_the_import_to_the_host(minimal):
 
         # The same with symlinks one level down (the tarball's own /dev and
         # /data are real; their mount points are not).
-        tarball2 = os.path.join(state, "rootfs2.tar")
-        subprocess.run(["tar", "--create", "--file", tarball2, "--directory", rootfs, "."],
-                       check=True, timeout=300)
-        with tarfile.open(tarball2, "a") as tar:
-            for path, decoy in nested.items():
-                link = tarfile.TarInfo(f"./{path}")
-                link.type, link.linkname = tarfile.SYMTYPE, os.path.join(decoys, decoy)
-                tar.addfile(link)
-        result = ih.cellblock("image", "import", "cb-linked2", tarball2, "--state-dir", state)
-        output = result.stdout + result.stderr
-        assert snapshot() == before, "the import wrote through a nested symlink to the host"
-        assert result.returncode == 0, output
-        _, vdir2 = ih.current("cb-linked2", os.path.join(state, "images"))
+        stored = import_with_links("cb-linked2", nested)
         for path in nested:
-            assert stat.S_ISDIR(os.lstat(os.path.join(vdir2, "rootfs", path)).st_mode), path
+            assert stat.S_ISDIR(os.lstat(os.path.join(stored, path)).st_mode), path
     finally:
         shutil.rmtree(state, ignore_errors=True)
         shutil.rmtree(decoys, ignore_errors=True)
