@@ -179,19 +179,32 @@ fs::path install_kernelspec(const KernelspecOptions& options) {
     fs::create_directories(dir);
     std::error_code ec;
     fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    nlohmann::json argv = {exe.string(), "kernel", "-f", "{connection_file}"};
-    for (const auto& [key, value] : options.limits.items()) {
-        argv.push_back("--limit");
-        argv.push_back(key + "=" + (value.is_string() ? value.get<std::string>() : value.dump()));
-    }
-    for (const auto& arg : options.extra_args) argv.push_back(arg);
-    const nlohmann::json spec = {
-        {"argv", argv},
+    nlohmann::json spec = {
         {"display_name", "Python 3 (cellblock sandbox)"},
         {"language", "python"},
         // Signals would reach the server, not the sandboxed kernel: interrupt by message.
         {"interrupt_mode", "message"},
         {"metadata", {{"cellblock", {{"sandboxed", true}}}}}};
+    if (options.provisioner) {
+        nlohmann::json config = {{"limits", options.limits}};
+        if (!options.server_file.empty()) config["server_file"] = options.server_file;
+        if (!options.image.empty()) config["image"] = options.image;
+        // jupyter_client needs an argv; the provisioner never runs it.
+        spec["argv"] = {exe.string()};
+        spec["display_name"] = "Python 3 (cellblock server)";
+        spec["metadata"]["kernel_provisioner"] = {{"provisioner_name", "cellblock-provisioner"},
+                                                  {"config", config}};
+    } else {
+        nlohmann::json argv = {exe.string(), "kernel", "-f", "{connection_file}"};
+        if (!options.image.empty()) argv.insert(argv.end(), {"--image", options.image});
+        for (const auto& [key, value] : options.limits.items()) {
+            argv.push_back("--limit");
+            argv.push_back(key + "=" +
+                           (value.is_string() ? value.get<std::string>() : value.dump()));
+        }
+        for (const auto& arg : options.extra_args) argv.push_back(arg);
+        spec["argv"] = argv;
+    }
     const fs::path file = dir / "kernel.json";
     std::ofstream out(file);
     out << spec.dump(2) << "\n";

@@ -45,6 +45,12 @@ struct KernelspecOptions {
     bool user = false;                                 // ~/.local/share/jupyter/kernels
     std::vector<std::string> extra_args;               // appended to `cellblock kernel -f ...`
     nlohmann::json limits = nlohmann::json::object();  // written as `--limit KEY=VALUE`
+    std::string image;                                 // empty: the kernel's or server's default
+    // Instead of starting `cellblock kernel`, jupyter_client's
+    // cellblock-provisioner (clients/python) takes a session from the
+    // server whose server.json is `server_file` (empty: the provisioner's default).
+    bool provisioner = false;
+    std::string server_file;
 };
 
 // Writes <dir>/<name>/kernel.json and returns its path.

@@ -136,6 +136,12 @@ int main(int argc, char** argv) {
     std::vector<std::string> spec_limit_items;
     install_cmd->add_option("--limit", spec_limit_items,
                             "KEY=VALUE (repeatable): a session limit the kernel gets");
+    install_cmd->add_option("--image", spec.image, "image of the kernel's sandbox");
+    install_cmd->add_flag("--provisioner", spec.provisioner,
+                          "take kernels from a running `cellblock serve` (cellblock-provisioner)");
+    install_cmd->add_option("--server-file", spec.server_file,
+                            "with --provisioner: the server's server.json (a copy for a remote "
+                            "server)");
 
     // serve
     cellblock::ServeOptions serve;
