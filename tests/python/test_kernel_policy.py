@@ -33,7 +33,7 @@ def install_kernelspec(prefix, *limits, name="cb-policy"):
     """`cellblock kernelspec install --prefix PREFIX --limit k=v ...`; returns kernel.json."""
     args = [CELLBLOCK_BIN, "kernelspec", "install", "--prefix", prefix, "--name", name]
     for item in limits:
-        args += ["--limit", item]
+        args += ["--limit", item] if "=" in item else [item]
     result = subprocess.run(args, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     path = os.path.join(prefix, "share", "jupyter", "kernels", name, "kernel.json")
@@ -43,15 +43,15 @@ def install_kernelspec(prefix, *limits, name="cb-policy"):
 
 @pytest.fixture
 def governed_kernel():
-    """Starts a kernel with the given limits: start(*"k=v") -> (km, kc)."""
+    """Starts a kernel with the given limits: start(*"k=v", image=, env=) -> (spec, km, kc)."""
     started = []
     prefix = tempfile.mkdtemp(prefix="cellblock-kspec-")
 
-    def start(*limits):
-        spec = install_kernelspec(prefix, *limits)
+    def start(*limits, image=None, env=None):
+        spec = install_kernelspec(prefix, *limits, *(["--image", image] if image else []))
         ksm = KernelSpecManager(kernel_dirs=[os.path.join(prefix, "share", "jupyter", "kernels")])
         km = KernelManager(kernel_name="cb-policy", kernel_spec_manager=ksm)
-        km.start_kernel()
+        km.start_kernel(env=dict(os.environ, **(env or {})))
         kc = km.client()
         kc.start_channels()
         started.append((km, kc))
@@ -97,6 +97,25 @@ def test_kernelspec_limits_reach_the_kernel_cap_and_metadata(governed_kernel):
     assert evalue == "this session allows 2 executions; all 2 are used"
     assert stream_text(iopub) == ""
     assert km.is_alive()  # a refusal is not a kill
+
+
+def test_the_images_limits_are_a_layer_under_the_kernelspecs(governed_kernel, tmp_path):
+    """server defaults < the image's limits < --limit, as for a serve session."""
+    source = os.environ.get("CELLBLOCK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+    with open(os.path.join(source, "images", "host", "image.json")) as f:
+        image = json.load(f)
+    image["name"] = "limited"
+    image["limits"].update({"max_executions": 1, "exec_timeout_s": 7})
+    os.makedirs(tmp_path / "limited")
+    with open(tmp_path / "limited" / "image.json", "w") as f:
+        json.dump(image, f)
+    _, km, kc = governed_kernel("exec_timeout_s=9", image="limited",
+                                env={"CELLBLOCK_IMAGES_DIR": str(tmp_path)})
+    reply, _ = execute(kc, "1")
+    assert reply["metadata"]["cellblock"]["max_executions"] == 1  # the image's
+    assert reply["metadata"]["cellblock"]["timeout_s"] == 9       # the kernelspec's, over the image's 7
+    ename, _ = error_of(execute(kc, "2")[0])
+    assert ename == "ExecutionLimitExceeded"
 
 
 def test_kernelspec_install_refuses_a_bad_limit():

@@ -103,7 +103,12 @@ def test_the_kernelspec_names_the_provisioner_and_its_server(provisioned):
     assert entries.get("cellblock-provisioner") == "cellblock.provisioner:CellblockProvisioner", entries
 
 
+def pool_ready(server):
+    return server.ok("server_info_request", {})["content"]["pool"]["host"]["ready"] >= 1
+
+
 def test_kernel_manager_start_interrupt_restart_shutdown(provisioned):
+    assert wait_for(lambda: pool_ready(provisioned.server), timeout=120), "the pool never filled"
     km = provisioned.kernel_manager()
     started = time.monotonic()
     km.start_kernel()
@@ -113,6 +118,7 @@ def test_kernel_manager_start_interrupt_restart_shutdown(provisioned):
         kc.wait_for_ready(timeout=60)
         print(f"kernel ready through the provisioner in {1000 * (time.monotonic() - started):.0f} ms")
         assert type(km.provisioner).__name__ == "CellblockProvisioner"
+        assert km.provisioner.started_warm, "a kernel from a server with a full pool was not warm"
         [session] = provisioned.session_of(km.kernel_id)
         assert session["state"] != "closed" and session["limits"]["interrupt_grace_s"] == 2
 

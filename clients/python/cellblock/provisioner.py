@@ -54,6 +54,8 @@ class CellblockProvisioner(KernelProvisionerBase):
     _server = None
     _session_id = None
     _exit_code = None
+    #: whether the last kernel came from the server's warm pool
+    started_warm = None
 
     # -- the manager, off the event loop (a cold start can take seconds)
     def _connect(self):
@@ -85,11 +87,12 @@ class CellblockProvisioner(KernelProvisionerBase):
         reply = await self._call("session_create_request", content, timeout=self.create_timeout)
         self._session_id = reply["session_id"]
         self._exit_code = None
+        self.started_warm = bool(reply.get("warm"))
         info = dict(reply["connection"])
         info["key"] = info["key"].encode()
         self.connection_info = info
         self.log.info("cellblock session %s for kernel %s (%s)", self._session_id, self.kernel_id,
-                      "warm" if reply.get("warm") else "cold start")
+                      "warm" if self.started_warm else "cold start")
         return info
 
     async def poll(self):
