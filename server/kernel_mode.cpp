@@ -45,6 +45,15 @@ int block_server_signals() {
     return signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
 }
 
+// The kernel died or the policy killed it: the frontend should start another.
+bool kernel_was_lost(const std::string& close_reason) {
+    for (const char* reason :
+         {"kernel_died", "memory_limit", "exec_timeout", "interrupt_ignored"}) {
+        if (close_reason.rfind(reason, 0) == 0) return true;
+    }
+    return false;
+}
+
 }  // namespace
 
 ServerPaths ServerPaths::defaults() {
@@ -98,21 +107,32 @@ int run_kernel_mode(const KernelModeOptions& options) {
     for (const auto& id : reap_abandoned_sessions(settings)) {
         spdlog::info("reaped session {} left by an earlier cellblock process", id);
     }
-    const SandboxLimits limits = SandboxLimits::from_json(options.limit_overrides, image.limits);
+    // The same policy a `serve` session gets: server defaults < image < these limits.
+    const ServerPolicy policy;
+    SessionLimits limits;
+    try {
+        limits = policy.effective(image.limits_json, options.limits);
+    } catch (const PolicyError& e) {
+        spdlog::error("{}: {}", e.ename(), e.what());
+        return 1;
+    }
 
     zmq::context_t context(1);
     const std::string session_id = make_random_key().substr(0, 16);
-    auto proxy = std::make_unique<SessionProxy>(context, session_id, outer);
+    ProxyOptions proxy_options;
+    proxy_options.policy = &policy;
+    proxy_options.limits = limits;
+    auto proxy = std::make_unique<SessionProxy>(context, session_id, outer, proxy_options);
     try {
-        auto sandbox = Sandbox::start(session_id, image, limits, settings);
+        auto sandbox = Sandbox::start(session_id, image, limits.sandbox, settings);
         auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60));
         proxy->attach(std::move(sandbox), std::move(*channels));
     } catch (const std::exception& e) {
         spdlog::error("session {}: the sandbox did not start: {}", session_id, e.what());
         return 1;
     }
-    spdlog::info("session {}: image {} on {}, {} MB, {} pids", session_id, image.name,
-                 settings.runtime, limits.memory_mb, limits.pids);
+    spdlog::info("session {}: image {} on {}, limits {}", session_id, image.name, settings.runtime,
+                 limits.to_json().dump());
 
     std::vector<zmq::pollitem_t> items;
     int exit_code = 0;
@@ -137,10 +157,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
             }
         }
         proxy->on_timer(Clock::now());
-        if (proxy->closed() && (proxy->close_reason().rfind("kernel_died", 0) == 0 ||
-                                proxy->close_reason().rfind("memory_limit", 0) == 0)) {
-            exit_code = 1;
-        }
+        if (proxy->closed() && kernel_was_lost(proxy->close_reason())) exit_code = 1;
     }
     proxy.reset();
     ::close(signal_fd);
@@ -162,15 +179,32 @@ fs::path install_kernelspec(const KernelspecOptions& options) {
     fs::create_directories(dir);
     std::error_code ec;
     fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-    nlohmann::json argv = {exe.string(), "kernel", "-f", "{connection_file}"};
-    for (const auto& arg : options.extra_args) argv.push_back(arg);
-    const nlohmann::json spec = {
-        {"argv", argv},
+    nlohmann::json spec = {
         {"display_name", "Python 3 (cellblock sandbox)"},
         {"language", "python"},
         // Signals would reach the server, not the sandboxed kernel: interrupt by message.
         {"interrupt_mode", "message"},
         {"metadata", {{"cellblock", {{"sandboxed", true}}}}}};
+    if (options.provisioner) {
+        nlohmann::json config = {{"limits", options.limits}};
+        if (!options.server_file.empty()) config["server_file"] = options.server_file;
+        if (!options.image.empty()) config["image"] = options.image;
+        // jupyter_client needs an argv; the provisioner never runs it.
+        spec["argv"] = {exe.string()};
+        spec["display_name"] = "Python 3 (cellblock server)";
+        spec["metadata"]["kernel_provisioner"] = {{"provisioner_name", "cellblock-provisioner"},
+                                                  {"config", config}};
+    } else {
+        nlohmann::json argv = {exe.string(), "kernel", "-f", "{connection_file}"};
+        if (!options.image.empty()) argv.insert(argv.end(), {"--image", options.image});
+        for (const auto& [key, value] : options.limits.items()) {
+            argv.push_back("--limit");
+            argv.push_back(key + "=" +
+                           (value.is_string() ? value.get<std::string>() : value.dump()));
+        }
+        for (const auto& arg : options.extra_args) argv.push_back(arg);
+        spec["argv"] = argv;
+    }
     const fs::path file = dir / "kernel.json";
     std::ofstream out(file);
     out << spec.dump(2) << "\n";

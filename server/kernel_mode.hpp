@@ -27,19 +27,30 @@ struct KernelModeOptions {
     std::filesystem::path connection_file;
     std::string image = "host";
     std::string runtime;  // empty: the image's
-    nlohmann::json limit_overrides = nlohmann::json::object();
+    // The session's limits (SessionLimits' JSON names), over the image's and
+    // the server defaults, as a session request's limits are in `serve`.
+    nlohmann::json limits = nlohmann::json::object();
     ServerPaths paths;
 };
 
-// Returns the process exit code: 0 after a requested shutdown or a signal,
-// 1 when the kernel died or the sandbox could not start.
+// Returns the process exit code: 0 after a requested shutdown, a signal, or
+// the session's idle timeout or lifetime; 1 when the kernel died or was killed
+// (memory limit, execution timeout, ignored interrupt) or the sandbox could
+// not start, so that jupyter_client's restarter starts a fresh kernel.
 int run_kernel_mode(const KernelModeOptions& options);
 
 struct KernelspecOptions {
     std::string name = "cellblock-python";
-    std::optional<std::filesystem::path> prefix;  // <prefix>/share/jupyter/kernels
-    bool user = false;                            // ~/.local/share/jupyter/kernels
-    std::vector<std::string> extra_args;          // appended to `cellblock kernel -f ...`
+    std::optional<std::filesystem::path> prefix;       // <prefix>/share/jupyter/kernels
+    bool user = false;                                 // ~/.local/share/jupyter/kernels
+    std::vector<std::string> extra_args;               // appended to `cellblock kernel -f ...`
+    nlohmann::json limits = nlohmann::json::object();  // written as `--limit KEY=VALUE`
+    std::string image;                                 // empty: the kernel's or server's default
+    // Instead of starting `cellblock kernel`, jupyter_client's
+    // cellblock-provisioner (clients/python) takes a session from the
+    // server whose server.json is `server_file` (empty: the provisioner's default).
+    bool provisioner = false;
+    std::string server_file;
 };
 
 // Writes <dir>/<name>/kernel.json and returns its path.

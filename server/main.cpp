@@ -116,6 +116,10 @@ int main(int argc, char** argv) {
     kernel_cmd->add_option("--pids", pids, "process limit of the sandbox");
     kernel_cmd->add_option("--disk-mb", disk_mb, "size of each writable tmpfs (/tmp, home)");
     kernel_cmd->add_option("--cpus", cpus, "CPU quota in cores");
+    std::vector<std::string> kernel_limit_items;
+    kernel_cmd->add_option("--limit", kernel_limit_items,
+                           "KEY=VALUE (repeatable): the session limits of `cellblock new`, "
+                           "e.g. exec_timeout_s=600, idle_timeout_s, interrupt_grace_s");
 
     // kernelspec install
     cellblock::KernelspecOptions spec;
@@ -129,6 +133,15 @@ int main(int argc, char** argv) {
     install_cmd->add_option("--name", spec.name, "kernelspec name")->capture_default_str();
     install_cmd->add_option("--kernel-arg", spec.extra_args,
                             "extra argument for `cellblock kernel` (repeatable)");
+    std::vector<std::string> spec_limit_items;
+    install_cmd->add_option("--limit", spec_limit_items,
+                            "KEY=VALUE (repeatable): a session limit the kernel gets");
+    install_cmd->add_option("--image", spec.image, "image of the kernel's sandbox");
+    install_cmd->add_flag("--provisioner", spec.provisioner,
+                          "take kernels from a running `cellblock serve` (cellblock-provisioner)");
+    install_cmd->add_option("--server-file", spec.server_file,
+                            "with --provisioner: the server's server.json (a copy for a remote "
+                            "server)");
 
     // serve
     cellblock::ServeOptions serve;
@@ -205,10 +218,11 @@ int main(int argc, char** argv) {
     if (image_cli.parsed()) return image_cli.run();
     try {
         if (kernel_cmd->parsed()) {
-            if (memory_mb > 0) kernel.limit_overrides["memory_mb"] = memory_mb;
-            if (pids > 0) kernel.limit_overrides["pids"] = pids;
-            if (disk_mb > 0) kernel.limit_overrides["disk_mb"] = disk_mb;
-            if (cpus > 0) kernel.limit_overrides["cpus"] = cpus;
+            kernel.limits = parse_limits(kernel_limit_items);
+            if (memory_mb > 0) kernel.limits["memory_mb"] = memory_mb;
+            if (pids > 0) kernel.limits["pids"] = pids;
+            if (disk_mb > 0) kernel.limits["disk_mb"] = disk_mb;
+            if (cpus > 0) kernel.limits["cpus"] = cpus;
             if (::geteuid() != 0) {
                 spdlog::error("cellblock kernel needs root to create runc sandboxes");
                 return 1;
@@ -217,6 +231,9 @@ int main(int argc, char** argv) {
         }
         if (install_cmd->parsed()) {
             if (!prefix.empty()) spec.prefix = prefix;
+            spec.limits = parse_limits(spec_limit_items);
+            // A kernelspec whose kernel would refuse to start is refused now.
+            cellblock::ServerPolicy().effective(json::object(), spec.limits);
             const auto file = cellblock::install_kernelspec(spec);
             std::cout << "installed kernelspec " << spec.name << " in "
                       << file.parent_path().string() << "\n";

@@ -55,6 +55,14 @@ json error_content(const std::string& request_type, const std::string& ename,
     return content;
 }
 
+// 5, 0.5, 2.25: as a person writes seconds.
+std::string format_seconds(double s) {
+    std::string text = fmt::format("{:.3f}", s);
+    text.erase(text.find_last_not_of('0') + 1);
+    if (text.back() == '.') text.pop_back();
+    return text;
+}
+
 double unix_now() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
         .count();
@@ -737,8 +745,10 @@ std::optional<Clock::time_point> SessionProxy::next_deadline() const {
         if (!next || t < *next) next = t;
     };
     if (held_reply_) consider(held_reply_->release_by);
-    if (execution_ && !held_reply_)
+    if (execution_ && !held_reply_) {
         consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
+        if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
+    }
     if (governor_) consider(governor_->next_expiry_check(Clock::now()));
     return next;
 }
@@ -775,6 +785,14 @@ void SessionProxy::on_timer(Clock::time_point now) {
         }
     }
     if (held_reply_ && now >= held_reply_->release_by) release_held_reply();
+    if (execution_ && !held_reply_ && governor_->interrupt_ignored(now)) {
+        const std::string evalue =
+            "the execution did not stop within " +
+            format_seconds(governor_->limits().interrupt_grace_s) +
+            " s of the client's interrupt_request (interrupt_grace_s); the kernel was killed";
+        kill_for(evalue, "InterruptIgnored", "interrupt_ignored");
+        return;
+    }
     if (execution_ && !held_reply_) {
         if (!execution_->kill_at && now >= execution_->deadline) {
             spdlog::info("session {}: execution {} passed its {:.0f} s timeout; interrupting",
@@ -790,17 +808,24 @@ void SessionProxy::on_timer(Clock::time_point now) {
                 "the execution ran past its timeout of " +
                 std::to_string(static_cast<int>(execution_->timeout_s)) +
                 " s and did not stop when interrupted; the session was killed";
-            spdlog::warn("session {}: {}", session_id_, evalue);
-            sandbox_->kill();
-            finish_execution("timeout", "ExecutionTimeout");
-            fail_pending("ExecutionTimeout", evalue);
-            close("exec_timeout");
+            kill_for(evalue, "ExecutionTimeout", "exec_timeout");
             return;
         }
     }
     if (governor_) {
         if (auto reason = governor_->expiry(now)) close(*reason);
     }
+}
+
+void SessionProxy::kill_for(const std::string& evalue, const std::string& ename,
+                            const std::string& close_reason) {
+    spdlog::warn("session {}: {}", session_id_, evalue);
+    if (options_.observer)
+        options_.observer->on_event(session_id_, "killed", ename + ": " + evalue);
+    sandbox_->kill();
+    finish_execution(ename == "ExecutionTimeout" ? "timeout" : "error", ename);
+    fail_pending(ename, evalue);
+    close(close_reason);
 }
 
 ExecutionRecord SessionProxy::execution_record(const std::string& status,
@@ -884,6 +909,8 @@ void SessionProxy::answer_interrupt(const PendingRequest& request) {
     const auto parent = parse_json_frame(request.header, 64).value_or(json::object());
     publish_status(parent, "busy");
     sandbox_->interrupt();
+    // Code that ignores SIGINT must not keep the sandbox: on_timer escalates.
+    if (governor_ && execution_) governor_->on_interrupt(Clock::now());
     send_reply(request, "interrupt_reply", {{"status", "ok"}});
     publish_status(parent, "idle");
 }

@@ -22,6 +22,7 @@ void for_each_limit(Visitor&& visit, Limits&... limits) {
     visit("idle_timeout_s", limits.idle_timeout_s...);
     visit("lifetime_s", limits.lifetime_s...);
     visit("exec_timeout_s", limits.exec_timeout_s...);
+    visit("interrupt_grace_s", limits.interrupt_grace_s...);
     visit("output_bytes", limits.output_bytes...);
     visit("memory_mb", limits.sandbox.memory_mb...);
     visit("pids", limits.sandbox.pids...);
@@ -179,6 +180,7 @@ ServerPolicy::ServerPolicy() {
     maxima.idle_timeout_s = kWeek;
     maxima.lifetime_s = kWeek;
     maxima.exec_timeout_s = 3600;
+    maxima.interrupt_grace_s = 600;
     maxima.output_bytes = std::int64_t{64} << 20;
     maxima.sandbox.memory_mb = 16384;
     maxima.sandbox.pids = 4096;
@@ -283,6 +285,7 @@ SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
     busy_ = true;
     exec_started_ = now;
     exec_timeout_s_ = timeout_s;
+    interrupt_deadline_.reset();
     stream_bytes_ = 0;
     dropped_ = 0;
     marker_sent_ = false;
@@ -294,10 +297,17 @@ void SessionGovernor::on_client_request(Clock::time_point now) {
     last_request_ = std::max(last_request_, now);
 }
 
+void SessionGovernor::on_interrupt(Clock::time_point now) {
+    on_client_request(now);
+    if (busy_ && !interrupt_deadline_)
+        interrupt_deadline_ = now + seconds(limits_.interrupt_grace_s);
+}
+
 json SessionGovernor::on_execute_reply(Clock::time_point now, std::uint64_t cpu_ms,
                                        std::uint64_t memory_peak_bytes) {
     const std::int64_t wall_ms = busy_ ? whole_ms(now - exec_started_) : 0;
     busy_ = false;
+    interrupt_deadline_.reset();
     last_request_ = std::max(last_request_, now);
     return {{"executions_used", executions_},
             {"executions_left", executions_left()},

@@ -19,13 +19,16 @@
 namespace cellblock {
 
 // Everything a session request may ask for. Flat in JSON:
-// {max_executions, idle_timeout_s, lifetime_s, exec_timeout_s, output_bytes,
-//  memory_mb, pids, disk_mb, shm_mb, output_mb, cpus, nofile}.
+// {max_executions, idle_timeout_s, lifetime_s, exec_timeout_s, interrupt_grace_s,
+//  output_bytes, memory_mb, pids, disk_mb, shm_mb, output_mb, cpus, nofile}.
 struct SessionLimits {
     std::int64_t max_executions = 1000;
     double idle_timeout_s = 1800;
     double lifetime_s = 24 * 3600;
     double exec_timeout_s = 30;
+    // After a client's interrupt_request, how long the running execution may
+    // go on before the kernel is killed (InterruptIgnored).
+    double interrupt_grace_s = 5;
     std::int64_t output_bytes = 1 << 20;  // stream output kept per execution
     SandboxLimits sandbox;
 
@@ -90,6 +93,15 @@ class SessionGovernor {
                                        std::optional<double> requested_timeout_s);
     // Any client request (resets the idle clock).
     void on_client_request(Clock::time_point now);
+    // A client's interrupt_request. While an execution runs, the first one
+    // starts its grace: interrupt_ignored() turns true interrupt_grace_s later
+    // unless the execute_reply comes first. Later interrupts do not extend it.
+    void on_interrupt(Clock::time_point now);
+    // When the running execution's grace ends (none: no interrupt pending).
+    std::optional<Clock::time_point> interrupt_deadline() const { return interrupt_deadline_; }
+    bool interrupt_ignored(Clock::time_point now) const {
+        return interrupt_deadline_ && now >= *interrupt_deadline_;
+    }
     // The kernel's execute_reply: returns metadata.cellblock for it. The idle
     // clock restarts here, so a long execution does not expire the session at once.
     nlohmann::json on_execute_reply(Clock::time_point now, std::uint64_t cpu_ms,
@@ -129,6 +141,7 @@ class SessionGovernor {
     // last_request_: the last client request or the end of the last execution.
     Clock::time_point created_, last_request_, exec_started_{};
     double exec_timeout_s_ = 0;  // the timeout of the current (or last) execution
+    std::optional<Clock::time_point> interrupt_deadline_;
     std::int64_t executions_ = 0;
     bool busy_ = false;
     std::uint64_t stream_bytes_ = 0, dropped_ = 0;

@@ -32,12 +32,12 @@ TEST(SessionLimits, JsonRoundTripHasEveryFieldFlat) {
     limits.exec_timeout_s = 12.5;
     limits.sandbox.memory_mb = 700;
     const json j = limits.to_json();
-    for (const char* name :
-         {"max_executions", "idle_timeout_s", "lifetime_s", "exec_timeout_s", "output_bytes",
-          "memory_mb", "pids", "disk_mb", "shm_mb", "output_mb", "cpus", "nofile"}) {
+    for (const char* name : {"max_executions", "idle_timeout_s", "lifetime_s", "exec_timeout_s",
+                             "interrupt_grace_s", "output_bytes", "memory_mb", "pids", "disk_mb",
+                             "shm_mb", "output_mb", "cpus", "nofile"}) {
         EXPECT_TRUE(j.contains(name)) << name;
     }
-    EXPECT_EQ(j.size(), 12U);
+    EXPECT_EQ(j.size(), 13U);
     const SessionLimits back = SessionLimits::from_json(j, SessionLimits{});
     EXPECT_EQ(back.to_json(), j);
 }
@@ -247,6 +247,49 @@ TEST(SessionGovernor, RequestedTimeoutMayExceedTheSessionsUpToTheServerMaximum) 
     d = gov.on_execute_request(t0 + 6s, 0.5);  // less than the session's is fine
     ASSERT_TRUE(d.forward);
     EXPECT_EQ(d.deadline, t0 + 6500ms);
+}
+
+// ---- interrupt escalation ----
+
+TEST(SessionGovernor, AnIgnoredInterruptIsDueAfterTheGraceOfTheFirstInterrupt) {
+    const ServerPolicy policy;
+    SessionLimits limits = small_limits();
+    limits.interrupt_grace_s = 5;
+    SessionGovernor gov(limits, policy, t0);
+    ASSERT_TRUE(gov.on_execute_request(t0, std::nullopt).forward);
+    EXPECT_EQ(gov.interrupt_deadline(), std::nullopt);
+    gov.on_interrupt(t0 + 2s);
+    EXPECT_EQ(gov.interrupt_deadline(), t0 + 7s);
+    gov.on_interrupt(t0 + 4s);  // a second interrupt does not extend the grace
+    EXPECT_EQ(gov.interrupt_deadline(), t0 + 7s);
+    EXPECT_FALSE(gov.interrupt_ignored(t0 + 6999ms));
+    EXPECT_TRUE(gov.interrupt_ignored(t0 + 7s));
+}
+
+TEST(SessionGovernor, AReplyEndsTheGraceAndAnIdleInterruptStartsNone) {
+    const ServerPolicy policy;
+    SessionGovernor gov(small_limits(), policy, t0);
+    gov.on_interrupt(t0);  // nothing runs: nothing to escalate
+    EXPECT_EQ(gov.interrupt_deadline(), std::nullopt);
+    ASSERT_TRUE(gov.on_execute_request(t0 + 1s, std::nullopt).forward);
+    gov.on_interrupt(t0 + 2s);
+    gov.on_execute_reply(t0 + 3s, 0, 0);  // the code stopped (KeyboardInterrupt)
+    EXPECT_EQ(gov.interrupt_deadline(), std::nullopt);
+    EXPECT_FALSE(gov.interrupt_ignored(t0 + 1h));
+    ASSERT_TRUE(gov.on_execute_request(t0 + 4s, std::nullopt).forward);
+    EXPECT_FALSE(gov.interrupt_ignored(t0 + 1h));  // a new execution starts with none
+}
+
+TEST(SessionLimits, InterruptGraceIsALimitWithAMaximum) {
+    const ServerPolicy policy;
+    EXPECT_DOUBLE_EQ(policy.defaults.interrupt_grace_s, 5);
+    EXPECT_DOUBLE_EQ(policy.effective(json(), json{{"interrupt_grace_s", 1.5}}).interrupt_grace_s,
+                     1.5);
+    const PolicyError e = policy_error([&] {
+        policy.effective(json(), json{{"interrupt_grace_s", 601}});
+    });
+    EXPECT_EQ(e.ename(), "LimitAboveMaximum");
+    EXPECT_STREQ(e.what(), "interrupt_grace_s 601 is above the server's maximum 600");
 }
 
 // ---- idle and lifetime ----

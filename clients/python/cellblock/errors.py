@@ -59,6 +59,12 @@ class ExecutionTimeout(PolicyError):
     server killed the sandbox and the session is closed."""
 
 
+class InterruptIgnored(PolicyError):
+    """The code did not stop within the session's interrupt_grace_s of an
+    interrupt (it ignores SIGINT): the server killed the kernel and the
+    session is closed."""
+
+
 class SessionClosed(PolicyError):
     """The session is closed (idle timeout, lifetime, a kill, a close request)."""
 
@@ -137,15 +143,15 @@ class ServerError(ManagerError):
 
 
 _BY_NAME = {cls.__name__: cls for cls in (
-    ExecutionLimitExceeded, ExecutionTimeout, SessionClosed, MemoryLimitExceeded, KernelDied,
-    SessionBusy, OutputLimitExceeded, UnknownImage, UnknownRuntime, LimitAboveMaximum,
+    ExecutionLimitExceeded, ExecutionTimeout, InterruptIgnored, SessionClosed, MemoryLimitExceeded,
+    KernelDied, SessionBusy, OutputLimitExceeded, UnknownImage, UnknownRuntime, LimitAboveMaximum,
     InvalidLimits, TooManySessions, SandboxStartFailed, NoSuchSession, InvalidPath, FileNotFound,
     FileTooLarge, FileError, UnknownRequest, ServerError)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
-POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "SessionClosed",
-                           "MemoryLimitExceeded", "KernelDied", "SessionBusy", "InvalidLimits",
-                           "LimitAboveMaximum"})
+POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",
+                           "SessionClosed", "MemoryLimitExceeded", "KernelDied", "SessionBusy",
+                           "InvalidLimits", "LimitAboveMaximum"})
 
 
 def error_for(ename, evalue="", traceback=None, execution=None, default=CellblockError):

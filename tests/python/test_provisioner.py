@@ -1,0 +1,276 @@
+"""cellblock-provisioner: frontends take their kernels from a running `cellblock serve`.
+
+The Python client is installed with pip into a temporary directory, as a user
+would install it, so jupyter_client finds the provisioner through the entry
+point pyproject.toml declares. `cellblock kernelspec install --provisioner`
+writes the kernelspec. Then jupyter_client's KernelManager, nbclient,
+`jupyter nbconvert --execute`, `jupyter console` and the Notebook (in headless
+Chromium) run code through it unchanged, and each kernel is a session of the
+server: in its registry, under its policy, closed when the frontend is done.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import nbformat
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+
+from server_helpers import collect_execution, execute, start_server, stream_text, wait_for
+
+SOURCE_DIR = os.environ.get(
+    "CELLBLOCK_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+CLIENT_DIR = os.path.join(SOURCE_DIR, "clients", "python")
+CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
+KERNEL = "cellblock-served"
+IGNORES_SIGINT = ("import signal\n"
+                  "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                  "while True: pass")
+
+
+class Provisioned:
+    """A server, the client installed with pip, and a provisioner kernelspec."""
+
+    def __init__(self, root):
+        self.server = start_server()
+        source = os.path.join(root, "src")
+        shutil.copytree(CLIENT_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "build",
+                                                                           "*.egg-info"))
+        self.site = os.path.join(root, "site")
+        out = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                              "--no-build-isolation", "--no-index", "--target", self.site, source],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        prefix = os.path.join(root, "prefix")
+        self.server_file = os.path.join(self.server.state_dir, "server.json")
+        out = subprocess.run([CELLBLOCK_BIN, "kernelspec", "install", "--provisioner", "--prefix",
+                              prefix, "--name", KERNEL, "--server-file", self.server_file,
+                              "--limit", "interrupt_grace_s=2", "--limit", "exec_timeout_s=120"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        self.kernels_dir = os.path.join(prefix, "share", "jupyter", "kernels")
+        with open(os.path.join(self.kernels_dir, KERNEL, "kernel.json")) as f:
+            self.spec = json.load(f)
+        self.env = dict(os.environ)
+        self.env["JUPYTER_PATH"] = os.pathsep.join(
+            [os.path.join(prefix, "share", "jupyter"), os.environ.get("JUPYTER_PATH", "")])
+        self.env["PYTHONPATH"] = self.site
+
+    def sessions(self, open_only=False):
+        return self.server.ok("session_list_request", {"open_only": open_only})["content"]["sessions"]
+
+    def session_of(self, kernel_id):
+        """The server's session whose registry metadata names this kernel."""
+        found = []
+        for s in self.sessions():
+            info = self.server.info_of(s["session_id"])
+            if info.get("metadata", {}).get("kernel_id") == kernel_id:
+                found.append(info)
+        return found
+
+    def kernel_manager(self):
+        return KernelManager(kernel_name=KERNEL,
+                             kernel_spec_manager=KernelSpecManager(kernel_dirs=[self.kernels_dir]))
+
+
+@pytest.fixture(scope="module")
+def provisioned():
+    root = tempfile.mkdtemp(prefix="cellblock-provisioner-")
+    p = Provisioned(root)
+    # In this process too, jupyter_client finds the provisioner through the installed entry point.
+    sys.path.insert(0, p.site)
+    yield p
+    sys.path.remove(p.site)
+    p.server.close_clients()
+    problems = p.server.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_kernelspec_names_the_provisioner_and_its_server(provisioned):
+    meta = provisioned.spec["metadata"]["kernel_provisioner"]
+    assert meta["provisioner_name"] == "cellblock-provisioner"
+    assert meta["config"] == {"server_file": provisioned.server_file,
+                              "limits": {"exec_timeout_s": 120, "interrupt_grace_s": 2}}
+    assert provisioned.spec["interrupt_mode"] == "message"
+    from jupyter_client.provisioning import KernelProvisionerFactory
+    entries = KernelProvisionerFactory.instance().get_provisioner_entries()
+    assert entries.get("cellblock-provisioner") == "cellblock.provisioner:CellblockProvisioner", entries
+
+
+def pool_ready(server):
+    return server.ok("server_info_request", {})["content"]["pool"]["host"]["ready"] >= 1
+
+
+def test_kernel_manager_start_interrupt_restart_shutdown(provisioned):
+    assert wait_for(lambda: pool_ready(provisioned.server), timeout=120), "the pool never filled"
+    km = provisioned.kernel_manager()
+    started = time.monotonic()
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        print(f"kernel ready through the provisioner in {1000 * (time.monotonic() - started):.0f} ms")
+        assert type(km.provisioner).__name__ == "CellblockProvisioner"
+        assert km.provisioner.started_warm, "a kernel from a server with a full pool was not warm"
+        [session] = provisioned.session_of(km.kernel_id)
+        assert session["state"] != "closed" and session["limits"]["interrupt_grace_s"] == 2
+
+        reply, iopub = execute(kc, "print(6 * 7)")
+        assert reply["content"]["status"] == "ok" and stream_text(iopub) == "42\n"
+        assert reply["metadata"]["cellblock"]["timeout_s"] == 120  # the kernelspec's limit
+
+        # Interrupt by message, through the server.
+        msg_id = kc.execute("import time\nwhile True: time.sleep(0.01)")
+        time.sleep(1)
+        km.interrupt_kernel()
+        reply, _, _ = collect_execution(kc, msg_id, timeout=30)
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+
+        # Restart: the session is closed and another one takes its place, on
+        # the new session's ports, so the client reconnects (as Notebook does).
+        km.restart_kernel(now=False)
+        kc.stop_channels()
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        sessions = provisioned.session_of(km.kernel_id)
+        assert len(sessions) == 2, sessions
+        old = next(s for s in sessions if s["session_id"] == session["session_id"])
+        assert old["state"] == "closed", old
+        reply, iopub = execute(kc, "print('fresh', 'x' in dir())")
+        assert stream_text(iopub) == "fresh False\n"
+
+        # The server's audit has the executions.
+        history = provisioned.server.ok("session_history_request",
+                                        {"session_id": session["session_id"]})["content"]
+        assert [e["code"] for e in history["executions"]][0] == "print(6 * 7)"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+    assert all(s["state"] == "closed" for s in provisioned.session_of(km.kernel_id))
+
+
+def test_an_ignored_interrupt_kills_and_the_restarter_starts_a_new_session(provisioned):
+    km = provisioned.kernel_manager()
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        msg_id = kc.execute(IGNORES_SIGINT)
+        time.sleep(1)
+        km.interrupt_kernel()
+        reply, _, _ = collect_execution(kc, msg_id, timeout=30)
+        assert reply["content"]["ename"] == "InterruptIgnored", reply["content"]
+        # The provisioner reports the end like a process exit: code 1, as a killed `cellblock kernel`.
+        assert wait_for(lambda: not km.is_alive(), timeout=15)
+        assert km.provisioner._exit_code == 1
+        km.restart_kernel(now=True)
+        kc.stop_channels()
+        kc = km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        reply, iopub = execute(kc, "print('back')")
+        assert stream_text(iopub) == "back\n"
+        closed = [s for s in provisioned.session_of(km.kernel_id) if s["state"] == "closed"]
+        assert [s["close_reason"] for s in closed] == ["interrupt_ignored"], closed
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def notebook(kernel_name):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": kernel_name, "display_name": "cellblock", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import os\nprint('uid', os.getuid())"),
+                nbformat.v4.new_code_cell("6 * 7")]
+    return nb
+
+
+def test_nbclient(provisioned, monkeypatch):
+    from nbclient import NotebookClient
+    monkeypatch.setenv("JUPYTER_PATH", provisioned.env["JUPYTER_PATH"])
+    before = {s["session_id"] for s in provisioned.sessions()}
+    nb = notebook(KERNEL)
+    NotebookClient(nb, timeout=60, startup_timeout=60).execute()
+    assert nb.cells[0].outputs[0]["text"] == "uid 1000\n"
+    assert nb.cells[1].outputs[0]["data"]["text/plain"] == "42"
+    new = [s for s in provisioned.sessions() if s["session_id"] not in before]
+    assert len(new) == 1 and new[0]["state"] == "closed", new
+
+
+def test_nbconvert_execute(provisioned, tmp_path):
+    before = {s["session_id"] for s in provisioned.sessions()}
+    path = tmp_path / "served.ipynb"
+    nbformat.write(notebook(KERNEL), str(path))
+    run = subprocess.run(["/usr/bin/jupyter-nbconvert", "--to", "notebook", "--execute",
+                          "--output", "done.ipynb", str(path)],
+                         capture_output=True, text=True, timeout=300, env=provisioned.env,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    done = nbformat.read(str(tmp_path / "done.ipynb"), as_version=4)
+    assert done.cells[0].outputs[0]["text"] == "uid 1000\n"
+    assert done.cells[1].outputs[0]["data"]["text/plain"] == "42"
+    new = [s for s in provisioned.sessions() if s["session_id"] not in before]
+    assert len(new) == 1 and new[0]["state"] == "closed", new
+
+
+def test_jupyter_console(provisioned):
+    from test_console import JUPYTER_CONSOLE, Terminal
+    before = {s["session_id"] for s in provisioned.sessions()}
+    env = dict(provisioned.env, TERM="xterm-256color")
+    term = Terminal([JUPYTER_CONSOLE, "--kernel", KERNEL], env)
+    try:
+        term.prompt(1, timeout=90)
+        mark = term.type_line("print(6*7)")
+        term.expect(r"^42$", mark)
+        term.prompt(2, mark)
+        new = [s for s in provisioned.sessions(open_only=True) if s["session_id"] not in before]
+        assert len(new) == 1, new
+        mark = term.type_line("exit")
+        status, signal = term.wait_exit(timeout=60)
+        assert (status, signal) == (0, None), term.text[mark:]
+    finally:
+        term.kill()
+    assert provisioned.server.info_of(new[0]["session_id"])["state"] == "closed"
+
+
+def test_notebook_in_chromium(provisioned, monkeypatch, tmp_path):
+    """Notebook 6 in headless Chromium (tests/frontend/run_notebook.js, as in
+    test_frontends.py) runs a notebook whose kernel is a session of the server."""
+    from test_frontends import CHROMIUM, FRONTEND_DIR, NOTEBOOK_APP, NotebookServer
+    for path in (NOTEBOOK_APP, CHROMIUM, os.path.join(FRONTEND_DIR, "node_modules", "playwright-core")):
+        assert os.path.exists(path), f"{path} missing: scripts/setup.sh installs it"
+    before = {s["session_id"] for s in provisioned.sessions()}
+    monkeypatch.setenv("JUPYTER_PATH", provisioned.env["JUPYTER_PATH"])
+    monkeypatch.setenv("PYTHONPATH", provisioned.site)
+    server = NotebookServer(str(tmp_path / "server"))
+    try:
+        nbformat.write(notebook(KERNEL), os.path.join(server.notebook_dir, "served.ipynb"))
+        run = subprocess.run(
+            ["node", os.path.join(FRONTEND_DIR, "run_notebook.js"), "--url", server.url,
+             "--token", server.token, "--notebook", "served.ipynb",
+             "--screenshot", str(tmp_path / "served.png"), "--chromium", CHROMIUM,
+             "--timeout-ms", "120000"],
+            capture_output=True, text=True, timeout=300, cwd=FRONTEND_DIR)
+        assert run.returncode == 0, f"{run.stderr}\n{run.stdout}\n{server.log_text()[-4000:]}"
+        page = json.loads(run.stdout)
+    finally:
+        server.stop()
+    assert page["kernelName"] == KERNEL
+    cells = page["cells"]
+    assert not any(c["errors"] for c in cells), cells
+    assert cells[0]["stdout"].strip() == "uid 1000"
+    assert page["kernelsAfter"] == [], page
+    new = [s for s in provisioned.sessions() if s["session_id"] not in before]
+    assert len(new) == 1, new
+    # Close and Halt closed the session on the server.
+    assert wait_for(lambda: provisioned.server.info_of(new[0]["session_id"])["state"] == "closed",
+                    timeout=30)
