@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/error_names.hpp"
 #include "eval_command.hpp"
 #include "image_cli.hpp"
 #include "kernel_mode.hpp"
@@ -168,7 +169,17 @@ int main(int argc, char** argv) {
                           "directory of cellblock-shim and the kernel launcher");
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
                         "keep only a SHA-256 of each execution's code");
-    serve_cmd->add_option("--max-sessions", serve.policy.max_sessions, "sessions at once")
+    serve_cmd
+        ->add_option("--max-sessions", serve.policy.max_sessions,
+                     "open and starting sessions at once (closed ones do not count)")
+        ->capture_default_str();
+    serve_cmd
+        ->add_option("--max-create-wait", serve.policy.max_create_wait_s,
+                     "seconds a session_create may wait for a sandbox before ServerBusy")
+        ->capture_default_str();
+    serve_cmd
+        ->add_option("--closed-window", serve.policy.closed_channels_s,
+                     "seconds a closed session's channels still answer SessionClosed")
         ->capture_default_str();
 
     // clients of a running server
@@ -208,6 +219,9 @@ int main(int argc, char** argv) {
     history_cmd->add_flag("--json", as_json, "print JSON");
     auto* server_info_cmd =
         add_client("server-info", "the server's version, images, pool and limits");
+    auto* errors_cmd =
+        app.add_subcommand("errors", "the enames the server sends, and what each means");
+    errors_cmd->add_flag("--json", as_json, "print JSON");
 
     // image build | ls | rm | import
     cellblock::ImageCommands image_cli(app);
@@ -216,6 +230,21 @@ int main(int argc, char** argv) {
     setup_logging(log_level);
 
     if (image_cli.parsed()) return image_cli.run();
+    if (errors_cmd->parsed()) {
+        json names = json::array();
+        for (const auto& e : cellblock::kErrorNames) {
+            names.push_back({{"ename", e.name},
+                             {"channel", cellblock::error_channel_name(e.channel)},
+                             {"meaning", e.meaning}});
+            if (!as_json) {
+                std::printf("%-24s %-8s %s\n", std::string(e.name).c_str(),
+                            std::string(cellblock::error_channel_name(e.channel)).c_str(),
+                            std::string(e.meaning).c_str());
+            }
+        }
+        if (as_json) std::cout << names.dump(2) << "\n";
+        return 0;
+    }
     try {
         if (kernel_cmd->parsed()) {
             kernel.limits = parse_limits(kernel_limit_items);
@@ -256,10 +285,14 @@ int main(int argc, char** argv) {
 
         cellblock::ManagerClient client(state_dir);
         if (new_cmd->parsed()) {
-            json content = {{"limits", parse_limits(limit_items)}};
+            const auto create_timeout = std::chrono::seconds(120);
+            // The server never hands out a session after we stopped waiting.
+            json content = {{"limits", parse_limits(limit_items)},
+                            {"timeout_s", static_cast<double>(create_timeout.count())}};
             if (!image.empty()) content["image"] = image;
             if (!metadata_text.empty()) content["metadata"] = json::parse(metadata_text);
-            const json reply = ok_content(client.call("session_create_request", content));
+            const json reply =
+                ok_content(client.call("session_create_request", content, {}, create_timeout));
             const std::string id = reply["session_id"];
             const fs::path file =
                 output_file.empty() ? fs::path("cellblock-" + id + ".json") : fs::path(output_file);
@@ -277,14 +310,33 @@ int main(int argc, char** argv) {
                 std::cout << reply["sessions"].dump(2) << "\n";
                 return 0;
             }
-            std::printf("%-18s %-8s %-8s %-20s %5s  %s\n", "SESSION", "IMAGE", "STATE", "CREATED",
-                        "EXECS", "CLOSED BECAUSE");
+            const auto pid_list = [](const json& entry) {
+                std::string pids;
+                for (const auto& pid : entry.value("pids", json::array())) {
+                    pids += (pids.empty() ? "" : ",") + std::to_string(pid.get<long>());
+                }
+                return pids.empty() ? std::string("-") : pids;
+            };
+            std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "SESSION", "IMAGE", "STATE",
+                        "CREATED", "EXECS", "PIDS", "CLOSED BECAUSE");
             for (const auto& s : reply["sessions"]) {
                 std::printf(
-                    "%-18s %-8s %-8s %-20s %5lld  %s\n", s["session_id"].get<std::string>().c_str(),
+                    "%-18s %-8s %-8s %-20s %5lld  %-16s %s\n",
+                    s["session_id"].get<std::string>().c_str(),
                     s["image"].get<std::string>().c_str(), s["state"].get<std::string>().c_str(),
                     when(s["created_at"].get<double>()).c_str(), s["executions"].get<long long>(),
-                    s["close_reason"].get<std::string>().c_str());
+                    pid_list(s).c_str(), s["close_reason"].get<std::string>().c_str());
+            }
+            // The pool's warm sandboxes are live too: an operator counting
+            // containers (`runc --root RUNTIME_ROOT list`) sees them.
+            for (const auto& box : reply.value("warm_sandboxes", json::array())) {
+                std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "(pool)",
+                            box["image"].get<std::string>().c_str(), "warm", "-", "-",
+                            pid_list(box).c_str(), box["container_id"].get<std::string>().c_str());
+            }
+            if (reply.contains("runtime_root")) {
+                std::printf("\nsandboxes: runc --root %s list\n",
+                            reply["runtime_root"].get<std::string>().c_str());
             }
             return 0;
         }

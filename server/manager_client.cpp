@@ -20,6 +20,14 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
     if (j.is_discarded() || !j.contains("manager") || !j.contains("key")) {
         throw std::runtime_error(file.string() + ": not a cellblock server file");
     }
+    // A server killed by SIGKILL leaves server.json behind: the lock it held
+    // tells the truth at once, instead of a request timing out.
+    if (!server_lock_holder(state_dir)) {
+        throw std::runtime_error("no server running with state dir " + state_dir.string() + " (" +
+                                 file.string() + " is left from pid " +
+                                 std::to_string(j.value("pid", 0)) +
+                                 ", which holds no lock there); start one with `cellblock serve`");
+    }
     key_ = j["key"].get<std::string>();
     signer_ = Signer(key_);
     socket_.set(zmq::sockopt::linger, 0);

@@ -19,11 +19,13 @@
 
 #include "cellblock/connection_info.hpp"
 #include "cellblock/cpu_fairness.hpp"
+#include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/sandbox_pool.hpp"
 #include "cellblock/session_store.hpp"
 #include "cellblock/signer.hpp"
+#include "cellblock/unique_fd.hpp"
 #include "cellblock/wire_message.hpp"
 #include "inner_channels.hpp"
 #include "manager_paths.hpp"
@@ -97,15 +99,50 @@ void write_server_file(const fs::path& path, const std::string& endpoint, const 
                     {"pid", ::getpid()},
                     {"version", kVersion}};
     const fs::path tmp = path.string() + ".tmp";
-    const int fd = ::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
-    if (fd < 0) throw std::runtime_error("server file " + tmp.string() + ": " + strerror(errno));
-    ::fchmod(fd, 0600);
+    UniqueFd fd(::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600));
+    if (!fd) throw std::runtime_error("server file " + tmp.string() + ": " + strerror(errno));
+    ::fchmod(fd.get(), 0600);
     const std::string text = j.dump(2) + "\n";
-    const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-    ::close(fd);
+    const bool ok =
+        ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    fd.reset();
     if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
         throw std::runtime_error("server file " + path.string() + ": cannot write");
     }
+}
+
+// The live server's claim on its state dir: a POSIX write lock on
+// server.lock, held for the server's life and released by the kernel when
+// it dies, even by SIGKILL. Clients test it (server_lock_holder) before they
+// trust server.json; a second server on the same state dir is refused
+// before it could reap the first one's sandboxes.
+UniqueFd hold_server_lock(const fs::path& state_dir) {
+    const fs::path file = server_lock_file(state_dir);
+    UniqueFd fd(::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    if (!fd) throw std::runtime_error("server lock " + file.string() + ": " + strerror(errno));
+    struct flock lock {};
+    lock.l_type = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    if (::fcntl(fd.get(), F_SETLK, &lock) != 0) {
+        const auto holder = server_lock_holder(state_dir);
+        throw std::runtime_error("another cellblock server" +
+                                 (holder ? " (pid " + std::to_string(*holder) + ")" : "") +
+                                 " runs with state dir " + state_dir.string());
+    }
+    return fd;
+}
+
+// The host pids of a sandbox's processes (its cgroup's members).
+std::vector<pid_t> sandbox_pids(const std::string& container_id) {
+    std::vector<pid_t> pids;
+    for (const auto& dir : sandbox_cgroup_dirs(container_id)) {
+        std::ifstream procs(dir / "cgroup.procs");
+        if (!procs) continue;
+        for (pid_t pid; procs >> pid;) pids.push_back(pid);
+        if (!pids.empty()) break;
+    }
+    std::sort(pids.begin(), pids.end());
+    return pids;
 }
 
 // runc maps the container's root to an unprivileged host id, which must be
@@ -185,6 +222,15 @@ class Server final : public SessionObserver {
         json metadata;
         Clock::time_point started;
         std::string image_id;  // content id of a built image's root
+        // Creates with the same kind can take each other's sandboxes: image,
+        // version, runtime and limits.
+        std::string kind;
+        bool poolable = false;  // the image's pool holds this kind
+        // The create is answered ServerBusy at this time: the server's
+        // bound on the wait, or earlier, the client's own timeout.
+        Clock::time_point deadline;
+        std::optional<double> client_timeout_s;
+        std::uint64_t ticket = 0;  // the cold start under way for it
     };
     using Handler = json (Server::*)(Request&, std::vector<std::string>& reply_buffers);
 
@@ -192,6 +238,15 @@ class Server final : public SessionObserver {
     void reply(const WireMessage& request, json content, std::vector<std::string> buffers = {});
     void on_pool_results();
     void finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms, bool warm_start);
+    // Queued creates, oldest first, take the warm sandboxes the pool holds.
+    void serve_from_pool();
+    // A started sandbox of `kind` goes to the oldest create of that kind.
+    void hand_out(std::uint64_t ticket, const std::string& kind, StartResult result);
+    // The cold start of a create that no longer waits: cancelled, or its
+    // sandbox goes to the next create of its kind (or is destroyed).
+    void release_cold_start(std::uint64_t ticket, const std::string& kind);
+    void expire_creates(Clock::time_point now);
+    std::size_t open_sessions() const;
     SessionProxy& live_session(const json& content);
     void flush_audit();
     std::string session_id_of(const json& content) const;
@@ -222,11 +277,17 @@ class Server final : public SessionObserver {
     std::string key_ = make_random_key();
     Signer signer_{key_};
     ReplayGuard replay_;
-    int wake_fd_ = -1;
-    int signal_fd_ = -1;
+    UniqueFd server_lock_;
+    UniqueFd wake_fd_;
+    UniqueFd signal_fd_;
     std::unique_ptr<SandboxPool> pool_;
     std::map<std::string, std::unique_ptr<SessionProxy>> sessions_;
-    std::unordered_map<std::uint64_t, PendingCreate> creating_;
+    // Creates waiting for a sandbox, in the order they came in.
+    std::map<std::uint64_t, PendingCreate> creating_;
+    std::uint64_t next_create_ = 0;
+    // Cold starts running for creates that left (their kind): the sandbox
+    // goes to the next create of that kind.
+    std::unordered_map<std::uint64_t, std::string> orphan_starts_;
     std::unordered_map<std::string, std::uint64_t> input_bytes_;
     std::unordered_map<std::string, Handler> handlers_;
     Multipart scratch_;
@@ -248,6 +309,7 @@ Server::Server(const ServeOptions& options)
               options.paths.state_dir / "cellblock.db")) {
     settings_.state_dir = options_.paths.state_dir;
     settings_.libexec_dir = options_.paths.libexec_dir;
+    server_lock_ = hold_server_lock(settings_.state_dir);
     check_state_dir_reachable(settings_.state_dir);
     ::chmod(settings_.state_dir.c_str(), 0711);
     if (!fs::exists(settings_.libexec_dir / "cellblock-shim")) {
@@ -293,7 +355,13 @@ Server::Server(const ServeOptions& options)
                  {"file_get_request", &Server::file_get},
                  {"server_info_request", &Server::server_info}};
 
-    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!wake_fd_) throw std::runtime_error(std::string("eventfd: ") + strerror(errno));
+    sigset_t signals;
+    sigemptyset(&signals);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, sig);
+    signal_fd_.reset(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
+    if (!signal_fd_) throw std::runtime_error(std::string("signalfd: ") + strerror(errno));
     std::vector<PoolImage> pool_images;
     for (const auto& [name, image] : images_) {
         PoolImage p;
@@ -310,7 +378,7 @@ Server::Server(const ServeOptions& options)
         pool_images.push_back(std::move(p));
     }
     zmq::context_t* ctx = &context_;
-    const int wake = wake_fd_;
+    const int wake = wake_fd_.get();
     pool_ = std::make_unique<SandboxPool>(
         settings_,
         [ctx](Sandbox& box) -> std::shared_ptr<void> {
@@ -339,7 +407,6 @@ Server::~Server() {
     pool_.reset();  // joins workers, destroys warm sandboxes
     std::error_code ec;
     fs::remove(server_file(settings_.state_dir), ec);
-    if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
 void Server::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
@@ -381,7 +448,7 @@ void Server::on_manager() {
         auto handler = handlers_.find(type);
         if (handler == handlers_.end()) {
             reply(request.message, {{"status", "error"},
-                                    {"ename", "UnknownRequest"},
+                                    {"ename", ename::UnknownRequest},
                                     {"evalue", "the manager does not know '" + type + "'"}});
             continue;
         }
@@ -397,7 +464,7 @@ void Server::on_manager() {
         } catch (const std::exception& e) {
             spdlog::error("manager {}: {}", type, e.what());
             reply(request.message,
-                  {{"status", "error"}, {"ename", "ServerError"}, {"evalue", e.what()}});
+                  {{"status", "error"}, {"ename", ename::ServerError}, {"evalue", e.what()}});
         }
     }
 }
@@ -405,7 +472,7 @@ void Server::on_manager() {
 std::string Server::session_id_of(const json& content) const {
     auto it = content.find("session_id");
     if (it == content.end() || !it->is_string() || it->get<std::string>().empty()) {
-        throw RequestError{"InvalidRequest", "session_id (a string) is required"};
+        throw RequestError{ename::InvalidRequest, "session_id (a string) is required"};
     }
     return it->get<std::string>();
 }
@@ -415,13 +482,13 @@ SessionProxy& Server::live_session(const json& content) {
     auto it = sessions_.find(id);
     if (it == sessions_.end()) {
         if (auto record = store_.session(id)) {
-            throw RequestError{"SessionClosed",
+            throw RequestError{ename::SessionClosed,
                                "session " + id + " is closed: " + record->close_reason};
         }
-        throw RequestError{"NoSuchSession", "no session " + id};
+        throw RequestError{ename::NoSuchSession, "no session " + id};
     }
     if (it->second->closed()) {
-        throw RequestError{"SessionClosed",
+        throw RequestError{ename::SessionClosed,
                            "session " + id + " is closed: " + it->second->close_reason()};
     }
     return *it->second;
@@ -436,7 +503,8 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     if (image == images_.end()) {
         std::string known;
         for (const auto& [name, def] : images_) known += (known.empty() ? "" : ", ") + name;
-        throw RequestError{"UnknownImage", "no image '" + image_name + "'; known images: " + known};
+        throw RequestError{ename::UnknownImage,
+                           "no image '" + image_name + "'; known images: " + known};
     }
     // A built image runs on its current version (a rebuild moves the name).
     follow_image_version(image_name);
@@ -444,39 +512,73 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     try {
         resolved = resolve_image(image->second, image_store_);
     } catch (const std::exception& e) {
-        throw RequestError{"ImageNotBuilt", e.what()};
+        throw RequestError{ename::ImageNotBuilt, e.what()};
     }
     const json requested = c.contains("limits") ? c["limits"] : json::object();
     if (!requested.is_object() && !requested.is_null()) {
-        throw RequestError{"InvalidLimits", "limits must be an object"};
+        throw RequestError{ename::InvalidLimits, "limits must be an object"};
     }
     const SessionLimits limits = options_.policy.effective(resolved.limits_json, requested);
     const json metadata = c.contains("metadata") ? c["metadata"] : json::object();
-    if (!metadata.is_object()) throw RequestError{"InvalidRequest", "metadata must be an object"};
-    if (sessions_.size() + creating_.size() >=
-        static_cast<std::size_t>(options_.policy.max_sessions)) {
-        throw RequestError{"TooManySessions", "the server holds its maximum of " +
-                                                  std::to_string(options_.policy.max_sessions) +
-                                                  " sessions"};
+    if (!metadata.is_object())
+        throw RequestError{ename::InvalidRequest, "metadata must be an object"};
+    // The client's own timeout: past it nobody waits for the session.
+    std::optional<double> client_timeout_s;
+    if (c.contains("timeout_s") && !c["timeout_s"].is_null()) {
+        if (!c["timeout_s"].is_number() || !(c["timeout_s"].get<double>() > 0)) {
+            throw RequestError{ename::InvalidRequest,
+                               "timeout_s must be a positive number of seconds"};
+        }
+        client_timeout_s = c["timeout_s"].get<double>();
+    }
+    // Closed sessions do not count: they hold no sandbox, and their
+    // channels are released closed_channels_s after the close.
+    const std::size_t open = open_sessions();
+    if (open + creating_.size() >= static_cast<std::size_t>(options_.policy.max_sessions)) {
+        throw RequestError{ename::TooManySessions,
+                           std::to_string(open) + " sessions open and " +
+                               std::to_string(creating_.size()) +
+                               " starting: the server's maximum is " +
+                               std::to_string(options_.policy.max_sessions) + " (--max-sessions)"};
     }
     // The image's runtime, or the one the request names (allowlisted, installed).
     Image image_def = resolved;
     if (c.contains("runtime") && !c["runtime"].is_null()) {
         if (!c["runtime"].is_string() || !runtime_allowed(c["runtime"].get<std::string>())) {
-            throw RequestError{"UnknownRuntime", "runtime must be one of runc, runsc, crun"};
+            throw RequestError{ename::UnknownRuntime, "runtime must be one of runc, runsc, crun"};
         }
         image_def.runtime = c["runtime"].get<std::string>();
     }
     if (!runtime_installed(image_def.runtime)) {
-        throw RequestError{"UnknownRuntime",
+        throw RequestError{ename::UnknownRuntime,
                            "runtime '" + image_def.runtime + "' is not installed on this host"};
     }
-    PendingCreate pending{r.message, "",           image_name,          limits,
-                          metadata,  Clock::now(), image_def.content_id};
+    PendingCreate pending;
+    pending.request = r.message;
+    pending.image = image_name;
+    pending.limits = limits;
+    pending.metadata = metadata;
+    pending.started = Clock::now();
+    pending.image_id = image_def.content_id;
+    pending.kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime + " " +
+                   limits.sandbox.to_json().dump();
+    pending.client_timeout_s = client_timeout_s;
+    const auto wait_bound = std::chrono::duration<double>(options_.policy.max_create_wait_s);
+    pending.deadline = pending.started + std::chrono::duration_cast<Clock::duration>(wait_bound);
+    if (client_timeout_s) {
+        // Leave the reply time to travel before the client gives up.
+        const double margin = std::min(1.0, *client_timeout_s / 10);
+        const auto client_wait = std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(*client_timeout_s - margin));
+        pending.deadline = std::min(pending.deadline, pending.started + client_wait);
+    }
     // The pool holds sandboxes of the image's own runtime and pool version only.
     const auto pool_id = pool_image_ids_.find(image_name);
-    if (image_def.runtime == resolved.runtime && pool_id != pool_image_ids_.end() &&
-        pool_id->second == image_def.content_id) {
+    pending.poolable = image_def.runtime == resolved.runtime && pool_id != pool_image_ids_.end() &&
+                       pool_id->second == image_def.content_id;
+    // First come, first served: a warm sandbox goes to this create only if
+    // no earlier one still waits.
+    if (pending.poolable && creating_.empty()) {
         if (WarmSandbox warm = pool_->take(image_name, limits.sandbox)) {
             pending.session_id = warm.sandbox->session_id();
             finish_create(pending, std::move(warm), 0, true);
@@ -484,9 +586,113 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
         }
     }
     pending.session_id = make_session_id();
-    const std::uint64_t ticket = pool_->start_cold(pending.session_id, image_def, limits.sandbox);
-    creating_.emplace(ticket, std::move(pending));
-    return nullptr;  // answered when the sandbox is up
+    pending.ticket = pool_->start_cold(pending.session_id, image_def, limits.sandbox);
+    creating_.emplace(next_create_++, std::move(pending));
+    serve_from_pool();
+    return nullptr;  // answered when a sandbox is up
+}
+
+std::size_t Server::open_sessions() const {
+    return static_cast<std::size_t>(std::count_if(
+        sessions_.begin(), sessions_.end(), [](const auto& s) { return !s.second->closed(); }));
+}
+
+void Server::serve_from_pool() {
+    for (auto it = creating_.begin(); it != creating_.end();) {
+        PendingCreate& pending = it->second;
+        WarmSandbox warm;
+        if (pending.poolable) warm = pool_->take(pending.image, pending.limits.sandbox);
+        if (!warm) {
+            ++it;
+            continue;
+        }
+        PendingCreate served = std::move(pending);
+        it = creating_.erase(it);
+        release_cold_start(served.ticket, served.kind);
+        served.session_id = warm.sandbox->session_id();
+        try {
+            finish_create(served, std::move(warm), 0, true);
+        } catch (const std::exception& e) {
+            reply(served.request,
+                  {{"status", "error"}, {"ename", ename::ServerError}, {"evalue", e.what()}});
+        }
+    }
+}
+
+void Server::release_cold_start(std::uint64_t ticket, const std::string& kind) {
+    if (!pool_->cancel_cold(ticket)) orphan_starts_.emplace(ticket, kind);
+}
+
+void Server::hand_out(std::uint64_t ticket, const std::string& kind, StartResult result) {
+    // The oldest create of this kind gets the sandbox, whichever create's
+    // start it was: starts run side by side and finish in any order.
+    auto oldest = std::find_if(creating_.begin(), creating_.end(),
+                               [&](const auto& entry) { return entry.second.kind == kind; });
+    if (oldest == creating_.end()) {
+        spdlog::info("sandbox {}: started for a create that no longer waits; destroyed",
+                     result.warm.sandbox->container_id());
+        result.warm.channels.reset();
+        pool_->dispose(std::move(result.warm.sandbox));
+        return;
+    }
+    PendingCreate served = std::move(oldest->second);
+    creating_.erase(oldest);
+    if (served.ticket != ticket) {
+        // The served create's own start is still under way: the create this
+        // sandbox was started for (if it still waits) waits for that one.
+        auto mine = std::find_if(creating_.begin(), creating_.end(),
+                                 [&](const auto& entry) { return entry.second.ticket == ticket; });
+        if (mine != creating_.end()) {
+            mine->second.ticket = served.ticket;
+        } else {
+            release_cold_start(served.ticket, kind);
+        }
+    }
+    served.session_id = result.warm.sandbox->session_id();
+    try {
+        finish_create(served, std::move(result.warm), result.start_ms, false);
+    } catch (const std::exception& e) {
+        reply(served.request,
+              {{"status", "error"}, {"ename", ename::ServerError}, {"evalue", e.what()}});
+    }
+}
+
+void Server::expire_creates(Clock::time_point now) {
+    std::size_t ahead = 0;
+    for (auto it = creating_.begin(); it != creating_.end();) {
+        PendingCreate& pending = it->second;
+        if (pending.deadline > now) {
+            ++it;
+            ++ahead;
+            continue;
+        }
+        const double waited = std::chrono::duration<double>(now - pending.started).count();
+        const std::string queue = std::to_string(creating_.size()) + " creates waiting, " +
+                                  std::to_string(ahead) + " ahead of this one";
+        std::string evalue;
+        if (pending.client_timeout_s && waited < options_.policy.max_create_wait_s) {
+            evalue = fmt::format(
+                "no sandbox within the client's timeout_s {:g} (waited {:.1f} s; {}); the "
+                "session is not created",
+                *pending.client_timeout_s, waited, queue);
+            spdlog::warn(
+                "session_create abandoned: its client gives up after {:g} s ({}); the "
+                "sandbox started for it goes to the next create",
+                *pending.client_timeout_s, queue);
+        } else {
+            evalue = fmt::format(
+                "no sandbox after {:.1f} s (the server's max_create_wait_s is "
+                "{:g}; {})",
+                waited, options_.policy.max_create_wait_s, queue);
+            spdlog::warn("session_create refused: {}", evalue);
+        }
+        reply(pending.request,
+              {{"status", "error"}, {"ename", ename::ServerBusy}, {"evalue", evalue}});
+        const std::uint64_t ticket = pending.ticket;
+        const std::string kind = pending.kind;
+        it = creating_.erase(it);
+        release_cold_start(ticket, kind);
+    }
 }
 
 void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms,
@@ -548,29 +754,33 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
 
 void Server::on_pool_results() {
     std::uint64_t count;
-    [[maybe_unused]] auto n = ::read(wake_fd_, &count, sizeof count);
+    [[maybe_unused]] auto n = ::read(wake_fd_.get(), &count, sizeof count);
     for (auto& result : pool_->drain_results()) {
-        auto it = creating_.find(result.ticket);
-        if (it == creating_.end()) {
-            pool_->dispose(std::move(result.warm.sandbox));
-            continue;
+        auto it = std::find_if(creating_.begin(), creating_.end(), [&](const auto& entry) {
+            return entry.second.ticket == result.ticket;
+        });
+        std::string kind;
+        if (it != creating_.end()) {
+            kind = it->second.kind;
+        } else if (auto orphan = orphan_starts_.find(result.ticket);
+                   orphan != orphan_starts_.end()) {
+            kind = std::move(orphan->second);
+            orphan_starts_.erase(orphan);
         }
-        PendingCreate pending = std::move(it->second);
-        creating_.erase(it);
         if (!result.warm) {
+            if (it == creating_.end()) continue;
+            PendingCreate pending = std::move(it->second);
+            creating_.erase(it);
             spdlog::error("session {}: the sandbox did not start: {}", pending.session_id,
                           result.error);
-            reply(pending.request,
-                  {{"status", "error"}, {"ename", "SandboxStartFailed"}, {"evalue", result.error}});
+            reply(pending.request, {{"status", "error"},
+                                    {"ename", ename::SandboxStartFailed},
+                                    {"evalue", result.error}});
             continue;
         }
-        try {
-            finish_create(pending, std::move(result.warm), result.start_ms, false);
-        } catch (const std::exception& e) {
-            reply(pending.request,
-                  {{"status", "error"}, {"ename", "ServerError"}, {"evalue", e.what()}});
-        }
+        hand_out(result.ticket, kind, std::move(result));
     }
+    serve_from_pool();  // a refill may have come in
 }
 
 json Server::session_list(Request& r, std::vector<std::string>&) {
@@ -586,16 +796,27 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
         if (auto it = sessions_.find(s.id); it != sessions_.end()) {
             entry["state"] = it->second->state();
             if (const auto* g = it->second->governor()) entry["executions"] = g->executions();
+            if (const Sandbox* box = it->second->sandbox(); box && !it->second->closed()) {
+                entry["container_id"] = box->container_id();
+                entry["pids"] = sandbox_pids(box->container_id());
+            }
         }
         list.push_back(entry);
     }
-    return {{"status", "ok"}, {"sessions", list}};
+    // Every sandbox on the host that this server runs: the sessions' above,
+    // and the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
+    json warm = pool_->warm_sandboxes();
+    for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
+    return {{"status", "ok"},
+            {"sessions", list},
+            {"warm_sandboxes", warm},
+            {"runtime_root", settings_.runtime_root().string()}};
 }
 
 json Server::session_info(Request& r, std::vector<std::string>&) {
     const std::string id = session_id_of(r.message.content);
     const auto record = store_.session(id);
-    if (!record) throw RequestError{"NoSuchSession", "no session " + id};
+    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
     json info = {{"status", "ok"},
                  {"session_id", id},
                  {"image", record->image},
@@ -607,6 +828,11 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
                  {"limits", record->limits},
                  {"metadata", record->metadata},
                  {"executions", record->execution_count}};
+    if (record->state == "closed") {
+        // What the session used over its life, kept at the close.
+        info["usage"] = {{"memory_peak_bytes", record->memory_peak_bytes},
+                         {"cpu_ms", record->cpu_ms}};
+    }
     if (auto it = sessions_.find(id); it != sessions_.end() && !it->second->closed()) {
         SessionProxy& s = *it->second;
         info["state"] = s.state();
@@ -633,7 +859,7 @@ json Server::session_close(Request& r, std::vector<std::string>&) {
 json Server::session_history(Request& r, std::vector<std::string>&) {
     const std::string id = session_id_of(r.message.content);
     const auto record = store_.session(id);
-    if (!record) throw RequestError{"NoSuchSession", "no session " + id};
+    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
     json executions = json::array();
     for (const auto& e : store_.executions(id)) {
         executions.push_back({{"count", e.count},
@@ -652,10 +878,16 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
     for (const auto& e : store_.events(id)) {
         events.push_back({{"at", e.at}, {"kind", e.kind}, {"detail", e.detail}});
     }
-    return {{"status", "ok"},           {"session_id", id},
-            {"image", record->image},   {"image_id", record->image_id},
-            {"state", record->state},   {"close_reason", record->close_reason},
-            {"executions", executions}, {"events", events}};
+    return {{"status", "ok"},
+            {"session_id", id},
+            {"image", record->image},
+            {"image_id", record->image_id},
+            {"state", record->state},
+            {"close_reason", record->close_reason},
+            {"memory_peak_bytes", record->memory_peak_bytes},
+            {"cpu_ms", record->cpu_ms},
+            {"executions", executions},
+            {"events", events}};
 }
 
 json Server::file_put(Request& r, std::vector<std::string>&) {
@@ -762,8 +994,7 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         }
         images[name] = entry;
     }
-    std::size_t open = 0;
-    for (const auto& [id, s] : sessions_) open += s->closed() ? 0 : 1;
+    const std::size_t open = open_sessions();
     return {
         {"status", "ok"},
         {"implementation", "cellblock"},
@@ -878,10 +1109,14 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     fairness_.erase(session_id);
     auto it = sessions_.find(session_id);
     std::int64_t executions = 0;
-    if (it != sessions_.end() && it->second->governor())
-        executions = it->second->governor()->executions();
+    std::uint64_t memory_peak_bytes = 0, cpu_ms = 0;
+    if (it != sessions_.end()) {
+        if (it->second->governor()) executions = it->second->governor()->executions();
+        memory_peak_bytes = it->second->memory_peak_bytes();
+        cpu_ms = it->second->cpu_ms();
+    }
     try {
-        store_.close_session(session_id, reason, unix_now(), executions, 0, 0);
+        store_.close_session(session_id, reason, unix_now(), executions, memory_peak_bytes, cpu_ms);
         store_.add_event({session_id, unix_now(), "closed", reason});
     } catch (const std::exception& e) {
         spdlog::error("audit: {}", e.what());
@@ -889,10 +1124,6 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
 }
 
 int Server::run() {
-    sigset_t set;
-    sigemptyset(&set);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
-    signal_fd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
     spdlog::info("cellblock serve: manager on {}, state in {}, {} image(s)", manager_endpoint_,
                  settings_.state_dir.string(), images_.size());
     std::vector<zmq::pollitem_t> items;
@@ -901,8 +1132,8 @@ int Server::run() {
         items.clear();
         order.clear();
         items.push_back({manager_.handle(), 0, ZMQ_POLLIN, 0});
-        items.push_back({nullptr, wake_fd_, ZMQ_POLLIN, 0});
-        items.push_back({nullptr, signal_fd_, ZMQ_POLLIN, 0});
+        items.push_back({nullptr, wake_fd_.get(), ZMQ_POLLIN, 0});
+        items.push_back({nullptr, signal_fd_.get(), ZMQ_POLLIN, 0});
         std::optional<Clock::time_point> next;
         for (auto& [id, session] : sessions_) {
             order.push_back(session.get());
@@ -911,6 +1142,9 @@ int Server::run() {
         }
         if (!sessions_.empty() && (!next || next_balance_ < *next)) next = next_balance_;
         if (!next || next_version_check_ < *next) next = next_version_check_;
+        for (const auto& [order, pending] : creating_) {
+            if (pending.deadline < *next) next = pending.deadline;
+        }
         long timeout_ms = -1;
         if (next) {
             timeout_ms = std::max<long>(
@@ -921,7 +1155,7 @@ int Server::run() {
         zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout_ms));
         if (items[2].revents & ZMQ_POLLIN) {
             signalfd_siginfo info;
-            [[maybe_unused]] auto n = ::read(signal_fd_, &info, sizeof info);
+            [[maybe_unused]] auto n = ::read(signal_fd_.get(), &info, sizeof info);
             spdlog::info("cellblock serve: {}; closing {} session(s)",
                          strsignal(static_cast<int>(info.ssi_signo)), sessions_.size());
             return 0;
@@ -933,6 +1167,7 @@ int Server::run() {
         if (items[0].revents & ZMQ_POLLIN) on_manager();
         if (items[1].revents & ZMQ_POLLIN) on_pool_results();
         const auto now = Clock::now();
+        expire_creates(now);
         if (now >= next_balance_) balance_cpu(now);
         if (now >= next_version_check_) {
             for (const auto& [name, image] : images_) follow_image_version(name);

@@ -136,6 +136,7 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     inner_iopub_ = std::move(channels.iopub);
     inner_hb_ = std::move(channels.hb);
     probe_ids_.insert(channels.probe_msg_ids.begin(), channels.probe_msg_ids.end());
+    cpu_ns_at_attach_ = sandbox_->usage().cpu_ns;
     if (governor_) governor_->on_client_request(Clock::now());
 }
 
@@ -738,7 +739,7 @@ std::optional<Clock::time_point> SessionProxy::next_deadline() const {
     if (closed_) {
         if (!options_.policy) return std::nullopt;
         return closed_at_ + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(options_.policy->closed_memory_s));
+                                std::chrono::duration<double>(options_.policy->closed_channels_s));
     }
     std::optional<Clock::time_point> next = shutdown_deadline_;
     auto consider = [&](Clock::time_point t) {
@@ -756,7 +757,7 @@ std::optional<Clock::time_point> SessionProxy::next_deadline() const {
 bool SessionProxy::expired(Clock::time_point now) const {
     if (!closed_) return false;
     if (!options_.policy) return true;
-    return now - closed_at_ >= std::chrono::duration<double>(options_.policy->closed_memory_s);
+    return now - closed_at_ >= std::chrono::duration<double>(options_.policy->closed_channels_s);
 }
 
 void SessionProxy::on_timer(Clock::time_point now) {
@@ -954,6 +955,12 @@ void SessionProxy::close(const std::string& reason) {
     if (execution_) finish_execution("error", "SessionClosed");
     if (!pending_.empty()) fail_pending("SessionClosed", "the session closed: " + reason);
     if (sandbox_) {
+        // The registry keeps the session's figures: its sandbox's whole
+        // life since the hand-out, work between executions included.
+        const SandboxUsage last = sandbox_->usage();
+        memory_peak_bytes_ = std::max(memory_peak_bytes_, last.memory_peak_bytes);
+        cpu_ms_total_ = std::max(
+            cpu_ms_total_, (last.cpu_ns - std::min(last.cpu_ns, cpu_ns_at_attach_)) / 1000000);
         sandbox_->kill();
         if (options_.dispose) {
             options_.dispose(std::move(sandbox_));

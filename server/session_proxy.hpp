@@ -81,7 +81,8 @@ class SessionProxy {
     void on_timer(Clock::time_point now);
 
     // Ends the session: answers what is pending, kills and disposes of the
-    // sandbox. The outer channels stay bound and answer SessionClosed.
+    // sandbox. The outer shell, control and iopub stay bound, answering
+    // SessionClosed, until expired() (policy closed_channels_s).
     void close(const std::string& reason);
     bool closed() const { return closed_; }
     // True once a closed session has answered SessionClosed long enough.
@@ -92,7 +93,8 @@ class SessionProxy {
     Sandbox* sandbox() { return sandbox_.get(); }
     const SessionGovernor* governor() const { return governor_ ? &*governor_ : nullptr; }
     std::string state() const;
-    // Over the session's executions so far (the registry keeps them at close).
+    // Over the session's executions so far; at close, over its whole life
+    // (the registry keeps them).
     std::uint64_t memory_peak_bytes() const { return memory_peak_bytes_; }
     std::uint64_t cpu_ms() const { return cpu_ms_total_; }
     // When the running execution started (none: the kernel is idle), and
@@ -192,6 +194,7 @@ class SessionProxy {
     static constexpr std::size_t kMaxPendingRequests = 4096;
     std::uint64_t memory_peak_bytes_ = 0;
     std::uint64_t cpu_ms_total_ = 0;
+    std::uint64_t cpu_ns_at_attach_ = 0;  // the kernel's start is not the session's
     std::optional<Execution> execution_;
     Clock::time_point idle_since_ = Clock::now();
     // The running execution's reply, held until the kernel's idle status for

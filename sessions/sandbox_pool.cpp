@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <optional>
 
@@ -158,10 +159,24 @@ std::uint64_t SandboxPool::start_cold(const std::string& session_id, const Image
                                       const SandboxLimits& limits) {
     std::lock_guard lock(mutex_);
     const std::uint64_t ticket = next_ticket_++;
-    // A waiting client goes before refills.
-    jobs_.push_front(Job{Job::cold, image.name, session_id, image, limits, ticket, nullptr});
+    // A waiting client goes before refills, and after the clients that came
+    // before it: first come, first served.
+    const auto first_refill = std::find_if(jobs_.begin(), jobs_.end(),
+                                           [](const Job& job) { return job.kind == Job::refill; });
+    jobs_.insert(first_refill,
+                 Job{Job::cold, image.name, session_id, image, limits, ticket, nullptr});
     changed_.notify_one();
     return ticket;
+}
+
+bool SandboxPool::cancel_cold(std::uint64_t ticket) {
+    std::lock_guard lock(mutex_);
+    const auto job = std::find_if(jobs_.begin(), jobs_.end(), [&](const Job& j) {
+        return j.kind == Job::cold && j.ticket == ticket;
+    });
+    if (job == jobs_.end()) return false;
+    jobs_.erase(job);
+    return true;
 }
 
 std::vector<StartResult> SandboxPool::drain_results() {
@@ -299,6 +314,7 @@ void SandboxPool::work() {
             slot.ready.push_back(std::move(result.warm));
             spdlog::debug("pool {}: warm sandbox ready in {:.0f} ms", job.image, result.start_ms);
             changed_.notify_all();
+            notify_();  // a create may be waiting for it
         } else {
             ++slot.failures;
             slot.last_error = result.error;
@@ -323,6 +339,19 @@ nlohmann::json SandboxPool::state() const {
                      {"target", slot.config.target},
                      {"failures", slot.failures},
                      {"last_error", slot.last_error}};
+    }
+    return out;
+}
+
+nlohmann::json SandboxPool::warm_sandboxes() const {
+    std::lock_guard lock(mutex_);
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& [name, slot] : slots_) {
+        for (const auto& warm : slot.ready) {
+            out.push_back({{"image", name},
+                           {"container_id", warm.sandbox->container_id()},
+                           {"init_pid", warm.sandbox->init_pid()}});
+        }
     }
     return out;
 }

@@ -209,6 +209,12 @@ void ServerPolicy::validate() const {
             }
         },
         defaults, maxima);
+    if (!(max_create_wait_s > 0))
+        throw invalid("max_create_wait_s " + format_number(max_create_wait_s) + " is not positive");
+    if (!(closed_channels_s >= 0))
+        throw invalid("closed_channels_s " + format_number(closed_channels_s) + " is negative");
+    if (max_sessions <= 0)
+        throw invalid("max_sessions " + std::to_string(max_sessions) + " is not positive");
 }
 
 SessionLimits ServerPolicy::effective(const json& image_limits, const json& request_limits) const {
@@ -231,13 +237,10 @@ SessionLimits ServerPolicy::effective(const json& image_limits, const json& requ
 }
 
 json ServerPolicy::to_json() const {
-    return {{"defaults", defaults.to_json()},
-            {"maxima", maxima.to_json()},
-            {"kill_grace_s", kill_grace_s},
-            {"closed_memory_s", closed_memory_s},
-            {"max_message_bytes", max_message_bytes},
-            {"max_file_bytes", max_file_bytes},
-            {"max_sessions", max_sessions}};
+    return {{"defaults", defaults.to_json()},         {"maxima", maxima.to_json()},
+            {"kill_grace_s", kill_grace_s},           {"closed_channels_s", closed_channels_s},
+            {"max_message_bytes", max_message_bytes}, {"max_file_bytes", max_file_bytes},
+            {"max_sessions", max_sessions},           {"max_create_wait_s", max_create_wait_s}};
 }
 
 // ---- SessionGovernor ----

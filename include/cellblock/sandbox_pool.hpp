@@ -48,8 +48,8 @@ struct StartResult {
 
 class SandboxPool {
   public:
-    // `notify` is called from a worker thread whenever a StartResult is ready
-    // (the server wakes its loop with it); it must not block.
+    // `notify` is called from a worker thread whenever a StartResult or a
+    // warm sandbox is ready (the server wakes its loop with it); it must not block.
     SandboxPool(RuntimeSettings settings, ReadinessProbe probe, std::vector<PoolImage> images,
                 std::function<void()> notify, int workers = 2);
     ~SandboxPool();  // stops workers, destroys every sandbox still held
@@ -65,9 +65,14 @@ class SandboxPool {
     WarmSandbox take(const std::string& image, const SandboxLimits& limits);
 
     // Starts a sandbox in the background (cold start); its StartResult with
-    // the returned ticket arrives through drain_results().
+    // the returned ticket arrives through drain_results(). Cold starts run
+    // in the order they were asked for (before refills, after destructions);
+    // tickets grow in that order.
     std::uint64_t start_cold(const std::string& session_id, const Image& image,
                              const SandboxLimits& limits);
+    // Drops a cold start that no worker has begun; false once one has (its
+    // StartResult will still arrive).
+    bool cancel_cold(std::uint64_t ticket);
     std::vector<StartResult> drain_results();
 
     // Destroys a sandbox in the background.
@@ -82,6 +87,8 @@ class SandboxPool {
 
     // {image: {ready, starting, target, failures, last_error}}
     nlohmann::json state() const;
+    // The warm sandboxes held: [{image, container_id, init_pid}] (`cellblock ls`).
+    nlohmann::json warm_sandboxes() const;
     std::size_t ready(const std::string& image) const;
     // Blocks until every image has `target` ready sandboxes or the timeout passes (tests,
     // benchmarks).

@@ -51,12 +51,15 @@ class PolicyError : public std::runtime_error {
 
 struct ServerPolicy {
     SessionLimits defaults;
-    SessionLimits maxima;          // no layer may go above these
-    double kill_grace_s = 3;       // after an interrupt at the deadline, before the kill
-    double closed_memory_s = 600;  // how long a closed session still answers SessionClosed
+    SessionLimits maxima;     // no layer may go above these
+    double kill_grace_s = 3;  // after an interrupt at the deadline, before the kill
+    // How long a closed session's own channels stay bound, answering
+    // SessionClosed to requests in flight; the registry keeps the rest.
+    double closed_channels_s = 30;
     std::int64_t max_message_bytes = 16 << 20;  // one iopub message larger is replaced by a notice
     std::int64_t max_file_bytes = 64 << 20;     // file_put / file_get
-    int max_sessions = 256;
+    int max_sessions = 256;         // open and starting sessions at once (closed ones do not count)
+    double max_create_wait_s = 60;  // a session_create still waiting for a sandbox: ServerBusy
 
     ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16
                      // GB)

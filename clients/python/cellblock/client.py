@@ -13,8 +13,10 @@ A Server may be shared by threads (each thread gets its own manager socket);
 a Session belongs to one thread at a time.
 """
 import base64
+import fcntl
 import json
 import os
+import struct
 import threading
 import time
 
@@ -41,6 +43,25 @@ def server_file(state_dir=None, path=None):
     return os.path.join(state_dir, "server.json")
 
 
+def _lock_holder(state_dir):
+    """The pid of the server holding STATE_DIR/server.lock, 0 when none does, or None
+    when there is no lock file (a server older than the lock). The lock is tested
+    (F_GETLK), never taken, so it cannot get in the way of a server starting."""
+    try:
+        fd = os.open(os.path.join(state_dir, "server.lock"), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None
+    try:
+        # struct flock: l_type, l_whence, l_start, l_len, l_pid (native layout)
+        probe = struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        l_type, _, _, _, l_pid = struct.unpack("@hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+    finally:
+        os.close(fd)
+    return 0 if l_type == fcntl.F_UNLCK else l_pid
+
+
 def _pid_alive(pid):
     try:
         os.kill(int(pid), 0)
@@ -63,7 +84,13 @@ def connect(state_dir=None, path=None, timeout=10.0):
                              f"pass state_dir= or set CELLBLOCK_STATE_DIR)") from None
     except (OSError, ValueError) as e:
         raise ServerNotFound(f"cannot read {file}: {e}") from None
-    if "pid" in info and not _pid_alive(info["pid"]):
+    # A server killed by SIGKILL leaves server.json behind; the lock it held is
+    # gone with it (and a pid may be reused: the lock is the better witness).
+    holder = _lock_holder(os.path.dirname(os.path.abspath(file)))
+    if holder == 0:
+        raise ServerNotFound(f"no server running: {file} is left from pid {info.get('pid')}, "
+                             f"which holds no lock there (a stale file)")
+    if holder is None and "pid" in info and not _pid_alive(info["pid"]):
         raise ServerNotFound(f"{file} names pid {info['pid']}, which is not running (a stale file)")
     server = Server(info, file)
     try:
@@ -147,6 +174,8 @@ class Server:
             content["metadata"] = metadata
         if runtime is not None:
             content["runtime"] = runtime
+        # The server never hands out a session after this client stopped waiting.
+        content["timeout_s"] = timeout
         reply, _ = self.request("session_create_request", content, timeout=timeout)
         session = Session(self, reply)
         with self._lock:

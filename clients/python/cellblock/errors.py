@@ -1,5 +1,9 @@
 """Exceptions named after the enames cellblock's server sends.
 
+The server's catalogue of names is include/cellblock/error_names.hpp
+(`cellblock errors --json`); tests/python/test_error_names.py checks this
+module against it.
+
 A manager request that fails raises the class named by the reply's `ename`;
 an execution the server stopped or refused (its policy, not the code) raises
 the class named by the error the server put in the execute_reply. An
@@ -81,10 +85,6 @@ class SessionBusy(PolicyError):
     """Too many requests are queued on the session."""
 
 
-class OutputLimitExceeded(PolicyError):
-    """Output past the session's output_bytes was dropped (see Execution.truncated)."""
-
-
 # ---- errors of manager requests
 class ManagerError(CellblockError):
     """A manager request failed."""
@@ -107,7 +107,20 @@ class InvalidLimits(ManagerError, PolicyError):
 
 
 class TooManySessions(ManagerError):
-    pass
+    """The server holds --max-sessions open and starting sessions."""
+
+
+class ServerBusy(ManagerError):
+    """A session_create waited past the server's bound (or the request's timeout_s)
+    in the queue of creates; evalue gives the wait and the queue's length."""
+
+
+class ImageNotBuilt(ManagerError):
+    """The image is defined but `cellblock image build NAME` never ran."""
+
+
+class InvalidRequest(ManagerError):
+    """A required field of the request is missing or mistyped."""
 
 
 class SandboxStartFailed(ManagerError):
@@ -142,11 +155,12 @@ class ServerError(ManagerError):
     pass
 
 
+#: the class of each ename the server sends (its catalogue, and nothing else)
 _BY_NAME = {cls.__name__: cls for cls in (
-    ExecutionLimitExceeded, ExecutionTimeout, InterruptIgnored, SessionClosed, MemoryLimitExceeded,
-    KernelDied, SessionBusy, OutputLimitExceeded, UnknownImage, UnknownRuntime, LimitAboveMaximum,
-    InvalidLimits, TooManySessions, SandboxStartFailed, NoSuchSession, InvalidPath, FileNotFound,
-    FileTooLarge, FileError, UnknownRequest, ServerError)}
+    ExecutionLimitExceeded, ExecutionTimeout, InterruptIgnored, SessionClosed, MemoryLimitExceeded, KernelDied,
+    SessionBusy, UnknownImage, ImageNotBuilt, UnknownRuntime, LimitAboveMaximum, InvalidLimits,
+    TooManySessions, ServerBusy, SandboxStartFailed, NoSuchSession, InvalidRequest, InvalidPath,
+    FileNotFound, FileTooLarge, FileError, UnknownRequest, ServerError)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",
