@@ -822,6 +822,8 @@ void Server::balance_cpu(Clock::time_point now) {
         sample.at = now;
         sample.cpu_ns = box->usage().cpu_ns;
         sample.tasks = box->task_count();
+        // Only a demoted session needs it (to tell calm from starved): /proc reads per task.
+        if (fairness.demoted()) sample.runnable = box->any_task_runnable();
         if (const auto running = session->running_since()) sample.running_for = now - *running;
         sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);

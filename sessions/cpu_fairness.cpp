@@ -87,14 +87,17 @@ std::optional<std::string> CpuFairness::abuse() const {
 bool CpuFairness::calm() const {
     const auto w = window(policy_.calm_after);
     if (!w) return false;
-    double cpu = 0, span = 0;
+    double cpu = 0, span = 0, wanting = 0;
     for (const Interval* i : *w) {
         if (i->storm(policy_)) return false;
         if (i->executed) continue;  // an execution's CPU is its own business
+        const double dt = seconds(i->end - i->start);
         cpu += i->cpu_s;
-        span += seconds(i->end - i->start);
+        span += dt;
+        if (i->runnable > 0) wanting += dt;
     }
-    return span <= 0 || cpu <= policy_.calm_share * span;
+    return span <= 0 ||
+           (cpu <= policy_.calm_share * span && wanting <= policy_.calm_runnable * span);
 }
 
 CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
@@ -150,6 +153,7 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     i.grew = sample.tasks >= 0 && last_->tasks >= 0 &&
              sample.tasks - last_->tasks >= policy_.storm_growth;
     i.executed = sample.executed;
+    i.runnable = sample.runnable;
     history_.push_back(i);
     last_ = sample;
     const Seconds keep =

@@ -646,6 +646,25 @@ std::int64_t Sandbox::task_count() const {
     return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
 }
 
+int Sandbox::any_task_runnable() const {
+    if (destroyed_) return -1;
+    for (const auto& dir : cgroup_dirs_) {
+        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
+        if (!tasks) continue;
+        for (long tid = 0; tasks >> tid;) {
+            std::ifstream stat("/proc/" + std::to_string(tid) + "/stat");
+            std::string line;
+            if (!std::getline(stat, line)) continue;  // exited meanwhile
+            // "pid (comm) S ...": the comm may hold spaces and parentheses.
+            const auto close = line.rfind(')');
+            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R')
+                return 1;
+        }
+        return 0;
+    }
+    return -1;
+}
+
 bool Sandbox::set_cpu_quota(double cpus) {
     if (destroyed_ || counters_.cpu_quota < 0) return false;
     // The period apply_cgroup_limits sets; the kernel's floor is 1 ms.

@@ -14,10 +14,10 @@
 //    over `background_after` in which no execution ran.
 // Either demotes the session to `demoted_weight` and caps its quota at
 // `demoted_cpus`: a guaranteed share that still makes progress, never the
-// starvation of cgroup cpu.idle. It is restored once it has been calm (no
-// storm, at most `calm_share` of a core without an execution) for
-// `calm_after`: a demoted spinner keeps getting CPU, so it stays demoted
-// rather than flapping.
+// starvation of cgroup cpu.idle. It is restored once it has been calm for
+// `calm_after`: no storm, and without an execution at most `calm_share` of a
+// core used and a runnable task in at most `calm_runnable` of the samples. A
+// demoted spinner keeps wanting CPU, so it stays demoted rather than flapping.
 // A long execution is legitimate and is never demoted: past each of
 // `long_steps` of CPU-bound running it only yields a step of weight (its
 // quota stays, and a weight matters only when CPU is contended), so a cell
@@ -37,8 +37,9 @@ namespace cellblock {
 struct CpuFairnessPolicy {
     using Seconds = std::chrono::duration<double>;
     std::chrono::milliseconds interval{250};
-    double busy_share = 0.05;  // of one core: above it, work in the background is loud
-    double calm_share = 0.02;  // of one core: at most this, a demoted session is calm
+    double busy_share = 0.05;     // of one core: above it, work in the background is loud
+    double calm_share = 0.02;     // of one core: at most this, a demoted session is calm
+    double calm_runnable = 0.25;  // of the samples with a runnable task, at most
     Seconds background_after{3.0};
     Seconds storm_after{1.0};
     Seconds calm_after{5.0};
@@ -75,6 +76,10 @@ struct CpuSample {
     std::chrono::steady_clock::time_point at;
     std::uint64_t cpu_ns = 0;  // cumulative (cpuacct.usage)
     std::int64_t tasks = 0;    // pids.current; < 0 unknown
+    // Runnable tasks seen at the sample (> 0: it wants CPU, whether it got
+    // it or not); < 0 unknown. A demoted spinner on a crowded host gets almost no CPU, so
+    // what it used cannot tell whether it has calmed down; what it wants can.
+    std::int64_t runnable = -1;
     // An execution ran at some point since the previous sample.
     bool executed = false;
     // How long the execution running now has run (none: the kernel is idle).
@@ -101,6 +106,7 @@ class CpuFairness {
         double cpu_s = 0;
         std::int64_t tasks = -1;
         bool grew = false;  // by storm_growth or more
+        std::int64_t runnable = -1;
         bool executed = false;
         bool storm(const CpuFairnessPolicy& p) const { return grew || tasks >= p.storm_tasks; }
     };

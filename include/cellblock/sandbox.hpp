@@ -111,6 +111,10 @@ class Sandbox {
     bool set_cpu_quota(double cpus);
     // Processes and threads in the sandbox's cgroup (pids.current); -1 unknown.
     std::int64_t task_count() const;
+    // 1 if one of them is runnable (state R) right now: the sandbox wants
+    // CPU, whether it gets it or not; 0 none; -1 unknown. Reads /proc per
+    // task, up to the first runnable one.
+    int any_task_runnable() const;
     // Sets the nice value of every thread in the sandbox (the pool boots
     // refills at nice 19; a session's kernel runs at 0).
     void renice(int nice);

@@ -15,10 +15,11 @@ struct Feeder {
     Clock::time_point now{};
     std::uint64_t cpu_ns = 0;
     std::int64_t tasks = 8;  // an idle ipykernel: a handful of threads
+    std::int64_t runnable = -1;
     std::optional<Clock::time_point> running_since;
     std::vector<CpuChange> changes;
     explicit Feeder(CpuFairnessPolicy policy = {}) : f(std::move(policy)) {
-        f.observe({now, cpu_ns, tasks, false, std::nullopt});
+        f.observe({now, cpu_ns, tasks, runnable, false, std::nullopt});
     }
     // `seconds` of samples in which the sandbox used `share` of a core. With
     // `executing`, one execution runs throughout (started now unless one runs).
@@ -28,7 +29,7 @@ struct Feeder {
         for (int i = 0; i < static_cast<int>(seconds * 4 + 0.5); ++i) {
             now += 250ms;
             cpu_ns += static_cast<std::uint64_t>(share * 250e6);
-            CpuSample s{now, cpu_ns, tasks, executing, std::nullopt};
+            CpuSample s{now, cpu_ns, tasks, runnable, executing, std::nullopt};
             if (running_since) s.running_for = now - *running_since;
             if (auto c = f.observe(s)) changes.push_back(*c);
         }
@@ -127,6 +128,22 @@ TEST(CpuFairness, ADemotedSpinnerThatGetsLittleCpuStaysDemotedInsteadOfFlapping)
     EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
 }
 
+TEST(CpuFairness, ADemotedSpinnerStarvedByACrowdedHostIsNotTakenForCalm) {
+    Feeder x;
+    x.run(3.25, 1.0, false);
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    // Crowded out: it gets 0.5% of a core, but its spinning thread is runnable.
+    x.runnable = 1;
+    x.run(30.0, 0.005, false);
+    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    // Now it really stopped: nothing runnable (a heartbeat now and then).
+    for (int i = 0; i < 12; ++i) {
+        x.runnable = i == 5 ? 1 : 0;
+        x.run(0.5, 0.0, false);
+    }
+    EXPECT_EQ(x.events(), (std::vector<std::string>{"cpu_demoted", "cpu_restored"}));
+}
+
 TEST(CpuFairness, RestoredOnlyAfterSecondsOfCalmWithHowLongItWasDemoted) {
     Feeder x;
     x.run(3.25, 1.0, false);
@@ -191,11 +208,11 @@ TEST(CpuFairness, AnIdleSessionOrOneWithUnknownTasksIsLeftAlone) {
 
 TEST(CpuFairness, CounterGoingBackOrNoTimePassingIsHarmless) {
     Feeder x;
-    EXPECT_FALSE(x.f.observe({x.now, 123'000'000'000, 8, false, std::nullopt}));
+    EXPECT_FALSE(x.f.observe({x.now, 123'000'000'000, 8, -1, false, std::nullopt}));
     for (int i = 1; i <= 40; ++i) {
         // The counter went back (a reset) and then creeps: no CPU used.
         EXPECT_FALSE(
-            x.f.observe({x.now + i * 250ms, std::uint64_t(i) * 1000, 8, false, std::nullopt}));
+            x.f.observe({x.now + i * 250ms, std::uint64_t(i) * 1000, 8, -1, false, std::nullopt}));
     }
     EXPECT_FALSE(x.f.demoted());
 }
