@@ -1049,26 +1049,26 @@ void Server::balance_cpu(Clock::time_point now) {
         Sandbox* box = session->sandbox();
         if (session->closed() || !box) continue;
         auto& fairness = fairness_[id];
-        const auto running = session->running_since();
-        const bool sustained = running ? now - *running >= fairness.policy().long_execution
-                                       : session->idle_since() <= fairness.last_sample();
-        const auto weight = fairness.observe(now, box->usage().cpu_ns, sustained);
-        if (!weight) continue;
-        const bool demoted = fairness.demoted();
-        // The kernel refuses a shares write to an idle group: leave idle first.
-        bool applied;
-        if (demoted) {
-            applied = box->set_cpu_weight(*weight);
-            applied = box->set_cpu_idle(true) || applied;
-        } else {
-            applied = box->set_cpu_idle(false);
-            applied = box->set_cpu_weight(*weight) || applied;
-        }
-        if (!applied) continue;
-        spdlog::info("session {}: CPU weight {} ({})", id, *weight,
-                     demoted ? "it has burned CPU without pause" : "it has calmed down");
-        on_event(id, demoted ? "cpu_demoted" : "cpu_restored",
-                 "cpu.shares " + std::to_string(*weight) + (demoted ? ", cpu.idle 1" : ""));
+        CpuSample sample;
+        sample.at = now;
+        sample.cpu_ns = box->usage().cpu_ns;
+        sample.tasks = box->task_count();
+        // Only a demoted session needs it (to tell calm from starved): /proc reads per task.
+        if (fairness.demoted()) sample.runnable = box->any_task_runnable();
+        if (const auto running = session->running_since()) sample.running_for = now - *running;
+        sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
+        const auto change = fairness.observe(sample);
+        if (!change) continue;
+        // A cap of 0 is the session's own quota (its limits, as the pool applied them).
+        const double own = box->limits().cpus;
+        const double cpus = change->setting.cpus <= 0 ? own
+                            : own > 0                 ? std::min(change->setting.cpus, own)
+                                                      : change->setting.cpus;
+        const bool weighted = box->set_cpu_weight(change->setting.weight);
+        const bool capped = box->set_cpu_quota(cpus);
+        if (!weighted && !capped) continue;  // no CPU controller for this sandbox
+        spdlog::info("session {}: {}: {}", id, change->event, change->detail);
+        on_event(id, change->event, change->detail);
     }
     next_balance_ = now + CpuFairnessPolicy{}.interval;
 }

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -483,17 +484,23 @@ void Sandbox::open_counters() {
     counters_.memory_usage = open_first({"memory.usage_in_bytes", "memory.current"}, O_RDONLY);
     counters_.oom_control = open_first({"memory.oom_control", "memory.events"}, O_RDONLY);
     counters_.cpu_usage = open_first({"cpuacct.usage"}, O_RDONLY);
-    counters_.cpu_idle = open_first({"cpu.idle"}, O_WRONLY);
+    counters_.pids_current = open_first({"pids.current"}, O_RDONLY);
     counters_.cpu_weight = open_first({"cpu.shares"}, O_WRONLY);
     if (counters_.cpu_weight < 0) {
         counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
         counters_.cpu_weight_v2 = counters_.cpu_weight >= 0;
     }
+    counters_.cpu_quota = open_first({"cpu.cfs_quota_us"}, O_WRONLY);
+    if (counters_.cpu_quota < 0) {
+        counters_.cpu_quota = open_first({"cpu.max"}, O_WRONLY);
+        counters_.cpu_quota_v2 = counters_.cpu_quota >= 0;
+    }
 }
 
 void Sandbox::close_counters() {
     for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
-                    &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_idle}) {
+                    &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
+                    &counters_.pids_current}) {
         if (*fd >= 0) ::close(*fd);
         *fd = -1;
     }
@@ -632,9 +639,44 @@ void Sandbox::renice(int nice) {
     }
 }
 
-bool Sandbox::set_cpu_idle(bool idle) {
-    if (destroyed_ || counters_.cpu_idle < 0) return false;
-    return ::pwrite(counters_.cpu_idle, idle ? "1" : "0", 1, 0) == 1;
+std::int64_t Sandbox::task_count() const {
+    if (destroyed_ || counters_.pids_current < 0) return -1;
+    char buf[512];
+    const std::string_view text = pread_text(counters_.pids_current, buf);
+    return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
+}
+
+int Sandbox::any_task_runnable() const {
+    if (destroyed_) return -1;
+    for (const auto& dir : cgroup_dirs_) {
+        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
+        if (!tasks) continue;
+        for (long tid = 0; tasks >> tid;) {
+            std::ifstream stat("/proc/" + std::to_string(tid) + "/stat");
+            std::string line;
+            if (!std::getline(stat, line)) continue;  // exited meanwhile
+            // "pid (comm) S ...": the comm may hold spaces and parentheses.
+            const auto close = line.rfind(')');
+            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R')
+                return 1;
+        }
+        return 0;
+    }
+    return -1;
+}
+
+bool Sandbox::set_cpu_quota(double cpus) {
+    if (destroyed_ || counters_.cpu_quota < 0) return false;
+    // The period apply_cgroup_limits sets; the kernel's floor is 1 ms.
+    constexpr long period = 100000;
+    const long quota = std::max(1000L, std::lround(cpus * period));
+    // cpus <= 0: no quota at all.
+    const std::string value = cpus > 0                 ? std::to_string(quota)
+                              : counters_.cpu_quota_v2 ? "max"
+                                                       : "-1";
+    const std::string text = counters_.cpu_quota_v2 ? value + " " + std::to_string(period) : value;
+    return ::pwrite(counters_.cpu_quota, text.data(), text.size(), 0) ==
+           static_cast<ssize_t>(text.size());
 }
 
 bool Sandbox::set_cpu_weight(int shares) {

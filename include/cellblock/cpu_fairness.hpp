@@ -1,80 +1,128 @@
-// Keeps a quiet session responsive next to sessions that burn CPU without
-// pause (a spin loop, a fork bomb, a long computation).
+// Decides each session's CPU weight and quota from samples of its cgroup, so
+// that quiet sessions stay responsive next to abusive ones without starving
+// anything.
 //
 // Every sandbox has a one-core CFS quota, but ten sandboxes with one core
 // each oversubscribe two cores fivefold, and with equal weights a quiet
-// kernel waits in the run queue behind them on every wake-up (the benchmark
-// measured 44-70 ms of run-queue wait per 1+1 round trip). So the server
-// samples each sandbox's CPU time a few times a second. A sample is loud
-// when the sandbox used CPU (more than `loud_share` of a core) while either
-// one execution had been running for `long_execution` or more, or no
-// execution ran at all during the sample (work left in the background).
-// Short cells back to back are never loud, however much CPU they add up to:
-// that is the interactive use the weight protects. After `loud_samples`
-// loud samples in a row the sandbox's CPU weight drops to `demoted_weight`;
-// the first sample that is not loud restores it. The weight matters only
-// under contention: a demoted sandbox alone on the machine still gets its
-// whole quota. The share threshold is low on purpose: on a contended
-// machine a spinning sandbox gets only a fraction of a core.
+// kernel waits in the run queue behind them on every wake-up. The server
+// samples each sandbox's CPU time and task count a few times a second and
+// feeds them here, with whether an execution ran. What is penalised is what
+// is abusive, and only once it is sustained (seconds, not one sample):
+//  - a fork or thread storm: the task count at or above `storm_tasks`, or
+//    growing by `storm_growth` per sample, for `storm_after`;
+//  - work left running with no execution: CPU above `busy_share` of a core
+//    over `background_after` in which no execution ran.
+// Either demotes the session to `demoted_weight` and caps its quota at
+// `demoted_cpus`: a guaranteed share that still makes progress, never the
+// starvation of cgroup cpu.idle. It is restored once it has been calm for
+// `calm_after`: no storm, and without an execution at most `calm_share` of a
+// core used and a runnable task in at most `calm_runnable` of the samples. A
+// demoted spinner keeps wanting CPU, so it stays demoted rather than flapping.
+// A long execution is legitimate and is never demoted: past each of
+// `long_steps` of CPU-bound running it only yields a step of weight (its
+// quota stays, and a weight matters only when CPU is contended), so a cell
+// that has burned CPU for a minute gives way to newer work. Short cells
+// and bursts (a pandas import) never change anything.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace cellblock {
 
 struct CpuFairnessPolicy {
-    std::chrono::milliseconds interval{100};
-    std::chrono::milliseconds long_execution{200};
-    double loud_share = 0.05;  // of one core, over a sample
-    int loud_samples = 2;      // in a row
-    int normal_weight = 1024;  // cgroup v1 cpu.shares
-    int demoted_weight = 16;
+    using Seconds = std::chrono::duration<double>;
+    std::chrono::milliseconds interval{250};
+    double busy_share = 0.05;     // of one core: above it, work in the background is loud
+    double calm_share = 0.02;     // of one core: at most this, a demoted session is calm
+    double calm_runnable = 0.25;  // of the samples with a runnable task, at most
+    Seconds background_after{3.0};
+    Seconds storm_after{1.0};
+    Seconds calm_after{5.0};
+    std::int64_t storm_tasks = 128;  // processes and threads in the cgroup (pids.current)
+    std::int64_t storm_growth = 32;  // tasks added within one sample
+    int normal_weight = 1024;        // cgroup v1 cpu.shares
+    int demoted_weight = 64;
+    double demoted_cpus = 0.25;  // CFS quota cap of a demoted session, in cores
+    struct LongStep {
+        Seconds after;  // one execution has run this long, busy over background_after
+        int weight;
+    };
+    std::vector<LongStep> long_steps{{Seconds{10}, 512}, {Seconds{30}, 256}, {Seconds{60}, 128}};
+};
+
+// What the cgroup is set to. cpus 0: the session's own quota.
+struct CpuSetting {
+    enum class Level { normal, yielding, demoted };
+    Level level = Level::normal;
+    int weight = 1024;
+    double cpus = 0;
+    bool operator==(const CpuSetting&) const = default;
+};
+
+// A change to apply, and the event that records it.
+struct CpuChange {
+    CpuSetting setting;
+    std::string event;   // cpu_demoted, cpu_yielding, cpu_restored
+    std::string detail;  // why, with the figures and how long the previous level lasted
+};
+
+// One reading of the session taken by the server.
+struct CpuSample {
+    std::chrono::steady_clock::time_point at;
+    std::uint64_t cpu_ns = 0;  // cumulative (cpuacct.usage)
+    std::int64_t tasks = 0;    // pids.current; < 0 unknown
+    // Runnable tasks seen at the sample (> 0: it wants CPU, whether it got
+    // it or not); < 0 unknown. A demoted spinner on a crowded host gets almost no CPU, so
+    // what it used cannot tell whether it has calmed down; what it wants can.
+    std::int64_t runnable = -1;
+    // An execution ran at some point since the previous sample.
+    bool executed = false;
+    // How long the execution running now has run (none: the kernel is idle).
+    std::optional<std::chrono::steady_clock::duration> running_for;
 };
 
 class CpuFairness {
   public:
     using Clock = std::chrono::steady_clock;
-    explicit CpuFairness(CpuFairnessPolicy policy = {}) : policy_(policy) {}
+    explicit CpuFairness(CpuFairnessPolicy policy = {});
 
-    // A new sample of the sandbox's total CPU time. `sustained`: an
-    // execution has run for long_execution or more, or none ran since the
-    // previous sample. Returns the weight to apply when it changes.
-    std::optional<int> observe(Clock::time_point now, std::uint64_t cpu_ns, bool sustained) {
-        if (!last_) {
-            last_ = Sample{now, cpu_ns};
-            return std::nullopt;
-        }
-        const double wall_ns = std::chrono::duration<double, std::nano>(now - last_->at).count();
-        if (wall_ns <= 0) return std::nullopt;
-        const double used = cpu_ns >= last_->cpu_ns ? double(cpu_ns - last_->cpu_ns) : 0.0;
-        last_ = Sample{now, cpu_ns};
-        const bool loud = sustained && used / wall_ns > policy_.loud_share;
-        loud_streak_ = loud ? loud_streak_ + 1 : 0;
-        if (!demoted_ && loud_streak_ >= policy_.loud_samples) {
-            demoted_ = true;
-            return policy_.demoted_weight;
-        }
-        if (demoted_ && !loud) {
-            demoted_ = false;
-            return policy_.normal_weight;
-        }
-        return std::nullopt;
-    }
-    bool demoted() const { return demoted_; }
+    // Feeds one sample; returns the change to apply when the setting changes.
+    std::optional<CpuChange> observe(const CpuSample& sample);
+
+    const CpuSetting& setting() const { return setting_; }
+    bool demoted() const { return setting_.level == CpuSetting::Level::demoted; }
     const CpuFairnessPolicy& policy() const { return policy_; }
     Clock::time_point last_sample() const { return last_ ? last_->at : Clock::time_point{}; }
 
   private:
-    struct Sample {
-        Clock::time_point at;
-        std::uint64_t cpu_ns;
+    // What happened between two samples.
+    struct Interval {
+        Clock::time_point start, end;
+        double cpu_s = 0;
+        std::int64_t tasks = -1;
+        bool grew = false;  // by storm_growth or more
+        std::int64_t runnable = -1;
+        bool executed = false;
+        bool storm(const CpuFairnessPolicy& p) const { return grew || tasks >= p.storm_tasks; }
     };
+    // The intervals ending within the last `span`, if they cover all of it.
+    std::optional<std::vector<const Interval*>> window(CpuFairnessPolicy::Seconds span) const;
+    std::optional<std::string> abuse() const;
+    bool calm() const;
+    CpuSetting yielding_setting(const CpuSample& sample) const;
+    CpuChange change_to(CpuSetting next, std::string event, std::string why);
+
     CpuFairnessPolicy policy_;
-    std::optional<Sample> last_;
-    int loud_streak_ = 0;
-    bool demoted_ = false;
+    std::optional<CpuSample> last_;
+    std::deque<Interval> history_;
+    CpuSetting setting_;
+    std::string demoted_why_;
+    Clock::time_point since_{};  // when the current setting was applied
 };
 
 }  // namespace cellblock

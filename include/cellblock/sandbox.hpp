@@ -106,9 +106,15 @@ class Sandbox {
     // cpu.shares, 1024 = default; v2 cpu.weight is scaled to match).
     // Returns false when the sandbox has no CPU controller to write.
     bool set_cpu_weight(int shares);
-    // cgroup cpu.idle (Linux 5.15+): an idle group's tasks yield to any
-    // other runnable task at once. Returns false when the file is absent.
-    bool set_cpu_idle(bool idle);
+    // The sandbox's CFS quota in cores per 100 ms period (cpu.cfs_quota_us,
+    // v2 cpu.max); 0 or less: no quota. Returns false without such a file.
+    bool set_cpu_quota(double cpus);
+    // Processes and threads in the sandbox's cgroup (pids.current); -1 unknown.
+    std::int64_t task_count() const;
+    // 1 if one of them is runnable (state R) right now: the sandbox wants
+    // CPU, whether it gets it or not; 0 none; -1 unknown. Reads /proc per
+    // task, up to the first runnable one.
+    int any_task_runnable() const;
     // Sets the nice value of every thread in the sandbox (the pool boots
     // refills at nice 19; a session's kernel runs at 0).
     void renice(int nice);
@@ -142,8 +148,8 @@ class Sandbox {
     // Kept-open cgroup files (-1 where the controller or file is absent).
     struct CounterFiles {
         int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
-        int cpu_weight = -1, cpu_idle = -1;
-        bool cpu_weight_v2 = false;
+        int cpu_weight = -1, cpu_quota = -1, pids_current = -1;
+        bool cpu_weight_v2 = false, cpu_quota_v2 = false;
     } counters_;
     void open_counters();
     void close_counters();

@@ -1,0 +1,189 @@
+#include "cellblock/cpu_fairness.hpp"
+
+#include <spdlog/fmt/fmt.h>
+
+#include <algorithm>
+
+namespace cellblock {
+
+namespace {
+
+using Seconds = CpuFairnessPolicy::Seconds;
+
+double seconds(std::chrono::steady_clock::duration d) { return Seconds(d).count(); }
+
+std::string describe(const CpuSetting& s) {
+    return s.cpus > 0 ? fmt::format("cpu.shares {}, quota {:g} CPU", s.weight, s.cpus)
+                      : fmt::format("cpu.shares {}, its own quota", s.weight);
+}
+
+const char* level_name(CpuSetting::Level level) {
+    switch (level) {
+        case CpuSetting::Level::normal:
+            return "normal";
+        case CpuSetting::Level::yielding:
+            return "yielding";
+        case CpuSetting::Level::demoted:
+            return "demoted";
+    }
+    return "?";
+}
+
+}  // namespace
+
+CpuFairness::CpuFairness(CpuFairnessPolicy policy) : policy_(std::move(policy)) {
+    setting_.weight = policy_.normal_weight;
+    // A weight of 2 is the kernel's floor; a quota under 1 ms per 100 ms period
+    // is refused. Either way a demoted session must keep making progress.
+    policy_.demoted_weight = std::max(policy_.demoted_weight, 2);
+    policy_.demoted_cpus = std::max(policy_.demoted_cpus, 0.01);
+    for (auto& step : policy_.long_steps) step.weight = std::max(step.weight, 2);
+}
+
+std::optional<std::vector<const CpuFairness::Interval*>> CpuFairness::window(Seconds span) const {
+    std::vector<const Interval*> out;
+    if (history_.empty()) return std::nullopt;
+    const auto end = history_.back().end;
+    for (auto it = history_.rbegin(); it != history_.rend(); ++it) {
+        out.push_back(&*it);
+        if (Seconds(end - it->start) >= span) return out;
+    }
+    return std::nullopt;
+}
+
+std::optional<std::string> CpuFairness::abuse() const {
+    if (const auto w = window(policy_.storm_after)) {
+        const bool storm =
+            std::all_of(w->begin(), w->end(), [&](const Interval* i) { return i->storm(policy_); });
+        if (storm) {
+            return fmt::format(
+                "a fork or thread storm: {} tasks in the cgroup (pids.current) "
+                "for {:.1f} s",
+                history_.back().tasks, policy_.storm_after.count());
+        }
+    }
+    if (const auto w = window(policy_.background_after)) {
+        // Loud through (nearly) the whole window, not on average: the tail of
+        // a cell that just ended (threads winding down) is no abuse.
+        double cpu = 0, loud = 0;
+        bool executed = false;
+        for (const Interval* i : *w) {
+            const double dt = seconds(i->end - i->start);
+            cpu += i->cpu_s;
+            if (i->cpu_s > policy_.busy_share * dt) loud += dt;
+            executed = executed || i->executed;
+        }
+        const double span = seconds(history_.back().end - w->back()->start);
+        if (!executed && loud >= 0.8 * span) {
+            return fmt::format(
+                "work left running with no execution: {:.2f} of a core for "
+                "{:.1f} s",
+                cpu / span, span);
+        }
+    }
+    return std::nullopt;
+}
+
+bool CpuFairness::calm() const {
+    const auto w = window(policy_.calm_after);
+    if (!w) return false;
+    double cpu = 0, span = 0, wanting = 0;
+    for (const Interval* i : *w) {
+        if (i->storm(policy_)) return false;
+        if (i->executed) continue;  // an execution's CPU is its own business
+        const double dt = seconds(i->end - i->start);
+        cpu += i->cpu_s;
+        span += dt;
+        if (i->runnable > 0) wanting += dt;
+    }
+    return span <= 0 ||
+           (cpu <= policy_.calm_share * span && wanting <= policy_.calm_runnable * span);
+}
+
+CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
+    CpuSetting normal{CpuSetting::Level::normal, policy_.normal_weight, 0};
+    if (!sample.running_for) return normal;
+    const CpuFairnessPolicy::LongStep* step = nullptr;
+    for (const auto& s : policy_.long_steps)
+        if (Seconds(*sample.running_for) >= s.after && (!step || s.weight < step->weight))
+            step = &s;
+    if (!step) return normal;
+    const bool yielding = setting_.level == CpuSetting::Level::yielding;
+    // Entering needs the execution busy over a whole window; leaving (while it
+    // still runs) needs calm over calm_after: no toggling on each pause.
+    const auto w = window(yielding ? policy_.calm_after : policy_.background_after);
+    if (!w) return yielding ? setting_ : normal;
+    double cpu = 0;
+    bool all_executing = true;
+    for (const Interval* i : *w) {
+        cpu += i->cpu_s;
+        all_executing = all_executing && i->executed;
+    }
+    const double span = seconds(history_.back().end - w->back()->start);
+    const bool busy = yielding ? cpu > policy_.calm_share * span
+                               : all_executing && cpu > policy_.busy_share * span;
+    if (!busy) return normal;
+    return {CpuSetting::Level::yielding, std::min(step->weight, policy_.normal_weight), 0};
+}
+
+CpuChange CpuFairness::change_to(CpuSetting next, std::string event, std::string why) {
+    const auto now = history_.back().end;
+    std::string detail = describe(next) + ": " + why;
+    if (setting_.level != CpuSetting::Level::normal)
+        detail += fmt::format("; {} for {:.1f} s before", level_name(setting_.level),
+                              seconds(now - since_));
+    setting_ = next;
+    since_ = now;
+    return {next, std::move(event), std::move(detail)};
+}
+
+std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
+    if (!last_) {
+        last_ = sample;
+        since_ = sample.at;
+        return std::nullopt;
+    }
+    if (sample.at <= last_->at) return std::nullopt;
+    Interval i;
+    i.start = last_->at;
+    i.end = sample.at;
+    // A counter that went back (a reset) counts as no CPU used.
+    i.cpu_s = sample.cpu_ns >= last_->cpu_ns ? double(sample.cpu_ns - last_->cpu_ns) / 1e9 : 0.0;
+    i.tasks = sample.tasks;
+    i.grew = sample.tasks >= 0 && last_->tasks >= 0 &&
+             sample.tasks - last_->tasks >= policy_.storm_growth;
+    i.executed = sample.executed;
+    i.runnable = sample.runnable;
+    history_.push_back(i);
+    last_ = sample;
+    const Seconds keep =
+        std::max({policy_.storm_after, policy_.background_after, policy_.calm_after});
+    while (history_.size() > 1 && Seconds(sample.at - history_.front().end) >= keep)
+        history_.pop_front();
+
+    if (setting_.level == CpuSetting::Level::demoted) {
+        if (Seconds(sample.at - since_) < policy_.calm_after || !calm()) return std::nullopt;
+        CpuSetting next = yielding_setting(sample);
+        const std::string why =
+            fmt::format("calm for {:.1f} s after {}", policy_.calm_after.count(), demoted_why_);
+        return change_to(
+            next, next.level == CpuSetting::Level::yielding ? "cpu_yielding" : "cpu_restored", why);
+    }
+    if (auto why = abuse()) {
+        demoted_why_ = *why;
+        return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, policy_.demoted_cpus},
+                         "cpu_demoted", *why);
+    }
+    const CpuSetting next = yielding_setting(sample);
+    if (next == setting_) return std::nullopt;
+    if (next.level == CpuSetting::Level::yielding) {
+        return change_to(next, "cpu_yielding",
+                         fmt::format("one execution has been busy for {:.0f} s (a long "
+                                     "computation is never demoted; it gives way to newer work)",
+                                     seconds(*sample.running_for)));
+    }
+    return change_to(next, "cpu_restored",
+                     sample.running_for ? "the long execution paused" : "the long execution ended");
+}
+
+}  // namespace cellblock
