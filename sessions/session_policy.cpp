@@ -235,6 +235,7 @@ json ServerPolicy::to_json() const {
             {"closed_memory_s", closed_memory_s},
             {"max_message_bytes", max_message_bytes},
             {"max_file_bytes", max_file_bytes},
+            {"max_inline_file_bytes", max_inline_file_bytes},
             {"max_sessions", max_sessions}};
 }
 

@@ -52,7 +52,8 @@ struct ServerPolicy {
     double kill_grace_s = 3;       // after an interrupt at the deadline, before the kill
     double closed_memory_s = 600;  // how long a closed session still answers SessionClosed
     std::int64_t max_message_bytes = 16 << 20;  // one iopub message larger is replaced by a notice
-    std::int64_t max_file_bytes = 64 << 20;     // file_put / file_get
+    std::int64_t max_file_bytes = 16ll << 30;        // one file, streamed in chunks
+    std::int64_t max_inline_file_bytes = 64 << 20;  // one file in one message (file_put/get)
     int max_sessions = 256;
 
     ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16
