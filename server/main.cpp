@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -48,10 +49,26 @@ std::string when(double unix_seconds) {
     return buf;
 }
 
-std::string read_file(const fs::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::runtime_error("cannot read " + path.string());
-    return {std::istreambuf_iterator<char>(in), {}};
+// A progress bar on stderr when it is a terminal; nothing otherwise (logs
+// and pipes get the one summary line).
+cellblock::ManagerClient::Progress progress_bar(const std::string& label) {
+    if (!::isatty(STDERR_FILENO)) return {};
+    const auto start = std::chrono::steady_clock::now();
+    return [label, start](std::uint64_t done, std::uint64_t total) {
+        constexpr int kWidth = 30;
+        const double part = total ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
+        const int filled = static_cast<int>(part * kWidth);
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::fprintf(stderr, "\r%s [%s%s] %3d%% %.1f/%.1f MiB %.0f MiB/s", label.c_str(),
+                     std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                     std::string(static_cast<std::size_t>(kWidth - filled), '.').c_str(),
+                     static_cast<int>(part * 100), static_cast<double>(done) / (1 << 20),
+                     static_cast<double>(total) / (1 << 20),
+                     seconds > 0 ? static_cast<double>(done) / (1 << 20) / seconds : 0.0);
+        if (done >= total) std::fputc('\n', stderr);
+        std::fflush(stderr);
+    };
 }
 
 // "key=value" limit options: numbers stay numbers.
@@ -354,24 +371,18 @@ int main(int argc, char** argv) {
         }
         if (put_cmd->parsed()) {
             const std::string name = remote.empty() ? fs::path(local).filename().string() : remote;
-            const json reply = ok_content(client.call("file_put_request",
-                                                      {{"session_id", session_id}, {"path", name}},
-                                                      {read_file(local)}));
+            const json reply = client.put_file(session_id, local, name, progress_bar(name));
             std::cout << local << " -> " << reply["path"].get<std::string>() << " ("
-                      << reply["size"] << " bytes)\n";
+                      << reply["size"] << " bytes, sha256 " << reply["sha256"].get<std::string>()
+                      << ")\n";
             return 0;
         }
         if (get_cmd->parsed()) {
-            const auto reply =
-                client.call("file_get_request", {{"session_id", session_id}, {"path", remote}});
-            const json content = ok_content(reply);
             const fs::path out = local.empty() ? fs::path(remote).filename() : fs::path(local);
-            std::ofstream f(out, std::ios::binary);
-            f.write(reply.buffers.at(0).data(),
-                    static_cast<std::streamsize>(reply.buffers.at(0).size()));
-            if (!f) throw std::runtime_error("cannot write " + out.string());
-            std::cout << content["path"].get<std::string>() << " -> " << out.string() << " ("
-                      << content["size"] << " bytes)\n";
+            const json reply = client.get_file(session_id, remote, out, progress_bar(remote));
+            std::cout << reply["path"].get<std::string>() << " -> " << out.string() << " ("
+                      << reply["size"] << " bytes, sha256 " << reply["sha256"].get<std::string>()
+                      << ")\n";
             return 0;
         }
         if (history_cmd->parsed()) {

@@ -1,12 +1,65 @@
 #include "manager_client.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <deque>
 #include <fstream>
+
+#include <openssl/evp.h>
 
 #include "manager_paths.hpp"
 #include "multipart.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// How many chunk requests a transfer keeps in flight: enough to hide a round
+// trip, few enough that both ends hold a few chunks at most.
+constexpr std::size_t kWindow = 4;
+
+json ok_content(const WireMessage& reply) {
+    if (reply.content.value("status", "") != "ok") {
+        throw std::runtime_error(reply.content.value("ename", "Error") + ": " +
+                                 reply.content.value("evalue", reply.content.dump()));
+    }
+    return reply.content;
+}
+
+class Sha256 {
+  public:
+    Sha256() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
+    ~Sha256() { EVP_MD_CTX_free(ctx_); }
+    Sha256(const Sha256&) = delete;
+    Sha256& operator=(const Sha256&) = delete;
+    void update(std::string_view bytes) { EVP_DigestUpdate(ctx_, bytes.data(), bytes.size()); }
+    std::string hex() {
+        unsigned char md[EVP_MAX_MD_SIZE];
+        unsigned int len = 0;
+        EVP_DigestFinal_ex(ctx_, md, &len);
+        std::string out;
+        for (unsigned int i = 0; i < len; ++i) {
+            out += "0123456789abcdef"[md[i] >> 4];
+            out += "0123456789abcdef"[md[i] & 15];
+        }
+        return out;
+    }
+
+  private:
+    EVP_MD_CTX* ctx_;
+};
+
+std::string read_chunk(std::ifstream& in, std::size_t length) {
+    std::string bytes(length, '\0');
+    in.read(bytes.data(), static_cast<std::streamsize>(length));
+    bytes.resize(static_cast<std::size_t>(in.gcount()));
+    return bytes;
+}
+
+}  // namespace
 
 ManagerClient::ManagerClient(const fs::path& state_dir) {
     const fs::path file = server_file(state_dir);
@@ -34,9 +87,8 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
     socket_.connect(j["manager"].get<std::string>());
 }
 
-WireMessage ManagerClient::call(const std::string& type, nlohmann::json content,
-                                std::vector<std::string> buffers,
-                                std::chrono::milliseconds timeout) {
+std::string ManagerClient::send(const std::string& type, json content,
+                                std::vector<std::string> buffers) {
     WireMessage msg;
     msg.header = make_header(type, session_, "cellblock-cli");
     msg.content = std::move(content);
@@ -47,6 +99,16 @@ WireMessage ManagerClient::call(const std::string& type, nlohmann::json content,
     for (std::size_t i = 0; i < frames.size(); ++i) {
         socket_.send(frames[i],
                      i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+    return id;
+}
+
+WireMessage ManagerClient::wait(const std::string& id, const std::string& type,
+                                std::chrono::milliseconds timeout) {
+    if (auto early = early_.find(id); early != early_.end()) {
+        WireMessage reply = std::move(early->second);
+        early_.erase(early);
+        return reply;
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     Multipart scratch;
@@ -62,8 +124,121 @@ WireMessage ManagerClient::call(const std::string& type, nlohmann::json content,
         WireLimits limits;
         limits.max_total_bytes = 1u << 30;
         auto decoded = decode(scratch.views(), signer_, nullptr, limits);
-        if (decoded.message && decoded.message->parent_msg_id() == id)
-            return std::move(*decoded.message);
+        if (!decoded.message) continue;
+        const std::string parent = decoded.message->parent_msg_id();
+        if (parent == id) return std::move(*decoded.message);
+        if (early_.size() < 64) early_.emplace(parent, std::move(*decoded.message));
+    }
+}
+
+WireMessage ManagerClient::call(const std::string& type, json content,
+                                std::vector<std::string> buffers,
+                                std::chrono::milliseconds timeout) {
+    const std::string id = send(type, std::move(content), std::move(buffers));
+    return wait(id, type, timeout);
+}
+
+json ManagerClient::put_file(const std::string& session_id, const fs::path& local,
+                             const std::string& remote, const Progress& progress) {
+    std::ifstream in(local, std::ios::binary);
+    std::error_code ec;
+    const auto size = fs::file_size(local, ec);
+    if (!in || ec) throw std::runtime_error("cannot read " + local.string());
+    const json begin = ok_content(call(
+        "file_put_begin_request", {{"session_id", session_id}, {"path", remote}, {"size", size}}));
+    const std::string upload = begin["upload_id"].get<std::string>();
+    const auto chunk = begin["chunk_bytes"].get<std::size_t>();
+    std::uint64_t offset = begin["offset"].get<std::uint64_t>();
+    // The digest covers the whole file: bytes the server already holds are hashed too.
+    Sha256 hash;
+    for (std::uint64_t hashed = 0; hashed < offset;) {
+        const std::string bytes = read_chunk(in, std::min<std::uint64_t>(chunk, offset - hashed));
+        if (bytes.empty()) throw std::runtime_error(local.string() + " shrank while read");
+        hash.update(bytes);
+        hashed += bytes.size();
+    }
+    try {
+        std::deque<std::pair<std::string, std::uint64_t>> in_flight;  // msg_id, end offset
+        while (offset < size || !in_flight.empty()) {
+            if (offset < size && in_flight.size() < kWindow) {
+                std::string bytes = read_chunk(in, std::min<std::uint64_t>(chunk, size - offset));
+                if (bytes.empty()) throw std::runtime_error(local.string() + " shrank while read");
+                hash.update(bytes);
+                const std::uint64_t at = offset;
+                offset += bytes.size();
+                in_flight.emplace_back(
+                    send("file_put_chunk_request",
+                         {{"session_id", session_id}, {"upload_id", upload}, {"offset", at}},
+                         {std::move(bytes)}),
+                    offset);
+                continue;
+            }
+            ok_content(wait(in_flight.front().first, "file_put_chunk_request"));
+            if (progress) progress(in_flight.front().second, size);
+            in_flight.pop_front();
+        }
+        return ok_content(
+            call("file_put_commit_request",
+                 {{"session_id", session_id}, {"upload_id", upload}, {"sha256", hash.hex()}}));
+    } catch (...) {
+        // Best effort: the server drops an abandoned upload by itself anyway.
+        send("file_put_abort_request", {{"session_id", session_id}, {"upload_id", upload}});
+        throw;
+    }
+}
+
+json ManagerClient::get_file(const std::string& session_id, const std::string& remote,
+                             const fs::path& local, const Progress& progress) {
+    const json begin =
+        ok_content(call("file_get_begin_request", {{"session_id", session_id}, {"path", remote}}));
+    const auto size = begin["size"].get<std::uint64_t>();
+    const auto chunk = begin["chunk_bytes"].get<std::uint64_t>();
+    const std::string download = begin.value("download_id", "");
+    const fs::path partial = local.string() + ".part";
+    std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+    if (!out) throw std::runtime_error("cannot write " + partial.string());
+    Sha256 hash;
+    std::string server_sha = begin.value("sha256", "");
+    try {
+        std::deque<std::string> in_flight;
+        std::uint64_t requested = 0, received = 0;
+        while (received < size) {
+            if (requested < size && in_flight.size() < kWindow) {
+                in_flight.push_back(send("file_get_chunk_request", {{"session_id", session_id},
+                                                                    {"download_id", download},
+                                                                    {"offset", requested},
+                                                                    {"length", chunk}}));
+                requested += std::min(chunk, size - requested);
+                continue;
+            }
+            const WireMessage reply = wait(in_flight.front(), "file_get_chunk_request");
+            in_flight.pop_front();
+            const json content = ok_content(reply);
+            if (reply.buffers.size() != 1 || reply.buffers[0].empty())
+                throw std::runtime_error("file_get_chunk_reply without bytes");
+            const std::string& bytes = reply.buffers[0];
+            out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+            hash.update(bytes);
+            received += bytes.size();
+            if (content.contains("sha256")) server_sha = content["sha256"].get<std::string>();
+            if (progress) progress(received, size);
+        }
+        out.close();
+        if (!out) throw std::runtime_error("cannot write " + partial.string());
+        const std::string sha = hash.hex();
+        if (sha != server_sha) {
+            throw std::runtime_error("ChecksumMismatch: received bytes hash to " + sha +
+                                     ", the server's file to " + server_sha);
+        }
+        fs::rename(partial, local);
+        return {{"path", begin["path"]}, {"size", size}, {"sha256", sha}};
+    } catch (...) {
+        std::error_code ignored;
+        fs::remove(partial, ignored);
+        if (!download.empty()) {
+            send("file_get_end_request", {{"session_id", session_id}, {"download_id", download}});
+        }
+        throw;
     }
 }
 

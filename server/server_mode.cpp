@@ -27,6 +27,7 @@
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "cellblock/wire_message.hpp"
+#include "file_transfer.hpp"
 #include "inner_channels.hpp"
 #include "manager_paths.hpp"
 #include "multipart.hpp"
@@ -43,54 +44,28 @@ constexpr auto kProbeTimeout = std::chrono::seconds(60);
 // How often the server checks whether a built image's name moved (a rebuild,
 // `image rm`): a readlink and a stat per built image (ImageStore::current_id).
 constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
+// The manager socket reads a frame up to this size so that a request too
+// large gets an answer (MessageTooLarge); requests themselves are far smaller.
+constexpr std::size_t kManagerFrameCeiling = 256u << 20;
+constexpr std::size_t kManagerMaxFrames = 64;
 
 double unix_now() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
         .count();
 }
 
+// "x_request" -> "x_reply"; anything else -> "error_reply".
+std::string reply_type(const std::string& request_type) {
+    constexpr std::string_view suffix = "_request";
+    if (request_type.size() > suffix.size() && request_type.ends_with(suffix))
+        return request_type.substr(0, request_type.size() - suffix.size()) + "_reply";
+    return "error_reply";
+}
+
 // A manager request failed in a way the client should be told about.
 struct RequestError {
     std::string ename, evalue;
 };
-
-// A relative path inside /data/input or /data/output, checked as text:
-// no absolute path, no "..", no empty or "." components, no NUL.
-std::string checked_relative_path(std::string path, const std::string& prefix) {
-    if (path.rfind(prefix + "/", 0) == 0) path = path.substr(prefix.size() + 1);
-    if (path.empty() || path.size() > 4096 || path[0] == '/' ||
-        path.find('\0') != std::string::npos) {
-        throw RequestError{"InvalidPath", "path '" + path + "' must be relative to " + prefix};
-    }
-    std::size_t start = 0;
-    while (start <= path.size()) {
-        const std::size_t end = std::min(path.find('/', start), path.size());
-        const std::string part = path.substr(start, end - start);
-        if (part.empty() || part == "." || part == ".." || part.size() > 255) {
-            throw RequestError{"InvalidPath",
-                               "path '" + path + "' leaves " + prefix + " or is not normal"};
-        }
-        start = end + 1;
-    }
-    return path;
-}
-
-// Opens a file under `dir` without following any symlink and without leaving
-// `dir` (the sandbox writes /data/output: everything in it is hostile).
-int open_beneath(const fs::path& dir, const std::string& relative, int flags, mode_t mode = 0) {
-    const int dirfd = ::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (dirfd < 0) throw RequestError{"FileError", "session directory is gone"};
-    open_how how{};
-    how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC | O_NOFOLLOW);
-    how.mode = (flags & O_CREAT) ? mode : 0;
-    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV;
-    const int fd =
-        static_cast<int>(::syscall(SYS_openat2, dirfd, relative.c_str(), &how, sizeof how));
-    const int saved = errno;
-    ::close(dirfd);
-    errno = saved;
-    return fd;
-}
 
 void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key) {
     const json j = {{"manager", endpoint},
@@ -236,6 +211,10 @@ class Server final : public SessionObserver {
 
     void on_manager();
     void reply(const WireMessage& request, json content, std::vector<std::string> buffers = {});
+    void reply_error(const WireMessage& request, const std::string& ename,
+                     const std::string& evalue);
+    // An error reply and one log line: a request the manager will not handle.
+    void refuse(const WireMessage& request, const std::string& ename, const std::string& evalue);
     void on_pool_results();
     void finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms, bool warm_start);
     // Queued creates, oldest first, take the warm sandboxes the pool holds.
@@ -256,8 +235,7 @@ class Server final : public SessionObserver {
     json session_info(Request& r, std::vector<std::string>& buffers);
     json session_close(Request& r, std::vector<std::string>& buffers);
     json session_history(Request& r, std::vector<std::string>& buffers);
-    json file_put(Request& r, std::vector<std::string>& buffers);
-    json file_get(Request& r, std::vector<std::string>& buffers);
+    json file_request(Request& r, std::vector<std::string>& buffers);
     json server_info(Request& r, std::vector<std::string>& buffers);
 
     ServeOptions options_;
@@ -288,7 +266,8 @@ class Server final : public SessionObserver {
     // Cold starts running for creates that left (their kind): the sandbox
     // goes to the next create of that kind.
     std::unordered_map<std::uint64_t, std::string> orphan_starts_;
-    std::unordered_map<std::string, std::uint64_t> input_bytes_;
+    // Files in and out of sessions, in chunks (file_transfer.hpp).
+    FileTransfers transfers_;
     std::unordered_map<std::string, Handler> handlers_;
     Multipart scratch_;
     // Execution records wait here until the turn's messages are sent: the
@@ -306,7 +285,10 @@ Server::Server(const ServeOptions& options)
       image_store_(options.paths.image_store.empty() ? options.paths.state_dir / "images"
                                                      : options.paths.image_store),
       store_((fs::create_directories(options.paths.state_dir),
-              options.paths.state_dir / "cellblock.db")) {
+              options.paths.state_dir / "cellblock.db")),
+      transfers_(FileTransferLimits{
+          .max_file_bytes = static_cast<std::uint64_t>(options.policy.max_file_bytes),
+          .max_inline_bytes = static_cast<std::uint64_t>(options.policy.max_inline_file_bytes)}) {
     settings_.state_dir = options_.paths.state_dir;
     settings_.libexec_dir = options_.paths.libexec_dir;
     server_lock_ = hold_server_lock(settings_.state_dir);
@@ -351,9 +333,8 @@ Server::Server(const ServeOptions& options)
                  {"session_info_request", &Server::session_info},
                  {"session_close_request", &Server::session_close},
                  {"session_history_request", &Server::session_history},
-                 {"file_put_request", &Server::file_put},
-                 {"file_get_request", &Server::file_get},
                  {"server_info_request", &Server::server_info}};
+    for (const auto& type : FileTransfers::request_types()) handlers_[type] = &Server::file_request;
 
     wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_fd_) throw std::runtime_error(std::string("eventfd: ") + strerror(errno));
@@ -392,8 +373,9 @@ Server::Server(const ServeOptions& options)
         options_.pool_workers);
 
     manager_.set(zmq::sockopt::linger, 1000);
-    manager_.set(zmq::sockopt::maxmsgsize,
-                 static_cast<int64_t>(options_.policy.max_file_bytes + (1 << 20)));
+    // Frames up to the ceiling are read and answered (MessageTooLarge past the
+    // real limit, see on_manager); past it libzmq cuts the connection.
+    manager_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kManagerFrameCeiling));
     manager_.set(zmq::sockopt::router_handover, 1);
     manager_.bind(options_.manager_endpoint);
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
@@ -410,46 +392,104 @@ Server::~Server() {
 }
 
 void Server::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
-    const std::string type = request.msg_type();
-    WireMessage msg = make_reply(request, type.substr(0, type.size() - 8) + "_reply",
-                                 std::move(content), "cellblock-server");
+    WireMessage msg =
+        make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
     msg.buffers = std::move(buffers);
     std::vector<zmq::message_t> frames;
     for (auto& f : encode(msg, signer_)) frames.push_back(to_frame(f));
     send_multipart(manager_, frames);
 }
 
+namespace {
+
+// A message that failed to decode, as far as its sender proved it holds the
+// key (the signature over its four JSON frames verifies): its identities and
+// header, to address a refusal to. nullopt when the sender is not
+// authenticated or the message is a replay: those get the log line only, as
+// on a kernel's channels (no signed answer to whoever cannot sign).
+std::optional<WireMessage> authenticated_parent(std::span<const std::string_view> frames,
+                                                const Signer& signer, const std::string& error) {
+    if (error == "bad signature" || error == "replayed message") return std::nullopt;
+    const auto delimiter = std::find(frames.begin(), frames.end(), kDelimiter);
+    if (delimiter == frames.end()) return std::nullopt;
+    const WireLayout at{static_cast<std::size_t>(delimiter - frames.begin())};
+    if (frames.size() < at.first_buffer() ||
+        !signer.verify(frames[at.signature()], frames[at.header()], frames[at.parent()],
+                       frames[at.metadata()], frames[at.content()])) {
+        return std::nullopt;
+    }
+    WireMessage parent;
+    parent.identities.assign(frames.begin(), delimiter);
+    if (auto header = parse_json_frame(frames[at.header()], WireLimits{}.max_json_depth);
+        header && header->is_object()) {
+        parent.header = std::move(*header);
+    }
+    return parent;
+}
+
+}  // namespace
+
+void Server::reply_error(const WireMessage& request, const std::string& ename,
+                         const std::string& evalue) {
+    reply(request, {{"status", "error"}, {"ename", ename}, {"evalue", evalue}});
+}
+
+void Server::refuse(const WireMessage& request, const std::string& ename,
+                    const std::string& evalue) {
+    spdlog::warn("manager: refused {} from {}: {}: {}", request.msg_type(),
+                 identity_text(request.identities.empty() ? "" : request.identities[0]), ename,
+                 evalue);
+    reply_error(request, ename, evalue);
+}
+
 void Server::on_manager() {
+    // The largest request anyone needs: one file in one message, or one chunk.
+    const std::size_t max_request_bytes =
+        std::max<std::size_t>(static_cast<std::size_t>(options_.policy.max_inline_file_bytes),
+                              transfers_.limits().max_chunk_bytes) +
+        (1 << 20);
     // A burst of requests is handled in one turn, bounded so sessions keep flowing.
-    for (int i = 0; i < 64 && recv_multipart(manager_, scratch_, 64); ++i) {
+    for (int i = 0; i < 64 && recv_multipart(manager_, scratch_, kManagerMaxFrames); ++i) {
         const auto views = scratch_.views();
         const std::string_view sender = views.empty() ? std::string_view() : views[0];
-        if (scratch_.dropped_frames > 0) {
-            spdlog::warn("manager: rejected message from {}: too many frames",
-                         identity_text(sender));
-            continue;
-        }
-        WireLimits limits;
-        limits.max_total_bytes =
-            static_cast<std::size_t>(options_.policy.max_file_bytes) + (1 << 20);
+        WireLimits limits;  // up to the socket's ceiling: read, then refused with a reply
+        limits.max_total_bytes = kManagerFrameCeiling * 2;
         auto decoded = decode(views, signer_, &replay_, limits);
         if (!decoded.message) {
             spdlog::warn("manager: rejected message from {}: {}", identity_text(sender),
                          decoded.error);
+            if (auto parent = authenticated_parent(views, signer_, decoded.error)) {
+                const bool large = decoded.error.find("too large") != std::string::npos;
+                reply_error(*parent, large ? "MessageTooLarge" : "InvalidRequest",
+                            "refused: " + decoded.error);
+            }
             continue;
         }
         Request request{std::move(*decoded.message)};
         const std::string type = request.message.msg_type();
-        if (type.size() < 9 || type.substr(type.size() - 8) != "_request") {
-            spdlog::warn("manager: rejected message from {}: '{}' is not a request",
-                         identity_text(sender), type);
+        if (scratch_.dropped_frames > 0) {
+            refuse(request.message, "InvalidRequest",
+                   std::to_string(scratch_.frames.size() + scratch_.dropped_frames) +
+                       " frames, over the " + std::to_string(kManagerMaxFrames) +
+                       " a manager request may have");
+            continue;
+        }
+        if (scratch_.total_bytes > max_request_bytes) {
+            refuse(request.message, "MessageTooLarge",
+                   "the message is " + std::to_string(scratch_.total_bytes) + " bytes, over the " +
+                       std::to_string(max_request_bytes) +
+                       " a manager request may carry; send big files in chunks "
+                       "(file_put_begin_request)");
+            continue;
+        }
+        if (type.size() < 9 || !type.ends_with("_request")) {
+            refuse(request.message, "InvalidRequest", "'" + type + "' is not a request");
             continue;
         }
         auto handler = handlers_.find(type);
         if (handler == handlers_.end()) {
-            reply(request.message, {{"status", "error"},
-                                    {"ename", ename::UnknownRequest},
-                                    {"evalue", "the manager does not know '" + type + "'"}});
+            refuse(request.message, ename::UnknownRequest,
+                   "the manager does not know '" + type + "'");
             continue;
         }
         std::vector<std::string> buffers;
@@ -457,14 +497,14 @@ void Server::on_manager() {
             json content = (this->*(handler->second))(request, buffers);
             if (!content.is_null()) reply(request.message, std::move(content), std::move(buffers));
         } catch (const RequestError& e) {
-            reply(request.message, {{"status", "error"}, {"ename", e.ename}, {"evalue", e.evalue}});
+            reply_error(request.message, e.ename, e.evalue);
+        } catch (const FileRequestError& e) {
+            reply_error(request.message, e.ename(), e.what());
         } catch (const PolicyError& e) {
-            reply(request.message,
-                  {{"status", "error"}, {"ename", e.ename()}, {"evalue", e.what()}});
+            reply_error(request.message, e.ename(), e.what());
         } catch (const std::exception& e) {
             spdlog::error("manager {}: {}", type, e.what());
-            reply(request.message,
-                  {{"status", "error"}, {"ename", ename::ServerError}, {"evalue", e.what()}});
+            reply_error(request.message, ename::ServerError, e.what());
         }
     }
 }
@@ -890,87 +930,17 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
             {"events", events}};
 }
 
-json Server::file_put(Request& r, std::vector<std::string>&) {
+json Server::file_request(Request& r, std::vector<std::string>& buffers) {
     SessionProxy& s = live_session(r.message.content);
-    const json& c = r.message.content;
-    if (!c.contains("path") || !c["path"].is_string())
-        throw RequestError{"InvalidRequest", "path is required"};
-    const std::string path = checked_relative_path(c["path"].get<std::string>(), kSandboxInputDir);
-    if (r.message.buffers.size() != 1) {
-        throw RequestError{"InvalidRequest",
-                           "file_put_request carries the file as exactly one buffer"};
-    }
-    const std::string& data = r.message.buffers[0];
-    const auto cap = static_cast<std::uint64_t>(options_.policy.max_file_bytes);
-    std::uint64_t& used = input_bytes_[s.session_id()];
-    const std::uint64_t session_cap =
-        static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb) << 20;
-    if (data.size() > cap) {
-        throw RequestError{"FileTooLarge", std::to_string(data.size()) + " bytes is over the " +
-                                               std::to_string(cap) + "-byte limit"};
-    }
-    if (used + data.size() > session_cap) {
-        throw RequestError{"FileTooLarge", "the session's input files would pass " +
-                                               std::to_string(session_cap >> 20) + " MB"};
-    }
-    const fs::path base = s.sandbox()->input_dir();
-    // Parent folders, one component at a time, beneath the input dir.
-    std::size_t slash = 0;
-    while ((slash = path.find('/', slash)) != std::string::npos) {
-        const fs::path dir = base / path.substr(0, slash);
-        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-            throw RequestError{"FileError",
-                               "mkdir " + path.substr(0, slash) + ": " + strerror(errno)};
-        }
-        ++slash;
-    }
-    const int fd = open_beneath(base, path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) throw RequestError{"FileError", "open " + path + ": " + strerror(errno)};
-    const bool ok = ::write(fd, data.data(), data.size()) == static_cast<ssize_t>(data.size());
-    ::fchmod(fd, 0644);
-    ::close(fd);
-    if (!ok) throw RequestError{"FileError", "write " + path + " failed"};
-    used += data.size();
-    on_event(s.session_id(), "file_put", path + " (" + std::to_string(data.size()) + " bytes)");
-    return {{"status", "ok"},
-            {"path", std::string(kSandboxInputDir) + "/" + path},
-            {"size", data.size()}};
-}
-
-json Server::file_get(Request& r, std::vector<std::string>& buffers) {
-    SessionProxy& s = live_session(r.message.content);
-    const json& c = r.message.content;
-    if (!c.contains("path") || !c["path"].is_string())
-        throw RequestError{"InvalidRequest", "path is required"};
-    const std::string path = checked_relative_path(c["path"].get<std::string>(), kSandboxOutputDir);
-    const int fd = open_beneath(s.sandbox()->output_dir(), path, O_RDONLY | O_NONBLOCK);
-    if (fd < 0) {
-        const int err = errno;
-        throw RequestError{err == ENOENT ? "FileNotFound" : "FileError",
-                           std::string(kSandboxOutputDir) + "/" + path + ": " + strerror(err)};
-    }
-    struct stat st {};
-    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        ::close(fd);
-        throw RequestError{"FileError", path + " is not a regular file"};
-    }
-    if (st.st_size > options_.policy.max_file_bytes) {
-        ::close(fd);
-        throw RequestError{"FileTooLarge",
-                           path + " is " + std::to_string(st.st_size) + " bytes, over the " +
-                               std::to_string(options_.policy.max_file_bytes) + "-byte limit"};
-    }
-    std::string data(static_cast<std::size_t>(st.st_size), '\0');
-    std::size_t got = 0;
-    while (got < data.size()) {
-        const ssize_t n = ::read(fd, data.data() + got, data.size() - got);
-        if (n <= 0) break;
-        got += static_cast<std::size_t>(n);
-    }
-    ::close(fd);
-    data.resize(got);
-    buffers.push_back(std::move(data));
-    return {{"status", "ok"}, {"path", std::string(kSandboxOutputDir) + "/" + path}, {"size", got}};
+    const SessionFiles files{s.session_id(), s.sandbox()->input_dir(), s.sandbox()->output_dir(),
+                             s.sandbox()->input_dir().parent_path() / "partial",
+                             static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb)
+                                 << 20};
+    auto done = transfers_.handle(r.message.msg_type(), r.message.content, r.message.buffers, files,
+                                  Clock::now());
+    if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
+    buffers = std::move(done.buffers);
+    return std::move(done.content);
 }
 
 json Server::server_info(Request&, std::vector<std::string>&) {
@@ -1105,7 +1075,7 @@ void Server::on_event(const std::string& session_id, const std::string& kind,
 }
 
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
-    input_bytes_.erase(session_id);
+    transfers_.session_closed(session_id);
     fairness_.erase(session_id);
     auto it = sessions_.find(session_id);
     std::int64_t executions = 0;
@@ -1169,6 +1139,7 @@ int Server::run() {
         const auto now = Clock::now();
         expire_creates(now);
         if (now >= next_balance_) balance_cpu(now);
+        transfers_.expire(now);
         if (now >= next_version_check_) {
             for (const auto& [name, image] : images_) follow_image_version(name);
             next_version_check_ = now + kPoolVersionCheck;

@@ -237,10 +237,15 @@ SessionLimits ServerPolicy::effective(const json& image_limits, const json& requ
 }
 
 json ServerPolicy::to_json() const {
-    return {{"defaults", defaults.to_json()},         {"maxima", maxima.to_json()},
-            {"kill_grace_s", kill_grace_s},           {"closed_channels_s", closed_channels_s},
-            {"max_message_bytes", max_message_bytes}, {"max_file_bytes", max_file_bytes},
-            {"max_sessions", max_sessions},           {"max_create_wait_s", max_create_wait_s}};
+    return {{"defaults", defaults.to_json()},
+            {"maxima", maxima.to_json()},
+            {"kill_grace_s", kill_grace_s},
+            {"closed_channels_s", closed_channels_s},
+            {"max_message_bytes", max_message_bytes},
+            {"max_file_bytes", max_file_bytes},
+            {"max_inline_file_bytes", max_inline_file_bytes},
+            {"max_sessions", max_sessions},
+            {"max_create_wait_s", max_create_wait_s}};
 }
 
 // ---- SessionGovernor ----

@@ -14,22 +14,36 @@ a Session belongs to one thread at a time.
 """
 import base64
 import fcntl
+import hashlib
+import io
 import json
 import os
+import shutil
 import struct
+import tempfile
 import threading
 import time
 
 import zmq
 from jupyter_client.session import Session as WireSession
 
-from .errors import (POLICY_ENAMES, ClientTimeout, CodeError, ServerNotFound,
+from .errors import (POLICY_ENAMES, ClientTimeout, CodeError, FileError, ServerNotFound,
                      SessionClosed, error_for)
 
 DEFAULT_STATE_DIR = "/var/lib/cellblock"
 KILL_GRACE_S = 3.0        # the server's wait between interrupt and kill at a timeout
 REPLY_MARGIN_S = 15.0     # how much longer than the server's deadline the client waits
 _BINARY_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+FILE_INLINE_BYTES = 4 << 20   # put() sends up to this in one message, streams anything larger
+FILE_CHUNK_BYTES = 4 << 20    # the spool's copy size (the server names the chunk size)
+FILE_WINDOW = 4               # chunks in flight during a transfer
+
+
+def _seekable(f):
+    try:
+        return f.seekable()
+    except Exception:
+        return False
 
 
 def server_file(state_dir=None, path=None):
@@ -133,26 +147,55 @@ class Server:
                 self._sockets.append(local.socket)
         return local.wire, local.socket
 
+    def _reset_channel(self):
+        """Drops this thread's manager socket (a connection given up for lost);
+        the next request connects afresh."""
+        local = self._local
+        sock = getattr(local, "socket", None)
+        if sock is not None:
+            with self._lock:
+                if sock in self._sockets:
+                    self._sockets.remove(sock)
+            sock.close(linger=0)
+            local.socket = None
+            local.early = {}
+
+    def _send(self, msg_type, content=None, buffers=None):
+        """Sends one manager request without waiting; returns its msg_id."""
+        wire, sock = self._channel()
+        msg = wire.send(sock, msg_type, content or {}, buffers=buffers)
+        return msg["header"]["msg_id"]
+
+    def _wait(self, msg_id, msg_type, timeout=60.0):
+        """The reply to `msg_id`: (content, buffers), or raises the exception named by
+        its ename. Replies to this thread's other requests in flight are kept for them."""
+        wire, sock = self._channel()
+        early = self._local.__dict__.setdefault("early", {})
+        if msg_id in early:
+            reply = early.pop(msg_id)
+        else:
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    raise ClientTimeout(f"no {msg_type.replace('_request', '_reply')} in "
+                                        f"{timeout:g} s from {self.manager}")
+                _, frames = wire.feed_identities(sock.recv_multipart(copy=True))
+                reply = wire.deserialize(frames)        # verifies the signature
+                parent = reply["parent_header"].get("msg_id")
+                if parent == msg_id:
+                    break
+                if len(early) < 64:
+                    early[parent] = reply               # a request still in flight
+        c = reply["content"]
+        if c.get("status") != "ok":
+            raise error_for(c.get("ename", "ServerError"), c.get("evalue", ""))
+        return c, [bytes(b) for b in reply["buffers"]]
+
     def request(self, msg_type, content=None, buffers=None, timeout=60.0):
         """One manager request; returns (reply content, reply buffers) or raises
         the exception named by the reply's ename."""
-        wire, sock = self._channel()
-        msg = wire.send(sock, msg_type, content or {}, buffers=buffers)
-        msg_id = msg["header"]["msg_id"]
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                raise ClientTimeout(f"no {msg_type.replace('_request', '_reply')} in {timeout:g} s "
-                                    f"from {self.manager}")
-            _, frames = wire.feed_identities(sock.recv_multipart(copy=True))
-            reply = wire.deserialize(frames)        # verifies the signature
-            if reply["parent_header"].get("msg_id") != msg_id:
-                continue                            # a late reply to a timed-out request
-            c = reply["content"]
-            if c.get("status") != "ok":
-                raise error_for(c.get("ename", "ServerError"), c.get("evalue", ""))
-            return c, [bytes(b) for b in reply["buffers"]]
+        return self._wait(self._send(msg_type, content, buffers), msg_type, timeout)
 
     # -- the manager API
     def info(self, timeout=60.0):
@@ -508,19 +551,152 @@ class Session:
         raise ClientTimeout(f"no interrupt_reply in {timeout:g} s")
 
     # -- files
-    def put(self, path, data):
-        """Writes bytes (or str, as UTF-8) to /data/input/<path>, read-only for the code.
-        Returns the path the code sees."""
+    def put(self, path, data, *, progress=None, timeout=60.0, retries=3):
+        """Writes a file to /data/input/<path>, read-only for the code; returns the path
+        the code sees. `data` is bytes, a str (written as UTF-8), an os.PathLike naming
+        a local file, or a binary file object (read from its position to its end).
+
+        Anything over FILE_INLINE_BYTES is streamed in chunks with at most
+        FILE_WINDOW of them in flight, so memory stays bounded whatever the size;
+        the server checks the sha256 of the whole and the file appears whole or
+        not at all. `progress(done, total)` is called as chunks are acknowledged.
+        A connection lost mid-way is retried `retries` times: the server keeps the
+        bytes it has, and the upload resumes from there."""
         if isinstance(data, str):
             data = data.encode()
-        reply, _ = self.server.request("file_put_request", {"session_id": self.id, "path": path},
-                                       buffers=[bytes(data)])
-        return reply["path"]
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            if len(data) <= FILE_INLINE_BYTES:
+                reply, _ = self.server.request("file_put_request",
+                                               {"session_id": self.id, "path": path},
+                                               buffers=[bytes(data)], timeout=timeout)
+                if progress:
+                    progress(len(data), len(data))
+                return reply["path"]
+            return self._put_stream(path, io.BytesIO(data), progress, timeout, retries)
+        if isinstance(data, os.PathLike):
+            with open(data, "rb") as f:
+                return self._put_stream(path, f, progress, timeout, retries)
+        if hasattr(data, "read"):
+            if _seekable(data):
+                return self._put_stream(path, data, progress, timeout, retries)
+            # A pipe: spooled to a temporary file first (the size must be declared).
+            with tempfile.TemporaryFile() as spool:
+                shutil.copyfileobj(data, spool, FILE_CHUNK_BYTES)
+                spool.seek(0)
+                return self._put_stream(path, spool, progress, timeout, retries)
+        raise TypeError("put() takes bytes, str, an os.PathLike or a binary file object, "
+                        f"not {type(data).__name__}")
 
-    def get(self, path):
-        """The bytes of /data/output/<path> (a file the code wrote)."""
-        _, buffers = self.server.request("file_get_request", {"session_id": self.id, "path": path})
-        return buffers[0] if buffers else b""
+    def _put_stream(self, path, f, progress, timeout, retries):
+        server = self.server
+        start = f.tell()
+        size = f.seek(0, os.SEEK_END) - start
+        for attempt in range(retries + 1):
+            try:
+                begin, _ = server.request("file_put_begin_request",
+                                          {"session_id": self.id, "path": path, "size": size},
+                                          timeout=timeout)
+                upload, chunk = begin["upload_id"], begin["chunk_bytes"]
+                # The digest covers the whole file: the bytes the server holds are hashed too.
+                digest = hashlib.sha256()
+                f.seek(start)
+                offset = 0
+                while offset < begin["offset"]:
+                    piece = f.read(min(chunk, begin["offset"] - offset))
+                    if not piece:
+                        raise FileError(f"the local file shrank below {begin['offset']} bytes")
+                    digest.update(piece)
+                    offset += len(piece)
+                in_flight = []
+                while offset < size or in_flight:
+                    if offset < size and len(in_flight) < FILE_WINDOW:
+                        piece = f.read(min(chunk, size - offset))
+                        if not piece:
+                            raise FileError(f"the local file shrank below {size} bytes")
+                        digest.update(piece)
+                        in_flight.append((server._send("file_put_chunk_request",
+                                                       {"session_id": self.id, "upload_id": upload,
+                                                        "offset": offset}, buffers=[piece]),
+                                          offset + len(piece)))
+                        offset += len(piece)
+                        continue
+                    msg_id, done = in_flight.pop(0)
+                    server._wait(msg_id, "file_put_chunk_request", timeout)
+                    if progress:
+                        progress(done, size)
+                reply, _ = server.request("file_put_commit_request",
+                                          {"session_id": self.id, "upload_id": upload,
+                                           "sha256": digest.hexdigest()}, timeout=timeout)
+                if progress and size == 0:
+                    progress(0, 0)
+                return reply["path"]
+            except (ClientTimeout, zmq.ZMQError):
+                if attempt == retries:
+                    raise
+                server._reset_channel()   # the upload waits on the server; begin resumes it
+
+    def get(self, path, dest=None, *, progress=None, timeout=60.0):
+        """A file the code wrote to /data/output/<path>. With no `dest`, its bytes;
+        with a path (str or os.PathLike), the file is written there (beside it
+        first, then renamed once its sha256 matches the server's) and the path is
+        returned; with a binary file object, the bytes are written to it.
+        Streamed in chunks, so memory stays bounded unless the bytes are asked for.
+        `progress(done, total)` is called as chunks arrive."""
+        if dest is None:
+            buf = io.BytesIO()
+            self._get_stream(path, buf, progress, timeout)
+            return buf.getvalue()
+        if hasattr(dest, "write"):
+            self._get_stream(path, dest, progress, timeout)
+            return dest
+        partial = f"{os.fspath(dest)}.part"
+        try:
+            with open(partial, "wb") as out:
+                self._get_stream(path, out, progress, timeout)
+            os.replace(partial, dest)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        return dest
+
+    def _get_stream(self, path, out, progress, timeout):
+        server = self.server
+        begin, _ = server.request("file_get_begin_request", {"session_id": self.id, "path": path},
+                                  timeout=timeout)
+        size, chunk = begin["size"], begin["chunk_bytes"]
+        digest = hashlib.sha256()
+        expected = begin.get("sha256")
+        in_flight, requested, received = [], 0, 0
+        try:
+            while received < size:
+                if requested < size and len(in_flight) < FILE_WINDOW:
+                    in_flight.append(server._send("file_get_chunk_request",
+                                                  {"session_id": self.id,
+                                                   "download_id": begin["download_id"],
+                                                   "offset": requested, "length": chunk}))
+                    requested += min(chunk, size - requested)
+                    continue
+                reply, buffers = server._wait(in_flight.pop(0), "file_get_chunk_request", timeout)
+                piece = buffers[0]
+                out.write(piece)
+                digest.update(piece)
+                received += len(piece)
+                expected = reply.get("sha256", expected)
+                if progress:
+                    progress(received, size)
+        except BaseException:
+            if received < size and "download_id" in begin:
+                try:
+                    server._send("file_get_end_request", {"session_id": self.id,
+                                                          "download_id": begin["download_id"]})
+                except Exception:
+                    pass
+            raise
+        if progress and size == 0:
+            progress(0, 0)
+        if digest.hexdigest() != expected:
+            raise error_for("ChecksumMismatch", f"/data/output/{path}: received bytes hash to "
+                            f"{digest.hexdigest()}, the server's file to {expected}")
 
     # -- the registry
     def info(self):

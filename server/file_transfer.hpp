@@ -1,0 +1,118 @@
+// Files in and out of a session, in bounded chunks: an upload lands in
+// /data/input whole or not at all (sha256 checked, fsynced, renamed into
+// place), a download reads /data/output piece by piece. No ZMQ here: the
+// manager hands requests in as JSON and bytes, and sends back what this returns.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace cellblock {
+
+// A refused file request: a stable ename and an evalue with the numbers.
+class FileRequestError : public std::runtime_error {
+  public:
+    FileRequestError(std::string ename, const std::string& evalue)
+        : std::runtime_error(evalue), ename_(std::move(ename)) {}
+    const std::string& ename() const { return ename_; }
+
+  private:
+    std::string ename_;
+};
+
+struct FileTransferLimits {
+    std::uint64_t max_file_bytes = 16ull << 30;    // one file, streamed (the server's maximum)
+    std::uint64_t max_inline_bytes = 64ull << 20;  // one file in one message (file_put/file_get)
+    std::size_t chunk_bytes = 4u << 20;            // offered to clients
+    std::size_t max_chunk_bytes = 8u << 20;        // the largest chunk accepted or sent
+    std::size_t max_transfers = 16;                // open uploads + downloads, server-wide
+    std::size_t max_session_transfers = 4;         // of them, per session
+    std::chrono::seconds idle_timeout{120};        // an untouched transfer is dropped
+};
+
+// What a transfer needs to know of its session.
+struct SessionFiles {
+    std::string session_id;
+    std::filesystem::path input_dir;    // mounted read-only at /data/input
+    std::filesystem::path output_dir;   // mounted at /data/output (hostile: the code writes it)
+    std::filesystem::path partial_dir;  // beside them, never mounted: uploads in progress
+    std::uint64_t input_cap_bytes = 0;  // disk_mb: all files put in /data/input together
+};
+
+// A relative path inside `prefix` (/data/input or /data/output), checked as
+// text: no absolute path, no "..", no empty or "." components, no NUL. A
+// leading "<prefix>/" is taken off. Throws FileRequestError("InvalidPath").
+std::string checked_relative_path(std::string path, const std::string& prefix);
+
+class FileTransfers {
+  public:
+    using Clock = std::chrono::steady_clock;
+
+    explicit FileTransfers(FileTransferLimits limits = {});
+    ~FileTransfers();
+    FileTransfers(const FileTransfers&) = delete;
+    FileTransfers& operator=(const FileTransfers&) = delete;
+
+    // The answer to one manager request: the reply's content and buffers,
+    // and an audit event (kind, detail) when a file was put.
+    struct Reply {
+        nlohmann::json content;
+        std::vector<std::string> buffers;
+        std::optional<std::pair<std::string, std::string>> event;
+    };
+    // The msg_types handled here (file_put_request, file_put_begin_request, ...).
+    static const std::vector<std::string>& request_types();
+    // Handles one request of a live session; throws FileRequestError.
+    Reply handle(std::string_view msg_type, const nlohmann::json& content,
+                 const std::vector<std::string>& buffers, const SessionFiles& session,
+                 Clock::time_point now);
+
+    // Drops transfers untouched for idle_timeout (an upload's partial is removed).
+    void expire(Clock::time_point now);
+    // The session is gone: its transfers end, its input count is forgotten.
+    void session_closed(const std::string& session_id);
+
+    std::size_t open_transfers() const;
+    std::uint64_t input_bytes(const std::string& session_id) const;
+    const FileTransferLimits& limits() const { return limits_; }
+
+  private:
+    struct Upload;
+    struct Download;
+
+    nlohmann::json put_begin(const nlohmann::json& c, const SessionFiles& s, Clock::time_point now);
+    nlohmann::json put_chunk(const nlohmann::json& c, const std::vector<std::string>& buffers,
+                             const SessionFiles& s, Clock::time_point now);
+    Reply put_commit(const nlohmann::json& c, const SessionFiles& s);
+    Reply put_whole(const nlohmann::json& c, const std::vector<std::string>& buffers,
+                    const SessionFiles& s);
+    nlohmann::json get_begin(const nlohmann::json& c, const SessionFiles& s, Clock::time_point now);
+    Reply get_chunk(const nlohmann::json& c, const SessionFiles& s, Clock::time_point now);
+    Reply get_whole(const nlohmann::json& c, const SessionFiles& s);
+
+    void check_room(const SessionFiles& s, std::uint64_t size, std::uint64_t replacing,
+                    const Upload* resumed) const;
+    void check_capacity(const std::string& session_id) const;
+    Upload& upload_of(const nlohmann::json& c, const SessionFiles& s);
+    Download& download_of(const nlohmann::json& c, const SessionFiles& s);
+    // Moves a complete partial into place beneath the input dir.
+    void install(const SessionFiles& s, Upload& upload);
+    void drop_upload(const std::string& id);
+
+    FileTransferLimits limits_;
+    std::map<std::string, std::unique_ptr<Upload>> uploads_;
+    std::map<std::string, std::unique_ptr<Download>> downloads_;
+    std::map<std::string, std::uint64_t> input_bytes_;  // committed, per session
+};
+
+}  // namespace cellblock
