@@ -17,11 +17,14 @@ while still catching what a sandbox escape would do:
 - Files the suite planted (sentinels in a root-only 0700 dir): any change.
 - Host files a sandbox sees or targets (/etc/passwd, shadow, group, hosts,
   hostname, resolv.conf, the host's python, su, mount, libc): a change of the
-  content of the same inode. A write through an escaped fd, a writable bind
-  mount or /proc/<pid>/exe modifies the file in place; package managers and
-  shadow-utils (useradd, passwd) write a new file and rename it over (a new
-  inode), which is ignored unless the new file is owned by one of the ids the
-  suite's sandboxes map to (a sandbox process creates files as those ids).
+  content of the inode the watch holds open since the start. A write through
+  an escaped fd, a writable bind mount or /proc/<pid>/exe modifies the file in
+  place; package managers and shadow-utils (useradd, passwd) write a new file
+  and rename it over (a new inode), which is ignored unless the file at the
+  path is owned by one of the ids the suite's sandboxes map to (a sandbox
+  process creates files as those ids). The fd is held so that the old inode's
+  number cannot be reused by the replacement (ext4 reuses freed numbers at
+  once, and a comparison of inode numbers alone then sees an in-place write).
 - Mounts, in the host's mount namespace (this process's and PID 1's), new or
   vanished, reported when attributable:
     * the mount point is in a host system tree (/, /etc, /usr, /proc, /sys,
@@ -71,8 +74,8 @@ import pytest
 
 import server_helpers as sh
 from conftest import STATE_DIR, kernel_death, start_kernel, wait_for
-from test_containment import (cell, host_uid_of_sandbox_user, run_ok, sandbox_pids,
-                              session_id_of, session_residue, stop_quietly)
+from test_containment import (cell, host_uid_of_sandbox_user, proc_state, run_ok,
+                              sandbox_pids, session_id_of, session_residue, stop_quietly)
 
 # Set by test_images_attacks_*.py, which run the suite on a built image.
 BUILT_IMAGE = os.environ.get("CELLBLOCK_ATTACK_IMAGE", "")
@@ -173,6 +176,9 @@ SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/l
                 "/root", "/home", "/opt", "/srv", "/proc", "/sys", "/dev")
 
 
+PF_EXITING = 0x4   # /proc/<pid>/stat flags: the process is in exit()
+
+
 def _sha256(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -219,9 +225,13 @@ def _readlink(path):
         return None
 
 
-def _file_state(path):
-    st = os.stat(path)
-    return {"inode": (st.st_dev, st.st_ino), "owner": (st.st_uid, st.st_gid), "sha256": _sha256(path)}
+def _fd_sha256(fd):
+    h = hashlib.sha256()
+    offset = 0
+    while block := os.pread(fd, 1 << 20, offset):
+        h.update(block)
+        offset += len(block)
+    return h.hexdigest()
 
 
 class HostWatch:
@@ -239,10 +249,16 @@ class HostWatch:
         self.sentinel_digests = {p: _sha256(p) for p in self.sentinels}
         # Host files a sandbox could target. (Not cellblock's own build output: other
         # work rebuilds it at any time; the cases that target it check the refusal.)
-        self.files = {p: _file_state(p) for p in (
-            "/etc/shadow", "/etc/passwd", "/etc/group", "/etc/hosts", "/etc/hostname",
-            "/etc/resolv.conf", "/usr/bin/python3.11", "/usr/bin/su", "/usr/bin/mount",
-            "/usr/lib/x86_64-linux-gnu/libc.so.6") if os.path.isfile(p)}
+        # Each is held open: its inode cannot be freed and its number reused (a
+        # file replaced by rename is then a different inode for sure), and what is
+        # read through the fd is what an in-place write would have changed.
+        self.files = {}
+        for path in ("/etc/shadow", "/etc/passwd", "/etc/group", "/etc/hosts", "/etc/hostname",
+                     "/etc/resolv.conf", "/usr/bin/python3.11", "/usr/bin/su", "/usr/bin/mount",
+                     "/usr/lib/x86_64-linux-gnu/libc.so.6"):
+            if os.path.isfile(path):
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self.files[path] = (fd, _fd_sha256(fd))
         self.values = {p: self._read(p) for p in (
             "/proc/sys/kernel/core_pattern", "/proc/sys/kernel/modprobe",
             "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname",
@@ -273,7 +289,7 @@ class HostWatch:
         # The suite's own sessions: kernel-mode ids, and the servers whose sessions count.
         self.kernel_sessions = set()
         self.servers = []
-        self.namespaces = {}   # "pid:[N]" / "user:[N]" -> live session id
+        self.namespaces = {}   # "pid:[N]" / "user:[N]" -> (live session id, a pid in it)
         self.id_ranges = set()  # (first, count) of host ids the sessions map
         self.ended = set()      # sessions with nothing left on the host
         self.rootfs = set()     # the sessions' bundle roots
@@ -320,7 +336,7 @@ class HostWatch:
             for ns in ("pid", "user"):
                 link = _readlink(f"/proc/{pid}/ns/{ns}")
                 if link:
-                    self.namespaces[link] = sid
+                    self.namespaces.setdefault(link, (sid, pid))  # the lowest: the init
             try:
                 with open(f"/proc/{pid}/uid_map") as f:
                     maps = [line.split() for line in f]
@@ -412,17 +428,19 @@ class HostWatch:
                 now = f"unreadable: {e}"
             if now != digest:
                 out.append(f"sentinel {path} changed (sha256 {digest[:12]} -> {now[:12]})")
-        for path, before in self.files.items():
+        for path, (fd, digest) in self.files.items():
+            now = _fd_sha256(fd)
+            if now != digest:
+                out.append(f"host file {path} was written in place "
+                           f"(sha256 {digest[:12]} -> {now[:12]})")
             try:
-                now = _file_state(path)
+                st = os.stat(path)
             except OSError as e:
                 out.append(f"host file {path} is gone or unreadable: {e}")
                 continue
-            if now["inode"] == before["inode"] and now["sha256"] != before["sha256"]:
-                out.append(f"host file {path} was written in place "
-                           f"(sha256 {before['sha256'][:12]} -> {now['sha256'][:12]})")
-            if any(self._sandbox_id(i) for i in now["owner"]):
-                out.append(f"host file {path} is now owned by a sandbox's host ids {now['owner']}")
+            if self._sandbox_id(st.st_uid) or self._sandbox_id(st.st_gid):
+                out.append(f"host file {path} is now owned by a sandbox's host ids "
+                           f"{st.st_uid}:{st.st_gid}")
         return out
 
     def _value_problems(self):
@@ -439,20 +457,29 @@ class HostWatch:
                 out.append(f"host sleeper {p.pid} (uid {p.uid}, started by this suite) died: "
                            f"{p.returncode}")
         for path in glob.glob("/proc/[0-9]*"):
-            mine = {self.namespaces.get(_readlink(f"{path}/ns/{ns}")) for ns in ("pid", "user")}
-            mine.discard(None)
-            if not mine:
+            links = {_readlink(f"{path}/ns/{ns}") for ns in ("pid", "user")} & set(self.namespaces)
+            if not links:
                 continue
             try:
                 with open(f"{path}/cgroup") as f:
                     lines = [line.rstrip("\n").split(":", 2) for line in f]
+                with open(f"{path}/stat") as f:
+                    stat = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            for sid in mine:
+            if stat[0] in ("Z", "X") or int(stat[6]) & PF_EXITING:
+                continue   # a dying process reads "/" on the v1 hierarchies, and can do nothing
+            for link in links:
+                sid, witness = self.namespaces[link]
                 # (A cgroup removed under a dying process reads "PATH (deleted)".)
                 outside = [f"{ctl or 'unified'}:{cg}" for _, ctl, cg in lines
                            if not _under(cg.removesuffix(" (deleted)"), [f"/cellblock/cb-{sid}"])]
-                if outside:
+                # A session that ended since it was seen frees its namespaces, whose
+                # numbers the next sandbox may get: count only a namespace that the
+                # session's own process still holds.
+                held = proc_state(witness) not in (None, "Z") and \
+                    link in {_readlink(f"/proc/{witness}/ns/{ns}") for ns in ("pid", "user")}
+                if outside and held:
                     out.append(f"process {path[6:]} of session {sid} left its cgroup: {outside}")
         return out
 
@@ -524,6 +551,8 @@ class HostWatch:
         for s in self.listeners.values():
             s.close()
         self.udp.close()
+        for fd, _ in self.files.values():
+            os.close(fd)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
