@@ -27,6 +27,7 @@ import re
 import secrets
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -623,3 +624,52 @@ for fd in range(3, 4096):
         f"GAP: the server connected {hits['unix path']} time(s) to the host socket {target} " \
         "through symlinks the sandbox planted in its ipc directory (a root-only path the " \
         "sandbox cannot reach itself)"
+
+
+# ================================================================ the watch itself
+
+def test_host_watch_sees_what_an_escape_would_change(fresh, host):
+    """HostWatch judges only what this suite's sessions could change; this case
+    makes sure it still sees it. From the host, as an escaped sandbox would: a
+    mount on the watch's own dir, a bind of the session's rootfs elsewhere, a
+    cgroup made by a sandbox's host uid, a sandbox process moved out of its
+    cgroup, a sentinel rewritten. Each must be reported; once undone, nothing."""
+    km, kc, sid = fresh
+    assert host.problems() == []
+    with open(os.path.join(STATE_DIR, "sessions", sid, "bundle", "config.json")) as f:
+        rootfs = json.load(f)["root"]["path"]
+    kernel = max(sandbox_pids(sid, include_zombies=False))
+    uid = int(status_fields(kernel)["Uid"][0])
+    scratch = f"/run/cellblock-watch-{secrets.token_hex(4)}"
+    on_watch_dir = os.path.join(host.dir, "mnt")
+    cgroup = f"/sys/fs/cgroup/pids/cellblock-watch-{secrets.token_hex(4)}"
+    with open(host.sentinels[0], "rb") as f:
+        sentinel = f.read()
+    os.makedirs(scratch)
+    os.makedirs(on_watch_dir)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "watch", on_watch_dir], check=True)
+        subprocess.run(["mount", "--bind", rootfs, scratch], check=True)
+        os.mkdir(cgroup)
+        os.chown(cgroup, uid, uid)
+        with open("/sys/fs/cgroup/pids/cgroup.procs", "w") as f:
+            f.write(str(kernel))
+        with open(host.sentinels[0], "r+b") as f:
+            f.write(b"escaped")
+        seen = "\n".join(host.problems())
+    finally:
+        with open(host.sentinels[0], "wb") as f:
+            f.write(sentinel)
+        with open(f"/sys/fs/cgroup/pids/cellblock/cb-{sid}/cgroup.procs", "w") as f:
+            f.write(str(kernel))
+        os.rmdir(cgroup)
+        subprocess.run(["umount", scratch])
+        subprocess.run(["umount", on_watch_dir])
+        os.rmdir(scratch)
+        os.rmdir(on_watch_dir)
+    for expected in (f"new host mount {on_watch_dir}", f"new host mount {scratch}",
+                     f"binds {rootfs}", f"cgroup {cgroup}", f"process {kernel} of session {sid} left",
+                     "pids:/", f"sentinel {host.sentinels[0]} changed"):
+        assert expected in seen, f"HostWatch missed {expected!r}; it reported:\n{seen}"
+    assert host.problems() == []
+    assert run_ok(kc, cell("result = 6 * 7")) == 42
