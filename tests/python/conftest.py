@@ -8,6 +8,8 @@ import glob
 import os
 import queue
 import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -19,23 +21,67 @@ STATE_DIR = "/run/cellblock/kernels"
 
 
 def start_kernel(extra_env=None, startup_timeout=60):
-    """Starts cellblock-python through jupyter_client, as a frontend would."""
+    """Starts cellblock-python through jupyter_client, as a frontend would.
+
+    The kernel-mode `cellblock` process logs to a file of its own (its path is
+    km.cellblock_log) so that a test whose kernel dies can say why; stop_kernel
+    copies the log to stderr, where pytest shows it for a failed test.
+    """
     km = KernelManager(kernel_name=KERNEL_NAME)
     env = dict(os.environ)
     env.update(extra_env or {})
-    km.start_kernel(env=env)
+    fd, log_path = tempfile.mkstemp(prefix="cellblock-kernel-", suffix=".log", dir="/var/tmp")
+    with os.fdopen(fd, "wb") as log:
+        km.start_kernel(env=env, stdout=log, stderr=log)
+    km.cellblock_log = log_path
     kc = km.client()
     kc.start_channels()
-    kc.wait_for_ready(timeout=startup_timeout)
+    try:
+        kc.wait_for_ready(timeout=startup_timeout)
+    except (RuntimeError, TimeoutError) as e:
+        # Reaped and killed here: a failed start must not leave a zombie or a sandbox.
+        detail = kernel_death(km) or "the process is still running"
+        stop_kernel(km, kc, now=True)
+        raise AssertionError(f"cellblock-python did not become ready ({e}); {detail}") from None
     return km, kc
 
 
-def stop_kernel(km, kc):
+def kernel_log(km, tail=6000):
+    """The end of the kernel-mode cellblock process's own log."""
+    try:
+        with open(km.cellblock_log, errors="replace") as f:
+            return f.read()[-tail:]
+    except (AttributeError, OSError):
+        return ""
+
+
+def kernel_death(km):
+    """None while the kernel-mode cellblock process runs; once it has exited (it is
+    reaped here, never left a zombie), a sentence with its exit status and its log."""
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    if process is None or process.poll() is None:
+        return None
+    return (f"the kernel-mode cellblock process {process.pid} exited with {process.returncode}; "
+            f"its log {getattr(km, 'cellblock_log', '?')} ends:\n{kernel_log(km)}")
+
+
+def stop_kernel(km, kc, now=False):
     try:
         kc.stop_channels()
     finally:
-        if km.has_kernel:
-            km.shutdown_kernel(now=False)
+        try:
+            if km.has_kernel:
+                km.shutdown_kernel(now=now)
+        finally:
+            log = getattr(km, "cellblock_log", None)
+            if log:
+                text = kernel_log(km, tail=20000)
+                if text:
+                    sys.stderr.write(f"--- cellblock kernel log {log}:\n{text}")
+                try:
+                    os.unlink(log)
+                except OSError:
+                    pass
 
 
 @pytest.fixture
@@ -45,11 +91,52 @@ def kernel():
     stop_kernel(km, kc)
 
 
+class KernelDied(AssertionError):
+    """The kernel's process exited while a test waited for it."""
+
+
 def run_cell(kc, code, timeout=60):
-    """Executes code; returns (reply content, list of iopub messages for it)."""
+    """Executes code; returns (reply content, list of iopub messages for it).
+
+    The wait is bounded twice: by `timeout`, and by the kernel-mode cellblock
+    process itself. When that process has exited (a kernel killed by a signal
+    takes it down), no reply can come: KernelDied is raised at once with the
+    process's exit status and log, instead of waiting out the timeout.
+    """
+    msg_id = kc.execute(code, allow_stdin=False)
+    deadline = time.monotonic() + timeout
     outputs = []
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=outputs.append)
-    return reply["content"], outputs
+    while True:
+        msg = _next_message(kc, kc.get_iopub_msg, deadline, f"no idle status for {msg_id}")
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        outputs.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    while True:
+        reply = _next_message(kc, kc.get_shell_msg, deadline, f"no execute_reply to {msg_id}")
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], outputs
+
+
+def _next_message(kc, get, deadline, what, poll=0.25):
+    """The next message from get(); fails at the deadline or, after a last second
+    for messages still in flight, as soon as the kernel's process is gone."""
+    km = getattr(kc, "parent", None)
+    died_at = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what} before the timeout" +
+                               (f"; {kernel_death(km)}" if km is not None and kernel_death(km) else ""))
+        try:
+            return get(timeout=min(poll, left))
+        except queue.Empty:
+            pass
+        if died_at is None and km is not None and kernel_death(km):
+            died_at = time.monotonic()
+        if died_at is not None and time.monotonic() - died_at > 1.0:
+            raise KernelDied(f"{what}: {kernel_death(km)}")
 
 
 def stream_text(outputs, name="stdout"):

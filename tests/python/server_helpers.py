@@ -214,38 +214,49 @@ def collect_execution(kc, msg_id, timeout=60):
     """Reads shell until the reply to msg_id and iopub until its idle.
 
     Returns (reply message, iopub messages whose parent is msg_id, other shell
-    replies seen while waiting). The reply is looked for on shell only.
+    replies seen while waiting). The reply is looked for on shell only. If the
+    kernel's server (kc.cellblock_server, set by ServerProcess.connect) exits
+    meanwhile, fails at once with its exit status and log.
     """
     deadline = time.monotonic() + timeout
     reply = None
     others = []
     while reply is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"no shell reply to {msg_id} in {timeout} s")
-        try:
-            msg = kc.get_shell_msg(timeout=left)
-        except queue.Empty:
-            continue
+        msg = _next_message(kc, kc.get_shell_msg, deadline, f"no shell reply to {msg_id} in {timeout} s")
         if msg["parent_header"].get("msg_id") == msg_id:
             reply = msg
         else:
             others.append(msg)
     iopub = []
     while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"no idle status for {msg_id} in {timeout} s; iopub: "
-                                 f"{[m['msg_type'] for m in iopub]}")
-        try:
-            msg = kc.get_iopub_msg(timeout=left)
-        except queue.Empty:
-            continue
+        msg = _next_message(kc, kc.get_iopub_msg, deadline,
+                            f"no idle status for {msg_id} in {timeout} s; iopub: "
+                            f"{[m['msg_type'] for m in iopub]}")
         if msg["parent_header"].get("msg_id") != msg_id:
             continue
         iopub.append(msg)
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             return reply, iopub, others
+
+
+def _next_message(kc, get, deadline, what, poll=0.25):
+    """The next message from get(), or an AssertionError at the deadline or, a
+    second after the kernel's server was seen gone, at once."""
+    server = getattr(kc, "cellblock_server", None)
+    gone_at = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(what)
+        try:
+            return get(timeout=min(poll, left))
+        except queue.Empty:
+            pass
+        if gone_at is None and server is not None and server.proc.poll() is not None:
+            gone_at = time.monotonic()
+        if gone_at is not None and time.monotonic() - gone_at > 1.0:
+            raise AssertionError(f"{what}: cellblock serve exited with {server.proc.returncode}; "
+                                 f"log {server.log_path} ends:\n{server.log()[-3000:]}")
 
 
 def execute(kc, code, metadata=None, timeout=60):
@@ -435,6 +446,7 @@ class ServerProcess:
         """A started, ready BlockingKernelClient on a session's connection dict."""
         kc = BlockingKernelClient()
         kc.load_connection_info(connection)
+        kc.cellblock_server = self   # collect_execution stops waiting when the server is gone
         kc.start_channels()
         self.clients.append(kc)
         kc.wait_for_ready(timeout=ready_timeout)

@@ -84,6 +84,17 @@ def sandbox_pids(sid, include_zombies=True):
     return sorted(pids)
 
 
+def host_uid_of_sandbox_user(pid):
+    """The host uid that SANDBOX_UID inside maps to, for the sandbox process `pid`
+    (from its /proc/<pid>/uid_map): the one place the tests derive a sandbox's host ids."""
+    with open(f"/proc/{pid}/uid_map") as f:
+        for line in f:
+            inside, outside, count = (int(x) for x in line.split())
+            if inside <= SANDBOX_UID < inside + count:
+                return outside + SANDBOX_UID - inside
+    raise AssertionError(f"process {pid} does not map the sandbox user {SANDBOX_UID}")
+
+
 def status_fields(pid):
     fields = {}
     with open(f"/proc/{pid}/status") as f:
