@@ -15,7 +15,7 @@ import sys
 import pexpect
 import pytest
 
-from server_helpers import CELLBLOCK_BIN, server, wait_for  # noqa: F401
+from server_helpers import CELLBLOCK_BIN, server  # noqa: F401
 
 SOURCE_DIR = os.environ.get(
     "CELLBLOCK_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
