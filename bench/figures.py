@@ -50,11 +50,12 @@ MANY_STEPS = {"max_executions": 100000}
 class Bench:
     """What every figure shares: options, the zmq context, raw results, the log."""
 
-    def __init__(self, quick, reps=None, profile=True, sessions=None):
+    def __init__(self, quick, reps=None, profile=True, sessions=None, file_mb=1024):
         self.quick = quick
         self.reps_override = reps
         self.profile = profile and shutil.which("perf") is not None
         self.sessions = sessions        # throughput session counts, if overridden
+        self.file_mb = file_mb          # the file transfer's file size
         self.zmq = zmq.Context()
         self.raw = {}
         self.appendix = []              # extra Markdown sections (profiles)
@@ -853,6 +854,8 @@ def runsc_tier(bench):
         shutil.rmtree(images_dir, ignore_errors=True)
 
 
+from files import file_transfer  # noqa: E402  (figure 8 lives in its own file)
+
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
     "step": ("2. Step overhead", step_overhead),
@@ -861,5 +864,6 @@ FIGURES = {
     "density": ("5. Density", density),
     "noisy": ("6. Noisy neighbours", noisy_neighbours),
     "runsc": ("7. Isolation tiers", runsc_tier),
+    "files": ("8. File transfer", file_transfer),
 }
-ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc"]
+ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files"]

@@ -120,6 +120,8 @@ def main():
     parser.add_argument("--sessions", default="",
                         help="throughput session counts, e.g. 10,50 (default 10,50,100; "
                              "--quick: 10)")
+    parser.add_argument("--file-mb", type=int, default=1024,
+                        help="size of the file the file-transfer figure moves (MiB)")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the perf profile of the server after the step figure")
     parser.add_argument("--out", default=RESULTS, help="where results are written")
@@ -136,7 +138,8 @@ def main():
     sessions = [int(x) for x in args.sessions.split(",") if x.strip()] or None
     snapshot_binaries()
     env = environment()
-    bench = Bench(args.quick, args.reps or None, profile=not args.no_profile, sessions=sessions)
+    bench = Bench(args.quick, args.reps or None, profile=not args.no_profile, sessions=sessions,
+                  file_mb=args.file_mb)
     started = datetime.datetime.now(datetime.timezone.utc)
     run = {"started_utc": started.isoformat(timespec="seconds"), "quick": args.quick,
            "only": names, "environment": env, "figures": {}}

@@ -1,6 +1,5 @@
 // Files in and out of a session, in bounded chunks: an upload lands in
-// /data/input whole or not at all (sha256 checked, fsynced, renamed into
-// place), a download reads /data/output piece by piece. No ZMQ here: the
+// /data/input whole or not at all (sha256 checked, renamed into place), a download reads /data/output piece by piece. No ZMQ here: the
 // manager hands requests in as JSON and bytes, and sends back what this returns.
 #pragma once
 

@@ -373,16 +373,16 @@ int main(int argc, char** argv) {
             const std::string name = remote.empty() ? fs::path(local).filename().string() : remote;
             const json reply = client.put_file(session_id, local, name, progress_bar(name));
             std::cout << local << " -> " << reply["path"].get<std::string>() << " ("
-                      << reply["size"] << " bytes, sha256 " << reply["sha256"].get<std::string>()
-                      << ")\n";
+                      << reply["size"] << " bytes) sha256 " << reply["sha256"].get<std::string>()
+                      << "\n";
             return 0;
         }
         if (get_cmd->parsed()) {
             const fs::path out = local.empty() ? fs::path(remote).filename() : fs::path(local);
             const json reply = client.get_file(session_id, remote, out, progress_bar(remote));
             std::cout << reply["path"].get<std::string>() << " -> " << out.string() << " ("
-                      << reply["size"] << " bytes, sha256 " << reply["sha256"].get<std::string>()
-                      << ")\n";
+                      << reply["size"] << " bytes) sha256 " << reply["sha256"].get<std::string>()
+                      << "\n";
             return 0;
         }
         if (history_cmd->parsed()) {

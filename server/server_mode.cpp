@@ -1,13 +1,11 @@
 #include "server_mode.hpp"
 
 #include <fcntl.h>
-#include <linux/openat2.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
