@@ -790,7 +790,7 @@ PANDAS_SETUP = ("import numpy as np, pandas as pd\n"
 PANDAS_WORK = ("t = 0.0\nfor i in range({n}):\n"
                "    t += df.groupby('k')['v'].agg(['mean', 'std', 'median']).values.sum()\n"
                "round(t, 3)")
-THINK_S = 0.05   # between an interactive session's reply and its next step
+THINK_S = 0.25   # between an interactive session's reply and its next step
 
 
 def step_sessions(interactive, stop, computation=None, max_seconds=600):
@@ -846,7 +846,7 @@ def fairness(bench):
     """A pandas computation next to 9 interactive sessions and 10 noisy ones, against
     the same computation alone and the same interactive sessions on a quiet server."""
     target_s = bench.n(20, 6)
-    quiet_rts = bench.n(1200, 200)
+    quiet_rts = bench.n(600, 200)
     leads = [0, 40] if not bench.quick else [0]
     noisy_cells = [FORK_BOMB] * 4 + [MEMORY_BOMB] * 3 + [CPU_SPIN] * 3
     need = 3 * GIB + 4 * GIB
@@ -854,7 +854,7 @@ def fairness(bench):
     if mem_available() < need:
         return [unavailable("8", title, f"MemAvailable {mem_available() / GIB:.1f} GiB < "
                                         f"{need / GIB:.0f} GiB")]
-    rows, raw = [], {}
+    rows, raw, comp_rows = [], {}, []
     with CellblockServer("fairness", {"host": 2}) as srv:
         # The computation may take many times its time alone: no execution timeout on it.
         replies = [srv.create({"limits": dict(MANY_STEPS, exec_timeout_s=1800)})]
@@ -874,8 +874,9 @@ def fairness(bench):
         n = max(1, round(target_s / probe))
         work = PANDAS_WORK.format(n=n)
         bench.log(f"fairness: {n} groupby rounds ({probe * 1000:.0f} ms each alone)")
-        alone = comp.execute(work, timeout=900).round_trip
-        bench.log(f"fairness: the computation alone: {alone:.1f} s")
+        # Alone before the loud runs and again after them: the host is shared.
+        alone = [comp.execute(work, timeout=900).round_trip]
+        bench.log(f"fairness: the computation alone: {alone[0]:.1f} s")
         for ch in interactive:
             for _ in range(10):
                 ch.execute(ONE_PLUS_ONE)
@@ -887,7 +888,9 @@ def fairness(bench):
         for lead in leads:
             name = ("neighbours started with the computation" if lead == 0 else
                     f"neighbours running for {lead} s before it")
-            noisy_replies, _ = srv.create_many(len(noisy_cells))
+            # No execution timeout either: the neighbours stay loud throughout.
+            noisy_replies, _ = srv.create_many(len(noisy_cells),
+                                               {"limits": {"exec_timeout_s": 1800}})
             noisy = [srv.open_channels(r["connection"]) for r in noisy_replies]
             for ch in noisy:
                 wait_ready(ch, time.monotonic() + 300)
@@ -913,7 +916,8 @@ def fairness(bench):
             srv.wait_sessions_gone([r["session_id"] for r in noisy_replies])
             took = comp_ex.round_trip
             ls = summary(ms(loud))
-            bench.log(f"fairness ({name}): computation {took:.1f} s ({took / alone:.2f}x alone), "
+            bench.log(f"fairness ({name}): computation {took:.1f} s ({took / alone[0]:.2f}x "
+                      "the first time alone), "
                       f"interactive p99 {ls['p99']:.2f} ms ({ls['p99'] / qs['p99']:.2f}x quiet)")
             detail = (f"{n} pandas groupby rounds; neighbours: 4 fork bombs, 3 memory bombs, "
                       f"3 CPU spins, {lead} s ahead; the computation's CPU events: "
@@ -921,19 +925,26 @@ def fairness(bench):
                       f"{noisy_events or 'none'}; the interactive sessions' events: "
                       f"{interactive_events}; {len(loud)} interactive round trips during it")
             note = "; ".join(failed[:2]) if failed else ""
-            rows.append(Row("8", f"CPU fairness ({name}): pandas computation", "ms",
-                            summary([took * 1000]), summary([alone * 1000]), "the same alone",
-                            ratio_on="median", target="≤ 1.5× alone",
-                            met=not failed and took <= 1.5 * alone, note=note, detail=detail))
+            comp_rows.append((name, took, failed, note, detail))
             rows.append(Row("8", f"CPU fairness ({name}): 9 interactive sessions' 1+1", "ms",
                             ls, qs, "the same, quiet server", ratio_on="p99",
                             target="p99 ≤ 2× quiet p99",
                             met=not failed and ls["p99"] <= 2 * qs["p99"], note=note))
-            raw[name] = {"lead_s": lead, "computation_s": took, "alone_s": alone,
+            raw[name] = {"lead_s": lead, "computation_s": took,
                          "loud_ms": ms(loud), "failed": failed,
                          "computation_events": comp_events, "neighbour_events": noisy_events,
                          "interactive_events": interactive_events}
+        alone.append(comp.execute(work, timeout=900).round_trip)
+        bench.log(f"fairness: the computation alone again: {alone[1]:.1f} s")
+        base = summary([a * 1000 for a in alone])
+        for name, took, failed, note, detail in comp_rows:
+            rows.append(Row("8", f"CPU fairness ({name}): pandas computation", "ms",
+                            summary([took * 1000]), base, "the same alone, before and after",
+                            ratio_on="median", target="≤ 1.5× alone",
+                            met=not failed and took * 1000 <= 1.5 * base["median"], note=note,
+                            detail=detail))
         raw["quiet_ms"] = ms(quiet)
+        raw["alone_s"] = alone
         for ch, r in zip(chans, replies):
             ch.close()
             srv.close_session(r["session_id"])

@@ -21,8 +21,9 @@
 // A long execution is legitimate and is never demoted: past each of
 // `long_steps` of CPU-bound running it only yields a step of weight (its
 // quota stays, and a weight matters only when CPU is contended), so a cell
-// that has burned CPU for a minute gives way to newer work. Short cells
-// and bursts (a pandas import) never change anything.
+// that has burned CPU for a minute gives way to newer work; the default
+// weight returns when the execution ends. Short cells and bursts (a pandas
+// import) never change anything.
 #pragma once
 
 #include <chrono>
