@@ -782,6 +782,177 @@ def noisy_neighbours(bench):
     return rows
 
 
+# ------------------------------------------------------------------ 8: CPU fairness
+
+PANDAS_SETUP = ("import numpy as np, pandas as pd\n"
+                "rng = np.random.default_rng(0)\n"
+                "df = pd.DataFrame({'k': rng.integers(0, 2000, 1_000_000), "
+                "'v': rng.random(1_000_000)})")
+PANDAS_WORK = ("t = 0.0\nfor i in range({n}):\n"
+               "    t += df.groupby('k')['v'].agg(['mean', 'std', 'median']).values.sum()\n"
+               "round(t, 3)")
+THINK_S = 0.25   # between an interactive session's reply and its next step
+
+
+def step_sessions(interactive, stop, computation=None, max_seconds=600):
+    """Each interactive session steps 1+1 (one in flight, THINK_S apart) until
+    stop(round_trips) is true; the computation's channel is pumped meanwhile.
+    Returns (round trip seconds, failures)."""
+    poller = zmq.Poller()
+    owner = {}
+    for ch in interactive + ([computation] if computation else []):
+        for sock in (ch.shell, ch.iopub):
+            poller.register(sock, zmq.POLLIN)
+            owner[sock] = ch
+    rts, failures = [], []
+    due = {ch: time.perf_counter() for ch in interactive}   # next send, or None: in flight
+    start = time.perf_counter()
+    stopping = False
+    while True:
+        now = time.perf_counter()
+        stopping = stopping or stop(rts) or now - start > max_seconds
+        for ch, at in due.items():
+            if at is not None and at <= now and not stopping:
+                ch.send_execute(ONE_PLUS_ONE)
+                due[ch] = None
+        if stopping and all(at is not None for at in due.values()):
+            return rts, failures
+        if stopping and now - start > max_seconds + 60:
+            failures.append("interactive steps unanswered 60 s after the window")
+            return rts, failures
+        waits = [at - now for at in due.values() if at is not None]
+        timeout = max(0.0, min(waits)) if waits and not stopping else 0.2
+        for sock, _ in poller.poll(int(timeout * 1000) + 1):
+            ch = owner[sock]
+            now = time.perf_counter()
+            done = ch.on_shell(now) if sock is ch.shell else ch.on_iopub(now)
+            if ch is computation:
+                continue
+            for ex in done:
+                c = ex.reply["content"]
+                if c.get("status") != "ok":
+                    failures.append(f"{c.get('ename')}: {str(c.get('evalue'))[:120]}")
+                else:
+                    rts.append(ex.round_trip)
+                due[ch] = now + THINK_S
+
+
+def cpu_events(srv, sid):
+    history = srv.manager.call("session_history_request", {"session_id": sid}, check=False)
+    return [(e["kind"], e["detail"]) for e in history.get("events", [])
+            if e["kind"].startswith("cpu_")]
+
+
+def fairness(bench):
+    """A pandas computation next to 9 interactive sessions and 10 noisy ones, against
+    the same computation alone and the same interactive sessions on a quiet server."""
+    target_s = bench.n(20, 6)
+    quiet_rts = bench.n(600, 200)
+    leads = [0, 40] if not bench.quick else [0]
+    noisy_cells = [FORK_BOMB] * 4 + [MEMORY_BOMB] * 3 + [CPU_SPIN] * 3
+    need = 3 * GIB + 4 * GIB
+    title = "CPU fairness"
+    if mem_available() < need:
+        return [unavailable("8", title, f"MemAvailable {mem_available() / GIB:.1f} GiB < "
+                                        f"{need / GIB:.0f} GiB")]
+    rows, raw, comp_rows = [], {}, []
+    with CellblockServer("fairness", {"host": 2}) as srv:
+        # The computation may take many times its time alone: no execution timeout on it.
+        replies = [srv.create({"limits": dict(MANY_STEPS, exec_timeout_s=1800)})]
+        replies += srv.create_many(9, {"limits": MANY_STEPS})[0]
+        chans = [srv.open_channels(r["connection"]) for r in replies]
+        for ch in chans:
+            wait_ready(ch, time.monotonic() + 300)
+        comp, interactive = chans[0], chans[1:]
+        comp_id = replies[0]["session_id"]
+        comp.execute(PANDAS_SETUP, timeout=300)
+        srv.wait_pool()
+        # Calibrate the work to about target_s alone: a short probe, then one of
+        # about a quarter of the target (the first rounds warm caches up).
+        probe = comp.execute(PANDAS_WORK.format(n=3), timeout=300).round_trip / 3
+        n = max(1, round(target_s / 4 / probe))
+        probe = comp.execute(PANDAS_WORK.format(n=n), timeout=300).round_trip / n
+        n = max(1, round(target_s / probe))
+        work = PANDAS_WORK.format(n=n)
+        bench.log(f"fairness: {n} groupby rounds ({probe * 1000:.0f} ms each alone)")
+        # Alone before the loud runs and again after them: the host is shared.
+        alone = [comp.execute(work, timeout=900).round_trip]
+        bench.log(f"fairness: the computation alone: {alone[0]:.1f} s")
+        for ch in interactive:
+            for _ in range(10):
+                ch.execute(ONE_PLUS_ONE)
+        quiet, failed = step_sessions(interactive, lambda rts: len(rts) >= quiet_rts)
+        if failed:
+            raise BenchError(f"interactive sessions failed on a quiet server: {failed[:3]}")
+        qs = summary(ms(quiet))
+        bench.log(f"fairness: 9 interactive sessions, quiet p99 {qs['p99']:.2f} ms")
+        for lead in leads:
+            name = ("neighbours started with the computation" if lead == 0 else
+                    f"neighbours running for {lead} s before it")
+            # No execution timeout either: the neighbours stay loud throughout.
+            noisy_replies, _ = srv.create_many(len(noisy_cells),
+                                               {"limits": {"exec_timeout_s": 1800}})
+            noisy = [srv.open_channels(r["connection"]) for r in noisy_replies]
+            for ch in noisy:
+                wait_ready(ch, time.monotonic() + 300)
+            srv.wait_pool()
+            for ch, code in zip(noisy, noisy_cells):
+                ch.send_execute(code)
+            time.sleep(lead)
+            before = len(cpu_events(srv, comp_id))
+            comp_ex = comp.send_execute(work)
+            loud, failed = step_sessions(interactive, lambda rts: comp_ex.done, computation=comp,
+                                         max_seconds=900)
+            if comp_ex.status() != "ok":
+                failed.append(f"the computation: {comp_ex.reply['content'].get('ename')}")
+            comp_events = cpu_events(srv, comp_id)[before:]
+            noisy_events = {}
+            for r in noisy_replies:
+                for kind, _ in cpu_events(srv, r["session_id"]):
+                    noisy_events[kind] = noisy_events.get(kind, 0) + 1
+            interactive_events = sum(len(cpu_events(srv, r["session_id"])) for r in replies[1:])
+            for ch, r in zip(noisy, noisy_replies):
+                ch.close()
+                srv.close_session(r["session_id"])
+            srv.wait_sessions_gone([r["session_id"] for r in noisy_replies])
+            took = comp_ex.round_trip
+            ls = summary(ms(loud))
+            bench.log(f"fairness ({name}): computation {took:.1f} s ({took / alone[0]:.2f}x "
+                      "the first time alone), "
+                      f"interactive p99 {ls['p99']:.2f} ms ({ls['p99'] / qs['p99']:.2f}x quiet)")
+            detail = (f"{n} pandas groupby rounds; neighbours: 4 fork bombs, 3 memory bombs, "
+                      f"3 CPU spins, {lead} s ahead; the computation's CPU events: "
+                      f"{[k for k, _ in comp_events] or 'none'}; the neighbours' events: "
+                      f"{noisy_events or 'none'}; the interactive sessions' events: "
+                      f"{interactive_events}; {len(loud)} interactive round trips during it")
+            note = "; ".join(failed[:2]) if failed else ""
+            comp_rows.append((name, took, failed, note, detail))
+            rows.append(Row("8", f"CPU fairness ({name}): 9 interactive sessions' 1+1", "ms",
+                            ls, qs, "the same, quiet server", ratio_on="p99",
+                            target="p99 ≤ 2× quiet p99",
+                            met=not failed and ls["p99"] <= 2 * qs["p99"], note=note))
+            raw[name] = {"lead_s": lead, "computation_s": took,
+                         "loud_ms": ms(loud), "failed": failed,
+                         "computation_events": comp_events, "neighbour_events": noisy_events,
+                         "interactive_events": interactive_events}
+        alone.append(comp.execute(work, timeout=900).round_trip)
+        bench.log(f"fairness: the computation alone again: {alone[1]:.1f} s")
+        base = summary([a * 1000 for a in alone])
+        for name, took, failed, note, detail in comp_rows:
+            rows.append(Row("8", f"CPU fairness ({name}): pandas computation", "ms",
+                            summary([took * 1000]), base, "the same alone, before and after",
+                            ratio_on="median", target="≤ 1.5× alone",
+                            met=not failed and took * 1000 <= 1.5 * base["median"], note=note,
+                            detail=detail))
+        raw["quiet_ms"] = ms(quiet)
+        raw["alone_s"] = alone
+        for ch, r in zip(chans, replies):
+            ch.close()
+            srv.close_session(r["session_id"])
+    bench.raw["fairness"] = raw
+    return rows
+
+
 # ------------------------------------------------------------------ 7: isolation tiers
 
 def comm(pid):
@@ -865,5 +1036,6 @@ FIGURES = {
     "noisy": ("6. Noisy neighbours", noisy_neighbours),
     "runsc": ("7. Isolation tiers", runsc_tier),
     "files": ("8. File transfer", file_transfer),
+    "fairness": ("9. CPU fairness", fairness),
 }
-ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files"]
+ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness"]

@@ -84,7 +84,8 @@ def environment():
     }
 
 
-SNAPSHOT = "/run/cellblock-bench-bin"
+# Per run: two runs at once (other engineers on a shared host) must not remove each other's.
+SNAPSHOT = f"/run/cellblock-bench-bin-{os.getpid()}"
 
 
 def snapshot_binaries():

@@ -108,11 +108,14 @@ CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
         if (Seconds(*sample.running_for) >= s.after && (!step || s.weight < step->weight))
             step = &s;
     if (!step) return normal;
-    const bool yielding = setting_.level == CpuSetting::Level::yielding;
-    // Entering needs the execution busy over a whole window; leaving (while it
-    // still runs) needs calm over calm_after: no toggling on each pause.
-    const auto w = window(yielding ? policy_.calm_after : policy_.background_after);
-    if (!w) return yielding ? setting_ : normal;
+    const CpuSetting yielding{CpuSetting::Level::yielding,
+                              std::min(step->weight, policy_.normal_weight), 0};
+    // Once yielding, it stays so until the execution ends: what it used says
+    // nothing when a crowded host starves it, and a lower weight costs a cell
+    // that waits on I/O nothing. Entering needs it busy over a whole window.
+    if (setting_.level == CpuSetting::Level::yielding) return yielding;
+    const auto w = window(policy_.background_after);
+    if (!w) return normal;
     double cpu = 0;
     bool all_executing = true;
     for (const Interval* i : *w) {
@@ -120,10 +123,7 @@ CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
         all_executing = all_executing && i->executed;
     }
     const double span = seconds(history_.back().end - w->back()->start);
-    const bool busy = yielding ? cpu > policy_.calm_share * span
-                               : all_executing && cpu > policy_.busy_share * span;
-    if (!busy) return normal;
-    return {CpuSetting::Level::yielding, std::min(step->weight, policy_.normal_weight), 0};
+    return all_executing && cpu > policy_.busy_share * span ? yielding : normal;
 }
 
 CpuChange CpuFairness::change_to(CpuSetting next, std::string event, std::string why) {
@@ -182,8 +182,7 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
                                      "computation is never demoted; it gives way to newer work)",
                                      seconds(*sample.running_for)));
     }
-    return change_to(next, "cpu_restored",
-                     sample.running_for ? "the long execution paused" : "the long execution ended");
+    return change_to(next, "cpu_restored", "the long execution ended");
 }
 
 }  // namespace cellblock

@@ -21,8 +21,9 @@
 // A long execution is legitimate and is never demoted: past each of
 // `long_steps` of CPU-bound running it only yields a step of weight (its
 // quota stays, and a weight matters only when CPU is contended), so a cell
-// that has burned CPU for a minute gives way to newer work. Short cells
-// and bursts (a pandas import) never change anything.
+// that has burned CPU for a minute gives way to newer work; the default
+// weight returns when the execution ends. Short cells and bursts (a pandas
+// import) never change anything.
 #pragma once
 
 #include <chrono>
@@ -47,7 +48,7 @@ struct CpuFairnessPolicy {
     std::int64_t storm_growth = 32;  // tasks added within one sample
     int normal_weight = 1024;        // cgroup v1 cpu.shares
     int demoted_weight = 64;
-    double demoted_cpus = 0.25;  // CFS quota cap of a demoted session, in cores
+    double demoted_cpus = 0.1;  // CFS quota cap of a demoted session, in cores
     struct LongStep {
         Seconds after;  // one execution has run this long, busy over background_after
         int weight;

@@ -90,7 +90,7 @@ TEST(CpuFairness, ALongComputationIsNeverDemotedOnlyYieldsStepsOfWeightKeepingIt
     EXPECT_NE(x.changes[3].detail.find("yielding for"), std::string::npos) << x.changes[3].detail;
 }
 
-TEST(CpuFairness, ALongCellThatPausesDoesNotToggle) {
+TEST(CpuFairness, ALongCellThatPausesOrIsStarvedDoesNotToggle) {
     Feeder x;
     x.run(12.0, 1.0, true);
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_yielding"});
@@ -99,7 +99,12 @@ TEST(CpuFairness, ALongCellThatPausesDoesNotToggle) {
         x.run(2.0, 0.0, true);
         x.run(1.0, 1.0, true);
     }
-    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_yielding"});
+    // A crowded host gives it 1% of a core for 8 s: not taken for an end.
+    x.run(8.0, 0.01, true);
+    x.run(2.0, 1.0, true);
+    // Only the next step (at 30 s), never a restore in between.
+    ASSERT_EQ(x.events(), (std::vector<std::string>{"cpu_yielding", "cpu_yielding"}));
+    EXPECT_EQ(x.changes[1].setting.weight, 256);
 }
 
 TEST(CpuFairness, WorkLeftInTheBackgroundIsDemotedAfterSecondsWithAGuaranteedShare) {
@@ -114,7 +119,7 @@ TEST(CpuFairness, WorkLeftInTheBackgroundIsDemotedAfterSecondsWithAGuaranteedSha
     // Never starved: a real weight and a quota that leaves progress.
     EXPECT_GE(demoted.weight, 16);
     EXPECT_LT(demoted.weight, 1024);
-    EXPECT_GT(demoted.cpus, 0.1);
+    EXPECT_GE(demoted.cpus, 0.05);
     EXPECT_LT(demoted.cpus, 1.0);
     EXPECT_NE(x.changes[0].detail.find("no execution"), std::string::npos) << x.changes[0].detail;
 }
