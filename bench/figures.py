@@ -853,6 +853,8 @@ def runsc_tier(bench):
         shutil.rmtree(images_dir, ignore_errors=True)
 
 
+from kernel_start import kernel_start  # noqa: E402  (figure 8 lives in its own file)
+
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
     "step": ("2. Step overhead", step_overhead),
@@ -861,5 +863,6 @@ FIGURES = {
     "density": ("5. Density", density),
     "noisy": ("6. Noisy neighbours", noisy_neighbours),
     "runsc": ("7. Isolation tiers", runsc_tier),
+    "kernel": ("8. Frontend kernel start", kernel_start),
 }
-ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc"]
+ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "kernel"]
