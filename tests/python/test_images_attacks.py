@@ -34,6 +34,7 @@ def test_attack_suite_passes_on_a_built_image():
     jupyter = tempfile.mkdtemp(prefix="cb-images-kernelspec-")
     try:
         ih.cellblock("kernelspec", "install", "--prefix", jupyter,
+                     "--limit", "exec_timeout_s=600",  # as the build tree's kernelspec
                      "--kernel-arg=--image", "--kernel-arg=python-minimal",
                      "--kernel-arg=--image-store", f"--kernel-arg={ih.STORE}", check=True)
         env = dict(os.environ, JUPYTER_PATH=os.path.join(jupyter, "share", "jupyter"),
