@@ -1026,6 +1026,7 @@ def runsc_tier(bench):
 
 
 from files import file_transfer  # noqa: E402  (figure 8 lives in its own file)
+from kernel_start import kernel_start  # noqa: E402  (figure 10 lives in its own file)
 
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
@@ -1037,5 +1038,7 @@ FIGURES = {
     "runsc": ("7. Isolation tiers", runsc_tier),
     "files": ("8. File transfer", file_transfer),
     "fairness": ("9. CPU fairness", fairness),
+    "kernel": ("10. Frontend kernel start", kernel_start),
 }
-ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness"]
+ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
+         "kernel"]

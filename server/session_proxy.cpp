@@ -791,7 +791,7 @@ void SessionProxy::on_timer(Clock::time_point now) {
             "the execution did not stop within " +
             format_seconds(governor_->limits().interrupt_grace_s) +
             " s of the client's interrupt_request (interrupt_grace_s); the kernel was killed";
-        kill_for(evalue, "InterruptIgnored", "interrupt_ignored");
+        kill_for("InterruptIgnored", evalue, "error", "interrupt_ignored");
         return;
     }
     if (execution_ && !held_reply_) {
@@ -809,7 +809,7 @@ void SessionProxy::on_timer(Clock::time_point now) {
                 "the execution ran past its timeout of " +
                 std::to_string(static_cast<int>(execution_->timeout_s)) +
                 " s and did not stop when interrupted; the session was killed";
-            kill_for(evalue, "ExecutionTimeout", "exec_timeout");
+            kill_for("ExecutionTimeout", evalue, "timeout", "exec_timeout");
             return;
         }
     }
@@ -818,13 +818,13 @@ void SessionProxy::on_timer(Clock::time_point now) {
     }
 }
 
-void SessionProxy::kill_for(const std::string& evalue, const std::string& ename,
-                            const std::string& close_reason) {
+void SessionProxy::kill_for(const std::string& ename, const std::string& evalue,
+                            const std::string& execution_status, const std::string& close_reason) {
     spdlog::warn("session {}: {}", session_id_, evalue);
     if (options_.observer)
         options_.observer->on_event(session_id_, "killed", ename + ": " + evalue);
     sandbox_->kill();
-    finish_execution(ename == "ExecutionTimeout" ? "timeout" : "error", ename);
+    finish_execution(execution_status, ename);
     fail_pending(ename, evalue);
     close(close_reason);
 }
@@ -911,7 +911,12 @@ void SessionProxy::answer_interrupt(const PendingRequest& request) {
     publish_status(parent, "busy");
     sandbox_->interrupt();
     // Code that ignores SIGINT must not keep the sandbox: on_timer escalates.
-    if (governor_ && execution_) governor_->on_interrupt(Clock::now());
+    if (governor_ && execution_) {
+        governor_->on_interrupt(Clock::now());
+        if (options_.observer)
+            options_.observer->on_event(session_id_, "interrupted",
+                                        "interrupt_request from a client");
+    }
     send_reply(request, "interrupt_reply", {{"status", "ok"}});
     publish_status(parent, "idle");
 }

@@ -145,10 +145,11 @@ class SessionProxy {
     // Busy, an error on iopub (for execute), the error reply, idle.
     void refuse(const PendingRequest& request, const std::string& ename, const std::string& evalue);
     void fail_pending(const std::string& ename, const std::string& evalue);
-    // Kills the kernel under a running execution, answers what is pending
-    // with `ename`, and closes the session.
-    void kill_for(const std::string& evalue, const std::string& ename,
-                  const std::string& close_reason);
+    // Kills the kernel under a running execution (audited with
+    // `execution_status`), answers what is pending with `ename`, and closes
+    // the session for `close_reason`.
+    void kill_for(const std::string& ename, const std::string& evalue,
+                  const std::string& execution_status, const std::string& close_reason);
     void finish_execution(const std::string& status, const std::string& ename);
     // The audit record of the running execution, up to its resource figures.
     ExecutionRecord execution_record(const std::string& status, const std::string& ename) const;

@@ -113,6 +113,7 @@ def run_attack_file_on_minimal(test_file, timeout=600):
     jupyter = tempfile.mkdtemp(prefix="cb-images-kernelspec-")
     try:
         cellblock("kernelspec", "install", "--prefix", jupyter,
+                  "--limit", "exec_timeout_s=600",  # as the build tree's kernelspec
                   "--kernel-arg=--image", "--kernel-arg=python-minimal",
                   "--kernel-arg=--image-store", f"--kernel-arg={STORE}", check=True)
         env = dict(os.environ, JUPYTER_PATH=os.path.join(jupyter, "share", "jupyter"),

@@ -205,6 +205,7 @@ def gvisor_kernelspec():
     """A second kernelspec, cellblock-gvisor, passing --image host-gvisor, on JUPYTER_PATH."""
     prefix = tempfile.mkdtemp(prefix="cellblock-gvisor-spec-")
     subprocess.run([CELLBLOCK_BIN, "kernelspec", "install", "--prefix", prefix, "--name", KERNEL_NAME,
+                    "--limit", "exec_timeout_s=600",  # cells of minutes under gVisor on a busy host
                     "--kernel-arg=--image", "--kernel-arg=host-gvisor"], check=True, timeout=30)
     with open(os.path.join(prefix, "share", "jupyter", "kernels", KERNEL_NAME, "kernel.json")) as f:
         spec = json.load(f)

@@ -242,4 +242,6 @@ def test_server_mode_escalates_an_ignored_interrupt(clients):  # noqa: F811
     assert ename == "SessionClosed" and "interrupt_ignored" in evalue, evalue
     history = server.ok("session_history_request", {"session_id": sid})["content"]
     assert history["executions"][-1]["ename"] == "InterruptIgnored", history["executions"]
+    kinds = [e["kind"] for e in history["events"]]
+    assert kinds.index("interrupted") < kinds.index("killed") < kinds.index("closed"), history["events"]
     drain(kc.get_control_msg)

@@ -157,7 +157,7 @@ def test_kernel_manager_start_interrupt_restart_shutdown(provisioned):
     assert all(s["state"] == "closed" for s in provisioned.session_of(km.kernel_id))
 
 
-def test_an_ignored_interrupt_kills_and_the_restarter_starts_a_new_session(provisioned):
+def test_an_ignored_interrupt_kills_and_a_restart_gets_a_new_session(provisioned):
     km = provisioned.kernel_manager()
     km.start_kernel()
     kc = km.client()
@@ -171,7 +171,7 @@ def test_an_ignored_interrupt_kills_and_the_restarter_starts_a_new_session(provi
         assert reply["content"]["ename"] == "InterruptIgnored", reply["content"]
         # The provisioner reports the end like a process exit: code 1, as a killed `cellblock kernel`.
         assert wait_for(lambda: not km.is_alive(), timeout=15)
-        assert km.provisioner._exit_code == 1
+        assert km.provisioner.returncode == 1
         km.restart_kernel(now=True)
         kc.stop_channels()
         kc = km.client()

@@ -73,6 +73,11 @@ class CellblockProvisioner(KernelProvisionerBase):
     def has_process(self):
         return self._session_id is not None
 
+    @property
+    def returncode(self):
+        """As subprocess.Popen's: None while the session is open (as last polled)."""
+        return self._exit_code
+
     async def pre_launch(self, **kwargs):
         kwargs.pop("extra_arguments", None)
         # No process is started: the kernelspec's argv is not run.
