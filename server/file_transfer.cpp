@@ -13,6 +13,7 @@
 
 #include <openssl/evp.h>
 
+#include "cellblock/error_names.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/wire_message.hpp"
 
@@ -88,7 +89,7 @@ std::string bytes_text(std::uint64_t n) { return std::to_string(n) + " bytes"; }
 FileDescriptor open_beneath(const fs::path& dir, const std::string& relative, int flags,
                             mode_t mode = 0) {
     const FileDescriptor dirfd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
-    if (!dirfd) throw FileRequestError("FileError", "the session's directory is gone");
+    if (!dirfd) throw FileRequestError(ename::FileError, "the session's directory is gone");
     open_how how{};
     how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC | O_NOFOLLOW);
     how.mode = (flags & O_CREAT) ? mode : 0;
@@ -106,21 +107,23 @@ const json& field(const json& c, const char* name) {
 std::string string_field(const json& c, const char* name) {
     const json& v = field(c, name);
     if (!v.is_string() || v.get<std::string>().empty())
-        throw FileRequestError("InvalidRequest", std::string(name) + " (a string) is required");
+        throw FileRequestError(ename::InvalidRequest,
+                               std::string(name) + " (a string) is required");
     return v.get<std::string>();
 }
 
 // A path as sent; checked_relative_path judges it (an empty one is InvalidPath).
 std::string path_field(const json& c) {
     const json& v = field(c, "path");
-    if (!v.is_string()) throw FileRequestError("InvalidRequest", "path (a string) is required");
+    if (!v.is_string())
+        throw FileRequestError(ename::InvalidRequest, "path (a string) is required");
     return v.get<std::string>();
 }
 
 std::uint64_t count_field(const json& c, const char* name) {
     const json& v = field(c, name);
     if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<std::int64_t>() >= 0))
-        throw FileRequestError("InvalidRequest",
+        throw FileRequestError(ename::InvalidRequest,
                                std::string(name) + " (a non-negative integer) is required");
     return v.get<std::uint64_t>();
 }
@@ -130,7 +133,7 @@ std::string sha256_field(const json& c) {
     std::transform(hex.begin(), hex.end(), hex.begin(),
                    [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
     if (hex.size() != 64 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
-        throw FileRequestError("InvalidRequest", "sha256 must be 64 hex digits");
+        throw FileRequestError(ename::InvalidRequest, "sha256 must be 64 hex digits");
     return hex;
 }
 
@@ -148,7 +151,7 @@ std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
         const ssize_t n =
             ::pread(fd, data.data() + got, length - got, static_cast<off_t>(offset + got));
         if (n < 0 && errno == EINTR) continue;
-        if (n < 0) throw FileRequestError("FileError", "read: " + errno_text());
+        if (n < 0) throw FileRequestError(ename::FileError, "read: " + errno_text());
         if (n == 0) break;
         got += static_cast<std::size_t>(n);
     }
@@ -168,14 +171,15 @@ std::string checked_relative_path(std::string path, const std::string& prefix) {
     if (path.rfind(prefix + "/", 0) == 0) path = path.substr(prefix.size() + 1);
     if (path.empty() || path.size() > 4096 || path[0] == '/' ||
         path.find('\0') != std::string::npos) {
-        throw FileRequestError("InvalidPath", "path '" + path + "' must be relative to " + prefix);
+        throw FileRequestError(ename::InvalidPath,
+                               "path '" + path + "' must be relative to " + prefix);
     }
     std::size_t start = 0;
     while (start <= path.size()) {
         const std::size_t end = std::min(path.find('/', start), path.size());
         const std::string part = path.substr(start, end - start);
         if (part.empty() || part == "." || part == ".." || part.size() > 255) {
-            throw FileRequestError("InvalidPath",
+            throw FileRequestError(ename::InvalidPath,
                                    "path '" + path + "' leaves " + prefix + " or is not normal");
         }
         start = end + 1;
@@ -221,7 +225,7 @@ const std::vector<std::string>& FileTransfers::request_types() {
 FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
                                            const std::vector<std::string>& buffers,
                                            const SessionFiles& s, Clock::time_point now) {
-    if (!c.is_object()) throw FileRequestError("InvalidRequest", "content must be an object");
+    if (!c.is_object()) throw FileRequestError(ename::InvalidRequest, "content must be an object");
     if (t == "file_put_request") return put_whole(c, buffers, s);
     if (t == "file_get_request") return get_whole(c, s);
     if (t == "file_put_begin_request") return {put_begin(c, s, now), {}, {}};
@@ -237,7 +241,7 @@ FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
         downloads_.erase(download_of(c, s).id);
         return {{{"status", "ok"}}, {}, {}};
     }
-    throw FileRequestError("UnknownRequest", "not a file request: " + std::string(t));
+    throw FileRequestError(ename::UnknownRequest, "not a file request: " + std::string(t));
 }
 
 // ------------------------------------------------------------------ uploads
@@ -247,13 +251,13 @@ void FileTransfers::check_capacity(const std::string& session_id) const {
     for (const auto& [id, u] : uploads_) of_session += u->session_id == session_id;
     for (const auto& [id, d] : downloads_) of_session += d->session_id == session_id;
     if (of_session >= limits_.max_session_transfers) {
-        throw FileRequestError("TooManyTransfers",
+        throw FileRequestError(ename::TooManyTransfers,
                                "the session has " + std::to_string(of_session) +
                                    " transfers open, its maximum; finish or abort one first");
     }
     if (open_transfers() >= limits_.max_transfers) {
         throw FileRequestError(
-            "TooManyTransfers",
+            ename::TooManyTransfers,
             "the server has " + std::to_string(open_transfers()) + " transfers open, its maximum");
     }
 }
@@ -261,9 +265,9 @@ void FileTransfers::check_capacity(const std::string& session_id) const {
 void FileTransfers::check_room(const SessionFiles& s, std::uint64_t size, std::uint64_t replacing,
                                const Upload* resumed) const {
     if (size > limits_.max_file_bytes) {
-        throw FileRequestError("FileTooLarge", "the file is " + bytes_text(size) +
-                                                   ", over the server's maximum of " +
-                                                   bytes_text(limits_.max_file_bytes));
+        throw FileRequestError(ename::FileTooLarge, "the file is " + bytes_text(size) +
+                                                        ", over the server's maximum of " +
+                                                        bytes_text(limits_.max_file_bytes));
     }
     std::uint64_t pending = 0;
     for (const auto& [id, u] : uploads_) {
@@ -272,20 +276,20 @@ void FileTransfers::check_room(const SessionFiles& s, std::uint64_t size, std::u
     const std::uint64_t held =
         input_bytes(s.session_id) - std::min(replacing, input_bytes(s.session_id));
     if (held + pending + size > s.input_cap_bytes) {
-        throw FileRequestError(
-            "FileTooLarge", "the file is " + bytes_text(size) +
-                                "; the session's input already holds " + bytes_text(held) +
-                                (pending ? " and " + bytes_text(pending) + " in uploads" : "") +
-                                ", and its cap is " + bytes_text(s.input_cap_bytes) + " (disk_mb " +
-                                std::to_string(s.input_cap_bytes >> 20) + ")");
+        throw FileRequestError(ename::FileTooLarge,
+                               "the file is " + bytes_text(size) +
+                                   "; the session's input already holds " + bytes_text(held) +
+                                   (pending ? " and " + bytes_text(pending) + " in uploads" : "") +
+                                   ", and its cap is " + bytes_text(s.input_cap_bytes) +
+                                   " (disk_mb " + std::to_string(s.input_cap_bytes >> 20) + ")");
     }
     const std::uint64_t needed = size - (resumed ? resumed->received : 0);
     const std::uint64_t free = free_bytes(s.input_dir);
     if (needed > free) {
-        throw FileRequestError("FileTooLarge", "the file needs " + bytes_text(needed) +
-                                                   " more, and the disk holding the session's "
-                                                   "input has " +
-                                                   bytes_text(free) + " free");
+        throw FileRequestError(ename::FileTooLarge, "the file needs " + bytes_text(needed) +
+                                                        " more, and the disk holding the session's "
+                                                        "input has " +
+                                                        bytes_text(free) + " free");
     }
 }
 
@@ -337,25 +341,25 @@ json FileTransfers::put_begin(const json& c, const SessionFiles& s, Clock::time_
     upload->sha256 = sha256;
     upload->touched = now;
     if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
-        throw FileRequestError("FileError", "mkdir for uploads: " + errno_text());
+        throw FileRequestError(ename::FileError, "mkdir for uploads: " + errno_text());
     upload->partial = s.partial_dir / upload->id;
     upload->fd = FileDescriptor(
         ::open(upload->partial.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-    if (!upload->fd) throw FileRequestError("FileError", "create the upload: " + errno_text());
+    if (!upload->fd) throw FileRequestError(ename::FileError, "create the upload: " + errno_text());
     // Reserve the declared size now: a full disk is found here, not at 90 %.
     if (size > 0 &&
         ::fallocate(upload->fd.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size)) != 0) {
         const int err = errno;
         ::unlink(upload->partial.c_str());
         if (err == ENOSPC || err == EDQUOT) {
-            throw FileRequestError("FileTooLarge", "the file is " + bytes_text(size) +
-                                                       " and the disk holding the session's "
-                                                       "input has " +
-                                                       bytes_text(free_bytes(s.input_dir)) +
-                                                       " free");
+            throw FileRequestError(ename::FileTooLarge, "the file is " + bytes_text(size) +
+                                                            " and the disk holding the session's "
+                                                            "input has " +
+                                                            bytes_text(free_bytes(s.input_dir)) +
+                                                            " free");
         }
         if (err != EOPNOTSUPP)
-            throw FileRequestError("FileError",
+            throw FileRequestError(ename::FileError,
                                    "reserve " + bytes_text(size) + ": " + errno_text(err));
     }
     const std::string id = upload->id;
@@ -372,7 +376,7 @@ FileTransfers::Upload& FileTransfers::upload_of(const json& c, const SessionFile
     const auto it = uploads_.find(id);
     if (it == uploads_.end() || it->second->session_id != s.session_id) {
         throw FileRequestError(
-            "TransferNotFound",
+            ename::TransferNotFound,
             "no upload " + id + " in this session (finished, aborted, or idle for " +
                 std::to_string(limits_.idle_timeout.count()) + " s); begin again");
     }
@@ -384,23 +388,24 @@ json FileTransfers::put_chunk(const json& c, const std::vector<std::string>& buf
     Upload& u = upload_of(c, s);
     const std::uint64_t offset = count_field(c, "offset");
     if (buffers.size() != 1) {
-        throw FileRequestError("InvalidRequest",
+        throw FileRequestError(ename::InvalidRequest,
                                "file_put_chunk_request carries its bytes as exactly one buffer");
     }
     const std::string_view bytes = buffers[0];
     if (bytes.size() > limits_.max_chunk_bytes) {
-        throw FileRequestError("InvalidRequest",
+        throw FileRequestError(ename::InvalidRequest,
                                "a chunk of " + bytes_text(bytes.size()) + " is over the " +
                                    bytes_text(limits_.max_chunk_bytes) + " a chunk may hold");
     }
     // Chunks arrive in order; the digest runs as they do, so a gap is refused.
     if (offset != u.received) {
-        throw FileRequestError("InvalidOffset", "the upload holds " + bytes_text(u.received) +
-                                                    "; a chunk at offset " +
-                                                    std::to_string(offset) + " does not follow");
+        throw FileRequestError(ename::InvalidOffset, "the upload holds " + bytes_text(u.received) +
+                                                         "; a chunk at offset " +
+                                                         std::to_string(offset) +
+                                                         " does not follow");
     }
     if (offset + bytes.size() > u.size) {
-        throw FileRequestError("FileTooLarge",
+        throw FileRequestError(ename::FileTooLarge,
                                "a chunk ending at byte " + std::to_string(offset + bytes.size()) +
                                    " passes the declared size " + bytes_text(u.size));
     }
@@ -412,12 +417,13 @@ json FileTransfers::put_chunk(const json& c, const std::vector<std::string>& buf
         if (n < 0) {
             const int err = errno;
             if (err == ENOSPC || err == EDQUOT) {
-                throw FileRequestError(
-                    "FileTooLarge", "the disk holding the session's input filled after " +
-                                        bytes_text(offset + written) + " of " + bytes_text(u.size) +
-                                        " (" + bytes_text(free_bytes(s.input_dir)) + " free)");
+                throw FileRequestError(ename::FileTooLarge,
+                                       "the disk holding the session's input filled after " +
+                                           bytes_text(offset + written) + " of " +
+                                           bytes_text(u.size) + " (" +
+                                           bytes_text(free_bytes(s.input_dir)) + " free)");
             }
-            throw FileRequestError("FileError", "write the upload: " + errno_text(err));
+            throw FileRequestError(ename::FileError, "write the upload: " + errno_text(err));
         }
         written += static_cast<std::size_t>(n);
     }
@@ -433,14 +439,14 @@ void FileTransfers::install(const SessionFiles& s, Upload& u) {
     // reaps its directory), so durability would only cost the disk's write time
     // (7 s for 1 GiB here) on the server's one event loop.
     if (::fchmod(u.fd.get(), 0644) != 0)
-        throw FileRequestError("FileError", "chmod the upload: " + errno_text());
+        throw FileRequestError(ename::FileError, "chmod the upload: " + errno_text());
     // Parent folders, one component at a time; the input dir is the server's
     // alone (read-only in the sandbox), so nothing in it can be a symlink.
     std::size_t slash = 0;
     while ((slash = u.path.find('/', slash)) != std::string::npos) {
         const fs::path dir = s.input_dir / u.path.substr(0, slash);
         if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-            throw FileRequestError("FileError",
+            throw FileRequestError(ename::FileError,
                                    "mkdir " + u.path.substr(0, slash) + ": " + errno_text());
         }
         ++slash;
@@ -449,15 +455,16 @@ void FileTransfers::install(const SessionFiles& s, Upload& u) {
     const std::string parent = cut == std::string::npos ? "." : u.path.substr(0, cut);
     const std::string name = cut == std::string::npos ? u.path : u.path.substr(cut + 1);
     const FileDescriptor parent_fd = open_beneath(s.input_dir, parent, O_RDONLY | O_DIRECTORY);
-    if (!parent_fd) throw FileRequestError("FileError", "open " + parent + ": " + errno_text());
+    if (!parent_fd)
+        throw FileRequestError(ename::FileError, "open " + parent + ": " + errno_text());
     struct stat old {};
     const bool replaces = ::fstatat(parent_fd.get(), name.c_str(), &old, AT_SYMLINK_NOFOLLOW) == 0;
     if (replaces && S_ISDIR(old.st_mode)) {
-        throw FileRequestError("FileError",
+        throw FileRequestError(ename::FileError,
                                std::string(kSandboxInputDir) + "/" + u.path + " is a directory");
     }
     if (::renameat(AT_FDCWD, u.partial.c_str(), parent_fd.get(), name.c_str()) != 0)
-        throw FileRequestError("FileError", "rename into " + u.path + ": " + errno_text());
+        throw FileRequestError(ename::FileError, "rename into " + u.path + ": " + errno_text());
     std::uint64_t& held = input_bytes_[s.session_id];
     if (replaces && S_ISREG(old.st_mode)) held -= std::min<std::uint64_t>(held, old.st_size);
     held += u.size;
@@ -467,20 +474,20 @@ FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles
     Upload& u = upload_of(c, s);
     const std::string id = u.id;
     if (u.received != u.size) {
-        throw FileRequestError("InvalidOffset", "the upload holds " + bytes_text(u.received) +
-                                                    " of the declared " + bytes_text(u.size));
+        throw FileRequestError(ename::InvalidOffset, "the upload holds " + bytes_text(u.received) +
+                                                         " of the declared " + bytes_text(u.size));
     }
     if (c.contains("sha256")) {
         const std::string declared = sha256_field(c);
         if (!u.sha256.empty() && declared != u.sha256) {
-            throw FileRequestError("InvalidRequest", "the commit's sha256 " + declared +
-                                                         " is not the one declared at begin, " +
-                                                         u.sha256);
+            throw FileRequestError(ename::InvalidRequest,
+                                   "the commit's sha256 " + declared +
+                                       " is not the one declared at begin, " + u.sha256);
         }
         u.sha256 = declared;
     }
     if (u.sha256.empty()) {
-        throw FileRequestError("InvalidRequest",
+        throw FileRequestError(ename::InvalidRequest,
                                "sha256 is required, at file_put_begin_request or at the commit");
     }
     const std::string got = u.hash.hex();
@@ -488,7 +495,7 @@ FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles
         const std::string evalue = "the " + bytes_text(u.size) + " received hash to sha256 " + got +
                                    ", not the declared " + u.sha256 + "; the upload is discarded";
         drop_upload(id);  // the digest is spent: the client starts over
-        throw FileRequestError("ChecksumMismatch", evalue);
+        throw FileRequestError(ename::ChecksumMismatch, evalue);
     }
     try {
         install(s, u);
@@ -513,12 +520,12 @@ FileTransfers::Reply FileTransfers::put_whole(const json& c,
                                               const SessionFiles& s) {
     const std::string path = checked_relative_path(path_field(c), kSandboxInputDir);
     if (buffers.size() != 1) {
-        throw FileRequestError("InvalidRequest",
+        throw FileRequestError(ename::InvalidRequest,
                                "file_put_request carries the file as exactly one buffer");
     }
     const std::string& data = buffers[0];
     if (data.size() > limits_.max_inline_bytes) {
-        throw FileRequestError("FileTooLarge",
+        throw FileRequestError(ename::FileTooLarge,
                                bytes_text(data.size()) + " is over the " +
                                    bytes_text(limits_.max_inline_bytes) +
                                    " one message may carry; use file_put_begin_request");
@@ -531,15 +538,16 @@ FileTransfers::Reply FileTransfers::put_whole(const json& c,
     u.path = path;
     u.size = u.received = data.size();
     if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
-        throw FileRequestError("FileError", "mkdir for uploads: " + errno_text());
+        throw FileRequestError(ename::FileError, "mkdir for uploads: " + errno_text());
     u.partial = s.partial_dir / u.id;
     u.fd = FileDescriptor(::open(u.partial.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-    if (!u.fd) throw FileRequestError("FileError", "create " + path + ": " + errno_text());
+    if (!u.fd) throw FileRequestError(ename::FileError, "create " + path + ": " + errno_text());
     try {
         if (::write(u.fd.get(), data.data(), data.size()) != static_cast<ssize_t>(data.size())) {
             const int err = errno;
-            throw FileRequestError(err == ENOSPC || err == EDQUOT ? "FileTooLarge" : "FileError",
-                                   "write " + path + ": " + errno_text(err));
+            throw FileRequestError(
+                err == ENOSPC || err == EDQUOT ? ename::FileTooLarge : ename::FileError,
+                "write " + path + ": " + errno_text(err));
         }
         install(s, u);
     } catch (...) {
@@ -577,11 +585,11 @@ OpenedOutput open_output(const SessionFiles& s, const std::string& path) {
     if (!out.fd) {
         const int err = errno;
         throw FileRequestError(
-            err == ENOENT ? "FileNotFound" : "FileError",
+            err == ENOENT ? ename::FileNotFound : ename::FileError,
             std::string(kSandboxOutputDir) + "/" + path + ": " + errno_text(err));
     }
     if (::fstat(out.fd.get(), &out.st) != 0 || !S_ISREG(out.st.st_mode))
-        throw FileRequestError("FileError", path + " is not a regular file");
+        throw FileRequestError(ename::FileError, path + " is not a regular file");
     return out;
 }
 
@@ -592,7 +600,7 @@ FileTransfers::Reply FileTransfers::get_whole(const json& c, const SessionFiles&
     OpenedOutput file = open_output(s, path);
     const auto size = static_cast<std::uint64_t>(file.st.st_size);
     if (size > limits_.max_inline_bytes) {
-        throw FileRequestError("FileTooLarge",
+        throw FileRequestError(ename::FileTooLarge,
                                path + " is " + bytes_text(size) + ", over the " +
                                    bytes_text(limits_.max_inline_bytes) +
                                    " one message may carry; use file_get_begin_request");
@@ -612,9 +620,9 @@ json FileTransfers::get_begin(const json& c, const SessionFiles& s, Clock::time_
     OpenedOutput file = open_output(s, path);
     const auto size = static_cast<std::uint64_t>(file.st.st_size);
     if (size > limits_.max_file_bytes) {
-        throw FileRequestError("FileTooLarge", path + " is " + bytes_text(size) +
-                                                   ", over the server's maximum of " +
-                                                   bytes_text(limits_.max_file_bytes));
+        throw FileRequestError(ename::FileTooLarge, path + " is " + bytes_text(size) +
+                                                        ", over the server's maximum of " +
+                                                        bytes_text(limits_.max_file_bytes));
     }
     check_capacity(s.session_id);
     auto d = std::make_unique<Download>();
@@ -644,7 +652,7 @@ FileTransfers::Download& FileTransfers::download_of(const json& c, const Session
     const auto it = downloads_.find(id);
     if (it == downloads_.end() || it->second->session_id != s.session_id) {
         throw FileRequestError(
-            "TransferNotFound",
+            ename::TransferNotFound,
             "no download " + id + " in this session (finished, ended, or idle for " +
                 std::to_string(limits_.idle_timeout.count()) + " s); begin again");
     }
@@ -660,9 +668,9 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
     if (c.contains("length")) length = count_field(c, "length");
     length = std::min<std::uint64_t>(length, limits_.max_chunk_bytes);
     if (offset > d.size) {
-        throw FileRequestError("InvalidOffset", "offset " + std::to_string(offset) +
-                                                    " is past the end of the " +
-                                                    bytes_text(d.size) + " file");
+        throw FileRequestError(ename::InvalidOffset, "offset " + std::to_string(offset) +
+                                                         " is past the end of the " +
+                                                         bytes_text(d.size) + " file");
     }
     // The code may rewrite the file meanwhile: what is sent must be one version.
     struct stat st {};
@@ -670,10 +678,10 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
         st.st_mtim.tv_sec != d.mtime.tv_sec || st.st_mtim.tv_nsec != d.mtime.tv_nsec) {
         const std::string path = d.path;
         downloads_.erase(id);
-        throw FileRequestError("FileChanged", std::string(kSandboxOutputDir) + "/" + path +
-                                                  " changed while it was read (" +
-                                                  bytes_text(d.size) + ", now " +
-                                                  bytes_text(st.st_size) + "); get it again");
+        throw FileRequestError(ename::FileChanged, std::string(kSandboxOutputDir) + "/" + path +
+                                                       " changed while it was read (" +
+                                                       bytes_text(d.size) + ", now " +
+                                                       bytes_text(st.st_size) + "); get it again");
     }
     // A download resumed past the start hashes the bytes it skipped, once.
     while (d.hashed < offset) {

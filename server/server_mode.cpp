@@ -458,7 +458,7 @@ void Server::on_manager() {
                          decoded.error);
             if (auto parent = authenticated_parent(views, signer_, decoded.error)) {
                 const bool large = decoded.error.find("too large") != std::string::npos;
-                reply_error(*parent, large ? "MessageTooLarge" : "InvalidRequest",
+                reply_error(*parent, large ? ename::MessageTooLarge : ename::InvalidRequest,
                             "refused: " + decoded.error);
             }
             continue;
@@ -466,14 +466,14 @@ void Server::on_manager() {
         Request request{std::move(*decoded.message)};
         const std::string type = request.message.msg_type();
         if (scratch_.dropped_frames > 0) {
-            refuse(request.message, "InvalidRequest",
+            refuse(request.message, ename::InvalidRequest,
                    std::to_string(scratch_.frames.size() + scratch_.dropped_frames) +
                        " frames, over the " + std::to_string(kManagerMaxFrames) +
                        " a manager request may have");
             continue;
         }
         if (scratch_.total_bytes > max_request_bytes) {
-            refuse(request.message, "MessageTooLarge",
+            refuse(request.message, ename::MessageTooLarge,
                    "the message is " + std::to_string(scratch_.total_bytes) + " bytes, over the " +
                        std::to_string(max_request_bytes) +
                        " a manager request may carry; send big files in chunks "
@@ -481,7 +481,7 @@ void Server::on_manager() {
             continue;
         }
         if (type.size() < 9 || !type.ends_with("_request")) {
-            refuse(request.message, "InvalidRequest", "'" + type + "' is not a request");
+            refuse(request.message, ename::InvalidRequest, "'" + type + "' is not a request");
             continue;
         }
         auto handler = handlers_.find(type);

@@ -37,6 +37,12 @@ enum class ErrorChannel { manager, session, both };
     X(FileNotFound, manager, "no such file in /data/output")                                    \
     X(FileTooLarge, manager, "a file is over the server's or the session's limit")              \
     X(FileError, manager, "a file could not be read or written (not a regular file, ...)")      \
+    X(ChecksumMismatch, manager, "an upload's bytes do not hash to the sha256 it declared")     \
+    X(FileChanged, manager, "the sandbox changed a file while it was being downloaded")         \
+    X(TransferNotFound, manager, "no open transfer of that id (finished, aborted or expired)")  \
+    X(TooManyTransfers, manager, "the session's or the server's open transfers are at the cap") \
+    X(InvalidOffset, manager, "a chunk's offset is not where the transfer stands")              \
+    X(MessageTooLarge, manager, "a manager message is over the frame limit; stream instead")    \
     X(UnknownRequest, manager, "the manager does not know the message type")                    \
     X(ServerError, manager, "the server failed; evalue says where")
 

@@ -147,6 +147,30 @@ class FileError(ManagerError):
     pass
 
 
+class ChecksumMismatch(ManagerError):
+    """An upload's bytes do not hash to the sha256 it declared; the upload is discarded."""
+
+
+class FileChanged(ManagerError):
+    """The sandbox changed the file while it was being downloaded: get it again."""
+
+
+class TransferNotFound(ManagerError):
+    """No open transfer of that id (finished, aborted, or expired after 120 s untouched)."""
+
+
+class TooManyTransfers(ManagerError):
+    """The session's (4) or the server's (16) open transfers are at their cap."""
+
+
+class InvalidOffset(ManagerError):
+    """A chunk's offset is not where the transfer stands."""
+
+
+class MessageTooLarge(ManagerError):
+    """A manager message is over the frame limit; large files are streamed in chunks."""
+
+
 class UnknownRequest(ManagerError):
     pass
 
@@ -160,7 +184,8 @@ _BY_NAME = {cls.__name__: cls for cls in (
     ExecutionLimitExceeded, ExecutionTimeout, InterruptIgnored, SessionClosed, MemoryLimitExceeded, KernelDied,
     SessionBusy, UnknownImage, ImageNotBuilt, UnknownRuntime, LimitAboveMaximum, InvalidLimits,
     TooManySessions, ServerBusy, SandboxStartFailed, NoSuchSession, InvalidRequest, InvalidPath,
-    FileNotFound, FileTooLarge, FileError, UnknownRequest, ServerError)}
+    FileNotFound, FileTooLarge, FileError, ChecksumMismatch, FileChanged, TransferNotFound,
+    TooManyTransfers, InvalidOffset, MessageTooLarge, UnknownRequest, ServerError)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",
