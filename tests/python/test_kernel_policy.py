@@ -245,3 +245,47 @@ def test_server_mode_escalates_an_ignored_interrupt(clients):  # noqa: F811
     kinds = [e["kind"] for e in history["events"]]
     assert kinds.index("interrupted") < kinds.index("killed") < kinds.index("closed"), history["events"]
     drain(kc.get_control_msg)
+
+
+def test_jupyter_clients_restarter_brings_a_killed_kernel_back(tmp_path):
+    """What Notebook does: AsyncIOLoopKernelManager's restarter sees the
+    `cellblock kernel` process exit after the timeout kill and starts a new one
+    on the same ports; the same client then runs code again."""
+    import asyncio
+    from jupyter_client.ioloop import AsyncIOLoopKernelManager
+
+    prefix = str(tmp_path)
+    install_kernelspec(prefix, "exec_timeout_s=2")
+    ksm = KernelSpecManager(kernel_dirs=[os.path.join(prefix, "share", "jupyter", "kernels")])
+
+    async def scenario():
+        km = AsyncIOLoopKernelManager(kernel_name="cb-policy", kernel_spec_manager=ksm)
+        restarted = asyncio.Event()
+        await km.start_kernel()
+        km.add_restart_callback(restarted.set, "restart")  # needs the restarter start_kernel made
+        # A kernel that dies in its first 10 s (stable_start_time) is restarted
+        # on new ports; a notebook's kernel is older and keeps them, as here.
+        km._restarter.random_ports_until_alive = False
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=60)
+            msg_id = kc.execute(IGNORES_SIGINT)
+            while True:
+                reply = await kc.get_shell_msg(timeout=60)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    break
+            assert reply["content"]["ename"] == "ExecutionTimeout", reply["content"]
+            await asyncio.wait_for(restarted.wait(), timeout=60)
+            await kc.wait_for_ready(timeout=60)
+            msg_id = kc.execute("print('restarted')")
+            while True:
+                reply = await kc.get_shell_msg(timeout=60)
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    break
+            assert reply["content"]["status"] == "ok", reply["content"]
+        finally:
+            kc.stop_channels()
+            await km.shutdown_kernel(now=True)
+
+    asyncio.run(scenario())

@@ -11,6 +11,7 @@ server: in its registry, under its policy, closed when the frontend is done.
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,12 @@ def test_kernel_manager_start_interrupt_restart_shutdown(provisioned):
         msg_id = kc.execute("import time\nwhile True: time.sleep(0.01)")
         time.sleep(1)
         km.interrupt_kernel()
+        reply, _, _ = collect_execution(kc, msg_id, timeout=30)
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        # A frontend that signals instead (signal_kernel): the provisioner sends the message.
+        msg_id = kc.execute("import time\nwhile True: time.sleep(0.01)")
+        time.sleep(1)
+        km.signal_kernel(signal.SIGINT)
         reply, _, _ = collect_execution(kc, msg_id, timeout=30)
         assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
 

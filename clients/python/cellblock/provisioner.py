@@ -145,18 +145,20 @@ class CellblockProvisioner(KernelProvisionerBase):
         import zmq
         from jupyter_client.session import Session as WireSession
         info = self.connection_info
-        wire = WireSession(key=info["key"], signature_scheme=info["signature_scheme"],
-                           username="cellblock-provisioner")
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 1000
-        try:
-            sock.connect(f"{info['transport']}://{info['ip']}:{info['control_port']}")
-            wire.send(sock, "interrupt_request", {})
-            if sock.poll(10000):
-                sock.recv_multipart()
-        finally:
-            sock.close()
+
+        def send():
+            wire = WireSession(key=info["key"], signature_scheme=info["signature_scheme"],
+                               username="cellblock-provisioner")
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.linger = 1000
+            try:
+                sock.connect(f"{info['transport']}://{info['ip']}:{info['control_port']}")
+                wire.send(sock, "interrupt_request", {})
+                if sock.poll(10000):  # the interrupt_reply, off the event loop
+                    sock.recv_multipart()
+            finally:
+                sock.close()
+        await asyncio.get_running_loop().run_in_executor(None, send)
 
     async def kill(self, restart=False):
         await self._close_session(-signal.SIGKILL)
