@@ -505,6 +505,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
     auto channels = std::static_pointer_cast<InnerChannels>(warm.channels);
     const std::string runtime = warm.sandbox->runtime();
+    const IdMapping host_ids = warm.sandbox->host_ids();
     auto proxy = std::make_unique<SessionProxy>(context_, pending.session_id, outer, opts);
     proxy->attach(std::move(warm.sandbox), std::move(*channels));
 
@@ -512,6 +513,8 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     record.id = pending.session_id;
     record.image = pending.image;
     record.image_id = pending.image_id;
+    record.host_id_base = host_ids.host_base;
+    record.host_id_count = host_ids.size;
     record.state = "idle";
     record.created_at = unix_now();
     record.limits = pending.limits.to_json();
@@ -606,7 +609,8 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
                  {"close_reason", record->close_reason},
                  {"limits", record->limits},
                  {"metadata", record->metadata},
-                 {"executions", record->execution_count}};
+                 {"executions", record->execution_count},
+                 {"host_ids", {{"base", record->host_id_base}, {"count", record->host_id_count}}}};
     if (auto it = sessions_.find(id); it != sessions_.end() && !it->second->closed()) {
         SessionProxy& s = *it->second;
         info["state"] = s.state();
