@@ -274,6 +274,18 @@ Server::Server(const ServeOptions& options)
     }
 
     // Crash recovery: whatever an earlier server left is reaped, then marked.
+    // First any process still running as an open session's host ids (the
+    // registry has the range; while its session dir is there no one else can
+    // lease it), then the sandboxes themselves.
+    for (const auto& s : store_.sessions(true, 1000000)) {
+        if (s.host_id_count == 0) continue;
+        const auto killed = kill_leftovers_in(settings_.host_ids, {s.host_id_base, s.host_id_count},
+                                              settings_.sessions_dir() / s.id);
+        if (!killed.empty()) {
+            spdlog::info("session {}: killed {} leftover process(es) running as its host ids {}..",
+                         s.id, killed.size(), s.host_id_base);
+        }
+    }
     for (const auto& id : reap_abandoned_sessions(settings_)) {
         spdlog::info("reaped sandbox of session {} left by an earlier server", id);
     }

@@ -1,6 +1,7 @@
 #include "cellblock/host_ids.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -36,6 +37,17 @@ std::string read_holder(int fd) {
     return text;
 }
 
+// Whether any uid or gid of the status file lies in [first, first + count).
+bool status_in_range(const fs::path& status, std::uint32_t first, std::uint32_t count) {
+    std::set<std::uint32_t> ids;
+    add_status_ids(status, ids);
+    const auto it = ids.lower_bound(first);
+    return it != ids.end() && *it - first < count;
+}
+
+fs::path lease_file(const HostIdPool& pool, std::uint32_t index) {
+    return pool.lease_dir / (std::to_string(index) + ".lock");
+}
 }  // namespace
 
 std::set<std::uint32_t> host_ids_in_use() {
@@ -89,7 +101,7 @@ HostIdLease lease_host_ids(const HostIdPool& pool, const fs::path& holder) {
             ++leftovers;
             continue;
         }
-        const fs::path path = pool.lease_dir / (std::to_string(index) + ".lock");
+        const fs::path path = lease_file(pool, index);
         const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
         if (fd < 0) {
             throw std::runtime_error("host id lease " + path.string() + ": " +
@@ -122,6 +134,29 @@ HostIdLease lease_host_ids(const HostIdPool& pool, const fs::path& holder) {
                              std::to_string(pool.range_size) + " ids are taken (" +
                              std::to_string(busy) + " leased, " + std::to_string(leftovers) +
                              " still used by processes, keys or sandboxes not cleaned up)");
+}
+
+std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
+                                   const fs::path& holder) {
+    std::vector<int> killed;
+    if (ids.host_base < pool.first_id || (ids.host_base - pool.first_id) % pool.range_size != 0)
+        return killed;  // not a range of this pool
+    const std::uint32_t index = (ids.host_base - pool.first_id) / pool.range_size;
+    const int fd = ::open(lease_file(pool, index).c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return killed;
+    // Held while killing, so that no one leases the range meanwhile.
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && read_holder(fd) == holder.string()) {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+            const std::string name = entry.path().filename().string();
+            if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+            if (!status_in_range(entry.path() / "status", ids.host_base, ids.size)) continue;
+            const int pid = std::stoi(name);
+            if (::kill(pid, SIGKILL) == 0) killed.push_back(pid);
+        }
+    }
+    ::close(fd);
+    return killed;
 }
 
 }  // namespace cellblock

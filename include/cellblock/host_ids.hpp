@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "cellblock/oci_bundle.hpp"
 
@@ -67,5 +68,12 @@ class HostIdLease {
 // `holder` (the new sandbox's session dir) is written into the lease file.
 // Throws std::runtime_error naming the pool when every range is taken.
 HostIdLease lease_host_ids(const HostIdPool& pool, const std::filesystem::path& holder);
+
+// Crash recovery: kills every host process running with an id of `ids`, a
+// range the registry says a dead owner's session had, provided its lease is
+// free and still names that session's dir as its holder (so the range has not
+// been handed to anyone since). Returns the pids signalled.
+std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
+                                   const std::filesystem::path& holder);
 
 }  // namespace cellblock

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -151,6 +152,44 @@ TEST_F(HostIdsTest, ARangeAProcessRunsInIsSkipped) {
     ::waitpid(child, nullptr, 0);
     EXPECT_FALSE(cellblock::host_ids_in_use().count(inside));
     EXPECT_EQ(lease_host_ids(pool_, dir_ / "b").index(), 0u);
+    ::close(ready[0]);
+    ::close(ready[1]);
+}
+
+TEST_F(HostIdsTest, LeftoversOfACrashedHolderAreKilledOnlyWhenTheLeaseIsStillTheirs) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
+    // A dead owner's lease: free, naming its session dir.
+    std::uint32_t index = 0;
+    { index = lease_host_ids(pool_, dir_ / "crashed").index(); }
+    const auto ids = pool_.range(index);
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        const uid_t inside = ids.host_base + 5;
+        if (::setresgid(inside, inside, inside) != 0 || ::setresuid(inside, inside, inside) != 0)
+            _exit(1);
+        (void)!::write(ready[1], "r", 1);
+        ::pause();
+        _exit(0);
+    }
+    char c = 0;
+    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    // Another holder named, or the lease held by a live owner: left alone.
+    EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "someone-else").empty());
+    const fs::path lease = pool_.lease_dir / (std::to_string(index) + ".lock");
+    const int held = ::open(lease.c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+    EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed").empty());
+    ::close(held);
+    EXPECT_EQ(::waitpid(child, nullptr, WNOHANG), 0);
+    const auto killed = cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed");
+    EXPECT_EQ(killed, std::vector<int>{child});
+    ::kill(child, SIGKILL);  // whatever the outcome, no child outlives the test
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
     ::close(ready[0]);
     ::close(ready[1]);
 }
