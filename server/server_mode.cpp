@@ -316,6 +316,18 @@ Server::Server(const ServeOptions& options)
     }
 
     // Crash recovery: whatever an earlier server left is reaped, then marked.
+    // First any process still running as an open session's host ids (the
+    // registry has the range; while its session dir is there no one else can
+    // lease it), then the sandboxes themselves.
+    for (const auto& s : store_.sessions(true, 1000000)) {
+        if (s.host_id_count == 0) continue;
+        const auto killed = kill_leftovers_in(settings_.host_ids, {s.host_id_base, s.host_id_count},
+                                              settings_.sessions_dir() / s.id);
+        if (!killed.empty()) {
+            spdlog::info("session {}: killed {} leftover process(es) running as its host ids {}..",
+                         s.id, killed.size(), s.host_id_base);
+        }
+    }
     for (const auto& id : reap_abandoned_sessions(settings_)) {
         spdlog::info("reaped sandbox of session {} left by an earlier server", id);
     }
@@ -749,6 +761,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
     auto channels = std::static_pointer_cast<InnerChannels>(warm.channels);
     const std::string runtime = warm.sandbox->runtime();
+    const IdMapping host_ids = warm.sandbox->host_ids();
     auto proxy = std::make_unique<SessionProxy>(context_, pending.session_id, outer, opts);
     proxy->attach(std::move(warm.sandbox), std::move(*channels));
 
@@ -756,6 +769,8 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     record.id = pending.session_id;
     record.image = pending.image;
     record.image_id = pending.image_id;
+    record.host_id_base = host_ids.host_base;
+    record.host_id_count = host_ids.size;
     record.state = "idle";
     record.created_at = unix_now();
     record.limits = pending.limits.to_json();
@@ -865,7 +880,8 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
                  {"close_reason", record->close_reason},
                  {"limits", record->limits},
                  {"metadata", record->metadata},
-                 {"executions", record->execution_count}};
+                 {"executions", record->execution_count},
+                 {"host_ids", {{"base", record->host_id_base}, {"count", record->host_id_count}}}};
     if (record->state == "closed") {
         // What the session used over its life, kept at the close.
         info["usage"] = {{"memory_peak_bytes", record->memory_peak_bytes},

@@ -295,7 +295,14 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
             throw SandboxError("image " + image.name + ": " + e.what());
         }
     }
-    const std::uint32_t sandbox_host_uid = settings.ids.host_uid(kSandboxUid);
+    // A host id range of its own, so that the kernel's per-uid quotas
+    // (keys, processes, inotify, mqueue) are this sandbox's alone.
+    try {
+        box->host_ids_ = lease_host_ids(settings.host_ids, dir);
+    } catch (const std::exception& e) {
+        throw SandboxError("session " + session_id + ": " + e.what());
+    }
+    const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
     // runc --detach leaves the sandbox's init to its parent's nearest
     // subreaper: make that us, so a dead init is reaped here, not left as a
@@ -371,7 +378,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         }
     }
     spec.limits = limits;
-    spec.ids = settings.ids;
+    spec.ids = box->host_ids();
     spec.rootfs = image.rootfs == "host" ? dir / "bundle" / "rootfs" : fs::path(image.rootfs);
     spec.ipc_dir = dir / "ipc";
     spec.input_dir = dir / "input";
@@ -704,6 +711,7 @@ void Sandbox::destroy() {
     lock_fd_ = -1;
     if (version_fd_ >= 0) ::close(version_fd_);
     version_fd_ = -1;
+    host_ids_.release();
 }
 
 std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {

@@ -23,7 +23,7 @@ namespace {
 using nlohmann::json;
 
 // Bump when the schema changes, and teach open() to upgrade each older version.
-constexpr int kSchemaVersion = 2;
+constexpr int kSchemaVersion = 3;
 constexpr int kBusyTimeoutMs = 5000;
 
 constexpr const char* kSchemaV1 = R"sql(
@@ -73,9 +73,16 @@ constexpr const char* kSchemaV2 = R"sql(
 ALTER TABLE sessions ADD COLUMN image_id TEXT NOT NULL DEFAULT '';
 )sql";
 
+// Version 3: the host id range the session's sandbox ran as (host_ids.hpp);
+// 0, 0 for sessions recorded before ranges were leased.
+constexpr const char* kSchemaV3 = R"sql(
+ALTER TABLE sessions ADD COLUMN host_id_base INTEGER NOT NULL DEFAULT 0 CHECK (host_id_base >= 0);
+ALTER TABLE sessions ADD COLUMN host_id_count INTEGER NOT NULL DEFAULT 0 CHECK (host_id_count >= 0);
+)sql";
+
 constexpr const char* kSessionColumns =
     "id, image, state, close_reason, created_at, closed_at, limits, metadata, "
-    "execution_count, memory_peak_bytes, cpu_ms, image_id";
+    "execution_count, memory_peak_bytes, cpu_ms, image_id, host_id_base, host_id_count";
 
 // SQLite integers are signed 64-bit; a counter past that is a bug upstream, not data.
 std::int64_t to_sql(std::uint64_t value, const char* field) {
@@ -121,6 +128,8 @@ SessionRecord read_session(const SQLite::Statement& row) {
     r.memory_peak_bytes = from_sql(row.getColumn(9));
     r.cpu_ms = from_sql(row.getColumn(10));
     r.image_id = row.getColumn(11).getString();
+    r.host_id_base = static_cast<std::uint32_t>(from_sql(row.getColumn(12)));
+    r.host_id_count = static_cast<std::uint32_t>(from_sql(row.getColumn(13)));
     return r;
 }
 
@@ -203,6 +212,7 @@ struct SessionStore::Impl {
             if (version < kSchemaVersion) {
                 if (version < 1) db.exec(kSchemaV1);
                 if (version < 2) db.exec(kSchemaV2);
+                if (version < 3) db.exec(kSchemaV3);
                 db.exec("PRAGMA user_version = " + std::to_string(kSchemaVersion));
             }
             tx.commit();
@@ -228,7 +238,8 @@ void SessionStore::add_session(const SessionRecord& r) {
         Impl::Use st_use(
             impl_->statement("INSERT INTO sessions (id, image, state, close_reason, created_at, "
                              "closed_at, limits, metadata, execution_count, memory_peak_bytes, "
-                             "cpu_ms, image_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
+                             "cpu_ms, image_id, host_id_base, host_id_count) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"));
         SQLite::Statement& st = *st_use;
         st.bind(1, r.id);
         st.bind(2, r.image);
@@ -242,6 +253,8 @@ void SessionStore::add_session(const SessionRecord& r) {
         st.bind(10, to_sql(r.memory_peak_bytes, "memory_peak_bytes"));
         st.bind(11, to_sql(r.cpu_ms, "cpu_ms"));
         st.bind(12, r.image_id);
+        st.bind(13, static_cast<std::int64_t>(r.host_id_base));
+        st.bind(14, static_cast<std::int64_t>(r.host_id_count));
         st.exec();
     });
 }

@@ -42,7 +42,9 @@ bool runtime_passes_fds(RuntimeKind kind);
 // RLIMIT_NPROC (the sandbox has one user, so that counts all its tasks).
 int host_pids_limit(RuntimeKind kind, int pids);
 
-// Container ids 0..size-1 map to host ids host_base..; container root is never host root.
+// Container ids 0..size-1 map to host ids host_base..; container root is never
+// host root. Each sandbox leases a range of its own (host_ids.hpp); the default
+// base is the range every sandbox shared before, kept for values built in tests.
 struct IdMapping {
     std::uint32_t host_base = 1u << 30;
     std::uint32_t size = 65536;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/host_ids.hpp"
 #include "cellblock/oci_bundle.hpp"
 
 namespace cellblock {
@@ -28,7 +29,8 @@ struct RuntimeSettings {
     std::string runtime = "runc";       // runc, crun or runsc (a binary on PATH or a path)
     std::filesystem::path state_dir;    // root of everything cellblock keeps
     std::filesystem::path libexec_dir;  // holds cellblock-shim and the kernel launcher
-    IdMapping ids;
+    // Where each sandbox leases its own host id range (host_ids.hpp).
+    HostIdPool host_ids;
     // The CPU weight (cgroup v1 cpu.shares) a sandbox starts with; 0 leaves
     // the runtime's default. The pool starts its refills at a low weight so
     // that a kernel booting in the background does not slow the sessions in
@@ -73,6 +75,9 @@ class Sandbox {
     std::filesystem::path input_dir() const { return dir_ / "input"; }
     std::filesystem::path output_dir() const { return dir_ / "output"; }
     pid_t init_pid() const { return init_pid_; }
+    // The host ids this sandbox's container ids map to, leased for its
+    // lifetime: no other sandbox on the host runs as them meanwhile.
+    const IdMapping& host_ids() const { return host_ids_.ids(); }
 
     // The runtime this sandbox runs on ("runc", "runsc", ...).
     const std::string& runtime() const { return settings_.runtime; }
@@ -137,7 +142,8 @@ class Sandbox {
     pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
     int lifeline_ = -1;
     int lock_fd_ = -1;
-    int version_fd_ = -1;  // a stored image version held (hold_stored_version)
+    int version_fd_ = -1;   // a stored image version held (hold_stored_version)
+    HostIdLease host_ids_;  // released in destroy(), once nothing of the sandbox is left
     bool exited_ = false;
     bool destroyed_ = false;
     bool reaped_ = false;

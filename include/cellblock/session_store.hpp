@@ -25,6 +25,9 @@ struct SessionRecord {
     std::int64_t execution_count = 0;
     std::uint64_t memory_peak_bytes = 0;
     std::uint64_t cpu_ms = 0;
+    // The host ids its sandbox ran as: host_id_base.. (host_ids.hpp); 0, 0 if unknown.
+    std::uint32_t host_id_base = 0;
+    std::uint32_t host_id_count = 0;
 };
 
 struct ExecutionRecord {

@@ -20,7 +20,8 @@ import pytest
 from conftest import STATE_DIR, run_cell, start_kernel, stop_kernel, stream_text, wait_for
 
 # The host image's limits (images/host/image.json) and the sandbox's id map
-# (container 0 → host 1073741824, the sandbox user is 1000 inside).
+# (container 0 → its own leased host range, all above 1073741824; the sandbox
+# user is 1000 inside).
 MEMORY_LIMIT_MB = 1024
 PIDS_LIMIT = 256
 DISK_MB = 256
@@ -199,7 +200,9 @@ result = {'uid': os.getuid(), 'euid': os.geteuid(), 'gid': os.getgid(),
 
     pids = sandbox_pids(box["sid"], include_zombies=False)
     assert len(pids) >= 2, f"expected the shim and the kernel in the session's cgroup, saw {pids}"
-    host_id = HOST_ID_BASE + SANDBOX_UID
+    # Each sandbox leases its own host range above HOST_ID_BASE: read its user's host id.
+    host_id = int(status_fields(pids[0])["Uid"][0])
+    assert host_id >= HOST_ID_BASE + SANDBOX_UID, host_id
     for pid in pids:
         st = status_fields(pid)
         uids = [int(x) for x in st["Uid"]]
@@ -210,7 +213,7 @@ result = {'uid': os.getuid(), 'euid': os.geteuid(), 'gid': os.getgid(),
         with open(f"/proc/{pid}/uid_map") as f:
             uid_map = f.read().split()
         # container 0 starts at the high base: no id inside maps to a low host id
-        assert uid_map[0] == "0" and int(uid_map[1]) == HOST_ID_BASE, (pid, uid_map)
+        assert uid_map[0] == "0" and int(uid_map[1]) == host_id - SANDBOX_UID, (pid, uid_map)
 
 
 def test_sees_only_its_own_processes_and_devices(box):

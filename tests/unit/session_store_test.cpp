@@ -196,7 +196,7 @@ TEST_F(SessionStoreTest, WalModeIsOnForOtherConnections) {
     store.add_session(make_session("s1", 1.0));
     SQLite::Database other(db_path_.string(), SQLite::OPEN_READONLY);
     EXPECT_EQ(other.execAndGet("PRAGMA journal_mode").getString(), "wal");
-    EXPECT_EQ(other.execAndGet("PRAGMA user_version").getInt(), 2);
+    EXPECT_EQ(other.execAndGet("PRAGMA user_version").getInt(), 3);
     // A reader sees committed rows while the store stays open.
     EXPECT_EQ(other.execAndGet("SELECT count(*) FROM sessions").getInt(), 1);
 }
@@ -368,6 +368,19 @@ TEST_F(SessionStoreTest, KeepsTheImageContentId) {
     EXPECT_EQ(store.session("s2")->image_id, "");
 }
 
+TEST_F(SessionStoreTest, KeepsTheHostIdRange) {
+    SessionStore store(db_path_);
+    auto s = make_session("s1", 1.0);
+    s.host_id_base = (1u << 30) + 3 * 65536;
+    s.host_id_count = 65536;
+    store.add_session(s);
+    store.add_session(make_session("s2", 2.0));
+    EXPECT_EQ(store.session("s1")->host_id_base, (1u << 30) + 3 * 65536);
+    EXPECT_EQ(store.session("s1")->host_id_count, 65536u);
+    EXPECT_EQ(store.session("s2")->host_id_base, 0u);
+    EXPECT_EQ(store.sessions(true).front().host_id_base, 0u);  // newest first: s2
+}
+
 TEST_F(SessionStoreTest, UpgradesAVersion1Database) {
     {
         // The version 1 schema, as cellblock 0.1 wrote it, with one session.
@@ -390,8 +403,9 @@ TEST_F(SessionStoreTest, UpgradesAVersion1Database) {
     s.image_id = "abc";
     store.add_session(s);
     EXPECT_EQ(store.session("new")->image_id, "abc");
+    EXPECT_EQ(store.session("old")->host_id_base, 0u);
     SQLite::Database db(db_path_.string(), SQLite::OPEN_READONLY);
-    EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 2);
+    EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 3);
 }
 
 TEST_F(SessionStoreTest, RefusesANewerSchema) {
@@ -401,7 +415,7 @@ TEST_F(SessionStoreTest, RefusesANewerSchema) {
     }
     const std::string error = error_of([&] { SessionStore store(db_path_); });
     EXPECT_EQ(error, "database " + db_path_.string() +
-                         ": schema version 7 is newer than this cellblock (2)");
+                         ": schema version 7 is newer than this cellblock (3)");
     // The newer file is left alone: still version 7, not switched to WAL, no tables added.
     SQLite::Database db(db_path_.string(), SQLite::OPEN_READONLY);
     EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 7);

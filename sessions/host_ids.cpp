@@ -1,0 +1,162 @@
+#include "cellblock/host_ids.hpp"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace cellblock {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Adds the numbers after "Uid:" / "Gid:" (real, effective, saved, fs) of one status file.
+void add_status_ids(const fs::path& status, std::set<std::uint32_t>& ids) {
+    std::ifstream in(status);
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.rfind("Uid:", 0) != 0 && line.rfind("Gid:", 0) != 0) continue;
+        std::istringstream fields(line.substr(4));
+        for (std::uint64_t id = 0; fields >> id;) ids.insert(static_cast<std::uint32_t>(id));
+        if (line[0] == 'G') return;  // Gid follows Uid
+    }
+}
+
+std::string read_holder(int fd) {
+    char buf[4096];
+    const ssize_t n = ::pread(fd, buf, sizeof buf, 0);
+    std::string text = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string();
+    while (!text.empty() && text.back() == '\n') text.pop_back();
+    return text;
+}
+
+// Whether any uid or gid of the status file lies in [first, first + count).
+bool status_in_range(const fs::path& status, std::uint32_t first, std::uint32_t count) {
+    std::set<std::uint32_t> ids;
+    add_status_ids(status, ids);
+    const auto it = ids.lower_bound(first);
+    return it != ids.end() && *it - first < count;
+}
+
+fs::path lease_file(const HostIdPool& pool, std::uint32_t index) {
+    return pool.lease_dir / (std::to_string(index) + ".lock");
+}
+}  // namespace
+
+std::set<std::uint32_t> host_ids_in_use() {
+    std::set<std::uint32_t> ids;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+        add_status_ids(entry.path() / "status", ids);
+    }
+    // Keys outlive their processes until the kernel's collector runs; a
+    // range whose keys are still charged would start with less quota.
+    std::ifstream keys("/proc/key-users");
+    std::string line;
+    while (std::getline(keys, line)) {
+        std::istringstream fields(line);
+        std::uint64_t uid = 0;
+        if (fields >> uid) ids.insert(static_cast<std::uint32_t>(uid));
+    }
+    return ids;
+}
+
+HostIdLease& HostIdLease::operator=(HostIdLease&& other) noexcept {
+    if (this != &other) {
+        release();
+        fd_ = other.fd_;
+        index_ = other.index_;
+        ids_ = other.ids_;
+        other.fd_ = -1;
+    }
+    return *this;
+}
+
+void HostIdLease::release() {
+    if (fd_ >= 0) ::close(fd_);  // drops the flock
+    fd_ = -1;
+}
+
+HostIdLease lease_host_ids(const HostIdPool& pool, const fs::path& holder) {
+    std::error_code ec;
+    fs::create_directories(pool.lease_dir, ec);
+    if (ec)
+        throw std::runtime_error("host id leases " + pool.lease_dir.string() + ": " + ec.message());
+    ::chmod(pool.lease_dir.c_str(), 0700);
+    const std::set<std::uint32_t> in_use = host_ids_in_use();
+    std::uint32_t busy = 0, leftovers = 0;
+    for (std::uint32_t index = 0; index < pool.ranges; ++index) {
+        const IdMapping ids = pool.range(index);
+        const auto first_used = in_use.lower_bound(ids.host_base);
+        if (first_used != in_use.end() && *first_used < ids.host_base + ids.size) {
+            ++leftovers;
+            continue;
+        }
+        const fs::path path = lease_file(pool, index);
+        const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        if (fd < 0) {
+            throw std::runtime_error("host id lease " + path.string() + ": " +
+                                     std::strerror(errno));
+        }
+        if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            ::close(fd);
+            ++busy;
+            continue;
+        }
+        // The last holder's session dir still there: its sandbox is not
+        // cleaned up yet (its owner died and no reaper has run).
+        const std::string previous = read_holder(fd);
+        if (!previous.empty() && fs::exists(previous, ec)) {
+            ::close(fd);
+            ++leftovers;
+            continue;
+        }
+        const std::string text = holder.string() + "\n";
+        if (::ftruncate(fd, 0) != 0 ||
+            ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+            const std::string why = std::strerror(errno);
+            ::close(fd);
+            throw std::runtime_error("host id lease " + path.string() + ": " + why);
+        }
+        return HostIdLease(fd, index, ids);
+    }
+    throw std::runtime_error("host id pool " + pool.lease_dir.string() + ": all " +
+                             std::to_string(pool.ranges) + " ranges of " +
+                             std::to_string(pool.range_size) + " ids are taken (" +
+                             std::to_string(busy) + " leased, " + std::to_string(leftovers) +
+                             " still used by processes, keys or sandboxes not cleaned up)");
+}
+
+std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
+                                   const fs::path& holder) {
+    std::vector<int> killed;
+    if (ids.host_base < pool.first_id || (ids.host_base - pool.first_id) % pool.range_size != 0)
+        return killed;  // not a range of this pool
+    const std::uint32_t index = (ids.host_base - pool.first_id) / pool.range_size;
+    const int fd = ::open(lease_file(pool, index).c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return killed;
+    // Held while killing, so that no one leases the range meanwhile.
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && read_holder(fd) == holder.string()) {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator("/proc", ec)) {
+            const std::string name = entry.path().filename().string();
+            if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+            if (!status_in_range(entry.path() / "status", ids.host_base, ids.size)) continue;
+            const int pid = std::stoi(name);
+            if (::kill(pid, SIGKILL) == 0) killed.push_back(pid);
+        }
+    }
+    ::close(fd);
+    return killed;
+}
+
+}  // namespace cellblock

@@ -1,0 +1,197 @@
+// Host id leases: real lease files, real flock, real processes in /proc.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "cellblock/host_ids.hpp"
+
+namespace fs = std::filesystem;
+using cellblock::HostIdLease;
+using cellblock::HostIdPool;
+using cellblock::lease_host_ids;
+
+namespace {
+
+class HostIdsTest : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        char tmpl[] = "/tmp/cellblock-host-ids-XXXXXX";
+        ASSERT_NE(::mkdtemp(tmpl), nullptr);
+        dir_ = tmpl;
+        // A pool of its own, far from the one sandboxes use, in its own lease dir.
+        pool_.lease_dir = dir_ / "leases";
+        pool_.first_id = 4000000000u;
+        pool_.range_size = 1000;
+        pool_.ranges = 3;
+    }
+    void TearDown() override { fs::remove_all(dir_); }
+    fs::path dir_;
+    HostIdPool pool_;
+};
+
+TEST_F(HostIdsTest, RangesFollowThePool) {
+    EXPECT_EQ(pool_.range(0).host_base, 4000000000u);
+    EXPECT_EQ(pool_.range(2).host_base, 4000002000u);
+    EXPECT_EQ(pool_.range(2).size, 1000u);
+    // The default pool: above the one range all sandboxes used to share, and
+    // its last id below (uid_t)-1.
+    const HostIdPool defaults;
+    EXPECT_GT(defaults.range(0).host_base, 1u << 30);
+    const auto last = defaults.range(defaults.ranges - 1);
+    EXPECT_LT(std::uint64_t{last.host_base} + last.size - 1, 0xffffffffull);
+}
+
+TEST_F(HostIdsTest, TwoLeasesInOneDirGetDifferentRanges) {
+    HostIdLease a = lease_host_ids(pool_, dir_ / "a");
+    HostIdLease b = lease_host_ids(pool_, dir_ / "b");
+    ASSERT_TRUE(a.held());
+    ASSERT_TRUE(b.held());
+    EXPECT_NE(a.index(), b.index());
+    EXPECT_NE(a.ids().host_base, b.ids().host_base);
+    // The holder is recorded in the lease file.
+    std::ifstream in(pool_.lease_dir / (std::to_string(a.index()) + ".lock"));
+    std::string holder;
+    std::getline(in, holder);
+    EXPECT_EQ(holder, (dir_ / "a").string());
+}
+
+TEST_F(HostIdsTest, AnExhaustedPoolSaysSo) {
+    HostIdLease a = lease_host_ids(pool_, dir_ / "a");
+    HostIdLease b = lease_host_ids(pool_, dir_ / "b");
+    HostIdLease c = lease_host_ids(pool_, dir_ / "c");
+    try {
+        lease_host_ids(pool_, dir_ / "d");
+        FAIL() << "a fourth lease from three ranges";
+    } catch (const std::runtime_error& e) {
+        EXPECT_NE(std::string(e.what()).find("all 3 ranges of 1000 ids are taken (3 leased"),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
+TEST_F(HostIdsTest, ALeaseIsReleasedOnDestructionAndMove) {
+    std::uint32_t first = 0;
+    {
+        HostIdLease a = lease_host_ids(pool_, dir_ / "a");
+        first = a.index();
+        HostIdLease moved = std::move(a);
+        EXPECT_FALSE(a.held());  // NOLINT(bugprone-use-after-move): checking the moved-from state
+        EXPECT_TRUE(moved.held());
+        EXPECT_NE(lease_host_ids(pool_, dir_ / "b").index(), first);
+    }
+    // Both gone (the holder dirs never existed): the first range is free again.
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "c").index(), first);
+}
+
+TEST_F(HostIdsTest, AnotherProcessHoldingALeaseIsRespected) {
+    // A child process (a second cellblock on the host) holds range 0 until told to stop.
+    int go[2];
+    ASSERT_EQ(::pipe(go), 0);
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        ::close(go[1]);  // so that the parent's close is this child's EOF
+        HostIdLease held = lease_host_ids(pool_, dir_ / "child");
+        const char index = static_cast<char>('0' + held.index());
+        (void)!::write(ready[1], &index, 1);
+        char c;
+        (void)!::read(go[0], &c, 1);
+        _exit(0);
+    }
+    char index = 0;
+    ASSERT_EQ(::read(ready[0], &index, 1), 1);
+    EXPECT_EQ(index, '0');
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "parent").index(), 1u);
+    ::close(go[1]);  // the child exits; its lock goes with it
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "parent").index(), 0u);
+    for (int fd : {go[0], ready[0], ready[1]}) ::close(fd);
+}
+
+TEST_F(HostIdsTest, ARangeWhoseHolderRemainsIsSkipped) {
+    // The last holder's session dir is still there (its owner died, nothing reaped it).
+    fs::create_directories(dir_ / "left-behind");
+    { HostIdLease a = lease_host_ids(pool_, dir_ / "left-behind"); }
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "next").index(), 1u);
+    fs::remove(dir_ / "left-behind");
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "next").index(), 0u);
+}
+
+TEST_F(HostIdsTest, ARangeAProcessRunsInIsSkipped) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
+    const uid_t inside = pool_.range(0).host_base + 5;
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        // Only the gid is in range 0: both Uid and Gid lines are read.
+        if (::setresgid(inside, inside, inside) != 0) _exit(1);
+        (void)!::write(ready[1], "r", 1);
+        ::pause();
+        _exit(0);
+    }
+    char c = 0;
+    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    EXPECT_TRUE(cellblock::host_ids_in_use().count(inside));
+    // Nothing holds range 0's lease, yet a process runs as one of its ids.
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "a").index(), 1u);
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    EXPECT_FALSE(cellblock::host_ids_in_use().count(inside));
+    EXPECT_EQ(lease_host_ids(pool_, dir_ / "b").index(), 0u);
+    ::close(ready[0]);
+    ::close(ready[1]);
+}
+
+TEST_F(HostIdsTest, LeftoversOfACrashedHolderAreKilledOnlyWhenTheLeaseIsStillTheirs) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
+    // A dead owner's lease: free, naming its session dir.
+    std::uint32_t index = 0;
+    { index = lease_host_ids(pool_, dir_ / "crashed").index(); }
+    const auto ids = pool_.range(index);
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        const uid_t inside = ids.host_base + 5;
+        if (::setresgid(inside, inside, inside) != 0 || ::setresuid(inside, inside, inside) != 0)
+            _exit(1);
+        (void)!::write(ready[1], "r", 1);
+        ::pause();
+        _exit(0);
+    }
+    char c = 0;
+    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    // Another holder named, or the lease held by a live owner: left alone.
+    EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "someone-else").empty());
+    const fs::path lease = pool_.lease_dir / (std::to_string(index) + ".lock");
+    const int held = ::open(lease.c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+    EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed").empty());
+    ::close(held);
+    EXPECT_EQ(::waitpid(child, nullptr, WNOHANG), 0);
+    const auto killed = cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed");
+    EXPECT_EQ(killed, std::vector<int>{child});
+    ::kill(child, SIGKILL);  // whatever the outcome, no child outlives the test
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    ::close(ready[0]);
+    ::close(ready[1]);
+}
+
+}  // namespace
