@@ -22,6 +22,7 @@ import glob
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +45,12 @@ def serve_churn():
     srv = sh.start_server(["--pool", "host=0"])
     try:
         while not stop.is_set():
-            sid, kc, _ = srv.open_session()
+            reply = srv.call("session_create_request", {}, timeout=120)["content"]
+            if reply["status"] != "ok":   # a loaded host: count it and go on
+                count(f"serve creates refused ({reply.get('ename')})")
+                continue
+            sid = reply["session_id"]
+            kc = srv.connect(reply["connection"])
             sh.execute(kc, "sum(range(1000))")
             kc.stop_channels()
             srv.clients.remove(kc)
@@ -108,20 +114,35 @@ def user_churn():
         time.sleep(0.5)
 
 
+def guarded(job):
+    """Runs job until stopped, again after a failure (a loaded host refuses work now
+    and then: that is counted, not fatal)."""
+    def run():
+        while not stop.is_set():
+            try:
+                job()
+            except Exception as e:   # noqa: BLE001 - any failure is reported and retried
+                count(f"{job.__name__} failures")
+                print(f"{job.__name__}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                time.sleep(1)
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--users", action="store_true", help="also add and delete a user")
     args = parser.parse_args()
     jobs = [serve_churn, kernel_churn, cgroup_churn, mount_churn] + ([user_churn] if args.users else [])
-    threads = [threading.Thread(target=job, name=job.__name__) for job in jobs]
+    # A background job of a non-interactive shell starts with SIGINT ignored: stop on
+    # SIGTERM as well, and clean up either way.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    threads = [threading.Thread(target=guarded(job), name=job.__name__) for job in jobs]
     for t in threads:
         t.start()
     try:
-        while any(t.is_alive() for t in threads):
-            time.sleep(10)
+        while not stop.wait(10):
             print(f"{time.strftime('%H:%M:%S')} {counts}", flush=True)
-    except KeyboardInterrupt:
-        pass
     finally:
         stop.set()
         for t in threads:

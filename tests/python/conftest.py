@@ -4,6 +4,7 @@ Everything here talks to real components: the cellblock binary, runc
 sandboxes, jupyter_client. The host is inspected directly (/proc, mounts,
 cgroups, runc state), never through cellblock's own view of itself.
 """
+import atexit
 import glob
 import os
 import queue
@@ -34,6 +35,7 @@ def start_kernel(extra_env=None, startup_timeout=60):
     with os.fdopen(fd, "wb") as log:
         km.start_kernel(env=env, stdout=log, stderr=log)
     km.cellblock_log = log_path
+    atexit.register(_remove, log_path)   # for a kernel whose test never stops it
     kc = km.client()
     kc.start_channels()
     try:
@@ -44,6 +46,13 @@ def start_kernel(extra_env=None, startup_timeout=60):
         stop_kernel(km, kc, now=True)
         raise AssertionError(f"cellblock-python did not become ready ({e}); {detail}") from None
     return km, kc
+
+
+def _remove(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def kernel_log(km, tail=6000):
@@ -78,10 +87,7 @@ def stop_kernel(km, kc, now=False):
                 text = kernel_log(km, tail=20000)
                 if text:
                     sys.stderr.write(f"--- cellblock kernel log {log}:\n{text}")
-                try:
-                    os.unlink(log)
-                except OSError:
-                    pass
+                _remove(log)
 
 
 @pytest.fixture

@@ -354,9 +354,13 @@ class ServerProcess:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(timeout=10)
-                raise AssertionError(f"cellblock serve did not exit {timeout} s after SIGTERM:\n"
-                                     f"{self.log()[-5000:]}")
+                try:
+                    self.proc.wait(timeout=60)
+                    killed = "it was then killed"
+                except subprocess.TimeoutExpired:
+                    killed = f"60 s after SIGKILL it is still {proc_state(self.proc.pid)}"
+                raise AssertionError(f"cellblock serve did not exit {timeout} s after SIGTERM "
+                                     f"({killed}):\n{self.log()[-5000:]}")
         if self._log_file and not self._log_file.closed:
             self._log_file.close()
         return self.proc.returncode
