@@ -2,6 +2,7 @@
 // proven by probe_kernel(), then handed to the session's proxy.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -22,9 +23,11 @@ struct InnerChannels {
 // Connects to the sandbox's kernel and waits until it answers kernel_info on
 // shell and its iopub reaches us (so no later output is lost to a slow
 // subscription). Throws SandboxError naming why: timeout, or the kernel
-// exiting, with the end of the sandbox's log.
+// exiting, or `abandoned` turning true (a stopping server does not wait out
+// a slow kernel's start), with the end of the sandbox's log.
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout,
-                                            int max_frame_bytes = 64 << 20);
+                                            int max_frame_bytes = 64 << 20,
+                                            const std::atomic<bool>* abandoned = nullptr);
 
 }  // namespace cellblock

@@ -44,7 +44,8 @@ zmq::socket_t inner_socket(zmq::context_t& ctx, zmq::socket_type type, int max_f
 // sticky ipc/ keeps the sandbox from renaming it), the link is checked to be
 // a socket, and the server connects to the links only. Returns the ipc "ip"
 // prefix of the links.
-std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline) {
+std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline,
+                                const std::function<void()>& check_abandoned) {
     const std::filesystem::path ipc = sandbox.dir() / "ipc";
     const std::filesystem::path server_dir = ipc / ".server";
     int linked = 0;
@@ -73,6 +74,7 @@ std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline) {
             ++linked;
         }
         if (linked == 5) break;
+        check_abandoned();
         if (Clock::now() >= deadline) {
             throw SandboxError("kernel of session " + sandbox.session_id() +
                                " did not create its sockets in time; log: " + log_tail(sandbox));
@@ -90,8 +92,8 @@ std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline) {
 }  // namespace
 
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
-                                            std::chrono::milliseconds timeout,
-                                            int max_frame_bytes) {
+                                            std::chrono::milliseconds timeout, int max_frame_bytes,
+                                            const std::atomic<bool>* abandoned) {
     const ConnectionInfo& inner = sandbox.inner_connection();
     const Signer signer(inner.key, inner.signature_scheme);
     auto ch = std::make_unique<InnerChannels>(
@@ -107,10 +109,16 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     ch->shell.set(zmq::sockopt::routing_id, identity);
     ch->stdin_.set(zmq::sockopt::routing_id, identity);
     ch->iopub.set(zmq::sockopt::subscribe, "");
+    const auto check_abandoned = [&] {
+        if (abandoned && abandoned->load()) {
+            throw SandboxError("kernel of session " + sandbox.session_id() +
+                               ": its start was abandoned (the server is stopping)");
+        }
+    };
     // Connect only to links the sandbox cannot touch (see link_kernel_sockets).
     const auto deadline = Clock::now() + timeout;
     ConnectionInfo linked = inner;
-    linked.ip = link_kernel_sockets(sandbox, deadline);
+    linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
     ch->shell.connect(linked.endpoint(Channel::shell));
     ch->control.connect(linked.endpoint(Channel::control));
     ch->stdin_.connect(linked.endpoint(Channel::stdin_));
@@ -142,6 +150,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
         nlohmann::json reply;
         auto resend_at = Clock::now() + std::chrono::milliseconds(250);
         while (!(replied && idle)) {
+            check_abandoned();
             const auto now = Clock::now();
             if (now >= deadline)
                 throw fail("did not answer within " + std::to_string(timeout.count() / 1000) +
@@ -154,7 +163,10 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
             zmq::pollitem_t items[] = {{ch->shell.handle(), 0, ZMQ_POLLIN, 0},
                                        {ch->iopub.handle(), 0, ZMQ_POLLIN, 0},
                                        {nullptr, sandbox.lifeline_fd(), ZMQ_POLLIN, 0}};
-            const auto wait = (resend ? std::min(deadline, resend_at) : deadline) - now;
+            // At most 100 ms at a time, so an abandoned start is noticed soon.
+            const auto wait =
+                std::min<Clock::duration>((resend ? std::min(deadline, resend_at) : deadline) - now,
+                                          std::chrono::milliseconds(100));
             zmq::poll(items, 3,
                       std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
                           std::chrono::milliseconds(1));

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <unordered_map>
 
@@ -256,6 +257,9 @@ class Server final : public SessionObserver {
     UniqueFd server_lock_;
     UniqueFd wake_fd_;
     UniqueFd signal_fd_;
+    // Set when the server stops: the pool's kernel probes give up at once
+    // rather than holding the shutdown for up to kProbeTimeout.
+    std::atomic<bool> stopping_{false};
     std::unique_ptr<SandboxPool> pool_;
     std::map<std::string, std::unique_ptr<SessionProxy>> sessions_;
     // Creates waiting for a sandbox, in the order they came in.
@@ -372,8 +376,9 @@ Server::Server(const ServeOptions& options)
     const int wake = wake_fd_.get();
     pool_ = std::make_unique<SandboxPool>(
         settings_,
-        [ctx](Sandbox& box) -> std::shared_ptr<void> {
-            return std::shared_ptr<InnerChannels>(probe_kernel(*ctx, box, kProbeTimeout));
+        [ctx, stopping = &stopping_](Sandbox& box) -> std::shared_ptr<void> {
+            return std::shared_ptr<InnerChannels>(
+                probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping));
         },
         std::move(pool_images),
         [wake] {
@@ -393,6 +398,7 @@ Server::Server(const ServeOptions& options)
 }
 
 Server::~Server() {
+    stopping_ = true;  // kernel starts still being probed give up now
     for (auto& [id, session] : sessions_) session->close("server_shutdown");
     sessions_.clear();
     flush_audit();
