@@ -55,8 +55,8 @@ struct ServerPolicy {
     double closed_channels_s = 30;
     std::int64_t max_message_bytes = 16 << 20;  // one iopub message larger is replaced by a notice
     std::int64_t max_file_bytes = 64 << 20;     // file_put / file_get
-    int max_sessions = 256;         // open and starting sessions at once (closed ones do not count)
-    double max_create_wait_s = 60;  // a session_create still waiting for a sandbox: ServerBusy
+    int max_sessions = 256;  // open and starting sessions at once (closed ones do not count)
+    double max_create_wait_s = 120;  // a session_create still waiting for a sandbox: ServerBusy
 
     ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16
                      // GB)
