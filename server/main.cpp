@@ -395,6 +395,10 @@ int main(int argc, char** argv) {
             std::cout << "session " << session_id << ": " << reply["state"].get<std::string>();
             if (!reply["close_reason"].get<std::string>().empty()) {
                 std::cout << " (" << reply["close_reason"].get<std::string>() << ")";
+                // Kept at the close, over the session's whole life.
+                std::printf("; peak memory %.1f MB, CPU %llu ms",
+                            static_cast<double>(reply.value("memory_peak_bytes", 0ULL)) / (1 << 20),
+                            reply.value("cpu_ms", 0ULL));
             }
             std::cout << "\n\nexecutions:\n";
             for (const auto& e : reply["executions"]) {

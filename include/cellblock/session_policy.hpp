@@ -59,8 +59,8 @@ struct ServerPolicy {
     std::int64_t max_message_bytes = 16 << 20;  // one iopub message larger is replaced by a notice
     std::int64_t max_file_bytes = 16ll << 30;   // one file, streamed in chunks
     std::int64_t max_inline_file_bytes = 64 << 20;  // one file in one message (file_put/get)
-    int max_sessions = 256;         // open and starting sessions at once (closed ones do not count)
-    double max_create_wait_s = 60;  // a session_create still waiting for a sandbox: ServerBusy
+    int max_sessions = 256;  // open and starting sessions at once (closed ones do not count)
+    double max_create_wait_s = 120;  // a session_create still waiting for a sandbox: ServerBusy
 
     ServerPolicy();  // sensible maxima (e.g. 100000 executions, 1 week, 3600 s per execution, 16
                      // GB)
