@@ -19,14 +19,16 @@ cmake --build "$root/build-fuzz" -j"$(nproc)"
 echo "== tests (unit + integration)"
 ctest --test-dir "$root/build" --output-on-failure --timeout 900
 
-# The heavy tests (gigabyte files, hundreds of sessions; label "heavy") ran in
-# the plain pass above; under ASan they would take hours and prove no more.
-echo "== ASan+UBSan build, unit and integration tests (without the heavy ones)"
+# The heavy tests (gigabyte files, hundreds of sessions; label "heavy") and
+# those whose time goes to mmdebstrap, a browser or a Notebook server (label
+# "once": image builds, frontends, the provisioner) ran in the plain pass
+# above; under ASan they would take hours and drive no C++ the rest does not.
+echo "== ASan+UBSan build, unit and integration tests (without the heavy and once-only ones)"
 CELLBLOCK_SANITIZE=ON bash scripts/build.sh "$root/build-asan"
 # The integration tests drive the sanitized cellblock through its own
 # kernelspec in build-asan: a sanitizer report aborts the server and fails them.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir "$root/build-asan" --output-on-failure --timeout 1800 --label-exclude heavy
+  ctest --test-dir "$root/build-asan" --output-on-failure --timeout 1800 --label-exclude 'heavy|once'
 
 echo "== clang-format"
 files=$(git ls-files '*.cpp' '*.hpp')
