@@ -85,16 +85,20 @@ std::vector<std::string> sandbox_environment(const Image& image) {
 
 json make_seccomp_profile(RuntimeKind kind) {
     // Docker's default profile denies these to an unprivileged container; so do
-    // we, plus the calls that let same-uid code hijack another process.
+    // we, plus the calls that let same-uid code hijack another process, and
+    // inotify: the kernel charges a sandbox's inotify instances to the user
+    // that made its user namespace (root, through runc), so one session could
+    // spend the 128 that every session and root's own daemons share.
     static const std::vector<std::string> denied = {
         "acct", "add_key", "bpf", "chroot", "clock_adjtime", "clock_settime", "create_module",
         "delete_module", "fanotify_init", "finit_module", "fsconfig", "fsmount", "fsopen", "fspick",
-        "get_kernel_syms", "init_module", "io_uring_enter", "io_uring_register", "io_uring_setup",
-        "ioperm", "iopl", "kcmp", "kexec_file_load", "kexec_load", "keyctl", "lookup_dcookie",
-        "mount", "mount_setattr", "move_mount", "name_to_handle_at", "nfsservctl",
-        "open_by_handle_at", "open_tree", "perf_event_open", "pidfd_getfd", "pivot_root",
-        "process_madvise", "process_vm_readv", "process_vm_writev", "ptrace", "query_module",
-        "quotactl", "quotactl_fd", "reboot", "request_key", "setdomainname", "sethostname", "setns",
+        "get_kernel_syms", "init_module", "inotify_init", "inotify_init1", "io_uring_enter",
+        "io_uring_register", "io_uring_setup", "ioperm", "iopl", "kcmp", "kexec_file_load",
+        "kexec_load", "keyctl", "lookup_dcookie", "mount", "mount_setattr", "move_mount",
+        "name_to_handle_at", "nfsservctl", "open_by_handle_at", "open_tree", "perf_event_open",
+        "pidfd_getfd", "pivot_root", "process_madvise", "process_vm_readv", "process_vm_writev",
+        "ptrace", "query_module", "quotactl", "quotactl_fd", "reboot", "request_key",
+        "setdomainname", "sethostname", "setns",
         // i386's socket multiplexer: its
         // arguments are in memory, where
         // seccomp cannot see AF_VSOCK.
