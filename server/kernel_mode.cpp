@@ -14,6 +14,7 @@
 #include "cellblock/image_builder.hpp"
 #include "cellblock/sandbox.hpp"
 #include "cellblock/signer.hpp"
+#include "cellblock/unique_fd.hpp"
 #include "inner_channels.hpp"
 #include "manager_paths.hpp"
 #include "session_proxy.hpp"
@@ -36,13 +37,13 @@ fs::path executable_dir() {
 
 // Blocks the signals the server handles itself and returns a signalfd for
 // them. Called before any thread starts, so every thread inherits the mask.
-int block_server_signals() {
+UniqueFd block_server_signals() {
     sigset_t set;
     sigemptyset(&set);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     ::signal(SIGPIPE, SIG_IGN);
-    return signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    return UniqueFd(signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK));
 }
 
 // The kernel died or the policy killed it: the frontend should start another.
@@ -72,7 +73,7 @@ ServerPaths ServerPaths::defaults() {
 }
 
 int run_kernel_mode(const KernelModeOptions& options) {
-    const int signal_fd = block_server_signals();
+    const UniqueFd signal_fd = block_server_signals();
     const ConnectionInfo outer = ConnectionInfo::read(options.connection_file);
 
     Image image;
@@ -139,7 +140,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
     while (!proxy->closed()) {
         items.clear();
         proxy->add_poll_items(items);
-        items.push_back({nullptr, signal_fd, ZMQ_POLLIN, 0});
+        items.push_back({nullptr, signal_fd.get(), ZMQ_POLLIN, 0});
         long timeout_ms = -1;
         if (auto deadline = proxy->next_deadline()) {
             timeout_ms = std::max<long>(
@@ -151,7 +152,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
         proxy->handle(items.data());
         if (items.back().revents & ZMQ_POLLIN) {
             signalfd_siginfo info;
-            if (::read(signal_fd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+            if (::read(signal_fd.get(), &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
                 proxy->close(std::string("the server received ") +
                              strsignal(static_cast<int>(info.ssi_signo)));
             }
@@ -160,7 +161,6 @@ int run_kernel_mode(const KernelModeOptions& options) {
         if (proxy->closed() && kernel_was_lost(proxy->close_reason())) exit_code = 1;
     }
     proxy.reset();
-    ::close(signal_fd);
     return exit_code;
 }
 

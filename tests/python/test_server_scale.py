@@ -210,7 +210,8 @@ def test_create_close_cycles_leave_nothing(server_factory):
         assert any(pid in session_pids(s) for s in pool), f"stray process {pid} rooted in the state dir"
 
     # No thread per session is left behind. (Descriptors are only reported:
-    # a closed session keeps its sockets to answer SessionClosed for a while.)
+    # a closed session keeps its sockets for --closed-window (30 s) to answer
+    # SessionClosed; test_soak.py checks that they go after it.)
     fds_after, threads_after = fd_count(server_pid), thread_count(server_pid)
     assert threads_after <= threads_before + 2, (threads_before, threads_after)
     info = srv.ok("server_info_request", {})["content"]
