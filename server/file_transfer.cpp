@@ -225,6 +225,13 @@ const std::vector<std::string>& FileTransfers::request_types() {
 FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
                                            const std::vector<std::string>& buffers,
                                            const SessionFiles& s, Clock::time_point now) {
+    const std::vector<std::string_view> views(buffers.begin(), buffers.end());
+    return handle(t, c, std::span<const std::string_view>(views), s, now);
+}
+
+FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
+                                           std::span<const std::string_view> buffers,
+                                           const SessionFiles& s, Clock::time_point now) {
     if (!c.is_object()) throw FileRequestError(ename::InvalidRequest, "content must be an object");
     if (t == "file_put_request") return put_whole(c, buffers, s);
     if (t == "file_get_request") return get_whole(c, s);
@@ -383,7 +390,7 @@ FileTransfers::Upload& FileTransfers::upload_of(const json& c, const SessionFile
     return *it->second;
 }
 
-json FileTransfers::put_chunk(const json& c, const std::vector<std::string>& buffers,
+json FileTransfers::put_chunk(const json& c, std::span<const std::string_view> buffers,
                               const SessionFiles& s, Clock::time_point now) {
     Upload& u = upload_of(c, s);
     const std::uint64_t offset = count_field(c, "offset");
@@ -516,14 +523,14 @@ FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles
 }
 
 FileTransfers::Reply FileTransfers::put_whole(const json& c,
-                                              const std::vector<std::string>& buffers,
+                                              std::span<const std::string_view> buffers,
                                               const SessionFiles& s) {
     const std::string path = checked_relative_path(path_field(c), kSandboxInputDir);
     if (buffers.size() != 1) {
         throw FileRequestError(ename::InvalidRequest,
                                "file_put_request carries the file as exactly one buffer");
     }
-    const std::string& data = buffers[0];
+    const std::string_view data = buffers[0];
     if (data.size() > limits_.max_inline_bytes) {
         throw FileRequestError(ename::FileTooLarge,
                                bytes_text(data.size()) + " is over the " +

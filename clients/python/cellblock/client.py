@@ -190,7 +190,10 @@ class Server:
         c = reply["content"]
         if c.get("status") != "ok":
             raise error_for(c.get("ename", "ServerError"), c.get("evalue", ""))
-        return c, [bytes(b) for b in reply["buffers"]]
+        # A buffer received whole is handed on as the bytes it already is (a
+        # download's chunk is megabytes: no second copy).
+        return c, [b.obj if isinstance(getattr(b, "obj", None), bytes) and b.nbytes == len(b.obj)
+                   else bytes(b) for b in reply["buffers"]]
 
     def request(self, msg_type, content=None, buffers=None, timeout=60.0):
         """One manager request; returns (reply content, reply buffers) or raises
