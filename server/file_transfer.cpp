@@ -149,19 +149,23 @@ std::string new_transfer_id() {
     return id;
 }
 
-// Reads exactly `length` bytes at `offset`, or fewer at end of file.
-std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
-    std::string data(length, '\0');
+// Reads exactly `length` bytes at `offset` into `dst`, or fewer at end of
+// file; returns how many.
+std::size_t read_into(int fd, std::uint64_t offset, char* dst, std::size_t length) {
     std::size_t got = 0;
     while (got < length) {
-        const ssize_t n =
-            ::pread(fd, data.data() + got, length - got, static_cast<off_t>(offset + got));
+        const ssize_t n = ::pread(fd, dst + got, length - got, static_cast<off_t>(offset + got));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) throw FileRequestError(ename::FileError, "read: " + errno_text());
         if (n == 0) break;
         got += static_cast<std::size_t>(n);
     }
-    data.resize(got);
+    return got;
+}
+
+std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
+    std::string data(length, '\0');
+    data.resize(read_into(fd, offset, data.data(), length));
     return data;
 }
 
@@ -715,11 +719,20 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
         d.hash.update(gap);
         d.hashed += gap.size();
     }
-    std::string bytes = read_at(d.fd.get(), offset, std::min(length, d.size - offset));
-    if (offset == d.hashed) {
-        d.hash.update(bytes);
-        d.hashed += bytes.size();
+    // Read and hashed a slice at a time, in one pass: the digest reads what
+    // the read just brought into the CPU's cache.
+    std::string bytes(std::min(length, d.size - offset), '\0');
+    const bool in_order = offset == d.hashed;
+    std::size_t got = 0;
+    while (got < bytes.size()) {
+        const std::size_t want = std::min<std::size_t>(256u << 10, bytes.size() - got);
+        const std::size_t n = read_into(d.fd.get(), offset + got, bytes.data() + got, want);
+        if (in_order) d.hash.update(std::string_view(bytes).substr(got, n));
+        got += n;
+        if (n < want) break;
     }
+    bytes.resize(got);
+    if (in_order) d.hashed += got;
     d.touched = now;
     Reply reply{{{"status", "ok"},
                  {"download_id", id},
