@@ -57,6 +57,12 @@ class Sha256 {
         if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1)
             throw std::runtime_error("sha256: cannot initialise a digest");
     }
+    Sha256(const Sha256& other) : ctx_(EVP_MD_CTX_new()) {
+        if (!ctx_ || EVP_MD_CTX_copy_ex(ctx_.get(), other.ctx_.get()) != 1)
+            throw std::runtime_error("sha256: cannot copy a digest");
+    }
+    Sha256& operator=(Sha256&& other) noexcept = default;
+    Sha256(Sha256&&) noexcept = default;
     void update(std::string_view bytes) {
         EVP_DigestUpdate(ctx_.get(), bytes.data(), bytes.size());
     }
@@ -143,19 +149,23 @@ std::string new_transfer_id() {
     return id;
 }
 
-// Reads exactly `length` bytes at `offset`, or fewer at end of file.
-std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
-    std::string data(length, '\0');
+// Reads exactly `length` bytes at `offset` into `dst`, or fewer at end of
+// file; returns how many.
+std::size_t read_into(int fd, std::uint64_t offset, char* dst, std::size_t length) {
     std::size_t got = 0;
     while (got < length) {
-        const ssize_t n =
-            ::pread(fd, data.data() + got, length - got, static_cast<off_t>(offset + got));
+        const ssize_t n = ::pread(fd, dst + got, length - got, static_cast<off_t>(offset + got));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) throw FileRequestError(ename::FileError, "read: " + errno_text());
         if (n == 0) break;
         got += static_cast<std::size_t>(n);
     }
-    data.resize(got);
+    return got;
+}
+
+std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
+    std::string data(length, '\0');
+    data.resize(read_into(fd, offset, data.data(), length));
     return data;
 }
 
@@ -224,6 +234,13 @@ const std::vector<std::string>& FileTransfers::request_types() {
 
 FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
                                            const std::vector<std::string>& buffers,
+                                           const SessionFiles& s, Clock::time_point now) {
+    const std::vector<std::string_view> views(buffers.begin(), buffers.end());
+    return handle(t, c, std::span<const std::string_view>(views), s, now);
+}
+
+FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
+                                           std::span<const std::string_view> buffers,
                                            const SessionFiles& s, Clock::time_point now) {
     if (!c.is_object()) throw FileRequestError(ename::InvalidRequest, "content must be an object");
     if (t == "file_put_request") return put_whole(c, buffers, s);
@@ -383,7 +400,7 @@ FileTransfers::Upload& FileTransfers::upload_of(const json& c, const SessionFile
     return *it->second;
 }
 
-json FileTransfers::put_chunk(const json& c, const std::vector<std::string>& buffers,
+json FileTransfers::put_chunk(const json& c, std::span<const std::string_view> buffers,
                               const SessionFiles& s, Clock::time_point now) {
     Upload& u = upload_of(c, s);
     const std::uint64_t offset = count_field(c, "offset");
@@ -409,12 +426,19 @@ json FileTransfers::put_chunk(const json& c, const std::vector<std::string>& buf
                                "a chunk ending at byte " + std::to_string(offset + bytes.size()) +
                                    " passes the declared size " + bytes_text(u.size));
     }
-    std::size_t written = 0;
+    // Written and hashed a slice at a time, in one pass: the slice the write
+    // just read is still in the CPU's cache when the digest reads it again.
+    // A failed write leaves the digest as it was, so the chunk can be sent again.
+    constexpr std::size_t kSlice = 256u << 10;
+    Sha256 before(u.hash);
+    std::size_t written = 0, hashed = 0;
     while (written < bytes.size()) {
-        const ssize_t n = ::pwrite(u.fd.get(), bytes.data() + written, bytes.size() - written,
+        const std::size_t slice = std::min(kSlice, bytes.size() - hashed);
+        const ssize_t n = ::pwrite(u.fd.get(), bytes.data() + written, hashed + slice - written,
                                    static_cast<off_t>(offset + written));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) {
+            u.hash = std::move(before);
             const int err = errno;
             if (err == ENOSPC || err == EDQUOT) {
                 throw FileRequestError(ename::FileTooLarge,
@@ -426,8 +450,11 @@ json FileTransfers::put_chunk(const json& c, const std::vector<std::string>& buf
             throw FileRequestError(ename::FileError, "write the upload: " + errno_text(err));
         }
         written += static_cast<std::size_t>(n);
+        if (written == hashed + slice) {
+            u.hash.update(bytes.substr(hashed, slice));
+            hashed = written;
+        }
     }
-    u.hash.update(bytes);
     u.received += bytes.size();
     u.touched = now;
     return {{"status", "ok"}, {"upload_id", u.id}, {"received", u.received}};
@@ -516,14 +543,14 @@ FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles
 }
 
 FileTransfers::Reply FileTransfers::put_whole(const json& c,
-                                              const std::vector<std::string>& buffers,
+                                              std::span<const std::string_view> buffers,
                                               const SessionFiles& s) {
     const std::string path = checked_relative_path(path_field(c), kSandboxInputDir);
     if (buffers.size() != 1) {
         throw FileRequestError(ename::InvalidRequest,
                                "file_put_request carries the file as exactly one buffer");
     }
-    const std::string& data = buffers[0];
+    const std::string_view data = buffers[0];
     if (data.size() > limits_.max_inline_bytes) {
         throw FileRequestError(ename::FileTooLarge,
                                bytes_text(data.size()) + " is over the " +
@@ -692,11 +719,20 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
         d.hash.update(gap);
         d.hashed += gap.size();
     }
-    std::string bytes = read_at(d.fd.get(), offset, std::min(length, d.size - offset));
-    if (offset == d.hashed) {
-        d.hash.update(bytes);
-        d.hashed += bytes.size();
+    // Read and hashed a slice at a time, in one pass: the digest reads what
+    // the read just brought into the CPU's cache.
+    std::string bytes(std::min(length, d.size - offset), '\0');
+    const bool in_order = offset == d.hashed;
+    std::size_t got = 0;
+    while (got < bytes.size()) {
+        const std::size_t want = std::min<std::size_t>(256u << 10, bytes.size() - got);
+        const std::size_t n = read_into(d.fd.get(), offset + got, bytes.data() + got, want);
+        if (in_order) d.hash.update(std::string_view(bytes).substr(got, n));
+        got += n;
+        if (n < want) break;
     }
+    bytes.resize(got);
+    if (in_order) d.hashed += got;
     d.touched = now;
     Reply reply{{{"status", "ok"},
                  {"download_id", id},

@@ -1,6 +1,7 @@
 // Files in and out of a session, in bounded chunks: an upload lands in
-// /data/input whole or not at all (sha256 checked, renamed into place), a download reads /data/output piece by piece. No ZMQ here: the
-// manager hands requests in as JSON and bytes, and sends back what this returns.
+// /data/input whole or not at all (sha256 checked, renamed into place), a download reads
+// /data/output piece by piece. No ZMQ here: the manager hands requests in as JSON and bytes, and
+// sends back what this returns.
 #pragma once
 
 #include <chrono>
@@ -9,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -72,6 +74,10 @@ class FileTransfers {
     // The msg_types handled here (file_put_request, file_put_begin_request, ...).
     static const std::vector<std::string>& request_types();
     // Handles one request of a live session; throws FileRequestError.
+    // `buffers` are views of the received frames (written from, never copied).
+    Reply handle(std::string_view msg_type, const nlohmann::json& content,
+                 std::span<const std::string_view> buffers, const SessionFiles& session,
+                 Clock::time_point now);
     Reply handle(std::string_view msg_type, const nlohmann::json& content,
                  const std::vector<std::string>& buffers, const SessionFiles& session,
                  Clock::time_point now);
@@ -90,10 +96,10 @@ class FileTransfers {
     struct Download;
 
     nlohmann::json put_begin(const nlohmann::json& c, const SessionFiles& s, Clock::time_point now);
-    nlohmann::json put_chunk(const nlohmann::json& c, const std::vector<std::string>& buffers,
+    nlohmann::json put_chunk(const nlohmann::json& c, std::span<const std::string_view> buffers,
                              const SessionFiles& s, Clock::time_point now);
     Reply put_commit(const nlohmann::json& c, const SessionFiles& s);
-    Reply put_whole(const nlohmann::json& c, const std::vector<std::string>& buffers,
+    Reply put_whole(const nlohmann::json& c, std::span<const std::string_view> buffers,
                     const SessionFiles& s);
     nlohmann::json get_begin(const nlohmann::json& c, const SessionFiles& s, Clock::time_point now);
     Reply get_chunk(const nlohmann::json& c, const SessionFiles& s, Clock::time_point now);

@@ -187,6 +187,9 @@ class Server final : public SessionObserver {
   private:
     struct Request {
         WireMessage message;
+        // The message's buffers, still in the received frames (scratch_): an
+        // upload's chunk is written from there, not copied first.
+        std::vector<std::string_view> buffers;
     };
     struct PendingCreate {
         WireMessage request;
@@ -410,9 +413,16 @@ Server::~Server() {
 void Server::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
     WireMessage msg =
         make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
-    msg.buffers = std::move(buffers);
+    // The buffers (a download's chunk, megabytes) are not signed: they go out
+    // as frames that own their string, without a copy; the rest is small.
     std::vector<zmq::message_t> frames;
     for (auto& f : encode(msg, signer_)) frames.push_back(to_frame(f));
+    for (auto& buffer : buffers) {
+        auto* owned = new std::string(std::move(buffer));
+        frames.emplace_back(
+            owned->data(), owned->size(),
+            [](void*, void* hint) { delete static_cast<std::string*>(hint); }, owned);
+    }
     send_multipart(manager_, frames);
 }
 
@@ -470,7 +480,16 @@ void Server::on_manager() {
         const std::string_view sender = views.empty() ? std::string_view() : views[0];
         WireLimits limits;  // up to the socket's ceiling: read, then refused with a reply
         limits.max_total_bytes = kManagerFrameCeiling * 2;
-        auto decoded = decode(views, signer_, &replay_, limits);
+        // The buffers are not signed and stay where they are: only the routing,
+        // the signature and the four JSON frames are decoded.
+        const auto delimiter = std::find(views.begin(), views.end(), kDelimiter);
+        const std::size_t first_buffer =
+            WireLayout{static_cast<std::size_t>(delimiter - views.begin())}.first_buffer();
+        const std::span<const std::string_view> all(views);
+        const auto head = delimiter == views.end() || views.size() <= first_buffer
+                              ? all
+                              : all.first(first_buffer);
+        auto decoded = decode(head, signer_, &replay_, limits);
         if (!decoded.message) {
             spdlog::warn("manager: rejected message from {}: {}", identity_text(sender),
                          decoded.error);
@@ -481,7 +500,7 @@ void Server::on_manager() {
             }
             continue;
         }
-        Request request{std::move(*decoded.message)};
+        Request request{std::move(*decoded.message), {views.begin() + head.size(), views.end()}};
         const std::string type = request.message.msg_type();
         if (scratch_.dropped_frames > 0) {
             refuse(request.message, ename::InvalidRequest,
@@ -956,8 +975,8 @@ json Server::file_request(Request& r, std::vector<std::string>& buffers) {
                              s.sandbox()->input_dir().parent_path() / "partial",
                              static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb)
                                  << 20};
-    auto done = transfers_.handle(r.message.msg_type(), r.message.content, r.message.buffers, files,
-                                  Clock::now());
+    auto done =
+        transfers_.handle(r.message.msg_type(), r.message.content, r.buffers, files, Clock::now());
     if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
     buffers = std::move(done.buffers);
     return std::move(done.content);

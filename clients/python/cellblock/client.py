@@ -37,6 +37,29 @@ _BINARY_MIMES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 FILE_INLINE_BYTES = 4 << 20   # put() sends up to this in one message, streams anything larger
 FILE_CHUNK_BYTES = 4 << 20    # the spool's copy size (the server names the chunk size)
 FILE_WINDOW = 4               # chunks in flight during a transfer
+FILE_SLICE_BYTES = 256 << 10  # read (or written) and hashed together, while in the CPU's cache
+
+
+def _read_hashing(f, length, digest):
+    """Up to `length` bytes of `f` (fewer at its end), hashed into `digest` a
+    slice at a time as they are read. A fresh buffer each time: the socket may
+    still be sending the previous one without a copy."""
+    if not hasattr(f, "readinto"):
+        piece = f.read(length)
+        digest.update(piece)
+        return piece
+    buf = bytearray(length)
+    view, got = memoryview(buf), 0
+    while got < length:
+        n = f.readinto(view[got:got + FILE_SLICE_BYTES])
+        if not n:
+            break
+        digest.update(view[got:got + n])
+        got += n
+    view.release()
+    if got < length:
+        del buf[got:]
+    return buf
 
 
 def _seekable(f):
@@ -190,7 +213,10 @@ class Server:
         c = reply["content"]
         if c.get("status") != "ok":
             raise error_for(c.get("ename", "ServerError"), c.get("evalue", ""))
-        return c, [bytes(b) for b in reply["buffers"]]
+        # A buffer received whole is handed on as the bytes it already is (a
+        # download's chunk is megabytes: no second copy).
+        return c, [b.obj if isinstance(getattr(b, "obj", None), bytes) and b.nbytes == len(b.obj)
+                   else bytes(b) for b in reply["buffers"]]
 
     def request(self, msg_type, content=None, buffers=None, timeout=60.0):
         """One manager request; returns (reply content, reply buffers) or raises
@@ -610,10 +636,9 @@ class Session:
                 in_flight = []
                 while offset < size or in_flight:
                     if offset < size and len(in_flight) < FILE_WINDOW:
-                        piece = f.read(min(chunk, size - offset))
+                        piece = _read_hashing(f, min(chunk, size - offset), digest)
                         if not piece:
                             raise FileError(f"the local file shrank below {size} bytes")
-                        digest.update(piece)
                         in_flight.append((server._send("file_put_chunk_request",
                                                        {"session_id": self.id, "upload_id": upload,
                                                         "offset": offset}, buffers=[piece]),
@@ -677,9 +702,11 @@ class Session:
                     requested += min(chunk, size - requested)
                     continue
                 reply, buffers = server._wait(in_flight.pop(0), "file_get_chunk_request", timeout)
-                piece = buffers[0]
-                out.write(piece)
-                digest.update(piece)
+                piece = memoryview(buffers[0])
+                # Written and hashed a slice at a time, while the slice is in cache.
+                for at in range(0, len(piece), FILE_SLICE_BYTES):
+                    out.write(piece[at:at + FILE_SLICE_BYTES])
+                    digest.update(piece[at:at + FILE_SLICE_BYTES])
                 received += len(piece)
                 expected = reply.get("sha256", expected)
                 if progress:
