@@ -1,6 +1,7 @@
 #include "server_mode.hpp"
 
 #include <fcntl.h>
+#include <malloc.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/resource.h>
@@ -1183,14 +1184,19 @@ int Server::run() {
             for (const auto& [name, image] : images_) follow_image_version(name);
             next_version_check_ = now + kPoolVersionCheck;
         }
+        bool released = false;
         for (auto it = sessions_.begin(); it != sessions_.end();) {
             it->second->on_timer(now);
             if (it->second->expired(now)) {
                 it = sessions_.erase(it);
+                released = true;
             } else {
                 ++it;
             }
         }
+        // A session's buffers are freed by now; without a trim glibc keeps
+        // the pages (a 300-session soak left the RSS 16 MB above its start).
+        if (released) ::malloc_trim(0);
     }
 }
 

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 import server_helpers as sh
 from server_helpers import server_factory  # noqa: F401
@@ -83,14 +82,34 @@ def run(kc, code, timeout=60):
     return sh.stream_text(iopub)
 
 
-def assert_range_free(state_dir, sid, base, count):
-    """Nothing of the session runs as its ids, and its lease is free for the next sandbox."""
-    assert sh.wait_for(lambda: not pids_in_range(base, count), timeout=15), \
-        f"processes still run as the range of session {sid}: {pids_in_range(base, count)}"
+def range_released(state_dir, sid, base, count):
+    """Why session `sid` still holds its range, or None once it has let it go.
+
+    Ranges come from one pool shared by every cellblock process on the host: on
+    a busy host another server's sandbox may lease the range as soon as this
+    one releases it. The allocator hands a range on only when no process runs
+    as it and its last holder's session dir is gone, so a range that names
+    another holder was let go by this session; its processes are not ours.
+    """
     path = lease_path(base, count)
-    assert not lease_held(path), f"{path} is still locked after session {sid} ended"
-    assert not os.path.exists(lease_holder(path)), \
-        f"the lease's holder {lease_holder(path)} (session {sid}'s dir) still exists"
+    ours = os.path.join(state_dir, "sessions", sid)
+    if lease_holder(path) != ours:
+        return None
+    pids = pids_in_range(base, count)
+    if pids:
+        return f"processes still run as the range of session {sid}: {pids}"
+    if lease_held(path):
+        return f"{path} is still locked after session {sid} ended"
+    if os.path.exists(ours):
+        return f"the lease's holder {ours} (session {sid}'s dir) still exists"
+    return None
+
+
+def assert_range_free(state_dir, sid, base, count, timeout=15):
+    """Nothing of the session runs as its ids, and its lease is free for the next sandbox."""
+    sh.wait_for(lambda: range_released(state_dir, sid, base, count) is None, timeout=timeout)
+    why = range_released(state_dir, sid, base, count)
+    assert why is None, why
 
 
 def test_two_sessions_run_as_different_host_ids(server_factory):  # noqa: F811
