@@ -83,7 +83,8 @@ BLOCKED = (errno.EPERM, errno.ENOSYS)   # what the seccomp policy answers with
 
 # ---------------------------------------------------------------- syscall tables
 
-def _syscall_numbers(header):
+def syscall_numbers(header):
+    """{name: number} from a kernel header's __NR_ defines."""
     numbers = {}
     with open(header) as f:
         for line in f:
@@ -93,8 +94,8 @@ def _syscall_numbers(header):
     return numbers
 
 
-NR64 = _syscall_numbers("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
-NR32 = _syscall_numbers("/usr/include/x86_64-linux-gnu/asm/unistd_32.h")
+NR64 = syscall_numbers("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+NR32 = syscall_numbers("/usr/include/x86_64-linux-gnu/asm/unistd_32.h")
 
 # Invalid arguments (NULL pointers, fd -1, unknown flags): if the call reaches
 # the kernel it answers EFAULT/EBADF/EINVAL/... (or a harmless success), never

@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from attack_helpers import syscall_numbers
 from conftest import STATE_DIR, start_kernel, stop_kernel, wait_for
 from test_containment import (HOST_ID_BASE, cell, cellblock_pid, proc_state, run_ok,
                               sandbox_pids, session_id_of, session_residue, status_fields,
@@ -291,15 +292,6 @@ RET_ALLOW = 0x7FFF0000
 RET_ERRNO = 0x00050000
 ACTION_MASK = 0xFFFF0000
 
-
-def syscall_numbers(header):
-    numbers = {}
-    with open(header) as f:
-        for line in f:
-            m = re.match(r"#define __NR_(\w+)\s+(\d+)", line)
-            if m:
-                numbers[m.group(1)] = int(m.group(2))
-    return numbers
 
 
 def dump_filter(pid):
