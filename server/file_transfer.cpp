@@ -255,7 +255,8 @@ FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
     if (t == "file_get_begin_request") return {get_begin(c, s, now), {}, {}};
     if (t == "file_get_chunk_request") return get_chunk(c, s, now);
     if (t == "file_get_end_request") {
-        downloads_.erase(download_of(c, s).id);
+        const std::string id = download_of(c, s).id;  // a copy: the key dies with the node
+        downloads_.erase(id);
         return {{{"status", "ok"}}, {}, {}};
     }
     throw FileRequestError(ename::UnknownRequest, "not a file request: " + std::string(t));
@@ -703,12 +704,13 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
     struct stat st {};
     if (::fstat(d.fd.get(), &st) != 0 || static_cast<std::uint64_t>(st.st_size) != d.size ||
         st.st_mtim.tv_sec != d.mtime.tv_sec || st.st_mtim.tv_nsec != d.mtime.tv_nsec) {
-        const std::string path = d.path;
+        // The message is made before the erase: `d` is gone with it.
+        const std::string evalue = std::string(kSandboxOutputDir) + "/" + d.path +
+                                   " changed while it was read (" + bytes_text(d.size) + ", now " +
+                                   bytes_text(static_cast<std::uint64_t>(st.st_size)) +
+                                   "); get it again";
         downloads_.erase(id);
-        throw FileRequestError(ename::FileChanged, std::string(kSandboxOutputDir) + "/" + path +
-                                                       " changed while it was read (" +
-                                                       bytes_text(d.size) + ", now " +
-                                                       bytes_text(st.st_size) + "); get it again");
+        throw FileRequestError(ename::FileChanged, evalue);
     }
     // A download resumed past the start hashes the bytes it skipped, once.
     while (d.hashed < offset) {

@@ -229,8 +229,12 @@ def test_gigabyte_of_stdout_in_kernel_mode_is_cut_at_the_cap(fresh):
     assert len(text) - len(marker) == 1 << 20, len(text)
     budget = reply["metadata"]["cellblock"]
     # stderr's "flood done\n" shares the execution's budget: it is dropped too.
-    dropped = (1 << 30) + len("flood done\n") - (1 << 20)
-    assert budget["output_truncated"] and budget["output_dropped_bytes"] == dropped, budget
+    # The server counts what reaches it: when it is slower than the flood (under
+    # ASan), the kernel's iopub PUB socket drops messages at its high-water mark
+    # before the server sees them, so the count may be lower, never higher.
+    produced = (1 << 30) + len("flood done\n") - (1 << 20)
+    assert budget["output_truncated"], budget
+    assert 0 < budget["output_dropped_bytes"] <= produced, (budget, produced)
     with open(f"/proc/{cellblock_pid(km)}/status") as f:
         hwm_kb = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
     assert hwm_kb < 1 << 20, f"the server's peak RSS was {hwm_kb} kB relaying the flood"
