@@ -235,7 +235,14 @@ def test_gigabyte_of_stdout_in_kernel_mode_is_cut_at_the_cap(fresh):
     produced = (1 << 30) + len("flood done\n") - (1 << 20)
     assert budget["output_truncated"], budget
     assert 0 < budget["output_dropped_bytes"] <= produced, (budget, produced)
-    with open(f"/proc/{cellblock_pid(km)}/status") as f:
+    server = cellblock_pid(km)
+    with open(f"/proc/{server}/status") as f:
         hwm_kb = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
-    assert hwm_kb < 1 << 20, f"the server's peak RSS was {hwm_kb} kB relaying the flood"
+    # Under ASan the allocator keeps freed blocks in quarantine (256 MB by
+    # default) and a shadow of the heap, so the bound is looser there; the
+    # plain build's pass holds the tight one.
+    with open(f"/proc/{server}/maps") as f:
+        sanitized = "libasan" in f.read()
+    bound_kb = (1 << 20) + ((512 << 10) if sanitized else 0)
+    assert hwm_kb < bound_kb, f"the server's peak RSS was {hwm_kb} kB relaying the flood"
     assert run_ok(kc, cell("result = 6 * 7")) == 42
