@@ -77,6 +77,16 @@ def error_of(reply):
     return c["ename"], c["evalue"]
 
 
+def assert_exits_1_and_restarts(km, kc):
+    """A policy kill exits 1, as a memory kill does, so jupyter_client's
+    restarter starts a new kernel; a restarted one answers."""
+    assert exit_code(km, timeout=30) == 1
+    km.restart_kernel(now=True)
+    kc.wait_for_ready(timeout=60)
+    reply, iopub = execute(kc, "print(6 * 7)")
+    assert reply["content"]["status"] == "ok" and stream_text(iopub) == "42\n"
+
+
 def test_kernelspec_limits_reach_the_kernel_cap_and_metadata(governed_kernel):
     spec, km, kc = governed_kernel("max_executions=2", "exec_timeout_s=40")
     argv = spec["argv"]
@@ -151,12 +161,7 @@ def test_execution_timeout_kills_code_that_ignores_sigint_and_the_frontend_resta
     assert "timeout of 2 s" in evalue and "killed" in evalue, evalue
     assert [m["content"]["ename"] for m in iopub if m["msg_type"] == "error"] == ["ExecutionTimeout"]
     assert took >= 2, took
-    # Exit 1, as for a memory kill: jupyter_client's restarter starts a new kernel.
-    assert exit_code(km, timeout=30) == 1
-    km.restart_kernel(now=True)
-    kc.wait_for_ready(timeout=60)
-    reply, iopub = execute(kc, "print(6 * 7)")
-    assert reply["content"]["status"] == "ok" and stream_text(iopub) == "42\n"
+    assert_exits_1_and_restarts(km, kc)
 
 
 def test_idle_timeout_ends_the_kernel(governed_kernel):
@@ -198,11 +203,7 @@ def test_ignored_interrupt_is_escalated_to_a_kill_and_the_frontend_restarts(gove
     assert "within 2 s" in evalue and "interrupt_request" in evalue, evalue
     assert [m["content"]["ename"] for m in iopub if m["msg_type"] == "error"] == ["InterruptIgnored"]
     assert took >= 1.9, f"killed {took:.1f} s after the interrupt, before its 2 s grace"
-    assert exit_code(km, timeout=30) == 1
-    km.restart_kernel(now=True)
-    kc.wait_for_ready(timeout=60)
-    reply, iopub = execute(kc, "print('back')")
-    assert reply["content"]["status"] == "ok" and stream_text(iopub) == "back\n"
+    assert_exits_1_and_restarts(km, kc)
 
 
 def test_an_honoured_interrupt_is_not_escalated(governed_kernel):
