@@ -266,17 +266,30 @@ class BareKernels:
         env.update(IPYTHONDIR=os.path.join(self.tmp, "ipython"),
                    PYDEVD_DISABLE_FILE_VALIDATION="1", PYTHONDONTWRITEBYTECODE="1",
                    MPLBACKEND="module://matplotlib_inline.backend_inline")
-        new = []
-        for _ in range(n):
+        def launch():
             km = KernelManager(kernel_name="python3")
             km.start_kernel(env=env, cwd=self.tmp)
-            self.managers.append(km)
-            new.append(km)
+            return km
+
+        new = [launch() for _ in range(n)]
         started = []
         deadline = time.monotonic() + timeout
         for km in new:
-            ch = KernelChannels(self.ctx, km.get_connection_info(session=False))
-            wait_ready(ch, deadline)
+            # jupyter_client picks free ports before the kernel binds them; on
+            # a host where other servers bind ports meanwhile, a kernel can
+            # lose that race and exit ("Address already in use"): start it again.
+            for attempt in range(4):
+                ch = KernelChannels(self.ctx, km.get_connection_info(session=False))
+                try:
+                    wait_ready(ch, deadline, alive=km.is_alive)
+                    break
+                except BenchError:
+                    ch.close()
+                    if km.is_alive() or attempt == 3:
+                        raise
+                    km.cleanup_resources()
+                    km = launch()
+            self.managers.append(km)
             started.append(ch)
         self.channels += started
         return started, time.perf_counter() - t0
@@ -298,12 +311,14 @@ class BareKernels:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def wait_ready(channels, deadline):
+def wait_ready(channels, deadline, alive=None):
     """Executes a no-op until a reply and its idle arrive (shell up, iopub subscribed)."""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise BenchError("kernel not ready in time")
+        if alive is not None and not alive():
+            raise BenchError("kernel exited before it answered")
         try:
             channels.execute("pass", timeout=min(2.0, left))
             return
