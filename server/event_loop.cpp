@@ -1,104 +1,157 @@
 #include "event_loop.hpp"
 
+#include <sys/epoll.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace cellblock {
 
+namespace {
+
+thread_local EventLoop* thread_loop = nullptr;
+
+void epoll_add(int epoll, int fd, EventLoop::WatchId id) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.u64 = id;
+    if (::epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        throw std::runtime_error(std::string("event loop: epoll_ctl ADD: ") + std::strerror(errno));
+    }
+}
+
+}  // namespace
+
+EventLoop::EventLoop() : epoll_(::epoll_create1(EPOLL_CLOEXEC)) {
+    if (!epoll_) {
+        throw std::runtime_error(std::string("event loop: epoll_create1: ") + std::strerror(errno));
+    }
+    if (!thread_loop) thread_loop = this;
+}
+
+EventLoop::~EventLoop() {
+    if (thread_loop == this) thread_loop = nullptr;
+}
+
+void EventLoop::note_touched(void* socket_handle) {
+    if (thread_loop) thread_loop->touched_.push_back(socket_handle);
+}
+
 EventLoop::WatchId EventLoop::watch(zmq::socket_t& socket, Handler on_readable) {
     const WatchId id = next_id_++;
-    watches_.push_back({id, socket.handle(), -1, std::move(on_readable)});
-    items_stale_ = true;
+    const int fd = socket.get(zmq::sockopt::fd);
+    epoll_add(epoll_.get(), fd, id);
+    watches_.emplace(id, Watch{socket.handle(), fd, std::move(on_readable)});
+    by_socket_[socket.handle()] = id;
+    // Messages may be waiting already (a probe's sockets, handed over).
+    ready_.push_back(id);
     return id;
 }
 
 EventLoop::WatchId EventLoop::watch_fd(int fd, Handler on_ready) {
     const WatchId id = next_id_++;
-    watches_.push_back({id, nullptr, fd, std::move(on_ready)});
-    items_stale_ = true;
+    epoll_add(epoll_.get(), fd, id);
+    watches_.emplace(id, Watch{nullptr, fd, std::move(on_ready)});
     return id;
 }
 
 void EventLoop::unwatch(WatchId id) {
-    for (auto& w : watches_) {
-        if (w.id == id) {
-            w.removed = true;
-            items_stale_ = true;
-        }
-    }
-    if (!in_turn_) compact();
+    auto it = watches_.find(id);
+    if (it == watches_.end()) return;
+    // The descriptor is still open: callers unwatch before they close.
+    ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, it->second.fd, nullptr);
+    if (it->second.socket) by_socket_.erase(it->second.socket);
+    watches_.erase(it);
 }
 
 EventLoop::WatchId EventLoop::add_deadline(std::function<std::optional<Clock::time_point>()> next,
                                            std::function<void(Clock::time_point)> on_time) {
     const WatchId id = next_id_++;
-    deadlines_.push_back({id, std::move(next), std::move(on_time)});
+    deadlines_.emplace(id, Deadline{std::move(next), std::move(on_time)});
     return id;
 }
 
-void EventLoop::remove_deadline(WatchId id) {
-    for (auto& d : deadlines_) {
-        if (d.id == id) d.removed = true;
+void EventLoop::remove_deadline(WatchId id) { deadlines_.erase(id); }
+
+bool EventLoop::socket_readable(void* socket) const {
+    int events = 0;
+    std::size_t size = sizeof events;
+    if (zmq_getsockopt(socket, ZMQ_EVENTS, &events, &size) != 0) return false;
+    return (events & ZMQ_POLLIN) != 0;
+}
+
+void EventLoop::recheck_touched() {
+    std::vector<void*> touched;
+    touched.swap(touched_);
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    for (void* socket : touched) {
+        auto it = by_socket_.find(socket);
+        if (it != by_socket_.end() && socket_readable(socket)) ready_.push_back(it->second);
     }
-    if (!in_turn_) compact();
 }
 
-std::size_t EventLoop::watched() const {
-    return static_cast<std::size_t>(
-        std::count_if(watches_.begin(), watches_.end(), [](const Watch& w) { return !w.removed; }));
-}
-
-void EventLoop::compact() {
-    std::erase_if(watches_, [](const Watch& w) { return w.removed; });
-    std::erase_if(deadlines_, [](const Deadline& d) { return d.removed; });
+void EventLoop::run_deadlines() {
+    const auto now = Clock::now();
+    // A deadline may add or remove deadlines: walk ids, not iterators.
+    std::vector<WatchId> due;
+    for (const auto& [id, d] : deadlines_) {
+        if (auto t = d.next(); t && *t <= now) due.push_back(id);
+    }
+    for (WatchId id : due) {
+        auto it = deadlines_.find(id);
+        if (it == deadlines_.end()) continue;
+        const auto on_time = it->second.on_time;  // it may remove itself
+        on_time(now);
+    }
 }
 
 void EventLoop::run_once(std::optional<std::chrono::milliseconds> max_wait) {
-    if (items_stale_) {
-        items_.clear();
-        items_.reserve(watches_.size());
-        for (const auto& w : watches_) {
-            items_.push_back({w.socket, w.socket ? 0 : w.fd, ZMQ_POLLIN, 0});
-        }
-        items_stale_ = false;
-    }
-    std::optional<Clock::time_point> next;
-    for (const auto& d : deadlines_) {
-        if (auto t = d.next(); t && (!next || *t < *next)) next = t;
-    }
+    recheck_touched();
     long timeout_ms = max_wait ? static_cast<long>(max_wait->count()) : -1;
-    if (next) {
-        // +1: poll's millisecond rounds down, and waking a moment early
-        // would spin a turn for nothing.
-        const long until = std::max<long>(
-            0, std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now()).count() +
-                   1);
-        timeout_ms = timeout_ms < 0 ? until : std::min(timeout_ms, until);
-    }
-    for (auto& item : items_) item.revents = 0;
-    zmq::poll(items_.data(), items_.size(), std::chrono::milliseconds(timeout_ms));
-
-    in_turn_ = true;
-    // Handlers may watch (appended, seen next turn) or unwatch (skipped from
-    // here on): index by the items built for this turn.
-    const std::size_t count = items_.size();
-    for (std::size_t i = 0; i < count; ++i) {
-        const short mask = watches_[i].socket ? ZMQ_POLLIN : (ZMQ_POLLIN | ZMQ_POLLERR);
-        if (!(items_[i].revents & mask) || watches_[i].removed) continue;
-        // Copy: the handler may add watches, which can move watches_.
-        const Handler handler = watches_[i].handler;
-        handler();
-    }
-    const auto now = Clock::now();
-    for (std::size_t i = 0; i < deadlines_.size(); ++i) {
-        if (deadlines_[i].removed) continue;
-        const auto t = deadlines_[i].next();
-        if (t && *t <= now) {
-            const auto on_time = deadlines_[i].on_time;
-            on_time(now);
+    if (!ready_.empty()) {
+        timeout_ms = 0;
+    } else {
+        std::optional<Clock::time_point> next;
+        for (const auto& [id, d] : deadlines_) {
+            if (auto t = d.next(); t && (!next || *t < *next)) next = t;
+        }
+        if (next) {
+            // +1: the wait's millisecond rounds down, and waking a moment
+            // early would spin a turn for nothing.
+            const long until = std::max<long>(
+                0, std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now())
+                           .count() +
+                       1);
+            timeout_ms = timeout_ms < 0 ? until : std::min(timeout_ms, until);
         }
     }
-    in_turn_ = false;
-    compact();
+    constexpr int kMaxEvents = 256;
+    epoll_event events[kMaxEvents];
+    int n = ::epoll_wait(epoll_.get(), events, kMaxEvents, static_cast<int>(timeout_ms));
+    if (n < 0) n = 0;  // EINTR: a turn with nothing ready
+    std::vector<WatchId> candidates;
+    candidates.swap(ready_);
+    for (int i = 0; i < n; ++i) candidates.push_back(events[i].data.u64);
+    std::sort(candidates.begin(), candidates.end());
+    candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+
+    for (WatchId id : candidates) {
+        auto it = watches_.find(id);
+        if (it == watches_.end()) continue;  // unwatched earlier in this turn
+        if (it->second.socket && !socket_readable(it->second.socket)) continue;
+        // Copy: the handler may unwatch itself or add watches.
+        const Handler handler = it->second.handler;
+        handler();
+        // Receiving consumed the socket's signal: read its readiness again.
+        if (auto again = watches_.find(id); again != watches_.end() && again->second.socket) {
+            touched_.push_back(again->second.socket);
+        }
+    }
+    run_deadlines();
 }
 
 void EventLoop::run() {

@@ -1,10 +1,13 @@
 #include "multipart.hpp"
 
+#include "event_loop.hpp"
+
 #include <cstdio>
 
 namespace cellblock {
 
 bool recv_multipart(zmq::socket_t& socket, Multipart& out, std::size_t max_frames) {
+    EventLoop::note_touched(socket.handle());
     out.frames.clear();
     out.dropped_frames = 0;
     out.total_bytes = 0;
@@ -28,6 +31,7 @@ bool recv_multipart(zmq::socket_t& socket, Multipart& out, std::size_t max_frame
 }
 
 bool send_multipart(zmq::socket_t& socket, std::vector<zmq::message_t>& frames) {
+    EventLoop::note_touched(socket.handle());
     for (std::size_t i = 0; i < frames.size(); ++i) {
         auto flags = zmq::send_flags::dontwait;
         if (i + 1 < frames.size()) flags = flags | zmq::send_flags::sndmore;

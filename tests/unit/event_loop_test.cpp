@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "cellblock/unique_fd.hpp"
+#include "multipart.hpp"
 
 namespace cellblock {
 namespace {
@@ -98,6 +101,59 @@ TEST(EventLoop, ANotYetDueDeadlineDoesNotRun) {
                       [&](EventLoop::Clock::time_point) { ran = true; });
     loop.run_once(std::chrono::milliseconds(0));
     EXPECT_FALSE(ran);
+}
+
+// A send processes the socket's pending commands and can consume the ZMQ_FD
+// signal of a message that arrived meanwhile; the loop must still see it.
+TEST(EventLoop, AMessageWhoseSignalASendConsumedIsStillHandled) {
+    zmq::context_t ctx;
+    zmq::socket_t router(ctx, zmq::socket_type::router), dealer(ctx, zmq::socket_type::dealer);
+    router.bind("inproc://touched");
+    dealer.set(zmq::sockopt::routing_id, "d");
+    dealer.connect("inproc://touched");
+    EventLoop loop;
+    int received = 0;
+    loop.watch(dealer, [&] {
+        Multipart in;
+        if (recv_multipart(dealer, in, 8)) ++received;
+    });
+    loop.run_once(std::chrono::milliseconds(0));  // the watch's first look
+    // The dealer says hello so the router knows its identity.
+    std::vector<zmq::message_t> hello;
+    hello.push_back(to_frame("hello"));
+    ASSERT_TRUE(send_multipart(dealer, hello));
+    Multipart at_router;
+    for (int i = 0; i < 100 && !recv_multipart(router, at_router, 8); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(at_router.frames.size(), 2u);
+    std::vector<zmq::message_t> reply;
+    reply.push_back(to_frame("d"));
+    reply.push_back(to_frame("answer"));
+    ASSERT_TRUE(send_multipart(router, reply));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // Reading the dealer's events consumes its signal, as a send on it can.
+    (void)dealer.get(zmq::sockopt::events);
+    std::vector<zmq::message_t> more;
+    more.push_back(to_frame("more"));
+    ASSERT_TRUE(send_multipart(dealer, more));
+    loop.run_once(std::chrono::milliseconds(200));
+    EXPECT_EQ(received, 1);
+}
+
+TEST(EventLoop, ASocketWithSeveralMessagesIsHandledUntilDrained) {
+    zmq::context_t ctx;
+    Pair pair(ctx, "drain");
+    EventLoop loop;
+    int received = 0;
+    loop.watch(pair.b, [&] {
+        zmq::message_t m;
+        if (pair.b.recv(m, zmq::recv_flags::dontwait)) ++received;  // one per call
+    });
+    for (int i = 0; i < 5; ++i) pair.a.send(zmq::str_buffer("x"), zmq::send_flags::none);
+    for (int turn = 0; turn < 20 && received < 5; ++turn)
+        loop.run_once(std::chrono::milliseconds(100));
+    EXPECT_EQ(received, 5);
 }
 
 }  // namespace
