@@ -17,6 +17,7 @@
 #include "cellblock/unique_fd.hpp"
 #include "inner_channels.hpp"
 #include "manager_paths.hpp"
+#include "relay_priority.hpp"
 #include "session_proxy.hpp"
 
 #ifndef CELLBLOCK_SOURCE_DIR
@@ -74,6 +75,7 @@ ServerPaths ServerPaths::defaults() {
 
 int run_kernel_mode(const KernelModeOptions& options) {
     const UniqueFd signal_fd = block_server_signals();
+    give_relay_priority(options.relay_nice);
     const ConnectionInfo outer = ConnectionInfo::read(options.connection_file);
 
     Image image;

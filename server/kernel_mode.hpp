@@ -31,6 +31,8 @@ struct KernelModeOptions {
     // the server defaults, as a session request's limits are in `serve`.
     nlohmann::json limits = nlohmann::json::object();
     ServerPaths paths;
+    // The nice value of the relay's loop and I/O threads (relay_priority.hpp).
+    int relay_nice = -10;
 };
 
 // Returns the process exit code: 0 after a requested shutdown, a signal, or

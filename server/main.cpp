@@ -124,6 +124,10 @@ int main(int argc, char** argv) {
         ->required();
     kernel_cmd->add_option("--image", kernel.image, "image name")->capture_default_str();
     kernel_cmd->add_option("--runtime", kernel.runtime, "OCI runtime: runc, crun or runsc");
+    kernel_cmd
+        ->add_option("--relay-nice", kernel.relay_nice,
+                     "nice value of the relay's threads, above the sandbox's (0: leave it)")
+        ->capture_default_str();
     kernel_cmd->add_option("--image-store", kernel.paths.image_store,
                            "built images (default /var/lib/cellblock/images)");
     kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")
@@ -184,6 +188,11 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     serve_cmd->add_option("--libexec-dir", serve.paths.libexec_dir,
                           "directory of cellblock-shim and the kernel launcher");
+    serve_cmd
+        ->add_option("--relay-nice", serve.relay_nice,
+                     "nice value of the server's loop and I/O threads, above the sandboxes' (0: "
+                     "leave it)")
+        ->capture_default_str();
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
                         "keep only a SHA-256 of each execution's code");
     serve_cmd

@@ -17,6 +17,8 @@
 #include <spdlog/spdlog.h>
 #include <zmq.hpp>
 
+#include "relay_priority.hpp"
+
 #include "cellblock/connection_info.hpp"
 #include "cellblock/cpu_fairness.hpp"
 #include "cellblock/error_names.hpp"
@@ -1208,6 +1210,7 @@ int run_server(const ServeOptions& options) {
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     ::signal(SIGPIPE, SIG_IGN);
+    give_relay_priority(options.relay_nice);
     Server server(options);
     return server.run();
 }

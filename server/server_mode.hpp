@@ -18,6 +18,8 @@ struct ServeOptions {
     std::map<std::string, int> pool;  // image -> warm sandboxes to keep
     int pool_workers = 2;
     bool audit_code_hash_only = false;
+    // The nice value of the server's loop and I/O threads (relay_priority.hpp).
+    int relay_nice = -10;
     ServerPolicy policy;
 };
 

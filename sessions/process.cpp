@@ -1,6 +1,7 @@
 #include "process.hpp"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -27,6 +28,10 @@ ProcessResult run_process(const std::vector<std::string>& argv, int pass_fd, int
     if (pid < 0) throw std::runtime_error(std::string("run_process: fork: ") + strerror(errno));
     if (pid == 0) {
         // Only async-signal-safe calls from here on.
+        // The relay's priority (a negative nice, server/relay_priority.hpp)
+        // is not the sandbox's: a child starts at nice 0 or above.
+        errno = 0;
+        if (getpriority(PRIO_PROCESS, 0) < 0 && errno == 0) setpriority(PRIO_PROCESS, 0, 0);
         const int devnull = open("/dev/null", O_RDONLY);
         dup2(devnull, STDIN_FILENO);
         const int out = stdio_fd >= 0 ? stdio_fd : out_pipe[1];

@@ -84,7 +84,14 @@ SandboxPool::SandboxPool(RuntimeSettings settings, ReadinessProbe probe,
         std::lock_guard lock(mutex_);
         schedule_refills_locked();
     }
-    for (int i = 0; i < std::max(1, workers); ++i) workers_.emplace_back([this] { work(); });
+    for (int i = 0; i < std::max(1, workers); ++i) {
+        workers_.emplace_back([this] {
+            // Not the relay's priority (server/relay_priority.hpp): a worker
+            // starts at nice 0 and sets its own per job.
+            ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 0);
+            work();
+        });
+    }
 }
 
 SandboxPool::~SandboxPool() {
