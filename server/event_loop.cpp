@@ -95,15 +95,18 @@ void EventLoop::recheck_touched() {
 }
 
 void EventLoop::run_deadlines() {
-    const auto now = Clock::now();
     // A deadline may add or remove deadlines: walk ids, not iterators.
-    std::vector<WatchId> due;
-    for (const auto& [id, d] : deadlines_) {
-        if (auto t = d.next(); t && *t <= now) due.push_back(id);
-    }
-    for (WatchId id : due) {
+    std::vector<WatchId> ids;
+    ids.reserve(deadlines_.size());
+    for (const auto& [id, d] : deadlines_) ids.push_back(id);
+    for (WatchId id : ids) {
         auto it = deadlines_.find(id);
         if (it == deadlines_.end()) continue;
+        const auto t = it->second.next();
+        // The clock is read after next(): a source may answer "now" from its
+        // own reading, which must count as due.
+        const auto now = Clock::now();
+        if (!t || *t > now) continue;
         const auto on_time = it->second.on_time;  // it may remove itself
         on_time(now);
     }

@@ -156,5 +156,15 @@ TEST(EventLoop, ASocketWithSeveralMessagesIsHandledUntilDrained) {
     EXPECT_EQ(received, 5);
 }
 
+// A source that answers with its own reading of the clock ("due now") is due.
+TEST(EventLoop, ADeadlineThatSaysNowFromItsOwnClockRuns) {
+    EventLoop loop;
+    bool ran = false;
+    loop.add_deadline([] { return std::optional(EventLoop::Clock::now()); },
+                      [&](EventLoop::Clock::time_point) { ran = true; });
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_TRUE(ran);
+}
+
 }  // namespace
 }  // namespace cellblock
