@@ -1,0 +1,658 @@
+#include "session_core.hpp"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace cellblock {
+using nlohmann::json;
+
+namespace {
+
+std::string json_string(const json& j, const char* key) {
+    auto it = j.find(key);
+    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+    return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+std::string reply_type_for(const std::string& request_type) {
+    return request_type.substr(0, request_type.size() - std::string_view("_request").size()) +
+           "_reply";
+}
+
+// An error reply's content. A kernel_info_reply also carries the fields
+// clients read unconditionally (jupyter_client's wait_for_ready does).
+json error_content(const std::string& request_type, const std::string& ename,
+                   const std::string& evalue) {
+    json content = {{"status", "error"},
+                    {"ename", ename},
+                    {"evalue", evalue},
+                    {"traceback", json::array({ename + ": " + evalue})}};
+    if (request_type == "kernel_info_request") {
+        content["protocol_version"] = std::string(kProtocolVersion);
+        content["implementation"] = "cellblock";
+        content["implementation_version"] = "0.1.0";
+        content["language_info"] = {{"name", "python"}};
+        content["banner"] = "cellblock: " + evalue;
+    }
+    return content;
+}
+
+// 5, 0.5, 2.25: as a person writes seconds.
+std::string format_seconds(double s) {
+    std::string text = fmt::format("{:.3f}", s);
+    text.erase(text.find_last_not_of('0') + 1);
+    if (text.back() == '.') text.pop_back();
+    return text;
+}
+
+Clock::duration seconds(double s) {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+// What the relay does with a kernel's iopub message, by msg_type.
+enum class IopubKind {
+    status,       // busy/idle: idle releases the held reply
+    stream,       // text, cut to the output budget with a marker
+    rich,         // display data: replaced by a notice past max_message_bytes
+    bookkeeping,  // execute_input, clear_output: free passes outside executions
+    other,        // counted against the budget, forwarded as is
+};
+
+IopubKind iopub_kind(const std::string& msg_type) {
+    static const std::unordered_map<std::string_view, IopubKind> table = {
+        {"status", IopubKind::status},
+        {"stream", IopubKind::stream},
+        {"display_data", IopubKind::rich},
+        {"execute_result", IopubKind::rich},
+        {"update_display_data", IopubKind::rich},
+        {"execute_input", IopubKind::bookkeeping},
+        {"clear_output", IopubKind::bookkeeping},
+    };
+    auto it = table.find(msg_type);
+    return it == table.end() ? IopubKind::other : it->second;
+}
+
+std::string_view sender(const InboundMessage& msg) {
+    return msg.layout.delimiter > 0 ? msg.frame(0) : std::string_view();
+}
+
+}  // namespace
+
+SessionCore::SessionCore(CoreOptions options, SessionIo& io, Clock::time_point now)
+    : options_(std::move(options)), io_(io), idle_since_(now) {
+    if (options_.policy && options_.limits)
+        governor_.emplace(*options_.limits, *options_.policy, now);
+}
+
+void SessionCore::on_kernel_attached(Clock::time_point now,
+                                     const std::vector<std::string>& probe_ids) {
+    attached_ = true;
+    probe_ids_.insert(probe_ids.begin(), probe_ids.end());
+    cpu_ns_at_attach_ = io_.kernel_usage().cpu_ns;
+    if (governor_) governor_->on_client_request(now);
+}
+
+std::string SessionCore::state() const {
+    if (closed_) return "closed";
+    if (!attached_) return "starting";
+    return execution_ ? "busy" : "idle";
+}
+
+void SessionCore::notify_state(const char* state) {
+    if (options_.observer) options_.observer->on_state(options_.session_id, state);
+}
+
+void SessionCore::event(const std::string& kind, const std::string& detail) {
+    if (options_.observer) options_.observer->on_event(options_.session_id, kind, detail);
+}
+
+void SessionCore::remember_parent(const std::string& msg_id) {
+    if (recent_.insert(msg_id).second) {
+        recent_order_.push_back(msg_id);
+        if (recent_order_.size() > options_.recent_parents) {
+            recent_.erase(recent_order_.front());
+            free_passes_.erase(recent_order_.front());
+            recent_order_.pop_front();
+        }
+    }
+}
+
+bool SessionCore::known_parent(const std::string& msg_id) const {
+    return !msg_id.empty() && recent_.count(msg_id) > 0;
+}
+
+// --- the client's side ---
+
+void SessionCore::on_client_request(Clock::time_point now, Channel channel, InboundMessage msg) {
+    if (!ends_with(msg.msg_type, "_request")) {
+        io_.rejected(channel_name(channel), sender(msg), "'" + msg.msg_type + "' is not a request");
+        return;
+    }
+    dispatch_request(now, channel, std::move(msg));
+}
+
+void SessionCore::dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg) {
+    PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
+    if (closed_ || !attached_) {
+        refuse(request, "SessionClosed",
+               closed_ ? "this session is closed: " + close_reason_ : "this session is starting");
+        return;
+    }
+    if (governor_) governor_->on_client_request(now);
+    static const std::unordered_map<std::string_view, RequestHandler> handlers = {
+        {"interrupt_request", &SessionCore::on_interrupt_request},
+        {"execute_request", &SessionCore::on_execute_request},
+        {"shutdown_request", &SessionCore::on_shutdown_request},
+    };
+    if (auto h = handlers.find(msg.msg_type); h != handlers.end()) {
+        if (!(this->*(h->second))(now, channel, msg, request)) return;
+    }
+    if (pending_.size() >= options_.max_pending) {
+        refuse(
+            request, "SessionBusy",
+            std::to_string(options_.max_pending) + " requests are waiting for the kernel already");
+        return;
+    }
+    if (msg.msg_type == "shutdown_request") {
+        shutdown_deadline_ = now + options_.shutdown_grace;
+        shutdown_request_ = request;
+    }
+    remember_parent(msg.msg_id);
+    pending_[msg.msg_id] = std::move(request);
+    if (!io_.forward_to_kernel(channel, msg)) {
+        io_.log(std::string(channel_name(channel)) + ": kernel queue full; request " + msg.msg_id +
+                " dropped");
+    }
+}
+
+bool SessionCore::on_interrupt_request(Clock::time_point now, Channel channel, InboundMessage&,
+                                       PendingRequest& request) {
+    if (channel != Channel::control) return true;  // on shell, the kernel's to answer
+    publish_status(request.header, "busy");
+    io_.interrupt_kernel();
+    // Code that ignores SIGINT must not keep the sandbox: on_tick escalates.
+    if (governor_ && execution_) {
+        governor_->on_interrupt(now);
+        event("interrupted", "interrupt_request from a client");
+    }
+    reply(request, "interrupt_reply", {{"status", "ok"}});
+    publish_status(request.header, "idle");
+    return false;
+}
+
+bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, InboundMessage& msg,
+                                     PendingRequest& request) {
+    if (!governor_) return true;
+    if (execution_) {
+        // The kernel runs one execution at a time anyway; queueing here keeps
+        // the policy's clock per execution.
+        if (queue_.size() >= options_.max_queued) {
+            refuse(request, "SessionBusy",
+                   "more than " + std::to_string(options_.max_queued) + " executions are queued");
+            return false;
+        }
+        queue_.push_back({channel, std::move(msg)});
+        return false;
+    }
+    std::optional<double> timeout;
+    if (auto cb = msg.metadata.find("cellblock"); cb != msg.metadata.end() && cb->is_object()) {
+        if (auto t = cb->find("timeout_s"); t != cb->end()) {
+            if (!t->is_number()) {
+                refuse(request, "InvalidLimits", "metadata.cellblock.timeout_s must be a number");
+                return false;
+            }
+            timeout = t->get<double>();
+        }
+    }
+    const auto decision = governor_->on_execute_request(now, timeout);
+    if (!decision.forward) {
+        refuse(request, decision.ename, decision.evalue);
+        // Refused executions use no count; the audit keeps them as events.
+        event("refused", msg.msg_id + " " + decision.ename + ": " + decision.evalue);
+        return false;
+    }
+    Execution e;
+    e.msg_id = msg.msg_id;
+    e.code = json_string(msg.content, "code");
+    e.count = governor_->executions();
+    e.started = now;
+    e.cpu_ns_at_start = io_.kernel_usage().cpu_ns;
+    e.deadline = decision.deadline;
+    e.timeout_s = std::chrono::duration<double>(decision.deadline - now).count();
+    execution_ = std::move(e);
+    background_bytes_ = 0;
+    background_marker_sent_ = false;
+    notify_state("busy");
+    return true;
+}
+
+bool SessionCore::on_shutdown_request(Clock::time_point, Channel, InboundMessage&,
+                                      PendingRequest&) {
+    return true;  // forwarded; dispatch_request starts the grace once it is open
+}
+
+void SessionCore::drain_queue(Clock::time_point now, bool previous_failed) {
+    while (!queue_.empty() && !execution_ && !closed_) {
+        QueuedRequest next = std::move(queue_.front());
+        queue_.pop_front();
+        const json& content = next.message.content;
+        const bool stop_on_error =
+            !content.contains("stop_on_error") || content["stop_on_error"] != false;
+        if (previous_failed && stop_on_error) {
+            // As the kernel does with requests queued behind an error.
+            PendingRequest request{next.channel, next.message.identities(), "execute_request",
+                                   next.message.header};
+            publish_status(request.header, "busy");
+            reply(request, "execute_reply",
+                  {{"status", "aborted"},
+                   {"execution_count", governor_ ? governor_->executions() : 0}});
+            publish_status(request.header, "idle");
+            continue;
+        }
+        dispatch_request(now, next.channel, std::move(next.message));
+    }
+}
+
+void SessionCore::on_client_input(Clock::time_point, InboundMessage msg) {
+    if (!kernel_live()) return;
+    io_.forward_to_kernel(Channel::stdin_, msg);
+}
+
+// --- the kernel's side ---
+
+void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, InboundMessage msg) {
+    if (!kernel_live()) return;
+    const std::string where = std::string("kernel ") + channel_name(channel);
+    auto it = pending_.find(msg.parent_id);
+    if (it == pending_.end() || it->second.channel != channel) {
+        io_.rejected(where, "", "reply to a request that is not open: '" + msg.parent_id + "'");
+        return;
+    }
+    if (msg.msg_type != reply_type_for(it->second.msg_type)) {
+        io_.rejected(where, "", "'" + msg.msg_type + "' does not answer " + it->second.msg_type);
+        return;
+    }
+    PendingRequest request = std::move(it->second);
+    pending_.erase(it);
+
+    if (execution_ && execution_->msg_id == msg.parent_id && governor_) {
+        held_reply_ =
+            HeldReply{std::move(request), std::move(msg), now + options_.reply_hold_limit};
+        if (execution_->idle_seen) release_held_reply(now);
+        return;
+    }
+    io_.forward_to_client(channel, &request.identities, msg, nullptr, nullptr);
+    if (request.msg_type == "shutdown_request") {
+        shutdown_request_.reset();
+        close(now, "shutdown requested by the client");
+    }
+}
+
+void SessionCore::release_held_reply(Clock::time_point now) {
+    if (!held_reply_) return;
+    HeldReply held = std::move(*held_reply_);
+    held_reply_.reset();
+    InboundMessage& msg = held.message;
+    // The budget an agent needs rides on the reply: metadata.cellblock.
+    auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
+    const auto content = msg.parsed_content(options_.max_json_depth);
+    json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+    const SandboxUsage usage = attached_ ? io_.kernel_usage() : SandboxUsage{};
+    const std::uint64_t cpu_ms =
+        (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
+    md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
+    memory_peak_bytes_ = std::max(memory_peak_bytes_, usage.memory_peak_bytes);
+    cpu_ms_total_ += cpu_ms;
+    const std::string new_metadata = md.dump();
+    const std::string status = content ? json_string(*content, "status") : "";
+    const std::string ename = content ? json_string(*content, "ename") : "";
+    io_.forward_to_client(held.request.channel, &held.request.identities, msg, &new_metadata,
+                          nullptr);
+    if (options_.observer) {
+        ExecutionRecord record = execution_record(now, status.empty() ? "unknown" : status, ename);
+        record.cpu_ms = cpu_ms;
+        record.memory_peak_bytes = usage.memory_peak_bytes;
+        options_.observer->on_execution(record);
+    }
+    last_execution_id_ = execution_->msg_id;
+    execution_.reset();
+    idle_since_ = now;
+    notify_state("idle");
+    drain_queue(now, status == "error");
+}
+
+void SessionCore::on_kernel_iopub(Clock::time_point now, InboundMessage msg) {
+    if (!kernel_live()) return;
+    // The kernel's own "starting" status, and the readiness probe's late
+    // statuses: no client asked for them.
+    if (msg.parent_id.empty() || probe_ids_.count(msg.parent_id)) return;
+    if (!known_parent(msg.parent_id)) {
+        io_.rejected("kernel iopub", "",
+                     "parent is not a request of this session: '" + msg.parent_id + "'");
+        return;
+    }
+    if (!governor_) {
+        io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+        return;
+    }
+    const bool late_output_of_last = !execution_ && msg.parent_id == last_execution_id_;
+    if ((!execution_ || execution_->msg_id != msg.parent_id) && !late_output_of_last) {
+        shape_outside_execution(msg);
+    } else {
+        shape_execution_output(now, msg);
+    }
+}
+
+void SessionCore::shape_outside_execution(InboundMessage& msg) {
+    // Output no running execution accounts for: status and other bookkeeping
+    // pass, everything else shares one capped budget.
+    const IopubKind kind = iopub_kind(msg.msg_type);
+    if ((kind == IopubKind::status || kind == IopubKind::bookkeeping) &&
+        msg.total_bytes <= options_.free_pass_bytes &&
+        free_passes_[msg.parent_id] < options_.free_passes) {
+        ++free_passes_[msg.parent_id];
+        io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+        return;
+    }
+    const auto cap = static_cast<std::uint64_t>(governor_->limits().output_bytes);
+    if (background_bytes_ + msg.total_bytes <= cap) {
+        background_bytes_ += msg.total_bytes;
+        io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+        return;
+    }
+    if (background_marker_sent_) return;
+    background_marker_sent_ = true;
+    io_.log("background output past " + std::to_string(cap) +
+            " bytes; dropping until the next execution");
+    publish(
+        msg.parent, "stream",
+        {{"name", "stderr"},
+         {"text", "\n[cellblock: output outside a running execution passed " + std::to_string(cap) +
+                      " bytes; more is dropped until the next execution]\n"}});
+}
+
+void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& msg) {
+    if (execution_) execution_->output_bytes += msg.total_bytes;
+    switch (iopub_kind(msg.msg_type)) {
+        case IopubKind::status: {
+            const auto content = msg.parsed_content(8);
+            if (content && json_string(*content, "execution_state") == "idle") {
+                if (held_reply_) {
+                    release_held_reply(now);
+                } else if (execution_) {
+                    execution_->idle_seen = true;  // iopub outran shell: the reply goes on arrival
+                }
+            }
+            io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+            return;
+        }
+        case IopubKind::stream: {
+            auto content = msg.parsed_content(options_.max_json_depth);
+            if (!content || !(*content)["text"].is_string()) {
+                io_.rejected("kernel iopub", "", "stream without text");
+                return;
+            }
+            const std::string& text = (*content)["text"].get_ref<const std::string&>();
+            const auto decision = governor_->on_stream(text.size());
+            if (decision.keep >= text.size() && !decision.add_marker) {
+                io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+                return;
+            }
+            if (decision.keep == 0 && !decision.add_marker) return;  // dropped, marker sent
+            std::string kept = text.substr(0, utf8_safe_prefix(text, decision.keep));
+            if (decision.add_marker) kept += decision.marker;
+            (*content)["text"] = kept;
+            const std::string new_content = content->dump();
+            io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, &new_content);
+            return;
+        }
+        case IopubKind::rich: {
+            const auto limit = static_cast<std::size_t>(options_.policy->max_message_bytes);
+            if (msg.total_bytes <= limit) break;
+            json notice = {{"data",
+                            {{"text/plain", "[cellblock: a " + msg.msg_type + " message of " +
+                                                std::to_string(msg.total_bytes) +
+                                                " bytes was replaced: the limit is " +
+                                                std::to_string(limit) + " bytes]"}}},
+                           {"metadata", json::object()}};
+            if (msg.msg_type == "execute_result") {
+                notice["execution_count"] =
+                    execution_ ? execution_->count : governor_->executions();
+            }
+            const std::string new_content = notice.dump();
+            // Buffers go too: the notice replaces the whole message.
+            msg.frames.resize(msg.layout.first_buffer());
+            io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, &new_content);
+            return;
+        }
+        case IopubKind::bookkeeping:
+        case IopubKind::other:
+            break;
+    }
+    io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+}
+
+void SessionCore::on_kernel_input_request(Clock::time_point, InboundMessage msg) {
+    if (!kernel_live()) return;
+    auto it = pending_.find(msg.parent_id);
+    if (it == pending_.end() || it->second.msg_type != "execute_request") {
+        io_.rejected("kernel stdin", "", "input_request for a request that is not open");
+        return;
+    }
+    // The client's stdin socket shares the identity of its shell socket.
+    io_.forward_to_client(Channel::stdin_, &it->second.identities, msg, nullptr, nullptr);
+}
+
+void SessionCore::on_kernel_exit(Clock::time_point now) {
+    if (!kernel_live()) return;
+    // Replies it sent just before may still be in flight: drain them for a
+    // moment before answering what is left.
+    if (!shutdown_deadline_ || *shutdown_deadline_ > now + options_.kernel_exit_drain) {
+        shutdown_deadline_ = now + options_.kernel_exit_drain;
+    }
+    kernel_exited_ = true;
+}
+
+// --- time ---
+
+std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point now) const {
+    if (closed_) {
+        if (!options_.policy) return std::nullopt;
+        return closed_at_ + seconds(options_.policy->closed_channels_s);
+    }
+    std::optional<Clock::time_point> next = shutdown_deadline_;
+    auto consider = [&](Clock::time_point t) {
+        if (!next || t < *next) next = t;
+    };
+    if (held_reply_) consider(held_reply_->release_by);
+    if (execution_ && !held_reply_) {
+        consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
+        if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
+    }
+    if (governor_) consider(governor_->next_expiry_check(now));
+    return next;
+}
+
+bool SessionCore::expired(Clock::time_point now) const {
+    if (!closed_) return false;
+    if (!options_.policy) return true;
+    return now - closed_at_ >= seconds(options_.policy->closed_channels_s);
+}
+
+void SessionCore::on_tick(Clock::time_point now) {
+    if (closed_) return;
+    if (shutdown_deadline_ && now >= *shutdown_deadline_) {
+        shutdown_deadline_.reset();
+        if (shutdown_request_) {
+            // The kernel did not answer in time (or died): answer for it.
+            PendingRequest request = std::move(*shutdown_request_);
+            shutdown_request_.reset();
+            pending_.erase(json_string(request.header, "msg_id"));
+            reply(request, "shutdown_reply", {{"status", "ok"}, {"restart", false}});
+            close(now, "shutdown requested by the client");
+            return;
+        }
+        if (kernel_exited_) {
+            release_held_reply(now);
+            const KernelExit exit = io_.kernel_exit();
+            io_.log(exit.description);
+            const std::string ename = exit.oom ? "MemoryLimitExceeded" : "KernelDied";
+            if (execution_) finish_execution(now, "error", ename);
+            fail_pending(ename, exit.description);
+            close(now, (exit.oom ? "memory_limit: " : "kernel_died: ") + exit.description);
+            return;
+        }
+    }
+    if (held_reply_ && now >= held_reply_->release_by) release_held_reply(now);
+    if (execution_ && !held_reply_ && governor_->interrupt_ignored(now)) {
+        const std::string evalue =
+            "the execution did not stop within " +
+            format_seconds(governor_->limits().interrupt_grace_s) +
+            " s of the client's interrupt_request (interrupt_grace_s); the kernel was killed";
+        kill_for(now, "InterruptIgnored", evalue, "error", "interrupt_ignored");
+        return;
+    }
+    if (execution_ && !held_reply_) {
+        if (!execution_->kill_at && now >= execution_->deadline) {
+            io_.log(fmt::format("execution {} passed its {:.0f} s timeout; interrupting",
+                                execution_->count, execution_->timeout_s));
+            event("interrupted", "execution timeout");
+            io_.interrupt_kernel();
+            execution_->kill_at = now + seconds(options_.policy->kill_grace_s);
+        } else if (execution_->kill_at && now >= *execution_->kill_at) {
+            const std::string evalue =
+                "the execution ran past its timeout of " +
+                std::to_string(static_cast<int>(execution_->timeout_s)) +
+                " s and did not stop when interrupted; the session was killed";
+            kill_for(now, "ExecutionTimeout", evalue, "timeout", "exec_timeout");
+            return;
+        }
+    }
+    if (governor_) {
+        if (auto reason = governor_->expiry(now)) close(now, *reason);
+    }
+}
+
+// --- ending things ---
+
+void SessionCore::kill_for(Clock::time_point now, const std::string& ename,
+                           const std::string& evalue, const std::string& execution_status,
+                           const std::string& close_reason) {
+    io_.log(evalue);
+    event("killed", ename + ": " + evalue);
+    io_.kill_kernel();
+    finish_execution(now, execution_status, ename);
+    fail_pending(ename, evalue);
+    close(now, close_reason);
+}
+
+ExecutionRecord SessionCore::execution_record(Clock::time_point now, const std::string& status,
+                                              const std::string& ename) const {
+    ExecutionRecord record;
+    record.session_id = options_.session_id;
+    record.count = execution_->count;
+    record.msg_id = execution_->msg_id;
+    record.code = options_.audit_code_hash_only ? code_digest(execution_->code) : execution_->code;
+    record.status = status;
+    record.ename = ename;
+    record.started_at =
+        std::chrono::duration<double>(execution_->started.time_since_epoch()).count() +
+        options_.unix_minus_steady_s;
+    record.wall_ms = std::chrono::duration<double, std::milli>(now - execution_->started).count();
+    record.output_bytes = execution_->output_bytes;
+    record.truncated = governor_ && governor_->truncated();
+    return record;
+}
+
+void SessionCore::finish_execution(Clock::time_point now, const std::string& status,
+                                   const std::string& ename) {
+    if (!execution_) return;
+    if (options_.observer) {
+        ExecutionRecord record = execution_record(now, status, ename);
+        if (attached_) record.memory_peak_bytes = io_.kernel_usage().memory_peak_bytes;
+        options_.observer->on_execution(record);
+    }
+    execution_.reset();
+    idle_since_ = now;
+}
+
+void SessionCore::publish(const json& parent, const std::string& msg_type, json content) {
+    io_.send_to_client(Channel::iopub, {}, parent, msg_type, std::move(content));
+}
+
+void SessionCore::publish_status(const json& parent, const char* state) {
+    publish(parent, "status", {{"execution_state", state}});
+}
+
+void SessionCore::reply(const PendingRequest& request, const std::string& msg_type, json content) {
+    io_.send_to_client(request.channel, request.identities, request.header, msg_type,
+                       std::move(content));
+}
+
+void SessionCore::refuse(const PendingRequest& request, const std::string& ename,
+                         const std::string& evalue) {
+    json content = error_content(request.msg_type, ename, evalue);
+    publish_status(request.header, "busy");
+    if (request.msg_type == "execute_request") {
+        publish(request.header, "error",
+                {{"ename", ename}, {"evalue", evalue}, {"traceback", content["traceback"]}});
+        content["execution_count"] = governor_ ? governor_->executions() : 0;
+        content["user_expressions"] = json::object();
+        content["payload"] = json::array();
+        if (governor_) content["cellblock"] = {{"executions_left", governor_->executions_left()}};
+    }
+    reply(request, reply_type_for(request.msg_type), content);
+    publish_status(request.header, "idle");
+}
+
+void SessionCore::fail_pending(const std::string& ename, const std::string& evalue) {
+    auto pending = std::move(pending_);
+    pending_.clear();
+    for (auto& [msg_id, request] : pending) {
+        json content = error_content(request.msg_type, ename, evalue);
+        if (request.msg_type == "execute_request") {
+            publish(request.header, "error",
+                    {{"ename", ename}, {"evalue", evalue}, {"traceback", content["traceback"]}});
+            content["execution_count"] = nullptr;
+            content["user_expressions"] = json::object();
+            content["payload"] = json::array();
+        } else if (request.msg_type == "shutdown_request") {
+            content = {{"status", "ok"}, {"restart", false}};
+        }
+        reply(request, reply_type_for(request.msg_type), content);
+        publish_status(request.header, "idle");
+    }
+}
+
+void SessionCore::close(Clock::time_point now, const std::string& reason) {
+    if (closed_) return;
+    for (auto& queued : queue_) {
+        PendingRequest request{queued.channel, queued.message.identities(), "execute_request",
+                               queued.message.header};
+        refuse(request, "SessionClosed", "the session closed: " + reason);
+    }
+    queue_.clear();
+    close_reason_ = reason;
+    closed_ = true;
+    closed_at_ = now;
+    if (held_reply_ && attached_) release_held_reply(now);
+    held_reply_.reset();
+    if (execution_) finish_execution(now, "error", "SessionClosed");
+    if (!pending_.empty()) fail_pending("SessionClosed", "the session closed: " + reason);
+    if (attached_) {
+        // The registry keeps the session's figures: its sandbox's whole life
+        // since the hand-out, work between executions included.
+        const SandboxUsage last = io_.kernel_usage();
+        memory_peak_bytes_ = std::max(memory_peak_bytes_, last.memory_peak_bytes);
+        cpu_ms_total_ = std::max(
+            cpu_ms_total_, (last.cpu_ns - std::min(last.cpu_ns, cpu_ns_at_attach_)) / 1000000);
+    }
+    io_.release_kernel();
+    if (options_.observer) options_.observer->on_closed(options_.session_id, reason);
+}
+
+}  // namespace cellblock

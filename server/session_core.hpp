@@ -1,0 +1,250 @@
+// One session's relay rules, with no I/O: the pure core behind SessionProxy.
+//
+// The core takes events (a verified request from the client, a verified
+// message from the kernel, the kernel's exit, a tick of the clock) with the
+// time they happen, and acts through a SessionIo: send this to the client or
+// the kernel, interrupt, kill, release the kernel. It holds the ledger of
+// open requests, the execution state machine (one execution at a time, the
+// rest queued; the reply held until the kernel's idle), the policy
+// (SessionGovernor) and output shaping. Everything the kernel sends is
+// hostile: a message whose parent is not a request of this session is
+// dropped and each request gets at most one reply.
+//
+// No sockets, no clock reads, no syscalls: tests/unit/session_core_test.cpp
+// drives it with a recording SessionIo and a clock of its own.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cellblock/connection_info.hpp"
+#include "cellblock/sandbox.hpp"
+#include "cellblock/session_policy.hpp"
+#include "cellblock/session_store.hpp"
+#include "wire_receive.hpp"
+
+namespace cellblock {
+
+// What the server records about a session (the audit trail); called on the
+// server's loop thread.
+class SessionObserver {
+  public:
+    virtual ~SessionObserver() = default;
+    virtual void on_execution(const ExecutionRecord& record) = 0;
+    virtual void on_state(const std::string& session_id, const std::string& state) = 0;
+    virtual void on_event(const std::string& session_id, const std::string& kind,
+                          const std::string& detail) = 0;
+    virtual void on_closed(const std::string& session_id, const std::string& reason) = 0;
+};
+
+// How the kernel ended, read once its process is gone.
+struct KernelExit {
+    bool oom = false;
+    std::string description;
+};
+
+// What the core asks of the world. SessionProxy does it with sockets and
+// the sandbox; the unit tests record it.
+class SessionIo {
+  public:
+    virtual ~SessionIo() = default;
+    // A kernel message, re-signed with the client's key, on `channel`, routed
+    // to `identities` (null: the message's own routing frames, as on iopub),
+    // with metadata or content replaced where given (buffers beyond
+    // `msg.frames` were cut by the core).
+    virtual void forward_to_client(Channel channel, const std::vector<std::string>* identities,
+                                   InboundMessage& msg, const std::string* new_metadata,
+                                   const std::string* new_content) = 0;
+    // A message the server writes itself (a refusal, a status, a marker),
+    // parented on `parent`. On iopub `identities` may be empty.
+    virtual void send_to_client(Channel channel, const std::vector<std::string>& identities,
+                                const nlohmann::json& parent, const std::string& msg_type,
+                                nlohmann::json content) = 0;
+    // A client message, re-signed with the kernel's key. False: the kernel's
+    // queue is full and the message was dropped.
+    virtual bool forward_to_kernel(Channel channel, InboundMessage& msg) = 0;
+    virtual void interrupt_kernel() = 0;
+    virtual void kill_kernel() = 0;
+    virtual SandboxUsage kernel_usage() = 0;
+    virtual KernelExit kernel_exit() = 0;
+    // The session closed: kill and dispose of the sandbox and close the
+    // channels a closed session does not answer on.
+    virtual void release_kernel() = 0;
+    // A message dropped by the relay's rules, for the log; `identity` is the
+    // client's routing identity (empty for the kernel's messages).
+    virtual void rejected(std::string_view where, std::string_view identity,
+                          const std::string& why) = 0;
+    // Something the operator should see in the log (a kill, a timeout).
+    virtual void log(const std::string& what) = 0;
+};
+
+// The core's numbers; defaults are what serve and kernel mode use.
+struct CoreOptions {
+    std::string session_id;
+    // Server mode: the policy to enforce (none in kernel mode).
+    const ServerPolicy* policy = nullptr;
+    std::optional<SessionLimits> limits;
+    SessionObserver* observer = nullptr;
+    bool audit_code_hash_only = false;
+    std::chrono::milliseconds shutdown_grace{3000};
+    std::size_t max_json_depth = 64;
+    // How long an execute_reply waits for its idle status. Only a kernel that
+    // never sends idle (a hostile one) waits this long, for its own reply.
+    std::chrono::milliseconds reply_hold_limit{30000};
+    // After the kernel's exit, how long replies it sent just before may still arrive.
+    std::chrono::milliseconds kernel_exit_drain{200};
+    std::size_t max_pending = 4096;    // requests open at the kernel
+    std::size_t max_queued = 256;      // executes waiting behind the running one
+    std::size_t recent_parents = 256;  // requests whose late output is still known
+    // Bookkeeping output (status, execute_input, clear_output) outside any
+    // execution passes outside the budget only while small and few.
+    std::size_t free_pass_bytes = 2048;
+    int free_passes = 4;  // busy, idle, execute_input, a clear_output
+    // Wall-clock seconds minus steady-clock seconds: the audit's timestamps.
+    double unix_minus_steady_s = 0;
+};
+
+class SessionCore {
+  public:
+    SessionCore(CoreOptions options, SessionIo& io, Clock::time_point now);
+
+    // The kernel is up: `probe_ids` are the readiness probe's requests, whose
+    // late output no client asked for.
+    void on_kernel_attached(Clock::time_point now, const std::vector<std::string>& probe_ids);
+    // A verified request on shell or control.
+    void on_client_request(Clock::time_point now, Channel channel, InboundMessage msg);
+    // A verified message on the client's stdin (input_reply).
+    void on_client_input(Clock::time_point now, InboundMessage msg);
+    // A verified message from the kernel's shell or control.
+    void on_kernel_reply(Clock::time_point now, Channel channel, InboundMessage msg);
+    void on_kernel_iopub(Clock::time_point now, InboundMessage msg);
+    void on_kernel_input_request(Clock::time_point now, InboundMessage msg);
+    // The kernel's process is gone (its lifeline closed).
+    void on_kernel_exit(Clock::time_point now);
+    void on_tick(Clock::time_point now);
+    // Earliest time on_tick() must run, if any.
+    std::optional<Clock::time_point> next_deadline(Clock::time_point now) const;
+    // Ends the session: answers what is pending and releases the kernel. The
+    // adapter keeps answering SessionClosed until expired().
+    void close(Clock::time_point now, const std::string& reason);
+
+    bool kernel_live() const { return attached_ && !closed_; }
+    bool closed() const { return closed_; }
+    bool expired(Clock::time_point now) const;
+    const std::string& close_reason() const { return close_reason_; }
+    const std::string& session_id() const { return options_.session_id; }
+    const SessionGovernor* governor() const { return governor_ ? &*governor_ : nullptr; }
+    std::string state() const;
+    std::uint64_t memory_peak_bytes() const { return memory_peak_bytes_; }
+    std::uint64_t cpu_ms() const { return cpu_ms_total_; }
+    std::optional<Clock::time_point> running_since() const {
+        return execution_ ? std::optional(execution_->started) : std::nullopt;
+    }
+    Clock::time_point idle_since() const { return idle_since_; }
+
+  private:
+    struct PendingRequest {
+        Channel channel;
+        std::vector<std::string> identities;
+        std::string msg_type;
+        nlohmann::json header;  // to parent what the server writes itself
+    };
+    struct Execution {
+        std::string msg_id;
+        std::string code;
+        std::int64_t count = 0;
+        Clock::time_point started{};
+        std::uint64_t cpu_ns_at_start = 0;
+        std::uint64_t output_bytes = 0;
+        Clock::time_point deadline{};
+        std::optional<Clock::time_point> kill_at;  // set once interrupted
+        double timeout_s = 0;
+        bool idle_seen = false;  // the kernel's idle for it came before its reply
+    };
+    struct HeldReply {
+        PendingRequest request;
+        InboundMessage message;
+        Clock::time_point release_by;
+    };
+    struct QueuedRequest {
+        Channel channel;
+        InboundMessage message;
+    };
+    using RequestHandler = bool (SessionCore::*)(Clock::time_point, Channel, InboundMessage&,
+                                                 PendingRequest&);
+
+    // Request handlers by msg_type; true: forward to the kernel.
+    bool on_interrupt_request(Clock::time_point now, Channel channel, InboundMessage& msg,
+                              PendingRequest& request);
+    bool on_execute_request(Clock::time_point now, Channel channel, InboundMessage& msg,
+                            PendingRequest& request);
+    bool on_shutdown_request(Clock::time_point now, Channel channel, InboundMessage& msg,
+                             PendingRequest& request);
+    void dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg);
+    // Starts the next queued execute once the running one has finished.
+    void drain_queue(Clock::time_point now, bool previous_failed);
+
+    // The iopub rules, by what the message is.
+    void shape_outside_execution(InboundMessage& msg);
+    void shape_execution_output(Clock::time_point now, InboundMessage& msg);
+
+    void release_held_reply(Clock::time_point now);
+    void refuse(const PendingRequest& request, const std::string& ename, const std::string& evalue);
+    void fail_pending(const std::string& ename, const std::string& evalue);
+    void kill_for(Clock::time_point now, const std::string& ename, const std::string& evalue,
+                  const std::string& execution_status, const std::string& close_reason);
+    void finish_execution(Clock::time_point now, const std::string& status,
+                          const std::string& ename);
+    ExecutionRecord execution_record(Clock::time_point now, const std::string& status,
+                                     const std::string& ename) const;
+    void remember_parent(const std::string& msg_id);
+    bool known_parent(const std::string& msg_id) const;
+    void publish(const nlohmann::json& parent, const std::string& msg_type, nlohmann::json content);
+    void publish_status(const nlohmann::json& parent, const char* state);
+    void reply(const PendingRequest& request, const std::string& msg_type, nlohmann::json content);
+    void notify_state(const char* state);
+    void event(const std::string& kind, const std::string& detail);
+
+    CoreOptions options_;
+    SessionIo& io_;
+    std::optional<SessionGovernor> governor_;
+    bool attached_ = false;
+    bool kernel_exited_ = false;
+    bool closed_ = false;
+    Clock::time_point closed_at_{};
+    std::string close_reason_;
+
+    std::unordered_map<std::string, PendingRequest> pending_;
+    std::deque<std::string> recent_order_;
+    std::unordered_set<std::string> recent_;
+    std::unordered_set<std::string> probe_ids_;
+    std::unordered_map<std::string, int> free_passes_;
+    // Output outside the running execution (a thread an earlier cell started
+    // keeps printing under that cell's parent): capped like an execution's.
+    std::uint64_t background_bytes_ = 0;
+    bool background_marker_sent_ = false;
+    std::optional<Execution> execution_;
+    std::optional<HeldReply> held_reply_;
+    // The last finished execution: its late output (past a held reply's
+    // deadline on a loaded machine) is still shaped as that execution's.
+    std::string last_execution_id_;
+    std::deque<QueuedRequest> queue_;  // executes sent while one runs, in order
+    std::optional<Clock::time_point> shutdown_deadline_;
+    std::optional<PendingRequest> shutdown_request_;
+
+    std::uint64_t memory_peak_bytes_ = 0;
+    std::uint64_t cpu_ms_total_ = 0;
+    std::uint64_t cpu_ns_at_attach_ = 0;  // the kernel's start is not the session's
+    Clock::time_point idle_since_{};
+};
+
+}  // namespace cellblock

@@ -1,0 +1,69 @@
+// The relay's one receive-and-verify step. Every JSON channel, the client's
+// and the kernel's, goes through it: bounded frames, the signature, the JSON
+// frames parsed and required to be objects, and only then (client side) the
+// signature remembered against replay, so a message that fails to parse can
+// be sent again once fixed.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+#include <zmq.hpp>
+
+#include "cellblock/replay_guard.hpp"
+#include "cellblock/signer.hpp"
+#include "cellblock/wire_message.hpp"
+#include "multipart.hpp"
+
+namespace cellblock {
+
+// A verified message: its frames (kept, to be forwarded without a copy) and
+// what the relay reads of it, parsed once.
+struct InboundMessage {
+    std::vector<zmq::message_t> frames;
+    WireLayout layout;
+    std::size_t total_bytes = 0;
+    nlohmann::json header;  // always an object
+    nlohmann::json parent;  // always an object
+    // Parsed only where ReceiveRules::parse_all (objects then), else null.
+    nlohmann::json metadata;
+    nlohmann::json content;
+    std::string msg_id, msg_type, parent_id;
+
+    std::string_view frame(std::size_t i) const {
+        return {static_cast<const char*>(frames[i].data()), frames[i].size()};
+    }
+    // The routing frames in front of the delimiter.
+    std::vector<std::string> identities() const;
+    // The content frame parsed (content itself if parse_all); nullopt if it
+    // is not a JSON object within `max_depth`.
+    std::optional<nlohmann::json> parsed_content(std::size_t max_depth) const;
+};
+
+struct ReceiveRules {
+    const Signer* signer = nullptr;
+    ReplayGuard* replay = nullptr;  // the client's channels: replays are refused
+    WireLimits limits;
+    // The client's messages: metadata and content must be objects too, and the
+    // header must carry msg_id and msg_type. The kernel's: header and parent.
+    bool parse_all = false;
+};
+
+// Checks the multipart in `in` (its frames are moved into `out` on success).
+// On failure returns false with a short, loggable reason in `why`
+// ("bad signature", "frame 5 is not a JSON object", ...).
+bool verify_frames(Multipart& in, const ReceiveRules& rules, InboundMessage& out, std::string& why);
+
+enum class Received { nothing, message, rejected };
+
+// Receives one waiting multipart from `socket` (through `scratch`) and
+// verifies it. `rejected`: `why` says why and, for a ROUTER socket, `sender`
+// who sent it.
+Received receive_verified(zmq::socket_t& socket, Multipart& scratch, const ReceiveRules& rules,
+                          InboundMessage& out, std::string& why, std::string& sender);
+
+}  // namespace cellblock

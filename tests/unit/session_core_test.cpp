@@ -1,0 +1,599 @@
+// The relay's rules, driven through SessionCore with a recording SessionIo and
+// a clock of the test's own: the ordering cases the integration tests can
+// only reach through real sandboxes and wall-clock windows.
+#include "session_core.hpp"
+
+#include <gtest/gtest.h>
+
+#include "cellblock/signer.hpp"
+
+namespace cellblock {
+namespace {
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+const Signer kSigner("test-key");
+
+// One thing the core asked for.
+struct Action {
+    explicit Action(std::string k, Channel c = Channel::shell, std::string type = "",
+                    std::string parent = "")
+        : kind(std::move(k)), channel(c), msg_type(std::move(type)), parent_id(std::move(parent)) {}
+    std::string kind;  // forward, send, kernel, interrupt, kill, release, rejected, log
+    Channel channel = Channel::shell;
+    std::string msg_type;
+    std::string parent_id;
+    std::vector<std::string> identities;
+    json metadata, content;
+    std::size_t frames = 0;
+    std::string why;
+};
+
+class RecordingIo final : public SessionIo {
+  public:
+    std::vector<Action> actions;
+    SandboxUsage usage;
+    KernelExit exit;
+    bool queue_full = false;
+
+    void forward_to_client(Channel channel, const std::vector<std::string>* identities,
+                           InboundMessage& msg, const std::string* new_metadata,
+                           const std::string* new_content) override {
+        Action a("forward", channel, msg.msg_type, msg.parent_id);
+        a.identities = identities ? *identities : msg.identities();
+        a.metadata = json::parse(new_metadata ? std::string_view(*new_metadata)
+                                              : msg.frame(msg.layout.metadata()));
+        a.content = json::parse(new_content ? std::string_view(*new_content)
+                                            : msg.frame(msg.layout.content()));
+        a.frames = msg.frames.size();
+        actions.push_back(std::move(a));
+    }
+    void send_to_client(Channel channel, const std::vector<std::string>& identities,
+                        const json& parent, const std::string& msg_type, json content) override {
+        Action a("send", channel, msg_type, parent.value("msg_id", ""));
+        a.identities = identities;
+        a.content = std::move(content);
+        actions.push_back(std::move(a));
+    }
+    bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
+        Action a("kernel", channel, msg.msg_type, msg.parent_id);
+        a.content = json::parse(msg.frame(msg.layout.content()));
+        actions.push_back(std::move(a));
+        return !queue_full;
+    }
+    void interrupt_kernel() override { actions.emplace_back("interrupt"); }
+    void kill_kernel() override { actions.emplace_back("kill"); }
+    SandboxUsage kernel_usage() override { return usage; }
+    KernelExit kernel_exit() override { return exit; }
+    void release_kernel() override { actions.emplace_back("release"); }
+    void rejected(std::string_view where, std::string_view, const std::string& why) override {
+        Action a("rejected");
+        a.why = std::string(where) + ": " + why;
+        actions.push_back(std::move(a));
+    }
+    void log(const std::string& what) override {
+        Action a("log");
+        a.why = what;
+        actions.push_back(std::move(a));
+    }
+
+    // The actions of one kind (and message type), in order.
+    std::vector<Action> of(const std::string& kind, const std::string& msg_type = "") const {
+        std::vector<Action> out;
+        for (const auto& a : actions) {
+            if (a.kind == kind && (msg_type.empty() || a.msg_type == msg_type)) out.push_back(a);
+        }
+        return out;
+    }
+    // Client-bound messages (forwarded or written by the server) of a type.
+    std::vector<Action> to_client(const std::string& msg_type) const {
+        std::vector<Action> out;
+        for (const auto& a : actions) {
+            if ((a.kind == "forward" || a.kind == "send") && a.msg_type == msg_type) {
+                out.push_back(a);
+            }
+        }
+        return out;
+    }
+    bool any_rejected_with(const std::string& text) const {
+        for (const auto& a : actions) {
+            if (a.kind == "rejected" && a.why.find(text) != std::string::npos) return true;
+        }
+        return false;
+    }
+};
+
+// A message as the relay receives it: encoded, signed and verified.
+InboundMessage inbound(const std::vector<std::string>& identities, const std::string& msg_type,
+                       const std::string& msg_id, const std::string& parent_id,
+                       json content = json::object(), json metadata = json::object(),
+                       std::vector<std::string> buffers = {}) {
+    WireMessage msg;
+    msg.identities = identities;
+    msg.header = make_header(msg_type, "test-session");
+    msg.header["msg_id"] = msg_id;
+    msg.parent_header =
+        parent_id.empty() ? json::object() : json{{"msg_id", parent_id}, {"msg_type", "x"}};
+    msg.metadata = std::move(metadata);
+    msg.content = std::move(content);
+    msg.buffers = std::move(buffers);
+    Multipart parts;
+    for (const auto& f : encode(msg, kSigner)) {
+        parts.total_bytes += f.size();
+        parts.frames.push_back(to_frame(f));
+    }
+    InboundMessage out;
+    std::string why;
+    // As SessionProxy's: a client's four JSON frames parsed, a kernel's two.
+    const ReceiveRules rules{&kSigner, nullptr, {}, !identities.empty()};
+    EXPECT_TRUE(verify_frames(parts, rules, out, why)) << why;
+    return out;
+}
+
+const std::vector<std::string> kClient = {"client-a"};
+
+InboundMessage request(const std::string& msg_type, const std::string& msg_id,
+                       json content = json::object(), json metadata = json::object()) {
+    return inbound(kClient, msg_type, msg_id, "", std::move(content), std::move(metadata));
+}
+
+InboundMessage execute(const std::string& msg_id, json content = {{"code", "1+1"}},
+                       json metadata = json::object()) {
+    return request("execute_request", msg_id, std::move(content), std::move(metadata));
+}
+
+InboundMessage from_kernel(const std::string& msg_type, const std::string& parent_id,
+                           json content = json::object(), std::vector<std::string> buffers = {}) {
+    static int n = 0;
+    return inbound({}, msg_type, "k" + std::to_string(++n), parent_id, std::move(content),
+                   json::object(), std::move(buffers));
+}
+
+InboundMessage status(const std::string& parent_id, const char* state) {
+    return from_kernel("status", parent_id, {{"execution_state", state}});
+}
+
+InboundMessage stream(const std::string& parent_id, const std::string& text) {
+    return from_kernel("stream", parent_id, {{"name", "stdout"}, {"text", text}});
+}
+
+InboundMessage execute_reply(const std::string& parent_id, const char* status_text = "ok") {
+    return from_kernel("execute_reply", parent_id,
+                       {{"status", status_text}, {"execution_count", 1}});
+}
+
+class Recorder final : public SessionObserver {
+  public:
+    std::vector<ExecutionRecord> executions;
+    std::vector<std::string> states, events, closed;
+    void on_execution(const ExecutionRecord& r) override { executions.push_back(r); }
+    void on_state(const std::string&, const std::string& s) override { states.push_back(s); }
+    void on_event(const std::string&, const std::string& kind, const std::string& d) override {
+        events.push_back(kind + " " + d);
+    }
+    void on_closed(const std::string&, const std::string& reason) override {
+        closed.push_back(reason);
+    }
+};
+
+// A session under serve's policy, attached to a kernel, at t0.
+class CoreTest : public ::testing::Test {
+  protected:
+    Clock::time_point t0 = Clock::time_point() + 1000s;
+    ServerPolicy policy;
+    RecordingIo io;
+    Recorder audit;
+    std::unique_ptr<SessionCore> core;
+
+    void start(SessionLimits limits = {}, bool governed = true) {
+        CoreOptions options;
+        options.session_id = "s1";
+        if (governed) {
+            options.policy = &policy;
+            options.limits = limits;
+        }
+        options.observer = &audit;
+        core = std::make_unique<SessionCore>(options, io, t0);
+        core->on_kernel_attached(t0, {"probe-1"});
+    }
+    void SetUp() override { start(); }
+
+    // An execute answered in the kernel's usual order: busy, output, idle, reply.
+    void run_cell(const std::string& id, Clock::time_point at) {
+        core->on_client_request(at, Channel::shell, execute(id));
+        core->on_kernel_iopub(at, status(id, "busy"));
+        core->on_kernel_iopub(at, status(id, "idle"));
+        core->on_kernel_reply(at, Channel::shell, execute_reply(id));
+    }
+};
+
+TEST_F(CoreTest, ForwardsARequestAndItsReplyToTheClientThatAsked) {
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    ASSERT_EQ(io.of("kernel").size(), 1u);
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("kernel_info_reply", "r1"));
+    const auto replies = io.to_client("kernel_info_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].identities, kClient);
+}
+
+TEST_F(CoreTest, AReplyToARequestNotOpenIsDropped) {
+    // Another session's request id, and a second reply to one answered.
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("kernel_info_reply", "other-session"));
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("kernel_info_reply", "r1"));
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("kernel_info_reply", "r1"));
+    EXPECT_EQ(io.to_client("kernel_info_reply").size(), 1u);
+    EXPECT_TRUE(io.any_rejected_with("not open: 'other-session'"));
+}
+
+TEST_F(CoreTest, AReplyOfTheWrongTypeOrOnTheWrongChannelIsDropped) {
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("complete_reply", "r1"));
+    core->on_kernel_reply(t0, Channel::control, from_kernel("kernel_info_reply", "r1"));
+    EXPECT_TRUE(io.to_client("complete_reply").empty());
+    EXPECT_TRUE(io.to_client("kernel_info_reply").empty());
+    EXPECT_TRUE(io.any_rejected_with("does not answer kernel_info_request"));
+    // Still open: the right reply goes through.
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("kernel_info_reply", "r1"));
+    EXPECT_EQ(io.to_client("kernel_info_reply").size(), 1u);
+}
+
+TEST_F(CoreTest, AMessageThatIsNotARequestIsRejected) {
+    core->on_client_request(t0, Channel::shell, request("execute_reply", "r1"));
+    EXPECT_TRUE(io.of("kernel").empty());
+    EXPECT_TRUE(io.any_rejected_with("'execute_reply' is not a request"));
+}
+
+TEST_F(CoreTest, TheExecuteReplyIsHeldUntilTheKernelsIdle) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_iopub(t0, status("e1", "busy"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    EXPECT_TRUE(io.to_client("execute_reply").empty()) << "released before idle";
+    core->on_kernel_iopub(t0 + 1ms, status("e1", "idle"));
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    // The budget rides on the reply.
+    EXPECT_EQ(replies[0].metadata["cellblock"]["executions_left"], 999);
+    ASSERT_EQ(audit.executions.size(), 1u);
+    EXPECT_EQ(audit.executions[0].status, "ok");
+    EXPECT_EQ(core->state(), "idle");
+}
+
+TEST_F(CoreTest, AnIdleBeforeTheReplyLetsTheReplyGoOnArrival) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_iopub(t0, status("e1", "idle"));
+    EXPECT_TRUE(io.to_client("execute_reply").empty());
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    EXPECT_EQ(io.to_client("execute_reply").size(), 1u);
+}
+
+TEST_F(CoreTest, AKernelThatNeverSendsIdleHasItsReplyReleasedAtTheHoldLimit) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    EXPECT_EQ(core->next_deadline(t0), t0 + 30s);
+    core->on_tick(t0 + 30s - 1ms);
+    EXPECT_TRUE(io.to_client("execute_reply").empty());
+    core->on_tick(t0 + 30s);
+    EXPECT_EQ(io.to_client("execute_reply").size(), 1u);
+}
+
+TEST_F(CoreTest, ExecutesSentWhileOneRunsAreQueuedAndSentInOrder) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0, Channel::shell, execute("e2"));
+    core->on_client_request(t0, Channel::shell, execute("e3"));
+    ASSERT_EQ(io.of("kernel").size(), 1u) << "only the first reaches the kernel";
+    core->on_kernel_iopub(t0, status("e1", "idle"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    auto sent = io.of("kernel");
+    ASSERT_EQ(sent.size(), 2u);
+    EXPECT_EQ(sent[1].msg_type, "execute_request");
+    EXPECT_EQ(core->running_since(), t0);
+    core->on_kernel_iopub(t0, status("e2", "idle"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e2"));
+    EXPECT_EQ(io.of("kernel").size(), 3u);
+}
+
+TEST_F(CoreTest, AnErrorAbortsQueuedExecutesUnlessTheyAskNotToStop) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0, Channel::shell, execute("e2"));
+    core->on_client_request(t0, Channel::shell,
+                            execute("e3", {{"code", "2"}, {"stop_on_error", false}}));
+    core->on_kernel_iopub(t0, status("e1", "idle"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1", "error"));
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 2u);
+    EXPECT_EQ(replies[1].parent_id, "e2");
+    EXPECT_EQ(replies[1].content["status"], "aborted");
+    const auto sent = io.of("kernel");
+    ASSERT_EQ(sent.size(), 2u);
+    EXPECT_EQ(sent[1].content["code"], "2") << "e3 runs despite the error";
+}
+
+TEST_F(CoreTest, TheQueueIsBounded) {
+    core->on_client_request(t0, Channel::shell, execute("e0"));
+    for (int i = 1; i <= 257; ++i) {
+        core->on_client_request(t0, Channel::shell, execute("q" + std::to_string(i)));
+    }
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].parent_id, "q257");
+    EXPECT_EQ(replies[0].content["ename"], "SessionBusy");
+}
+
+TEST_F(CoreTest, TheExecutionCapRefusesWithoutReachingTheKernel) {
+    SessionLimits limits;
+    limits.max_executions = 2;
+    start(limits);
+    run_cell("e1", t0);
+    run_cell("e2", t0);
+    core->on_client_request(t0, Channel::shell, execute("e3"));
+    EXPECT_EQ(io.of("kernel").size(), 2u);
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 3u);
+    EXPECT_EQ(replies[2].content["ename"], "ExecutionLimitExceeded");
+    EXPECT_EQ(replies[2].content["cellblock"]["executions_left"], 0);
+    // A refusal is busy, error, reply, idle on the client's side.
+    EXPECT_EQ(io.to_client("error").size(), 1u);
+    ASSERT_FALSE(audit.events.empty());
+    EXPECT_NE(audit.events.back().find("refused e3 ExecutionLimitExceeded"), std::string::npos);
+}
+
+TEST_F(CoreTest, ATimeoutInterruptsAtTheDeadlineAndKillsAfterTheGrace) {
+    SessionLimits limits;
+    limits.exec_timeout_s = 10;
+    start(limits);
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    EXPECT_EQ(core->next_deadline(t0), t0 + 10s);
+    core->on_tick(t0 + 10s - 1ms);
+    EXPECT_TRUE(io.of("interrupt").empty());
+    core->on_tick(t0 + 10s);
+    EXPECT_EQ(io.of("interrupt").size(), 1u);
+    EXPECT_EQ(core->next_deadline(t0 + 10s), t0 + 13s);  // kill_grace_s 3
+    core->on_tick(t0 + 13s - 1ms);
+    EXPECT_TRUE(io.of("kill").empty());
+    core->on_tick(t0 + 13s);
+    EXPECT_EQ(io.of("kill").size(), 1u);
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["ename"], "ExecutionTimeout");
+    EXPECT_TRUE(core->closed());
+    EXPECT_EQ(core->close_reason(), "exec_timeout");
+    EXPECT_EQ(io.of("release").size(), 1u);
+    ASSERT_EQ(audit.executions.size(), 1u);
+    EXPECT_EQ(audit.executions[0].status, "timeout");
+}
+
+TEST_F(CoreTest, AnExecutionThatStopsWhenInterruptedIsNotKilled) {
+    SessionLimits limits;
+    limits.exec_timeout_s = 10;
+    start(limits);
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_tick(t0 + 10s);
+    core->on_kernel_iopub(t0 + 11s, status("e1", "idle"));
+    core->on_kernel_reply(t0 + 11s, Channel::shell, execute_reply("e1", "error"));
+    core->on_tick(t0 + 20s);
+    EXPECT_TRUE(io.of("kill").empty());
+    EXPECT_FALSE(core->closed());
+}
+
+TEST_F(CoreTest, ARequestedTimeoutAboveTheMaximumIsRefused) {
+    policy.maxima.exec_timeout_s = 60;
+    start();
+    core->on_client_request(t0, Channel::shell,
+                            execute("e1", {{"code", "1"}}, {{"cellblock", {{"timeout_s", 61}}}}));
+    core->on_client_request(t0, Channel::shell,
+                            execute("e2", {{"code", "1"}}, {{"cellblock", {{"timeout_s", "x"}}}}));
+    EXPECT_TRUE(io.of("kernel").empty());
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 2u);
+    EXPECT_EQ(replies[0].content["ename"], "LimitAboveMaximum");
+    EXPECT_EQ(replies[1].content["ename"], "InvalidLimits");
+}
+
+TEST_F(CoreTest, AnInterruptIsAnsweredByTheServerAndAnIgnoredOneEndsInAKill) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0 + 1s, Channel::control, request("interrupt_request", "i1"));
+    EXPECT_EQ(io.of("interrupt").size(), 1u);
+    const auto replies = io.to_client("interrupt_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].channel, Channel::control);
+    EXPECT_EQ(io.of("kernel").size(), 1u) << "the interrupt never reaches the kernel";
+    core->on_tick(t0 + 6s - 1ms);  // interrupt_grace_s 5
+    EXPECT_TRUE(io.of("kill").empty());
+    core->on_tick(t0 + 6s);
+    EXPECT_EQ(io.of("kill").size(), 1u);
+    EXPECT_EQ(io.to_client("execute_reply")[0].content["ename"], "InterruptIgnored");
+    EXPECT_EQ(core->close_reason(), "interrupt_ignored");
+}
+
+TEST_F(CoreTest, AnInterruptWhileIdleStartsNoGrace) {
+    core->on_client_request(t0, Channel::control, request("interrupt_request", "i1"));
+    core->on_tick(t0 + 60s);
+    EXPECT_TRUE(io.of("kill").empty());
+    EXPECT_FALSE(core->closed());
+}
+
+TEST_F(CoreTest, InputRequestsGoToTheExecutesClientOnStdin) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_input_request(t0, from_kernel("input_request", "e1", {{"prompt", "? "}}));
+    const auto asks = io.to_client("input_request");
+    ASSERT_EQ(asks.size(), 1u);
+    EXPECT_EQ(asks[0].channel, Channel::stdin_);
+    EXPECT_EQ(asks[0].identities, kClient);
+    // One for a request not open (or not an execute) is dropped.
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    core->on_kernel_input_request(t0, from_kernel("input_request", "r1"));
+    core->on_kernel_input_request(t0, from_kernel("input_request", "nobody"));
+    EXPECT_EQ(io.to_client("input_request").size(), 1u);
+    // The client's answer goes to the kernel's stdin.
+    core->on_client_input(t0, inbound(kClient, "input_reply", "in1", "", {{"value", "x"}}));
+    EXPECT_EQ(io.of("kernel", "input_reply").size(), 1u);
+    EXPECT_EQ(io.of("kernel", "input_reply")[0].channel, Channel::stdin_);
+}
+
+TEST_F(CoreTest, OutputOfAnUnknownParentOrTheProbeIsNotRelayed) {
+    core->on_kernel_iopub(t0, stream("stranger", "x"));
+    core->on_kernel_iopub(t0, status("probe-1", "idle"));
+    core->on_kernel_iopub(t0, status("", "starting"));
+    EXPECT_TRUE(io.of("forward").empty());
+    EXPECT_TRUE(io.any_rejected_with("parent is not a request of this session: 'stranger'"));
+}
+
+TEST_F(CoreTest, StreamOutputIsCutAtTheBudgetWithOneMarker) {
+    SessionLimits limits;
+    limits.output_bytes = 10;
+    start(limits);
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_iopub(t0, stream("e1", "12345678"));
+    core->on_kernel_iopub(t0, stream("e1", "abcdefgh"));
+    core->on_kernel_iopub(t0, stream("e1", "dropped"));
+    const auto streams = io.to_client("stream");
+    ASSERT_EQ(streams.size(), 2u);
+    EXPECT_EQ(streams[0].content["text"], "12345678");
+    const std::string second = streams[1].content["text"];
+    EXPECT_EQ(second.substr(0, 2), "ab");
+    EXPECT_NE(second.find("cellblock"), std::string::npos) << second;
+}
+
+TEST_F(CoreTest, LateOutputOfTheLastExecutionIsShapedAsItsOutput) {
+    SessionLimits limits;
+    limits.output_bytes = 4;
+    start(limits);
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    core->on_tick(t0 + 30s);  // the reply went out at the hold limit, before idle
+    core->on_kernel_iopub(t0 + 31s, stream("e1", "abcdefgh"));
+    const auto streams = io.to_client("stream");
+    ASSERT_EQ(streams.size(), 1u);
+    EXPECT_EQ(std::string(streams[0].content["text"]).substr(0, 5), "abcd\n");
+}
+
+TEST_F(CoreTest, BackgroundOutputSharesOneCappedBudgetAndGetsOneMarker) {
+    SessionLimits limits;
+    limits.output_bytes = 2000;
+    start(limits);
+    run_cell("e1", t0);
+    run_cell("e2", t0);  // e1's thread keeps printing while nothing runs
+    const std::string line(600, 'x');
+    for (int i = 0; i < 6; ++i) core->on_kernel_iopub(t0, stream("e1", line));
+    const auto streams = io.to_client("stream");
+    ASSERT_GE(streams.size(), 2u);
+    EXPECT_LE(streams.size(), 4u);
+    EXPECT_NE(std::string(streams.back().content["text"]).find("outside a running execution"),
+              std::string::npos);
+    EXPECT_EQ(io.of("send", "stream").size(), 1u);
+}
+
+TEST_F(CoreTest, ARichMessagePastTheLimitIsReplacedWithItsBuffers) {
+    policy.max_message_bytes = 4096;
+    start();
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_kernel_iopub(t0, from_kernel("display_data", "e1",
+                                          {{"data", {{"image/png", std::string(8000, 'A')}}},
+                                           {"metadata", json::object()}},
+                                          {"buffer"}));
+    core->on_kernel_iopub(
+        t0, from_kernel("display_data", "e1",
+                        {{"data", {{"text/plain", "small"}}}, {"metadata", json::object()}}));
+    const auto shown = io.to_client("display_data");
+    ASSERT_EQ(shown.size(), 2u);
+    EXPECT_NE(std::string(shown[0].content["data"]["text/plain"]).find("was replaced"),
+              std::string::npos);
+    EXPECT_FALSE(shown[0].content["data"].contains("image/png"));
+    EXPECT_EQ(shown[0].frames, 6u) << "the buffer goes with the content";
+    EXPECT_EQ(shown[1].content["data"]["text/plain"], "small");
+}
+
+TEST_F(CoreTest, AnUnansweredShutdownIsAnsweredByTheServerAfterTheGrace) {
+    core->on_client_request(t0, Channel::control, request("shutdown_request", "sd"));
+    EXPECT_EQ(io.of("kernel", "shutdown_request").size(), 1u);
+    core->on_tick(t0 + 3s - 1ms);
+    EXPECT_FALSE(core->closed());
+    core->on_tick(t0 + 3s);
+    const auto replies = io.to_client("shutdown_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["status"], "ok");
+    EXPECT_EQ(core->close_reason(), "shutdown requested by the client");
+    // The kernel's answer after that finds nothing open.
+    core->on_kernel_reply(t0 + 4s, Channel::control, from_kernel("shutdown_reply", "sd"));
+    EXPECT_EQ(io.to_client("shutdown_reply").size(), 1u);
+}
+
+TEST_F(CoreTest, TheKernelsShutdownReplyClosesTheSession) {
+    core->on_client_request(t0, Channel::control, request("shutdown_request", "sd"));
+    core->on_kernel_reply(t0, Channel::control,
+                          from_kernel("shutdown_reply", "sd", {{"status", "ok"}}));
+    EXPECT_EQ(io.to_client("shutdown_reply").size(), 1u);
+    EXPECT_TRUE(core->closed());
+    EXPECT_EQ(audit.closed, std::vector<std::string>{"shutdown requested by the client"});
+}
+
+TEST_F(CoreTest, AKernelExitDrainsThenAnswersWhatIsPending) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    io.exit = {true, "killed by the OOM killer"};
+    core->on_kernel_exit(t0);
+    EXPECT_EQ(core->next_deadline(t0), t0 + 200ms);
+    // A reply sent just before the exit still counts.
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    core->on_kernel_reply(t0 + 100ms, Channel::shell, from_kernel("kernel_info_reply", "r1"));
+    EXPECT_EQ(io.to_client("kernel_info_reply").size(), 1u);
+    core->on_tick(t0 + 200ms);
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["ename"], "MemoryLimitExceeded");
+    EXPECT_EQ(core->close_reason(), "memory_limit: killed by the OOM killer");
+}
+
+TEST_F(CoreTest, AClosedSessionAnswersSessionClosedAndQueuedExecutesToo) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0, Channel::shell, execute("e2"));
+    core->close(t0, "closed by the manager");
+    auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 2u);
+    for (const auto& r : replies) EXPECT_EQ(r.content["ename"], "SessionClosed");
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    const auto info = io.to_client("kernel_info_reply");
+    ASSERT_EQ(info.size(), 1u);
+    EXPECT_EQ(info[0].content["ename"], "SessionClosed");
+    // Still readable by jupyter_client's wait_for_ready.
+    EXPECT_TRUE(info[0].content.contains("protocol_version"));
+    EXPECT_FALSE(core->expired(t0 + 29s));
+    EXPECT_TRUE(core->expired(t0 + 30s));
+}
+
+TEST_F(CoreTest, AStartingSessionRefusesRequests) {
+    CoreOptions options;
+    options.policy = &policy;
+    options.limits = SessionLimits{};
+    SessionCore starting(options, io, t0);
+    starting.on_client_request(t0, Channel::shell, execute("e1"));
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["evalue"], "this session is starting");
+    EXPECT_TRUE(io.of("kernel").empty());
+}
+
+TEST_F(CoreTest, TheIdleTimeoutClosesTheSession) {
+    SessionLimits limits;
+    limits.idle_timeout_s = 60;
+    start(limits);
+    run_cell("e1", t0 + 10s);
+    core->on_tick(t0 + 69s);
+    EXPECT_FALSE(core->closed());
+    core->on_tick(t0 + 70s);
+    EXPECT_EQ(core->close_reason(), "idle_timeout");
+}
+
+TEST_F(CoreTest, KernelModeForwardsWithoutAPolicy) {
+    start({}, /*governed=*/false);
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0, Channel::shell, execute("e2"));
+    EXPECT_EQ(io.of("kernel").size(), 2u) << "the kernel queues them itself";
+    core->on_kernel_iopub(t0, stream("e1", std::string(5000, 'x')));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    EXPECT_EQ(io.to_client("execute_reply").size(), 1u) << "no reply is held";
+    EXPECT_EQ(std::string(io.to_client("stream")[0].content["text"]).size(), 5000u);
+}
+
+}  // namespace
+}  // namespace cellblock
