@@ -125,7 +125,8 @@ int run_kernel_mode(const KernelModeOptions& options) {
     ProxyOptions proxy_options;
     proxy_options.policy = &policy;
     proxy_options.limits = limits;
-    auto proxy = std::make_unique<SessionProxy>(context, session_id, outer, proxy_options);
+    EventLoop loop;
+    auto proxy = std::make_unique<SessionProxy>(context, loop, session_id, outer, proxy_options);
     try {
         auto sandbox = Sandbox::start(session_id, image, limits.sandbox, settings);
         auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60));
@@ -137,31 +138,15 @@ int run_kernel_mode(const KernelModeOptions& options) {
     spdlog::info("session {}: image {} on {}, limits {}", session_id, image.name, settings.runtime,
                  limits.to_json().dump());
 
-    std::vector<zmq::pollitem_t> items;
-    int exit_code = 0;
-    while (!proxy->closed()) {
-        items.clear();
-        proxy->add_poll_items(items);
-        items.push_back({nullptr, signal_fd.get(), ZMQ_POLLIN, 0});
-        long timeout_ms = -1;
-        if (auto deadline = proxy->next_deadline()) {
-            timeout_ms = std::max<long>(
-                0, std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now())
-                           .count() +
-                       1);
+    loop.watch_fd(signal_fd.get(), [&] {
+        signalfd_siginfo info;
+        if (::read(signal_fd.get(), &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
+            proxy->close(std::string("the server received ") +
+                         strsignal(static_cast<int>(info.ssi_signo)));
         }
-        zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout_ms));
-        proxy->handle(items.data());
-        if (items.back().revents & ZMQ_POLLIN) {
-            signalfd_siginfo info;
-            if (::read(signal_fd.get(), &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
-                proxy->close(std::string("the server received ") +
-                             strsignal(static_cast<int>(info.ssi_signo)));
-            }
-        }
-        proxy->on_timer(Clock::now());
-        if (proxy->closed() && kernel_was_lost(proxy->close_reason())) exit_code = 1;
-    }
+    });
+    while (!proxy->closed()) loop.run_once();
+    const int exit_code = kernel_was_lost(proxy->close_reason()) ? 1 : 0;
     proxy.reset();
     return exit_code;
 }

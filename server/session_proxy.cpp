@@ -117,6 +117,10 @@ class SessionProxy::Io final : public SessionIo {
     }
 
     void release_kernel() override {
+        if (p_.lifeline_watch_) {
+            p_.loop_.unwatch(*p_.lifeline_watch_);
+            p_.lifeline_watch_.reset();
+        }
         if (p_.sandbox_) {
             p_.sandbox_->kill();
             if (p_.options_.dispose) {
@@ -126,15 +130,13 @@ class SessionProxy::Io final : public SessionIo {
             }
             p_.sandbox_.reset();
         }
-        for (auto* s : {&p_.inner_shell_, &p_.inner_control_, &p_.inner_stdin_, &p_.inner_iopub_,
-                        &p_.inner_hb_}) {
-            s->close();
-        }
         // A closed session keeps only what answers SessionClosed (shell,
         // control) and the iopub its busy/idle statuses go out on; no
         // heartbeat answers.
-        p_.outer_stdin_.close();
-        p_.outer_hb_.close();
+        for (auto* s : {&p_.inner_shell_, &p_.inner_control_, &p_.inner_stdin_, &p_.inner_iopub_,
+                        &p_.inner_hb_, &p_.outer_stdin_, &p_.outer_hb_}) {
+            p_.close_socket(*s);
+        }
         spdlog::info("session {}: closed ({})", p_.session_id_, p_.core_->close_reason());
     }
 
@@ -151,7 +153,7 @@ class SessionProxy::Io final : public SessionIo {
     SessionProxy& p_;
 };
 
-SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
+SessionProxy::SessionProxy(zmq::context_t& context, EventLoop& loop, std::string session_id,
                            const ConnectionInfo& outer, ProxyOptions options)
     : session_id_(std::move(session_id)),
       server_session_(make_uuid()),
@@ -169,7 +171,8 @@ SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
           make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
       outer_iopub_(
           make_socket(context, zmq::socket_type::pub, options_.max_client_frame_bytes, 1000)),
-      outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)) {
+      outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)),
+      loop_(loop) {
     // A kernel's single large output (a 50 MB print) must reach output shaping
     // to be cut with a marker, not be dropped whole: the JSON frame cap for the
     // kernel's side is the socket's frame cap.
@@ -200,10 +203,37 @@ SessionProxy::SessionProxy(zmq::context_t& context, std::string session_id,
     core.unix_minus_steady_s = unix_minus_steady();
     io_ = std::make_unique<Io>(*this);
     core_ = std::make_unique<SessionCore>(std::move(core), *io_, Clock::now());
+    watch(outer_shell_, [this] { on_client(Channel::shell); });
+    watch(outer_control_, [this] { on_client(Channel::control); });
+    watch(outer_stdin_, [this] { on_client(Channel::stdin_); });
+    watch(outer_hb_, [this] { on_client_heartbeat(); });
+    deadline_ = loop_.add_deadline([this] { return core_->next_deadline(Clock::now()); },
+                                   [this](Clock::time_point now) {
+                                       core_->on_tick(now);
+                                       if (core_->expired(now) && options_.on_expired) {
+                                           options_.on_expired();
+                                       }
+                                   });
 }
 
 SessionProxy::~SessionProxy() {
+    loop_.remove_deadline(deadline_);
+    for (const auto& [socket, id] : watches_) loop_.unwatch(id);
+    if (lifeline_watch_) loop_.unwatch(*lifeline_watch_);
     if (sandbox_) sandbox_->destroy();
+}
+
+void SessionProxy::watch(zmq::socket_t& socket, EventLoop::Handler handler) {
+    watches_[socket.handle()] = loop_.watch(socket, std::move(handler));
+}
+
+void SessionProxy::close_socket(zmq::socket_t& socket) {
+    if (!socket) return;
+    if (auto it = watches_.find(socket.handle()); it != watches_.end()) {
+        loop_.unwatch(it->second);
+        watches_.erase(it);
+    }
+    socket.close();
 }
 
 void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channels) {
@@ -215,54 +245,20 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     inner_stdin_ = std::move(channels.stdin_);
     inner_iopub_ = std::move(channels.iopub);
     inner_hb_ = std::move(channels.hb);
+    // A kernel's sockets before its lifeline: its last replies are read
+    // before its exit is seen.
+    watch(inner_shell_, [this] { on_kernel(Channel::shell); });
+    watch(inner_control_, [this] { on_kernel(Channel::control); });
+    watch(inner_stdin_, [this] { on_kernel(Channel::stdin_); });
+    watch(inner_iopub_, [this] { on_kernel(Channel::iopub); });
+    watch(inner_hb_, [this] { on_kernel_heartbeat(); });
+    if (!sandbox_->exited()) {
+        lifeline_watch_ = loop_.watch_fd(sandbox_->lifeline_fd(), [this] { on_lifeline(); });
+    }
     core_->on_kernel_attached(Clock::now(), channels.probe_msg_ids);
 }
 
 void SessionProxy::close(const std::string& reason) { core_->close(Clock::now(), reason); }
-
-std::optional<Clock::time_point> SessionProxy::next_deadline() const {
-    return core_->next_deadline(Clock::now());
-}
-
-void SessionProxy::on_timer(Clock::time_point now) { core_->on_tick(now); }
-
-void SessionProxy::add_poll_items(std::vector<zmq::pollitem_t>& items) {
-    auto add = [&](zmq::socket_t& s) {
-        if (s) {
-            items.push_back({s.handle(), 0, ZMQ_POLLIN, 0});
-        } else {
-            items.push_back({nullptr, -1, 0, 0});  // closed with the session
-        }
-    };
-    // Inner sockets first so that a kernel's last replies are read before its exit is seen.
-    add(inner_shell_);
-    add(inner_control_);
-    add(inner_stdin_);
-    add(inner_iopub_);
-    add(inner_hb_);
-    add(outer_shell_);
-    add(outer_control_);
-    add(outer_stdin_);
-    add(outer_hb_);
-    const int fd = sandbox_ && !closed() && !sandbox_->exited() ? sandbox_->lifeline_fd() : -1;
-    items.push_back({nullptr, fd, static_cast<short>(fd >= 0 ? ZMQ_POLLIN : 0), 0});
-}
-
-void SessionProxy::handle(const zmq::pollitem_t* items) {
-    // Any handler may close the session (and its sockets): check before each.
-    auto ready = [&](std::size_t i) { return (items[i].revents & ZMQ_POLLIN) != 0; };
-    auto live = [&] { return core_->kernel_live(); };
-    if (ready(0) && live()) on_kernel(Channel::shell);
-    if (ready(1) && live()) on_kernel(Channel::control);
-    if (ready(2) && live()) on_kernel(Channel::stdin_);
-    if (ready(3) && live()) on_kernel(Channel::iopub);
-    if (ready(4) && live()) on_kernel_heartbeat();
-    if (ready(5)) on_client(Channel::shell);
-    if (ready(6)) on_client(Channel::control);
-    if (ready(7)) on_client(Channel::stdin_);
-    if (ready(8)) on_client_heartbeat();
-    if ((items[9].revents & (ZMQ_POLLIN | ZMQ_POLLERR)) && live()) on_lifeline();
-}
 
 zmq::socket_t& SessionProxy::outer_socket(Channel channel) {
     switch (channel) {
@@ -366,6 +362,9 @@ void SessionProxy::on_kernel_heartbeat() {
 
 void SessionProxy::on_lifeline() {
     if (!sandbox_ || sandbox_->read_lifeline()) return;
+    // End of file stays readable: watch it no longer.
+    loop_.unwatch(*lifeline_watch_);
+    lifeline_watch_.reset();
     core_->on_kernel_exit(Clock::now());
 }
 

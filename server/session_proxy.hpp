@@ -26,6 +26,7 @@
 #include "cellblock/session_store.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
+#include "event_loop.hpp"
 #include "inner_channels.hpp"
 #include "multipart.hpp"
 #include "session_core.hpp"
@@ -46,16 +47,18 @@ struct ProxyOptions {
     bool audit_code_hash_only = false;
     // How a closed session's sandbox is destroyed (default: here and now).
     std::function<void(std::unique_ptr<Sandbox>)> dispose;
+    // Called (from the loop's deadline) once a closed session has answered
+    // SessionClosed long enough: its owner may destroy it after this turn.
+    std::function<void()> on_expired;
 };
 
 class SessionProxy {
   public:
-    static constexpr std::size_t kPollItems = 10;
-
     // Binds the outer channels of `outer`; a port of 0 binds a free port
-    // (see outer_connection()). Throws zmq::error_t.
-    SessionProxy(zmq::context_t& context, std::string session_id, const ConnectionInfo& outer,
-                 ProxyOptions options = {});
+    // (see outer_connection()), and watches them on `loop`, with a deadline
+    // for the session's clock. Throws zmq::error_t.
+    SessionProxy(zmq::context_t& context, EventLoop& loop, std::string session_id,
+                 const ConnectionInfo& outer, ProxyOptions options = {});
     ~SessionProxy();
     SessionProxy(const SessionProxy&) = delete;
     SessionProxy& operator=(const SessionProxy&) = delete;
@@ -63,13 +66,6 @@ class SessionProxy {
     // Takes a started sandbox and the channels probe_kernel() connected to
     // its kernel, and starts relaying.
     void attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channels);
-
-    // Appends exactly kPollItems entries; handle() receives a pointer to them.
-    void add_poll_items(std::vector<zmq::pollitem_t>& items);
-    void handle(const zmq::pollitem_t* items);
-    // Earliest time on_timer() must run, if any.
-    std::optional<Clock::time_point> next_deadline() const;
-    void on_timer(Clock::time_point now);
 
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering
@@ -101,6 +97,9 @@ class SessionProxy {
     void on_kernel(Channel channel);
     void on_kernel_heartbeat();
     void on_lifeline();
+    void watch(zmq::socket_t& socket, EventLoop::Handler handler);
+    // Stops watching and closes `socket`.
+    void close_socket(zmq::socket_t& socket);
     zmq::socket_t& outer_socket(Channel channel);
     zmq::socket_t& inner_socket(Channel channel);
 
@@ -119,6 +118,10 @@ class SessionProxy {
     std::unique_ptr<Io> io_;
     std::unique_ptr<SessionCore> core_;
     Multipart scratch_;
+    EventLoop& loop_;
+    std::unordered_map<void*, EventLoop::WatchId> watches_;  // by socket handle
+    std::optional<EventLoop::WatchId> lifeline_watch_;
+    EventLoop::WatchId deadline_ = 0;
 };
 
 }  // namespace cellblock
