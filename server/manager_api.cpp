@@ -1,0 +1,322 @@
+// The manager socket: verify, dispatch to one handler per request type, reply.
+#include "server.hpp"
+
+namespace cellblock {
+
+void Server::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
+    WireMessage msg =
+        make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
+    // The buffers (a download's chunk, megabytes) are not signed: they go out
+    // as frames that own their string, without a copy; the rest is small.
+    std::vector<zmq::message_t> frames;
+    for (auto& f : encode(msg, signer_)) frames.push_back(to_frame(f));
+    for (auto& buffer : buffers) {
+        auto* owned = new std::string(std::move(buffer));
+        frames.emplace_back(
+            owned->data(), owned->size(),
+            [](void*, void* hint) { delete static_cast<std::string*>(hint); }, owned);
+    }
+    send_multipart(manager_, frames);
+}
+
+namespace {
+
+// A message that failed to decode, as far as its sender proved it holds the
+// key (the signature over its four JSON frames verifies): its identities and
+// header, to address a refusal to. nullopt when the sender is not
+// authenticated or the message is a replay: those get the log line only, as
+// on a kernel's channels (no signed answer to whoever cannot sign).
+std::optional<WireMessage> authenticated_parent(std::span<const std::string_view> frames,
+                                                const Signer& signer, const std::string& error) {
+    if (error == "bad signature" || error == "replayed message") return std::nullopt;
+    const auto delimiter = std::find(frames.begin(), frames.end(), kDelimiter);
+    if (delimiter == frames.end()) return std::nullopt;
+    const WireLayout at{static_cast<std::size_t>(delimiter - frames.begin())};
+    if (frames.size() < at.first_buffer() ||
+        !signer.verify(frames[at.signature()], frames[at.header()], frames[at.parent()],
+                       frames[at.metadata()], frames[at.content()])) {
+        return std::nullopt;
+    }
+    WireMessage parent;
+    parent.identities.assign(frames.begin(), delimiter);
+    if (auto header = parse_json_frame(frames[at.header()], WireLimits{}.max_json_depth);
+        header && header->is_object()) {
+        parent.header = std::move(*header);
+    }
+    return parent;
+}
+
+}  // namespace
+
+void Server::reply_error(const WireMessage& request, const std::string& ename,
+                         const std::string& evalue) {
+    reply(request, {{"status", "error"}, {"ename", ename}, {"evalue", evalue}});
+}
+
+void Server::refuse(const WireMessage& request, const std::string& ename,
+                    const std::string& evalue) {
+    spdlog::warn("manager: refused {} from {}: {}: {}", request.msg_type(),
+                 identity_text(request.identities.empty() ? "" : request.identities[0]), ename,
+                 evalue);
+    reply_error(request, ename, evalue);
+}
+
+void Server::on_manager() {
+    // The largest request anyone needs: one file in one message, or one chunk.
+    const std::size_t max_request_bytes =
+        std::max<std::size_t>(static_cast<std::size_t>(options_.policy.max_inline_file_bytes),
+                              transfers_.limits().max_chunk_bytes) +
+        (1 << 20);
+    // A burst of requests is handled in one turn, bounded so sessions keep flowing.
+    for (int i = 0; i < 64 && recv_multipart(manager_, scratch_, kManagerMaxFrames); ++i) {
+        const auto views = scratch_.views();
+        const std::string_view sender = views.empty() ? std::string_view() : views[0];
+        WireLimits limits;  // up to the socket's ceiling: read, then refused with a reply
+        limits.max_total_bytes = kManagerFrameCeiling * 2;
+        // The buffers are not signed and stay where they are: only the routing,
+        // the signature and the four JSON frames are decoded.
+        const auto delimiter = std::find(views.begin(), views.end(), kDelimiter);
+        const std::size_t first_buffer =
+            WireLayout{static_cast<std::size_t>(delimiter - views.begin())}.first_buffer();
+        const std::span<const std::string_view> all(views);
+        const auto head = delimiter == views.end() || views.size() <= first_buffer
+                              ? all
+                              : all.first(first_buffer);
+        auto decoded = decode(head, signer_, &replay_, limits);
+        if (!decoded.message) {
+            spdlog::warn("manager: rejected message from {}: {}", identity_text(sender),
+                         decoded.error);
+            if (auto parent = authenticated_parent(views, signer_, decoded.error)) {
+                const bool large = decoded.error.find("too large") != std::string::npos;
+                reply_error(*parent, large ? ename::MessageTooLarge : ename::InvalidRequest,
+                            "refused: " + decoded.error);
+            }
+            continue;
+        }
+        Request request{std::move(*decoded.message), {views.begin() + head.size(), views.end()}};
+        const std::string type = request.message.msg_type();
+        if (scratch_.dropped_frames > 0) {
+            refuse(request.message, ename::InvalidRequest,
+                   std::to_string(scratch_.frames.size() + scratch_.dropped_frames) +
+                       " frames, over the " + std::to_string(kManagerMaxFrames) +
+                       " a manager request may have");
+            continue;
+        }
+        if (scratch_.total_bytes > max_request_bytes) {
+            refuse(request.message, ename::MessageTooLarge,
+                   "the message is " + std::to_string(scratch_.total_bytes) + " bytes, over the " +
+                       std::to_string(max_request_bytes) +
+                       " a manager request may carry; send big files in chunks "
+                       "(file_put_begin_request)");
+            continue;
+        }
+        if (type.size() < 9 || !type.ends_with("_request")) {
+            refuse(request.message, ename::InvalidRequest, "'" + type + "' is not a request");
+            continue;
+        }
+        auto handler = handlers_.find(type);
+        if (handler == handlers_.end()) {
+            refuse(request.message, ename::UnknownRequest,
+                   "the manager does not know '" + type + "'");
+            continue;
+        }
+        std::vector<std::string> buffers;
+        try {
+            json content = (this->*(handler->second))(request, buffers);
+            if (!content.is_null()) reply(request.message, std::move(content), std::move(buffers));
+        } catch (const RequestError& e) {
+            reply_error(request.message, e.ename, e.evalue);
+        } catch (const FileRequestError& e) {
+            reply_error(request.message, e.ename(), e.what());
+        } catch (const PolicyError& e) {
+            reply_error(request.message, e.ename(), e.what());
+        } catch (const std::exception& e) {
+            spdlog::error("manager {}: {}", type, e.what());
+            reply_error(request.message, ename::ServerError, e.what());
+        }
+    }
+}
+
+std::string Server::session_id_of(const json& content) const {
+    auto it = content.find("session_id");
+    if (it == content.end() || !it->is_string() || it->get<std::string>().empty()) {
+        throw RequestError{ename::InvalidRequest, "session_id (a string) is required"};
+    }
+    return it->get<std::string>();
+}
+
+SessionProxy& Server::live_session(const json& content) {
+    const std::string id = session_id_of(content);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+        if (auto record = store_.session(id)) {
+            throw RequestError{ename::SessionClosed,
+                               "session " + id + " is closed: " + record->close_reason};
+        }
+        throw RequestError{ename::NoSuchSession, "no session " + id};
+    }
+    if (it->second->closed()) {
+        throw RequestError{ename::SessionClosed,
+                           "session " + id + " is closed: " + it->second->close_reason()};
+    }
+    return *it->second;
+}
+
+json Server::session_list(Request& r, std::vector<std::string>&) {
+    const bool open_only = r.message.content.value("open_only", false);
+    json list = json::array();
+    for (const auto& s : store_.sessions(open_only, 1000)) {
+        json entry = {{"session_id", s.id},
+                      {"image", s.image},
+                      {"state", s.state},
+                      {"created_at", s.created_at},
+                      {"executions", s.execution_count},
+                      {"close_reason", s.close_reason}};
+        if (auto it = sessions_.find(s.id); it != sessions_.end()) {
+            entry["state"] = it->second->state();
+            if (const auto* g = it->second->governor()) entry["executions"] = g->executions();
+            if (const Sandbox* box = it->second->sandbox(); box && !it->second->closed()) {
+                entry["container_id"] = box->container_id();
+                entry["pids"] = sandbox_pids(box->container_id());
+            }
+        }
+        list.push_back(entry);
+    }
+    // Every sandbox on the host that this server runs: the sessions' above,
+    // and the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
+    json warm = pool_->warm_sandboxes();
+    for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
+    return {{"status", "ok"},
+            {"sessions", list},
+            {"warm_sandboxes", warm},
+            {"runtime_root", settings_.runtime_root().string()}};
+}
+
+json Server::session_info(Request& r, std::vector<std::string>&) {
+    const std::string id = session_id_of(r.message.content);
+    const auto record = store_.session(id);
+    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
+    json info = {{"status", "ok"},
+                 {"session_id", id},
+                 {"image", record->image},
+                 {"image_id", record->image_id},
+                 {"state", record->state},
+                 {"created_at", record->created_at},
+                 {"closed_at", record->closed_at},
+                 {"close_reason", record->close_reason},
+                 {"limits", record->limits},
+                 {"metadata", record->metadata},
+                 {"executions", record->execution_count},
+                 {"host_ids", {{"base", record->host_id_base}, {"count", record->host_id_count}}}};
+    if (record->state == "closed") {
+        // What the session used over its life, kept at the close.
+        info["usage"] = {{"memory_peak_bytes", record->memory_peak_bytes},
+                         {"cpu_ms", record->cpu_ms}};
+    }
+    if (auto it = sessions_.find(id); it != sessions_.end() && !it->second->closed()) {
+        SessionProxy& s = *it->second;
+        info["state"] = s.state();
+        if (const auto* g = s.governor()) {
+            info["executions"] = g->executions();
+            info["executions_left"] = g->executions_left();
+        }
+        if (Sandbox* box = s.sandbox()) {
+            const auto u = box->usage();
+            info["usage"] = {{"memory_bytes", u.memory_bytes},
+                             {"memory_peak_bytes", u.memory_peak_bytes},
+                             {"cpu_ms", u.cpu_ns / 1000000}};
+        }
+    }
+    return info;
+}
+
+json Server::session_close(Request& r, std::vector<std::string>&) {
+    SessionProxy& s = live_session(r.message.content);
+    s.close("closed_by_request");
+    return {{"status", "ok"}, {"session_id", s.session_id()}};
+}
+
+json Server::session_history(Request& r, std::vector<std::string>&) {
+    const std::string id = session_id_of(r.message.content);
+    const auto record = store_.session(id);
+    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
+    json executions = json::array();
+    for (const auto& e : store_.executions(id)) {
+        executions.push_back({{"count", e.count},
+                              {"msg_id", e.msg_id},
+                              {"code", e.code},
+                              {"status", e.status},
+                              {"ename", e.ename},
+                              {"started_at", e.started_at},
+                              {"wall_ms", e.wall_ms},
+                              {"cpu_ms", e.cpu_ms},
+                              {"memory_peak_bytes", e.memory_peak_bytes},
+                              {"output_bytes", e.output_bytes},
+                              {"truncated", e.truncated}});
+    }
+    json events = json::array();
+    for (const auto& e : store_.events(id)) {
+        events.push_back({{"at", e.at}, {"kind", e.kind}, {"detail", e.detail}});
+    }
+    return {{"status", "ok"},
+            {"session_id", id},
+            {"image", record->image},
+            {"image_id", record->image_id},
+            {"state", record->state},
+            {"close_reason", record->close_reason},
+            {"memory_peak_bytes", record->memory_peak_bytes},
+            {"cpu_ms", record->cpu_ms},
+            {"executions", executions},
+            {"events", events}};
+}
+
+json Server::file_request(Request& r, std::vector<std::string>& buffers) {
+    SessionProxy& s = live_session(r.message.content);
+    const SessionFiles files{s.session_id(), s.sandbox()->input_dir(), s.sandbox()->output_dir(),
+                             s.sandbox()->input_dir().parent_path() / "partial",
+                             static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb)
+                                 << 20};
+    auto done =
+        transfers_.handle(r.message.msg_type(), r.message.content, r.buffers, files, Clock::now());
+    if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
+    buffers = std::move(done.buffers);
+    return std::move(done.content);
+}
+
+json Server::server_info(Request&, std::vector<std::string>&) {
+    // {name: {rootfs, runtime, content_id, size_bytes, built, pool}}: a built
+    // image's current version, and the one its pool holds.
+    const json pools = pool_->state();
+    json images = json::object();
+    for (const auto& [name, image] : images_) {
+        json entry = {{"rootfs", image.rootfs == "store" ? "store" : image.rootfs},
+                      {"runtime", image.runtime},
+                      {"preload", image.preload},
+                      {"pool", pools.contains(name) ? pools[name] : json(nullptr)}};
+        if (image.rootfs == "store") {
+            const auto current = image_store_.current(name);
+            entry["built"] = current.has_value();
+            entry["content_id"] = current ? current->content_id : "";
+            entry["size_bytes"] = current ? current->size_bytes() : 0;
+            entry["source"] = current ? current->manifest.value("source", "") : "";
+            const auto pool_id = pool_image_ids_.find(name);
+            entry["pool_content_id"] = pool_id != pool_image_ids_.end() ? pool_id->second : "";
+        }
+        images[name] = entry;
+    }
+    const std::size_t open = open_sessions();
+    return {
+        {"status", "ok"},
+        {"implementation", "cellblock"},
+        {"version", kVersion},
+        {"protocol_version", std::string(kProtocolVersion)},
+        {"images", images},
+        {"default_image", options_.default_image},
+        {"pool", pools},
+        {"sessions",
+         {{"open", open}, {"starting", creating_.size()}, {"max", options_.policy.max_sessions}}},
+        {"policy", options_.policy.to_json()},
+        {"state_dir", settings_.state_dir.string()}};
+}
+
+}  // namespace cellblock

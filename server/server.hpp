@@ -1,0 +1,205 @@
+// The server of `cellblock serve`, private to server/: one class, its parts
+// in files by concern. server_startup.cpp (state dir, lock, images, pool,
+// manager socket), manager_api.cpp (the manager's requests, one handler
+// each), session_creation.cpp (creates waiting for a sandbox, warm and cold
+// starts, the hand-out to a SessionProxy), server_mode.cpp (the audit trail,
+// CPU fairness, image versions and the loop).
+#pragma once
+
+#include "server_mode.hpp"
+
+#include <fcntl.h>
+#include <malloc.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <fstream>
+#include <unordered_map>
+
+#include <spdlog/spdlog.h>
+#include <zmq.hpp>
+
+#include "cellblock/connection_info.hpp"
+#include "cellblock/cpu_fairness.hpp"
+#include "cellblock/error_names.hpp"
+#include "cellblock/image_builder.hpp"
+#include "cellblock/replay_guard.hpp"
+#include "cellblock/sandbox_pool.hpp"
+#include "cellblock/session_store.hpp"
+#include "cellblock/signer.hpp"
+#include "cellblock/unique_fd.hpp"
+#include "cellblock/wire_message.hpp"
+#include "event_loop.hpp"
+#include "file_transfer.hpp"
+#include "inner_channels.hpp"
+#include "manager_paths.hpp"
+#include "multipart.hpp"
+#include "session_proxy.hpp"
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+inline constexpr const char* kVersion = "0.1.0";
+inline constexpr auto kProbeTimeout = std::chrono::seconds(60);
+// How often the server checks whether a built image's name moved (a rebuild,
+// `image rm`): a readlink and a stat per built image (ImageStore::current_id).
+inline constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
+// The manager socket reads a frame up to this size so that a request too
+// large gets an answer (MessageTooLarge); requests themselves are far smaller.
+inline constexpr std::size_t kManagerFrameCeiling = 256u << 20;
+inline constexpr std::size_t kManagerMaxFrames = 64;
+
+inline double unix_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
+
+// "x_request" -> "x_reply"; anything else -> "error_reply".
+inline std::string reply_type(const std::string& request_type) {
+    constexpr std::string_view suffix = "_request";
+    if (request_type.size() > suffix.size() && request_type.ends_with(suffix))
+        return request_type.substr(0, request_type.size() - suffix.size()) + "_reply";
+    return "error_reply";
+}
+
+// A manager request failed in a way the client should be told about.
+struct RequestError {
+    std::string ename, evalue;
+};
+
+// Start-up helpers (server_startup.cpp).
+void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key);
+UniqueFd hold_server_lock(const fs::path& state_dir);
+std::vector<pid_t> sandbox_pids(const std::string& container_id);
+void check_state_dir_reachable(const fs::path& state_dir);
+zmq::context_t make_server_context();
+std::vector<Image> load_images(const std::vector<fs::path>& dirs);
+
+class Server final : public SessionObserver {
+  public:
+    explicit Server(const ServeOptions& options);
+    ~Server() override;
+    int run();
+
+    // SessionObserver
+    void on_execution(const ExecutionRecord& record) override;
+    void on_state(const std::string& session_id, const std::string& state) override;
+    void on_event(const std::string& session_id, const std::string& kind,
+                  const std::string& detail) override;
+    void on_closed(const std::string& session_id, const std::string& reason) override;
+
+  private:
+    struct Request {
+        WireMessage message;
+        // The message's buffers, still in the received frames (scratch_): an
+        // upload's chunk is written from there, not copied first.
+        std::vector<std::string_view> buffers;
+    };
+    struct PendingCreate {
+        WireMessage request;
+        std::string session_id;
+        std::string image;
+        SessionLimits limits;
+        json metadata;
+        Clock::time_point started;
+        std::string image_id;  // content id of a built image's root
+        // Creates with the same kind can take each other's sandboxes: image,
+        // version, runtime and limits.
+        std::string kind;
+        bool poolable = false;  // the image's pool holds this kind
+        // The create is answered ServerBusy at this time: the server's
+        // bound on the wait, or earlier, the client's own timeout.
+        Clock::time_point deadline;
+        std::optional<double> client_timeout_s;
+        std::uint64_t ticket = 0;  // the cold start under way for it
+    };
+    using Handler = json (Server::*)(Request&, std::vector<std::string>& reply_buffers);
+
+    void on_manager();
+    void reply(const WireMessage& request, json content, std::vector<std::string> buffers = {});
+    void reply_error(const WireMessage& request, const std::string& ename,
+                     const std::string& evalue);
+    // An error reply and one log line: a request the manager will not handle.
+    void refuse(const WireMessage& request, const std::string& ename, const std::string& evalue);
+    void on_pool_results();
+    void finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms, bool warm_start);
+    // Queued creates, oldest first, take the warm sandboxes the pool holds.
+    void serve_from_pool();
+    // A started sandbox of `kind` goes to the oldest create of that kind.
+    void hand_out(std::uint64_t ticket, const std::string& kind, StartResult result);
+    // The cold start of a create that no longer waits: cancelled, or its
+    // sandbox goes to the next create of its kind (or is destroyed).
+    void release_cold_start(std::uint64_t ticket, const std::string& kind);
+    void expire_creates(Clock::time_point now);
+    std::size_t open_sessions() const;
+    SessionProxy& live_session(const json& content);
+    void flush_audit();
+    std::string session_id_of(const json& content) const;
+
+    json session_create(Request& r, std::vector<std::string>& buffers);
+    json session_list(Request& r, std::vector<std::string>& buffers);
+    json session_info(Request& r, std::vector<std::string>& buffers);
+    json session_close(Request& r, std::vector<std::string>& buffers);
+    json session_history(Request& r, std::vector<std::string>& buffers);
+    json file_request(Request& r, std::vector<std::string>& buffers);
+    json server_info(Request& r, std::vector<std::string>& buffers);
+
+    ServeOptions options_;
+    RuntimeSettings settings_;
+    std::map<std::string, Image> images_;
+    // Built and imported images (image_builder.hpp); the content id each
+    // image's pool holds. A rebuild (or `image rm`) moves the name; the pool
+    // follows within kPoolVersionCheck, or at the next session_create.
+    ImageStore image_store_;
+    std::map<std::string, std::string> pool_image_ids_;
+    void follow_image_version(const std::string& name);
+    Clock::time_point next_version_check_{};
+    SessionStore store_;
+    zmq::context_t context_ = make_server_context();
+    zmq::socket_t manager_{context_, zmq::socket_type::router};
+    std::string manager_endpoint_;
+    std::string key_ = make_random_key();
+    Signer signer_{key_};
+    ReplayGuard replay_;
+    UniqueFd server_lock_;
+    UniqueFd wake_fd_;
+    UniqueFd signal_fd_;
+    // Set when the server stops: the pool's kernel probes give up at once
+    // rather than holding the shutdown for up to kProbeTimeout.
+    std::atomic<bool> stopping_{false};
+    std::unique_ptr<SandboxPool> pool_;
+    // The one loop: the manager, the pool's wake-ups, signals, and every
+    // session's sockets and deadline (sessions_ go first when the server ends).
+    EventLoop loop_;
+    std::map<std::string, std::unique_ptr<SessionProxy>> sessions_;
+    // Closed sessions whose channels have answered SessionClosed long
+    // enough; destroyed after the loop's turn, not from their own deadline.
+    std::vector<std::string> expired_;
+    // Creates waiting for a sandbox, in the order they came in.
+    std::map<std::uint64_t, PendingCreate> creating_;
+    std::uint64_t next_create_ = 0;
+    // Cold starts running for creates that left (their kind): the sandbox
+    // goes to the next create of that kind.
+    std::unordered_map<std::uint64_t, std::string> orphan_starts_;
+    // Files in and out of sessions, in chunks (file_transfer.hpp).
+    FileTransfers transfers_;
+    std::unordered_map<std::string, Handler> handlers_;
+    Multipart scratch_;
+    // Execution records wait here until the turn's messages are sent: the
+    // SQLite write then overlaps the client's receive instead of delaying
+    // the idle status behind it. Flushed before any manager request is read.
+    std::vector<ExecutionRecord> audit_queue_;
+    // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
+    void balance_cpu(Clock::time_point now);
+    std::unordered_map<std::string, CpuFairness> fairness_;
+    Clock::time_point next_balance_{};
+};
+
+}  // namespace cellblock

@@ -1,0 +1,236 @@
+// Start-up: the state directory and its lock, images, the pool, the manager socket.
+#include "server.hpp"
+
+namespace cellblock {
+
+void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key) {
+    const json j = {{"manager", endpoint},
+                    {"key", key},
+                    {"signature_scheme", "hmac-sha256"},
+                    {"pid", ::getpid()},
+                    {"version", kVersion}};
+    const fs::path tmp = path.string() + ".tmp";
+    UniqueFd fd(::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600));
+    if (!fd) throw std::runtime_error("server file " + tmp.string() + ": " + strerror(errno));
+    ::fchmod(fd.get(), 0600);
+    const std::string text = j.dump(2) + "\n";
+    const bool ok =
+        ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
+    fd.reset();
+    if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
+        throw std::runtime_error("server file " + path.string() + ": cannot write");
+    }
+}
+
+// The live server's claim on its state dir: a POSIX write lock on
+// server.lock, held for the server's life and released by the kernel when
+// it dies, even by SIGKILL. Clients test it (server_lock_holder) before they
+// trust server.json; a second server on the same state dir is refused
+// before it could reap the first one's sandboxes.
+UniqueFd hold_server_lock(const fs::path& state_dir) {
+    const fs::path file = server_lock_file(state_dir);
+    UniqueFd fd(::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+    if (!fd) throw std::runtime_error("server lock " + file.string() + ": " + strerror(errno));
+    struct flock lock {};
+    lock.l_type = F_WRLCK;
+    lock.l_whence = SEEK_SET;
+    if (::fcntl(fd.get(), F_SETLK, &lock) != 0) {
+        const auto holder = server_lock_holder(state_dir);
+        throw std::runtime_error("another cellblock server" +
+                                 (holder ? " (pid " + std::to_string(*holder) + ")" : "") +
+                                 " runs with state dir " + state_dir.string());
+    }
+    return fd;
+}
+
+// The host pids of a sandbox's processes (its cgroup's members).
+std::vector<pid_t> sandbox_pids(const std::string& container_id) {
+    std::vector<pid_t> pids;
+    for (const auto& dir : sandbox_cgroup_dirs(container_id)) {
+        std::ifstream procs(dir / "cgroup.procs");
+        if (!procs) continue;
+        for (pid_t pid; procs >> pid;) pids.push_back(pid);
+        if (!pids.empty()) break;
+    }
+    std::sort(pids.begin(), pids.end());
+    return pids;
+}
+
+// runc maps the container's root to an unprivileged host id, which must be
+// able to reach the bundle: every ancestor of the state dir must be searchable.
+void check_state_dir_reachable(const fs::path& state_dir) {
+    for (fs::path p = state_dir.parent_path(); !p.empty() && p != p.root_path();
+         p = p.parent_path()) {
+        struct stat st {};
+        if (::stat(p.c_str(), &st) == 0 && !(st.st_mode & S_IXOTH)) {
+            throw std::runtime_error("state dir " + state_dir.string() + ": " + p.string() +
+                                     " is not searchable by the sandbox's mapped user (mode " +
+                                     std::to_string(st.st_mode & 0777) +
+                                     " octal-less); choose a state dir under /var/lib or /run");
+        }
+    }
+}
+
+// Each session holds about ten sockets and twenty-odd descriptors: lift the
+// process's descriptor limit to its hard maximum and size the ZMQ context by
+// it (libzmq's default is 1023 sockets per context). Must run before the
+// first socket exists.
+zmq::context_t make_server_context() {
+    rlimit nofile{};
+    if (::getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur < nofile.rlim_max) {
+        nofile.rlim_cur = nofile.rlim_max;
+        ::setrlimit(RLIMIT_NOFILE, &nofile);
+    }
+    ::getrlimit(RLIMIT_NOFILE, &nofile);
+    zmq::context_t context(1);
+    const auto sockets = std::clamp<rlim_t>(nofile.rlim_cur / 2, 1024, 65536);
+    context.set(zmq::ctxopt::max_sockets, static_cast<int>(sockets));
+    return context;
+}
+
+std::vector<Image> load_images(const std::vector<fs::path>& dirs) {
+    std::map<std::string, Image> found;
+    for (const auto& dir : dirs) {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(dir, ec)) {
+            const fs::path file = entry.path() / "image.json";
+            if (!fs::exists(file) || found.count(entry.path().filename().string())) continue;
+            try {
+                Image image = Image::load(file);
+                found.emplace(image.name, std::move(image));
+            } catch (const std::exception& e) {
+                spdlog::warn("{}", e.what());
+            }
+        }
+    }
+    std::vector<Image> out;
+    for (auto& [name, image] : found) out.push_back(std::move(image));
+    return out;
+}
+
+Server::Server(const ServeOptions& options)
+    : options_(options),
+      image_store_(options.paths.image_store.empty() ? options.paths.state_dir / "images"
+                                                     : options.paths.image_store),
+      store_((fs::create_directories(options.paths.state_dir),
+              options.paths.state_dir / "cellblock.db")),
+      transfers_(FileTransferLimits{
+          .max_file_bytes = static_cast<std::uint64_t>(options.policy.max_file_bytes),
+          .max_inline_bytes = static_cast<std::uint64_t>(options.policy.max_inline_file_bytes)}) {
+    settings_.state_dir = options_.paths.state_dir;
+    settings_.libexec_dir = options_.paths.libexec_dir;
+    server_lock_ = hold_server_lock(settings_.state_dir);
+    check_state_dir_reachable(settings_.state_dir);
+    ::chmod(settings_.state_dir.c_str(), 0711);
+    if (!fs::exists(settings_.libexec_dir / "cellblock-shim")) {
+        throw std::runtime_error("kernel-shim " +
+                                 (settings_.libexec_dir / "cellblock-shim").string() +
+                                 " does not exist (build it, or pass --libexec-dir)");
+    }
+    options_.policy.validate();
+    for (auto& image : load_images(options_.paths.image_dirs)) images_.emplace(image.name, image);
+    // Imported images without a definition in the image dirs run as stored.
+    for (const auto& name : image_store_.names()) {
+        if (images_.count(name)) continue;
+        try {
+            Image stored = image_store_.image(*image_store_.current(name));
+            stored.rootfs = "store";  // resolved again at each session_create
+            stored.content_id.clear();
+            images_.emplace(name, std::move(stored));
+        } catch (const std::exception& e) {
+            spdlog::warn("image store: {}: {}", name, e.what());
+        }
+    }
+    if (!images_.count(options_.default_image)) {
+        throw std::runtime_error("default image '" + options_.default_image + "' not found");
+    }
+
+    // Crash recovery: whatever an earlier server left is reaped, then marked.
+    // First any process still running as an open session's host ids (the
+    // registry has the range; while its session dir is there no one else can
+    // lease it), then the sandboxes themselves.
+    for (const auto& s : store_.sessions(true, 1000000)) {
+        if (s.host_id_count == 0) continue;
+        const auto killed = kill_leftovers_in(settings_.host_ids, {s.host_id_base, s.host_id_count},
+                                              settings_.sessions_dir() / s.id);
+        if (!killed.empty()) {
+            spdlog::info("session {}: killed {} leftover process(es) running as its host ids {}..",
+                         s.id, killed.size(), s.host_id_base);
+        }
+    }
+    for (const auto& id : reap_abandoned_sessions(settings_)) {
+        spdlog::info("reaped sandbox of session {} left by an earlier server", id);
+    }
+    for (const auto& path : remove_orphan_cgroups(std::chrono::seconds(60))) {
+        spdlog::info("removed empty cgroup {} left by an earlier run", path.string());
+    }
+    for (const auto& id : store_.close_all_open("server_restart", unix_now())) {
+        spdlog::info("session {} marked closed: server_restart", id);
+    }
+
+    handlers_ = {{"session_create_request", &Server::session_create},
+                 {"session_list_request", &Server::session_list},
+                 {"session_info_request", &Server::session_info},
+                 {"session_close_request", &Server::session_close},
+                 {"session_history_request", &Server::session_history},
+                 {"server_info_request", &Server::server_info}};
+    for (const auto& type : FileTransfers::request_types()) handlers_[type] = &Server::file_request;
+
+    wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!wake_fd_) throw std::runtime_error(std::string("eventfd: ") + strerror(errno));
+    sigset_t signals;
+    sigemptyset(&signals);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, sig);
+    signal_fd_.reset(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
+    if (!signal_fd_) throw std::runtime_error(std::string("signalfd: ") + strerror(errno));
+    std::vector<PoolImage> pool_images;
+    for (const auto& [name, image] : images_) {
+        PoolImage p;
+        try {
+            p.image = resolve_image(image, image_store_);
+        } catch (const ImageNotBuilt& e) {
+            spdlog::warn("{} (no pool for it until then)", e.what());
+            continue;
+        }
+        pool_image_ids_[name] = p.image.content_id;
+        p.limits = options_.policy.effective(image.limits_json, json::object()).sandbox;
+        auto it = options_.pool.find(name);
+        p.target = it != options_.pool.end() ? it->second : 0;
+        pool_images.push_back(std::move(p));
+    }
+    zmq::context_t* ctx = &context_;
+    const int wake = wake_fd_.get();
+    pool_ = std::make_unique<SandboxPool>(
+        settings_,
+        [ctx, stopping = &stopping_](Sandbox& box) -> std::shared_ptr<void> {
+            return std::shared_ptr<InnerChannels>(
+                probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping));
+        },
+        std::move(pool_images),
+        [wake] {
+            const std::uint64_t one = 1;
+            [[maybe_unused]] auto n = ::write(wake, &one, sizeof one);
+        },
+        options_.pool_workers);
+
+    manager_.set(zmq::sockopt::linger, 1000);
+    // Frames up to the ceiling are read and answered (MessageTooLarge past the
+    // real limit, see on_manager); past it libzmq cuts the connection.
+    manager_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kManagerFrameCeiling));
+    manager_.set(zmq::sockopt::router_handover, 1);
+    manager_.bind(options_.manager_endpoint);
+    manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
+    write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_);
+}
+
+Server::~Server() {
+    stopping_ = true;  // kernel starts still being probed give up now
+    for (auto& [id, session] : sessions_) session->close("server_shutdown");
+    sessions_.clear();
+    flush_audit();
+    pool_.reset();  // joins workers, destroys warm sandboxes
+    std::error_code ec;
+    fs::remove(server_file(settings_.state_dir), ec);
+}
+
+}  // namespace cellblock
