@@ -1,3 +1,6 @@
+// A session's sandbox: its start (bundle, mounts, runtime, lifeline), signals,
+// exit and destruction. Cgroups, the lifeline, gVisor and the reaper have files
+// of their own (sandbox_internal.hpp).
 #include "cellblock/sandbox.hpp"
 
 #include <fcntl.h>
@@ -29,12 +32,10 @@
 #include "cellblock/image_builder.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
+#include "sandbox_internal.hpp"
 
-namespace cellblock {
+namespace cellblock::sandbox_detail {
 namespace fs = std::filesystem;
-using nlohmann::json;
-
-namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -60,8 +61,7 @@ std::string log_tail(const fs::path& log) {
     return text;
 }
 
-void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner,
-                 const char* mode = "0700") {
+void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner, const char* mode) {
     const std::string options = "size=" + std::to_string(size_mb) + "m,mode=" + mode +
                                 ",uid=" + std::to_string(owner) + ",gid=" + std::to_string(owner);
     if (::mount("tmpfs", target.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
@@ -96,151 +96,12 @@ std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std:
 
 // Which runtime created a session dir (written at start, read by the reaper).
 fs::path runtime_file(const fs::path& dir) { return dir / "runtime"; }
+}  // namespace cellblock::sandbox_detail
 
-// The lifeline of a runtime that cannot pass fds: a listening socket in the
-// session's ipc dir (bind-mounted at /run/cellblock), connectable only by the
-// sandbox's user.
-int listen_lifeline(const fs::path& path, std::uint32_t owner) {
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    if (path.string().size() >= sizeof addr.sun_path) {
-        throw SandboxError("lifeline socket path too long: " + path.string());
-    }
-    std::memcpy(addr.sun_path, path.c_str(), path.string().size());
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) throw SandboxError("lifeline socket: " + errno_text());
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::chown(path.c_str(), owner, owner) != 0 || ::chmod(path.c_str(), 0600) != 0 ||
-        ::listen(fd, 1) != 0 || ::fcntl(fd, F_SETFL, O_NONBLOCK) != 0) {
-        const std::string why = errno_text();
-        ::close(fd);
-        throw SandboxError("lifeline socket " + path.string() + ": " + why);
-    }
-    return fd;
-}
-
-bool process_gone(pid_t pid) {
-    const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
-    const auto paren = stat.rfind(')');
-    return paren == std::string::npos || stat.compare(paren + 1, 3, " Z ") == 0;
-}
-
-// Accepts the shim's connection; -1 if the sandbox ended or the time passed first.
-int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    for (;;) {
-        // A sandbox that ended at once may still have connected first: accept before judging.
-        const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) return fd;
-        if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) return -1;
-        if ((init_pid > 0 && process_gone(init_pid)) ||
-            std::chrono::steady_clock::now() >= deadline) {
-            return -1;
-        }
-        pollfd p{listener, POLLIN, 0};
-        ::poll(&p, 1, 50);
-    }
-}
-
-// gVisor's Sentry forks its ptrace stubs; when the Sentry dies they are
-// orphaned to the nearest subreaper (this process) and must be reaped here.
-// The Sentry and gofer pids of live sandboxes are registered: their own
-// reap_init waits for them, and it must be the one to (it kills them by pid).
-struct RunscChildren {
-    std::mutex mutex;
-    std::set<pid_t> owned;  // Sentries and gofers of Sandbox objects not yet reaped
-    int starting = 0;       // runsc runs whose pids are not registered yet
-};
-RunscChildren& runsc_children() {
-    static RunscChildren children;
-    return children;
-}
-
-// Reaps zombie children that gVisor left: comm "exe" (gVisor re-executes
-// /proc/self/exe for the Sentry, the gofer and the stubs forked from the
-// Sentry) and no live Sandbox's own pid. Skipped while a runsc start is between
-// run and registration, when its pids are not known yet; a later sweep takes them.
-void reap_runsc_orphans() {
-    auto& children = runsc_children();
-    std::lock_guard lock(children.mutex);
-    if (children.starting > 0) return;
-    const std::string self = std::to_string(::getpid());
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
-        const std::string name = entry.path().filename().string();
-        if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-        const std::string stat = read_text(entry.path() / "stat");
-        const auto open = stat.find('(');
-        const auto close = stat.rfind(')');
-        if (open == std::string::npos || close == std::string::npos) continue;
-        std::istringstream rest(stat.substr(close + 1));
-        std::string state, ppid;
-        rest >> state >> ppid;
-        if (state != "Z" || ppid != self || stat.substr(open + 1, close - open - 1) != "exe")
-            continue;
-        const pid_t pid = static_cast<pid_t>(std::stoi(name));
-        if (children.owned.count(pid)) continue;
-        ::waitpid(pid, nullptr, WNOHANG);
-    }
-}
-
-// runsc run --detach leaves its gofer to the nearest subreaper (us) too:
-// found here so that it can be reaped with the sandbox.
-pid_t find_child_gofer(const fs::path& bundle) {
-    const std::string self = std::to_string(::getpid());
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/proc", ec)) {
-        const std::string name = entry.path().filename().string();
-        if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-        const std::string stat = read_text(entry.path() / "stat");
-        const auto paren = stat.rfind(')');
-        if (paren == std::string::npos) continue;
-        std::istringstream rest(stat.substr(paren + 1));
-        std::string state, ppid;
-        rest >> state >> ppid;
-        if (ppid != self) continue;
-        const std::string cmdline = read_text(entry.path() / "cmdline");
-        if (cmdline.rfind(std::string("runsc-gofer") + '\0', 0) == 0 &&
-            cmdline.find('\0' + bundle.string() + '\0') != std::string::npos) {
-            return static_cast<pid_t>(std::stoi(name));
-        }
-    }
-    return -1;
-}
-
-void remove_cgroups(const std::string& container_id) {
-    for (const auto& dir : sandbox_cgroup_dirs(container_id)) {
-        // A cgroup is removed with rmdir once empty; retry briefly while the
-        // last processes are being torn down.
-        for (int i = 0; i < 50 && fs::exists(dir); ++i) {
-            if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) break;
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
-    }
-}
-
-// Removes a session directory completely: the container, mounts, cgroups, files.
-void remove_session(RuntimeSettings settings, const std::string& session_id, const fs::path& dir) {
-    const std::string cid = container_id_for(session_id);
-    // The runtime that created it, which may not be the caller's default.
-    std::string recorded = read_text(runtime_file(dir));
-    while (!recorded.empty() && recorded.back() == '\n') recorded.pop_back();
-    if (!recorded.empty()) settings.runtime = recorded;
-    const auto result = run_process(runtime_argv(settings, {"delete", "--force", cid}));
-    if (result.exit_code != 0 && result.output.find("does not exist") == std::string::npos &&
-        result.output.find("not exist") == std::string::npos) {
-        spdlog::warn("session {}: {} delete: {}", session_id, settings.runtime, result.output);
-    }
-    unmount_if_mounted(dir / "ipc");
-    unmount_if_mounted(dir / "output");
-    unmount_if_mounted(dir / "log");
-    remove_cgroups(cid);
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-    if (ec) spdlog::warn("session {}: remove {}: {}", session_id, dir.string(), ec.message());
-}
-
-}  // namespace
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace sandbox_detail;
 
 bool runtime_allowed(const std::string& name) {
     return name == "runc" || name == "runsc" || name == "crun";
@@ -260,21 +121,6 @@ bool runtime_installed(const std::string& runtime) {
     return false;
 }
 
-std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
-    std::vector<fs::path> dirs;
-    const fs::path root = "/sys/fs/cgroup";
-    if (fs::exists(root / "cgroup.controllers")) {
-        dirs.push_back(root / "cellblock" / container_id);
-        return dirs;
-    }
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(root, ec)) {
-        const fs::path dir = entry.path() / "cellblock" / container_id;
-        if (fs::exists(dir)) dirs.push_back(dir);
-    }
-    return dirs;
-}
-
 std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Image& image,
                                         const SandboxLimits& limits,
                                         const RuntimeSettings& settings) {
@@ -290,7 +136,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
         // Kept from here until destroy(): `image rm` leaves this version alone.
         try {
-            box->version_fd_ = hold_stored_version(image.rootfs);
+            box->version_fd_.reset(hold_stored_version(image.rootfs));
         } catch (const std::exception& e) {
             throw SandboxError("image " + image.name + ": " + e.what());
         }
@@ -320,8 +166,8 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     }
     // The lock appears under its final name only once held, so a reaper in
     // another cellblock process never sees an unlocked lock of a live session.
-    box->lock_fd_ = ::open((dir / "lock.new").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
-    if (box->lock_fd_ < 0 || ::flock(box->lock_fd_, LOCK_EX | LOCK_NB) != 0 ||
+    box->lock_fd_.reset(::open((dir / "lock.new").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
+    if (!box->lock_fd_ || ::flock(box->lock_fd_.get(), LOCK_EX | LOCK_NB) != 0 ||
         ::rename((dir / "lock.new").c_str(), (dir / "lock").c_str()) != 0) {
         throw SandboxError("session lock " + (dir / "lock").string() + ": " + errno_text());
     }
@@ -420,7 +266,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
             ::close(log_fd);
             throw SandboxError("lifeline socketpair: " + errno_text());
         }
-        box->lifeline_ = pair[0];
+        box->lifeline_.reset(pair[0]);
         pass_fd = pair[1];
         run_args.insert(run_args.end(), {"--preserve-fds", "1"});
     } else {
@@ -463,10 +309,10 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         // Only the first connection is taken; the socket is then closed and
         // unlinked, so nothing started later in the sandbox can reach it. The
         // shim connects before it starts the kernel, so the first is the shim's.
-        box->lifeline_ = accept_lifeline(listener, box->init_pid_, std::chrono::seconds(30));
+        box->lifeline_.reset(accept_lifeline(listener, box->init_pid_, std::chrono::seconds(30)));
         ::close(listener);
         ::unlink(lifeline_socket.c_str());
-        if (box->lifeline_ < 0) {
+        if (!box->lifeline_) {
             throw SandboxError(settings.runtime + " run " + box->container_id_ +
                                ": the shim never connected to its lifeline; log: " + log_tail(log));
         }
@@ -476,49 +322,12 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     return box;
 }
 
-void Sandbox::open_counters() {
-    auto open_first = [&](std::initializer_list<const char*> names, int flags) {
-        for (const auto& dir : cgroup_dirs_) {
-            for (const char* name : names) {
-                const int fd = ::open((dir / name).c_str(), flags | O_CLOEXEC);
-                if (fd >= 0) return fd;
-            }
-        }
-        return -1;
-    };
-    // v1 names first, then v2's.
-    counters_.memory_peak = open_first({"memory.max_usage_in_bytes", "memory.peak"}, O_RDONLY);
-    counters_.memory_usage = open_first({"memory.usage_in_bytes", "memory.current"}, O_RDONLY);
-    counters_.oom_control = open_first({"memory.oom_control", "memory.events"}, O_RDONLY);
-    counters_.cpu_usage = open_first({"cpuacct.usage"}, O_RDONLY);
-    counters_.pids_current = open_first({"pids.current"}, O_RDONLY);
-    counters_.cpu_weight = open_first({"cpu.shares"}, O_WRONLY);
-    if (counters_.cpu_weight < 0) {
-        counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
-        counters_.cpu_weight_v2 = counters_.cpu_weight >= 0;
-    }
-    counters_.cpu_quota = open_first({"cpu.cfs_quota_us"}, O_WRONLY);
-    if (counters_.cpu_quota < 0) {
-        counters_.cpu_quota = open_first({"cpu.max"}, O_WRONLY);
-        counters_.cpu_quota_v2 = counters_.cpu_quota >= 0;
-    }
-}
-
-void Sandbox::close_counters() {
-    for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
-                    &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
-                    &counters_.pids_current}) {
-        if (*fd >= 0) ::close(*fd);
-        *fd = -1;
-    }
-}
-
 Sandbox::~Sandbox() { destroy(); }
 
 bool Sandbox::read_lifeline() {
     if (exited_) return false;
     char buf[512];
-    const ssize_t n = ::recv(lifeline_, buf, sizeof buf, MSG_DONTWAIT);
+    const ssize_t n = ::recv(lifeline_.get(), buf, sizeof buf, MSG_DONTWAIT);
     if (n > 0) {
         shim_status_.append(buf, static_cast<size_t>(std::min<ssize_t>(n, 512)));
         if (shim_status_.size() > 4096) shim_status_.resize(4096);
@@ -562,7 +371,7 @@ void Sandbox::interrupt() {
         // shim over the lifeline instead (it forwards SIGINT to the kernel).
         static const char line[] = "interrupt\n";
         [[maybe_unused]] auto n =
-            ::send(lifeline_, line, sizeof line - 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+            ::send(lifeline_.get(), line, sizeof line - 1, MSG_DONTWAIT | MSG_NOSIGNAL);
         return;
     }
     ::kill(init_pid_, SIGINT);
@@ -595,177 +404,19 @@ void Sandbox::reap_init() {
     }
 }
 
-namespace {
-
-// The whole of a small cgroup file, read again from its start.
-std::string_view pread_text(int fd, char (&buf)[512]) {
-    if (fd < 0) return {};
-    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
-    return n > 0 ? std::string_view(buf, static_cast<std::size_t>(n)) : std::string_view();
-}
-
-std::uint64_t parse_u64(std::string_view text) {
-    std::uint64_t v = 0;
-    std::from_chars(text.data(), text.data() + text.size(), v);
-    return v;
-}
-
-// The value after "key " in a "key value" per line file (0 when absent).
-std::uint64_t keyed_u64(std::string_view text, std::string_view key) {
-    for (std::size_t at = 0; at < text.size();) {
-        const std::size_t end = std::min(text.find('\n', at), text.size());
-        const std::string_view line = text.substr(at, end - at);
-        if (line.size() > key.size() && line.substr(0, key.size()) == key &&
-            line[key.size()] == ' ')
-            return parse_u64(line.substr(key.size() + 1));
-        at = end + 1;
-    }
-    return 0;
-}
-
-}  // namespace
-
-SandboxUsage Sandbox::usage() const {
-    SandboxUsage u;
-    if (destroyed_) return u;
-    char buf[512];
-    u.memory_peak_bytes = parse_u64(pread_text(counters_.memory_peak, buf));
-    u.memory_bytes = parse_u64(pread_text(counters_.memory_usage, buf));
-    u.oom_kills = keyed_u64(pread_text(counters_.oom_control, buf), "oom_kill");
-    u.cpu_ns = parse_u64(pread_text(counters_.cpu_usage, buf));
-    return u;
-}
-
-void Sandbox::renice(int nice) {
-    if (destroyed_) return;
-    for (const auto& dir : cgroup_dirs_) {
-        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
-        if (!tasks) continue;
-        for (long tid = 0; tasks >> tid;) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
-        return;
-    }
-}
-
-std::int64_t Sandbox::task_count() const {
-    if (destroyed_ || counters_.pids_current < 0) return -1;
-    char buf[512];
-    const std::string_view text = pread_text(counters_.pids_current, buf);
-    return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
-}
-
-int Sandbox::any_task_runnable() const {
-    if (destroyed_) return -1;
-    for (const auto& dir : cgroup_dirs_) {
-        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
-        if (!tasks) continue;
-        for (long tid = 0; tasks >> tid;) {
-            std::ifstream stat("/proc/" + std::to_string(tid) + "/stat");
-            std::string line;
-            if (!std::getline(stat, line)) continue;  // exited meanwhile
-            // "pid (comm) S ...": the comm may hold spaces and parentheses.
-            const auto close = line.rfind(')');
-            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R')
-                return 1;
-        }
-        return 0;
-    }
-    return -1;
-}
-
-bool Sandbox::set_cpu_quota(double cpus) {
-    if (destroyed_ || counters_.cpu_quota < 0) return false;
-    // The period apply_cgroup_limits sets; the kernel's floor is 1 ms.
-    constexpr long period = 100000;
-    const long quota = std::max(1000L, std::lround(cpus * period));
-    // cpus <= 0: no quota at all.
-    const std::string value = cpus > 0                 ? std::to_string(quota)
-                              : counters_.cpu_quota_v2 ? "max"
-                                                       : "-1";
-    const std::string text = counters_.cpu_quota_v2 ? value + " " + std::to_string(period) : value;
-    return ::pwrite(counters_.cpu_quota, text.data(), text.size(), 0) ==
-           static_cast<ssize_t>(text.size());
-}
-
-bool Sandbox::set_cpu_weight(int shares) {
-    if (destroyed_ || counters_.cpu_weight < 0) return false;
-    // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
-    const long value = counters_.cpu_weight_v2 ? std::clamp(shares * 100L / 1024, 1L, 10000L)
-                                               : std::clamp<long>(shares, 2, 262144);
-    const std::string text = std::to_string(value);
-    return ::pwrite(counters_.cpu_weight, text.data(), text.size(), 0) ==
-           static_cast<ssize_t>(text.size());
-}
-
 void Sandbox::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
     close_counters();
     kill();
     reap_init();
-    if (lifeline_ >= 0) ::close(lifeline_);
-    lifeline_ = -1;
+    lifeline_.reset();
     remove_session(settings_, session_id_, dir_);
     // By now (runsc delete has run) the Sentry's stubs are dead: reap them.
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) reap_runsc_orphans();
-    if (lock_fd_ >= 0) ::close(lock_fd_);
-    lock_fd_ = -1;
-    if (version_fd_ >= 0) ::close(version_fd_);
-    version_fd_ = -1;
+    lock_fd_.reset();
+    version_fd_.reset();
     host_ids_.release();
-}
-
-std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {
-    std::vector<fs::path> removed;
-    std::vector<fs::path> parents = {"/sys/fs/cgroup/cellblock"};
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/sys/fs/cgroup", ec))
-        parents.push_back(entry.path() / "cellblock");
-    const auto now = fs::file_time_type::clock::now();
-    for (const auto& parent : parents) {
-        std::error_code it_ec;
-        for (const auto& entry : fs::directory_iterator(parent, it_ec)) {
-            const std::string name = entry.path().filename().string();
-            if (name.rfind("cb-", 0) != 0) continue;
-            std::error_code age_ec;
-            const auto mtime = fs::last_write_time(entry.path(), age_ec);
-            if (age_ec || now - mtime < min_age) continue;
-            if (::rmdir(entry.path().c_str()) == 0) removed.push_back(entry.path());
-        }
-    }
-    return removed;
-}
-
-std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings) {
-    std::vector<std::string> reaped;
-    std::error_code ec;
-    if (!fs::exists(settings.sessions_dir(), ec)) return reaped;
-    for (const auto& entry : fs::directory_iterator(settings.sessions_dir(), ec)) {
-        const std::string session_id = entry.path().filename().string();
-        const int fd = ::open((entry.path() / "lock").c_str(), O_RDWR | O_CLOEXEC);
-        if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-            ::close(fd);  // its owner is alive
-            continue;
-        }
-        if (fd < 0) {
-            // No lock yet: another process may be creating it right now.
-            std::error_code age_ec;
-            const auto mtime = fs::last_write_time(entry.path(), age_ec);
-            if (!age_ec && fs::file_time_type::clock::now() - mtime < std::chrono::seconds(60))
-                continue;
-        }
-        // Either its owner died (the lock was released with it) or it never got a lock.
-        const pid_t pid = static_cast<pid_t>(read_u64(entry.path() / "init.pid"));
-        if (pid > 0) {
-            const std::string cgroup_line = read_text("/proc/" + std::to_string(pid) + "/cgroup");
-            if (cgroup_line.find(container_id_for(session_id)) != std::string::npos) {
-                ::kill(pid, SIGKILL);
-            }
-        }
-        remove_session(settings, session_id, entry.path());
-        if (fd >= 0) ::close(fd);
-        reaped.push_back(session_id);
-    }
-    return reaped;
 }
 
 }  // namespace cellblock

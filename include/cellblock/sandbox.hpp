@@ -16,6 +16,7 @@
 #include "cellblock/connection_info.hpp"
 #include "cellblock/host_ids.hpp"
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
 
@@ -87,7 +88,7 @@ class Sandbox {
     // Under runc/crun it is one end of a socketpair passed as the init's fd 3;
     // under runsc it is the one connection accepted on a socket in the ipc dir,
     // which is unlinked as soon as the shim is connected.
-    int lifeline_fd() const { return lifeline_; }
+    int lifeline_fd() const { return lifeline_.get(); }
     // Reads what the shim reported; returns false once the shim is gone.
     bool read_lifeline();
     bool exited() const { return exited_; }
@@ -140,9 +141,9 @@ class Sandbox {
     ConnectionInfo inner_;
     pid_t init_pid_ = -1;
     pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
-    int lifeline_ = -1;
-    int lock_fd_ = -1;
-    int version_fd_ = -1;   // a stored image version held (hold_stored_version)
+    UniqueFd lifeline_;
+    UniqueFd lock_fd_;
+    UniqueFd version_fd_;   // a stored image version held (hold_stored_version)
     HostIdLease host_ids_;  // released in destroy(), once nothing of the sandbox is left
     bool exited_ = false;
     bool destroyed_ = false;

@@ -1,0 +1,193 @@
+// A sandbox's cgroups (v1 and v2): usage counters, CPU quota and weight,
+// nice, task counts.
+#include "sandbox_internal.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/image_builder.hpp"
+#include "cellblock/signer.hpp"
+#include "process.hpp"
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace sandbox_detail;
+
+std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
+    std::vector<fs::path> dirs;
+    const fs::path root = "/sys/fs/cgroup";
+    if (fs::exists(root / "cgroup.controllers")) {
+        dirs.push_back(root / "cellblock" / container_id);
+        return dirs;
+    }
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+        const fs::path dir = entry.path() / "cellblock" / container_id;
+        if (fs::exists(dir)) dirs.push_back(dir);
+    }
+    return dirs;
+}
+
+void Sandbox::open_counters() {
+    auto open_first = [&](std::initializer_list<const char*> names, int flags) {
+        for (const auto& dir : cgroup_dirs_) {
+            for (const char* name : names) {
+                const int fd = ::open((dir / name).c_str(), flags | O_CLOEXEC);
+                if (fd >= 0) return fd;
+            }
+        }
+        return -1;
+    };
+    // v1 names first, then v2's.
+    counters_.memory_peak = open_first({"memory.max_usage_in_bytes", "memory.peak"}, O_RDONLY);
+    counters_.memory_usage = open_first({"memory.usage_in_bytes", "memory.current"}, O_RDONLY);
+    counters_.oom_control = open_first({"memory.oom_control", "memory.events"}, O_RDONLY);
+    counters_.cpu_usage = open_first({"cpuacct.usage"}, O_RDONLY);
+    counters_.pids_current = open_first({"pids.current"}, O_RDONLY);
+    counters_.cpu_weight = open_first({"cpu.shares"}, O_WRONLY);
+    if (counters_.cpu_weight < 0) {
+        counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
+        counters_.cpu_weight_v2 = counters_.cpu_weight >= 0;
+    }
+    counters_.cpu_quota = open_first({"cpu.cfs_quota_us"}, O_WRONLY);
+    if (counters_.cpu_quota < 0) {
+        counters_.cpu_quota = open_first({"cpu.max"}, O_WRONLY);
+        counters_.cpu_quota_v2 = counters_.cpu_quota >= 0;
+    }
+}
+
+void Sandbox::close_counters() {
+    for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
+                    &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
+                    &counters_.pids_current}) {
+        if (*fd >= 0) ::close(*fd);
+        *fd = -1;
+    }
+}
+
+namespace {
+
+// The whole of a small cgroup file, read again from its start.
+std::string_view pread_text(int fd, char (&buf)[512]) {
+    if (fd < 0) return {};
+    const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+    return n > 0 ? std::string_view(buf, static_cast<std::size_t>(n)) : std::string_view();
+}
+
+std::uint64_t parse_u64(std::string_view text) {
+    std::uint64_t v = 0;
+    std::from_chars(text.data(), text.data() + text.size(), v);
+    return v;
+}
+
+// The value after "key " in a "key value" per line file (0 when absent).
+std::uint64_t keyed_u64(std::string_view text, std::string_view key) {
+    for (std::size_t at = 0; at < text.size();) {
+        const std::size_t end = std::min(text.find('\n', at), text.size());
+        const std::string_view line = text.substr(at, end - at);
+        if (line.size() > key.size() && line.substr(0, key.size()) == key &&
+            line[key.size()] == ' ')
+            return parse_u64(line.substr(key.size() + 1));
+        at = end + 1;
+    }
+    return 0;
+}
+
+}  // namespace
+
+SandboxUsage Sandbox::usage() const {
+    SandboxUsage u;
+    if (destroyed_) return u;
+    char buf[512];
+    u.memory_peak_bytes = parse_u64(pread_text(counters_.memory_peak, buf));
+    u.memory_bytes = parse_u64(pread_text(counters_.memory_usage, buf));
+    u.oom_kills = keyed_u64(pread_text(counters_.oom_control, buf), "oom_kill");
+    u.cpu_ns = parse_u64(pread_text(counters_.cpu_usage, buf));
+    return u;
+}
+
+void Sandbox::renice(int nice) {
+    if (destroyed_) return;
+    for (const auto& dir : cgroup_dirs_) {
+        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
+        if (!tasks) continue;
+        for (long tid = 0; tasks >> tid;) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+        return;
+    }
+}
+
+std::int64_t Sandbox::task_count() const {
+    if (destroyed_ || counters_.pids_current < 0) return -1;
+    char buf[512];
+    const std::string_view text = pread_text(counters_.pids_current, buf);
+    return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
+}
+
+int Sandbox::any_task_runnable() const {
+    if (destroyed_) return -1;
+    for (const auto& dir : cgroup_dirs_) {
+        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
+        if (!tasks) continue;
+        for (long tid = 0; tasks >> tid;) {
+            std::ifstream stat("/proc/" + std::to_string(tid) + "/stat");
+            std::string line;
+            if (!std::getline(stat, line)) continue;  // exited meanwhile
+            // "pid (comm) S ...": the comm may hold spaces and parentheses.
+            const auto close = line.rfind(')');
+            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R')
+                return 1;
+        }
+        return 0;
+    }
+    return -1;
+}
+
+bool Sandbox::set_cpu_quota(double cpus) {
+    if (destroyed_ || counters_.cpu_quota < 0) return false;
+    // The period apply_cgroup_limits sets; the kernel's floor is 1 ms.
+    constexpr long period = 100000;
+    const long quota = std::max(1000L, std::lround(cpus * period));
+    // cpus <= 0: no quota at all.
+    const std::string value = cpus > 0                 ? std::to_string(quota)
+                              : counters_.cpu_quota_v2 ? "max"
+                                                       : "-1";
+    const std::string text = counters_.cpu_quota_v2 ? value + " " + std::to_string(period) : value;
+    return ::pwrite(counters_.cpu_quota, text.data(), text.size(), 0) ==
+           static_cast<ssize_t>(text.size());
+}
+
+bool Sandbox::set_cpu_weight(int shares) {
+    if (destroyed_ || counters_.cpu_weight < 0) return false;
+    // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
+    const long value = counters_.cpu_weight_v2 ? std::clamp(shares * 100L / 1024, 1L, 10000L)
+                                               : std::clamp<long>(shares, 2, 262144);
+    const std::string text = std::to_string(value);
+    return ::pwrite(counters_.cpu_weight, text.data(), text.size(), 0) ==
+           static_cast<ssize_t>(text.size());
+}
+
+}  // namespace cellblock

@@ -1,0 +1,51 @@
+// What sandbox.cpp, lifeline.cpp, gvisor.cpp, reaper.cpp and
+// sandbox_cgroups.cpp share: small file helpers, naming, and the runtime's
+// command line. Private to sessions/.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cellblock/sandbox.hpp"
+
+namespace cellblock::sandbox_detail {
+namespace fs = std::filesystem;
+
+std::string errno_text();
+std::string read_text(const fs::path& path);
+std::uint64_t read_u64(const fs::path& path);
+std::string log_tail(const fs::path& log);
+void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner,
+                 const char* mode = "0700");
+void unmount_if_mounted(const fs::path& target);
+std::string container_id_for(const std::string& session_id);
+std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std::string> args);
+fs::path runtime_file(const fs::path& dir);
+int listen_lifeline(const fs::path& path, std::uint32_t owner);
+bool process_gone(pid_t pid);
+int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout);
+void remove_cgroups(const std::string& container_id);
+void remove_session(RuntimeSettings settings, const std::string& session_id, const fs::path& dir);
+
+// gVisor (gvisor.cpp).
+// gVisor's Sentry forks its ptrace stubs; when the Sentry dies they are
+// orphaned to the nearest subreaper (this process) and must be reaped here.
+// The Sentry and gofer pids of live sandboxes are registered: their own
+// reap_init waits for them, and it must be the one to (it kills them by pid).
+struct RunscChildren {
+    std::mutex mutex;
+    std::set<pid_t> owned;  // Sentries and gofers of Sandbox objects not yet reaped
+    int starting = 0;       // runsc runs whose pids are not registered yet
+};
+RunscChildren& runsc_children();
+void reap_runsc_orphans();
+pid_t find_child_gofer(const fs::path& bundle);
+
+}  // namespace cellblock::sandbox_detail
