@@ -1,5 +1,7 @@
 #include "session_core.hpp"
 
+#include "cellblock/error_names.hpp"
+
 #include <algorithm>
 
 #include <fmt/format.h>
@@ -138,7 +140,7 @@ void SessionCore::on_client_request(Clock::time_point now, Channel channel, Inbo
 void SessionCore::dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg) {
     PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
     if (closed_ || !attached_) {
-        refuse(request, "SessionClosed",
+        refuse(request, ename::SessionClosed,
                closed_ ? "this session is closed: " + close_reason_ : "this session is starting");
         return;
     }
@@ -153,7 +155,7 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
     }
     if (pending_.size() >= options_.max_pending) {
         refuse(
-            request, "SessionBusy",
+            request, ename::SessionBusy,
             std::to_string(options_.max_pending) + " requests are waiting for the kernel already");
         return;
     }
@@ -191,7 +193,7 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
         // The kernel runs one execution at a time anyway; queueing here keeps
         // the policy's clock per execution.
         if (queue_.size() >= options_.max_queued) {
-            refuse(request, "SessionBusy",
+            refuse(request, ename::SessionBusy,
                    "more than " + std::to_string(options_.max_queued) + " executions are queued");
             return false;
         }
@@ -202,7 +204,8 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
     if (auto cb = msg.metadata.find("cellblock"); cb != msg.metadata.end() && cb->is_object()) {
         if (auto t = cb->find("timeout_s"); t != cb->end()) {
             if (!t->is_number()) {
-                refuse(request, "InvalidLimits", "metadata.cellblock.timeout_s must be a number");
+                refuse(request, ename::InvalidLimits,
+                       "metadata.cellblock.timeout_s must be a number");
                 return false;
             }
             timeout = t->get<double>();
@@ -500,7 +503,7 @@ void SessionCore::on_tick(Clock::time_point now) {
             release_held_reply(now);
             const KernelExit exit = io_.kernel_exit();
             io_.log(exit.description);
-            const std::string ename = exit.oom ? "MemoryLimitExceeded" : "KernelDied";
+            const std::string ename = exit.oom ? ename::MemoryLimitExceeded : ename::KernelDied;
             if (execution_) finish_execution(now, "error", ename);
             fail_pending(ename, exit.description);
             close(now, (exit.oom ? "memory_limit: " : "kernel_died: ") + exit.description);
@@ -513,7 +516,7 @@ void SessionCore::on_tick(Clock::time_point now) {
             "the execution did not stop within " +
             format_seconds(governor_->limits().interrupt_grace_s) +
             " s of the client's interrupt_request (interrupt_grace_s); the kernel was killed";
-        kill_for(now, "InterruptIgnored", evalue, "error", "interrupt_ignored");
+        kill_for(now, ename::InterruptIgnored, evalue, "error", "interrupt_ignored");
         return;
     }
     if (execution_ && !held_reply_) {
@@ -528,7 +531,7 @@ void SessionCore::on_tick(Clock::time_point now) {
                 "the execution ran past its timeout of " +
                 std::to_string(static_cast<int>(execution_->timeout_s)) +
                 " s and did not stop when interrupted; the session was killed";
-            kill_for(now, "ExecutionTimeout", evalue, "timeout", "exec_timeout");
+            kill_for(now, ename::ExecutionTimeout, evalue, "timeout", "exec_timeout");
             return;
         }
     }
@@ -633,7 +636,7 @@ void SessionCore::close(Clock::time_point now, const std::string& reason) {
     for (auto& queued : queue_) {
         PendingRequest request{queued.channel, queued.message.identities(), "execute_request",
                                queued.message.header};
-        refuse(request, "SessionClosed", "the session closed: " + reason);
+        refuse(request, ename::SessionClosed, "the session closed: " + reason);
     }
     queue_.clear();
     close_reason_ = reason;
@@ -641,8 +644,8 @@ void SessionCore::close(Clock::time_point now, const std::string& reason) {
     closed_at_ = now;
     if (held_reply_ && attached_) release_held_reply(now);
     held_reply_.reset();
-    if (execution_) finish_execution(now, "error", "SessionClosed");
-    if (!pending_.empty()) fail_pending("SessionClosed", "the session closed: " + reason);
+    if (execution_) finish_execution(now, "error", ename::SessionClosed);
+    if (!pending_.empty()) fail_pending(ename::SessionClosed, "the session closed: " + reason);
     if (attached_) {
         // The registry keeps the session's figures: its sandbox's whole life
         // since the hand-out, work between executions included.

@@ -8,6 +8,8 @@
 #include <thread>
 #include <type_traits>
 
+#include "cellblock/error_names.hpp"
+
 namespace cellblock {
 using nlohmann::json;
 
@@ -49,7 +51,7 @@ std::string format_number(T v) {
     }
 }
 
-PolicyError invalid(const std::string& what) { return PolicyError("InvalidLimits", what); }
+PolicyError invalid(const std::string& what) { return PolicyError(ename::InvalidLimits, what); }
 
 std::int64_t parse_integer(std::string_view name, const json& value) {
     const std::string field(name);
@@ -124,7 +126,7 @@ void apply_layer(const json& j, SessionLimits& out, const SessionLimits* maxima,
                     throw PolicyError(e.ename(), origin + e.what());
                 }
                 if (maxima && v > static_cast<Wide<T>>(maximum)) {
-                    throw PolicyError("LimitAboveMaximum",
+                    throw PolicyError(ename::LimitAboveMaximum,
                                       origin + key + " " + format_number(v) +
                                           " is above the server's maximum " +
                                           format_number(static_cast<Wide<T>>(maximum)));
@@ -226,10 +228,10 @@ SessionLimits ServerPolicy::effective(const json& image_limits, const json& requ
     for_each_limit(
         [](std::string_view name, const auto& value, const auto& max) {
             if (value > max) {
-                throw PolicyError("LimitAboveMaximum", "server default " + std::string(name) + " " +
-                                                           format_number(value) +
-                                                           " is above the server's maximum " +
-                                                           format_number(max));
+                throw PolicyError(ename::LimitAboveMaximum, "server default " + std::string(name) +
+                                                                " " + format_number(value) +
+                                                                " is above the server's maximum " +
+                                                                format_number(max));
             }
         },
         out, maxima);
@@ -270,7 +272,7 @@ SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
     };
     if (executions_ >= limits_.max_executions) {
         const std::string n = std::to_string(limits_.max_executions);
-        return refuse("ExecutionLimitExceeded",
+        return refuse(ename::ExecutionLimitExceeded,
                       limits_.max_executions == 1
                           ? "this session allows 1 execution; it is used"
                           : "this session allows " + n + " executions; all " + n + " are used");
@@ -279,13 +281,14 @@ SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
     if (requested_timeout_s) {
         const double t = *requested_timeout_s;
         if (!std::isfinite(t) || t <= 0) {
-            return refuse("InvalidLimits", "timeout_s must be a positive number of seconds, got " +
-                                               format_number(t));
+            return refuse(
+                ename::InvalidLimits,
+                "timeout_s must be a positive number of seconds, got " + format_number(t));
         }
         if (t > policy_.maxima.exec_timeout_s) {
-            return refuse("LimitAboveMaximum", "timeout_s " + format_number(t) +
-                                                   " is above the server's maximum " +
-                                                   format_number(policy_.maxima.exec_timeout_s));
+            return refuse(ename::LimitAboveMaximum,
+                          "timeout_s " + format_number(t) + " is above the server's maximum " +
+                              format_number(policy_.maxima.exec_timeout_s));
         }
         timeout_s = t;
     }
