@@ -1,6 +1,7 @@
 #include "cellblock/image.hpp"
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/session_policy.hpp"
 
 #include <climits>
 #include <cstdint>
@@ -42,52 +43,11 @@ void read_field(const json& j, const char* name, T& out, const std::string& wher
     }
 }
 
-// A limit that must be a positive whole number that fits an int: nlohmann's
-// get<int>() would cast 1e10 or 1.9 without a range check (undefined behaviour).
-void read_field(const json& j, const char* name, int& out, const std::string& where) {
-    if (!j.contains(name)) return;
-    const json& v = j.at(name);
-    if (!v.is_number_integer()) {
-        throw std::runtime_error(where + ": field '" + name + "' must be a whole number");
-    }
-    const bool fits = v.is_number_unsigned()
-                          ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT_MAX)
-                          : v.get<std::int64_t>() >= 1 && v.get<std::int64_t>() <= INT_MAX;
-    if (!fits || v.get<std::int64_t>() < 1) {
-        throw std::runtime_error(where + ": field '" + name + "' must be between 1 and " +
-                                 std::to_string(INT_MAX));
-    }
-    out = static_cast<int>(v.get<std::int64_t>());
-}
-
-void read_field(const json& j, const char* name, double& out, const std::string& where) {
-    if (!j.contains(name)) return;
-    const json& v = j.at(name);
-    if (!v.is_number() || !(v.get<double>() > 0) || v.get<double>() > 1e6) {
-        throw std::runtime_error(where + ": field '" + name + "' must be a positive number");
-    }
-    out = v.get<double>();
-}
-
 }  // namespace
 
 json SandboxLimits::to_json() const {
     return {{"memory_mb", memory_mb}, {"pids", pids}, {"disk_mb", disk_mb}, {"shm_mb", shm_mb},
             {"output_mb", output_mb}, {"cpus", cpus}, {"nofile", nofile}};
-}
-
-SandboxLimits SandboxLimits::from_json(const json& j, const SandboxLimits& base) {
-    if (!j.is_object()) throw std::runtime_error("limits: expected an object");
-    SandboxLimits out = base;
-    const std::string where = "limits";
-    read_field(j, "memory_mb", out.memory_mb, where);
-    read_field(j, "pids", out.pids, where);
-    read_field(j, "disk_mb", out.disk_mb, where);
-    read_field(j, "shm_mb", out.shm_mb, where);
-    read_field(j, "output_mb", out.output_mb, where);
-    read_field(j, "cpus", out.cpus, where);
-    read_field(j, "nofile", out.nofile, where);
-    return out;
 }
 
 Image Image::from_json(const json& j) {
@@ -116,12 +76,16 @@ Image Image::from_json(const json& j) {
     }
     if (j.contains("limits")) {
         image.limits_json = j.at("limits");
-        // Session-level fields (max_executions, ...) are layered by the server's policy.
-        nlohmann::json sandbox_fields = nlohmann::json::object();
-        for (const auto& [key, value] : image.limits_json.items()) {
-            if (SandboxLimits{}.to_json().contains(key)) sandbox_fields[key] = value;
+        // Checked by the one limits parser (session_policy.cpp) that layers
+        // them again at each create, under the server's maxima; the sandbox's
+        // fields are kept here for the pool's warm sandboxes.
+        SessionLimits layered;
+        layered.sandbox = image.limits;
+        try {
+            image.limits = SessionLimits::from_json(image.limits_json, layered).sandbox;
+        } catch (const PolicyError& e) {
+            throw std::runtime_error("image " + image.name + ": " + e.what());
         }
-        image.limits = SandboxLimits::from_json(sandbox_fields, image.limits);
     }
     if (image.name.empty()) throw std::runtime_error("image: missing field 'name'");
     if (image.kernel_argv.empty()) {

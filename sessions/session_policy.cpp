@@ -159,7 +159,23 @@ std::int64_t whole_ms(Clock::duration d) {
 
 }  // namespace
 
-// ---- SessionLimits ----
+// ---- SandboxLimits, SessionLimits ----
+
+SandboxLimits SandboxLimits::from_json(const json& j, const SandboxLimits& base) {
+    if (!j.is_object()) {
+        throw invalid("limits must be a JSON object, got " + std::string(j.type_name()));
+    }
+    const json sandbox_fields = base.to_json();
+    for (const auto& item : j.items()) {
+        if (!sandbox_fields.contains(item.key())) {
+            throw invalid("limits: '" + item.key() + "' is not a sandbox limit");
+        }
+    }
+    SessionLimits layered;
+    layered.sandbox = base;
+    apply_layer(j, layered, nullptr, "limits: ");
+    return layered.sandbox;
+}
 
 json SessionLimits::to_json() const {
     json j = json::object();

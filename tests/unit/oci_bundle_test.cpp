@@ -1,5 +1,6 @@
 // The sandbox policy is a value: these tests read it without running anything.
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/session_policy.hpp"
 
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -462,6 +463,35 @@ TEST(Image, LimitsLayerOverTheBase) {
     EXPECT_EQ(l.memory_mb, 2048);
     EXPECT_EQ(l.pids, 10);
     EXPECT_THROW(SandboxLimits::from_json(json{{"pids", "many"}}, base), std::runtime_error);
+}
+
+// An image's limits go through the one parser the server layers them with
+// (session_policy.cpp): the same bounds and the same words, at load.
+TEST(Image, LimitsAreCheckedByThePolicysParserAtLoad) {
+    auto message_for = [](const json& limits) -> std::string {
+        try {
+            Image::from_json(json{{"name", "x"}, {"kernel_argv", {"k"}}, {"limits", limits}});
+        } catch (const std::runtime_error& e) {
+            return e.what();
+        }
+        return "";
+    };
+    EXPECT_EQ(message_for({{"memory_mb", 0}}), "image x: memory_mb must be positive, got 0");
+    EXPECT_EQ(message_for({{"pids", 3000000000ll}}), "image x: pids 3000000000 is out of range");
+    // Session fields too, and names nobody knows (a typo no longer waits for a create).
+    EXPECT_EQ(message_for({{"max_executions", "x"}}),
+              "image x: max_executions must be a positive integer, got string");
+    EXPECT_EQ(message_for({{"memroy_mb", 10}}), "image x: unknown limit 'memroy_mb'");
+    const Image ok = Image::from_json(
+        json{{"name", "x"}, {"kernel_argv", {"k"}}, {"limits", {{"cpus", 0.5}, {"pids", 64}}}});
+    EXPECT_EQ(ok.limits.pids, 64);
+    EXPECT_DOUBLE_EQ(ok.limits.cpus, 0.5);
+    try {
+        SandboxLimits::from_json(json{{"max_executions", 3}}, SandboxLimits{});
+        ADD_FAILURE() << "a session limit taken as a sandbox limit";
+    } catch (const PolicyError& e) {
+        EXPECT_EQ(e.ename(), "InvalidLimits");
+    }
 }
 
 TEST(Image, FindImageRefusesPathsAsNames) {
