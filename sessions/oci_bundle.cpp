@@ -1,4 +1,5 @@
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/sandbox_tuning.hpp"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -55,7 +56,9 @@ RuntimeKind runtime_kind(const std::string& runtime) {
 bool runtime_passes_fds(RuntimeKind kind) { return kind != RuntimeKind::runsc; }
 
 int host_pids_limit(RuntimeKind kind, int pids) {
-    return kind == RuntimeKind::runsc ? pids * 16 + 256 : pids;
+    return kind == RuntimeKind::runsc
+               ? pids * tuning::kRunscHostPidsFactor + tuning::kRunscHostPidsBase
+               : pids;
 }
 
 std::vector<std::string> kernel_command(const Image& image) {
@@ -232,10 +235,11 @@ json make_oci_config(const SandboxSpec& spec) {
           // Under runc RLIMIT_NPROC counts the host uid, which every sandbox
           // shares: only a loose bound. gVisor counts the sandbox's own tasks.
           rlimit("RLIMIT_NPROC",
-                 static_cast<std::uint64_t>(lim.pids) * (kind == RuntimeKind::runsc ? 1 : 4))}}};
+                 static_cast<std::uint64_t>(lim.pids) *
+                     (kind == RuntimeKind::runsc ? 1 : tuning::kRuncNprocFactor))}}};
 
     const std::int64_t memory = static_cast<std::int64_t>(lim.memory_mb) << 20;
-    const std::int64_t period = 100000;
+    const std::int64_t period = tuning::kCpuPeriodUs;
     json resources = {
         {"memory", {{"limit", memory}, {"swap", memory}}},
         {"pids", {{"limit", host_pids_limit(kind, lim.pids)}}},

@@ -2,6 +2,7 @@
 // exit and destruction. Cgroups, the lifeline, gVisor and the reaper have files
 // of their own (sandbox_internal.hpp).
 #include "cellblock/sandbox.hpp"
+#include "cellblock/sandbox_tuning.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -181,14 +182,14 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     // the directory is root's and sticky, and holds .server/ (root only) where
     // the server links the kernel's sockets before connecting: a socket the
     // sandbox later swaps for a symlink never redirects the server.
-    mount_tmpfs(dir / "ipc", 4, 0, "1777");
+    mount_tmpfs(dir / "ipc", tuning::kIpcTmpfsMb, 0, "1777");
     if (::mkdir((dir / "ipc" / ".server").c_str(), 0700) != 0) {
         throw SandboxError("mkdir " + (dir / "ipc" / ".server").string() + ": " + errno_text());
     }
     mount_tmpfs(dir / "output", limits.output_mb, sandbox_host_uid);
     // The init's stdout and stderr: its own 1 MB tmpfs, so nothing the sandbox
     // does can grow a file on the host's disk.
-    mount_tmpfs(dir / "log", 1, 0);
+    mount_tmpfs(dir / "log", tuning::kLogTmpfsMb, 0);
     ::chmod((dir / "input").c_str(), 0755);
 
     // The inner connection: ipc sockets in the session's own directory and a

@@ -29,6 +29,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/sandbox_tuning.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 
@@ -90,6 +91,13 @@ void Sandbox::close_counters() {
 }
 
 namespace {
+
+void write_value(const fs::path& file, const std::string& value) {
+    std::ofstream out(file);
+    out << value;
+    out.flush();
+    if (!out) throw SandboxError("cgroup write " + file.string() + " = " + value + ": failed");
+}
 
 // The whole of a small cgroup file, read again from its start.
 std::string_view pread_text(int fd, char (&buf)[512]) {
@@ -168,9 +176,8 @@ int Sandbox::any_task_runnable() const {
 
 bool Sandbox::set_cpu_quota(double cpus) {
     if (destroyed_ || counters_.cpu_quota < 0) return false;
-    // The period apply_cgroup_limits sets; the kernel's floor is 1 ms.
-    constexpr long period = 100000;
-    const long quota = std::max(1000L, std::lround(cpus * period));
+    constexpr long period = tuning::kCpuPeriodUs;
+    const long quota = std::max<long>(tuning::kMinCpuQuotaUs, std::lround(cpus * period));
     // cpus <= 0: no quota at all.
     const std::string value = cpus > 0                 ? std::to_string(quota)
                               : counters_.cpu_quota_v2 ? "max"
@@ -183,11 +190,45 @@ bool Sandbox::set_cpu_quota(double cpus) {
 bool Sandbox::set_cpu_weight(int shares) {
     if (destroyed_ || counters_.cpu_weight < 0) return false;
     // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
-    const long value = counters_.cpu_weight_v2 ? std::clamp(shares * 100L / 1024, 1L, 10000L)
-                                               : std::clamp<long>(shares, 2, 262144);
+    const long value = counters_.cpu_weight_v2
+                           ? std::clamp(shares * 100L / tuning::kNormalCpuShares, 1L, 10000L)
+                           : std::clamp<long>(shares, 2, 262144);
     const std::string text = std::to_string(value);
     return ::pwrite(counters_.cpu_weight, text.data(), text.size(), 0) ==
            static_cast<ssize_t>(text.size());
+}
+
+void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits) {
+    const std::int64_t memory = static_cast<std::int64_t>(limits.memory_mb) << 20;
+    const std::int64_t period = tuning::kCpuPeriodUs;
+    const std::int64_t quota = static_cast<std::int64_t>(limits.cpus * period);
+    const bool raising = limits.memory_mb > sandbox.limits().memory_mb;
+    for (const auto& dir : sandbox_cgroup_dirs(sandbox.container_id())) {
+        if (fs::exists(dir / "memory.limit_in_bytes")) {
+            // memory+swap must stay >= memory: order the two writes by direction.
+            const bool memsw = fs::exists(dir / "memory.memsw.limit_in_bytes");
+            if (raising && memsw)
+                write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
+            write_value(dir / "memory.limit_in_bytes", std::to_string(memory));
+            if (!raising && memsw)
+                write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
+        }
+        if (fs::exists(dir / "memory.max")) {
+            write_value(dir / "memory.max", std::to_string(memory));
+            if (fs::exists(dir / "memory.swap.max")) write_value(dir / "memory.swap.max", "0");
+        }
+        if (fs::exists(dir / "pids.max")) {
+            const RuntimeKind kind = runtime_kind(sandbox.runtime());
+            write_value(dir / "pids.max", std::to_string(host_pids_limit(kind, limits.pids)));
+        }
+        if (fs::exists(dir / "cpu.cfs_quota_us")) {
+            write_value(dir / "cpu.cfs_period_us", std::to_string(period));
+            write_value(dir / "cpu.cfs_quota_us", std::to_string(quota));
+        }
+        if (fs::exists(dir / "cpu.max")) {
+            write_value(dir / "cpu.max", std::to_string(quota) + " " + std::to_string(period));
+        }
+    }
 }
 
 }  // namespace cellblock

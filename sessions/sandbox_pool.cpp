@@ -1,4 +1,5 @@
 #include "cellblock/sandbox_pool.hpp"
+#include "cellblock/sandbox_tuning.hpp"
 
 #include <sys/resource.h>
 #include <unistd.h>
@@ -25,53 +26,11 @@ bool same_fixed_limits(const SandboxLimits& a, const SandboxLimits& b, RuntimeKi
            a.nofile == b.nofile && (kind != RuntimeKind::runsc || a.pids == b.pids);
 }
 
-constexpr int kBackgroundCpuShares = 64;
 constexpr std::chrono::milliseconds kRefillDelay{250};
-constexpr int kNormalCpuShares = 1024;
-
-void write_value(const fs::path& file, const std::string& value) {
-    std::ofstream out(file);
-    out << value;
-    out.flush();
-    if (!out) throw SandboxError("cgroup write " + file.string() + " = " + value + ": failed");
-}
 
 }  // namespace
 
 std::string make_session_id() { return make_random_key().substr(0, 16); }
-
-void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits) {
-    const std::int64_t memory = static_cast<std::int64_t>(limits.memory_mb) << 20;
-    const std::int64_t period = 100000;
-    const std::int64_t quota = static_cast<std::int64_t>(limits.cpus * period);
-    const bool raising = limits.memory_mb > sandbox.limits().memory_mb;
-    for (const auto& dir : sandbox_cgroup_dirs(sandbox.container_id())) {
-        if (fs::exists(dir / "memory.limit_in_bytes")) {
-            // memory+swap must stay >= memory: order the two writes by direction.
-            const bool memsw = fs::exists(dir / "memory.memsw.limit_in_bytes");
-            if (raising && memsw)
-                write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
-            write_value(dir / "memory.limit_in_bytes", std::to_string(memory));
-            if (!raising && memsw)
-                write_value(dir / "memory.memsw.limit_in_bytes", std::to_string(memory));
-        }
-        if (fs::exists(dir / "memory.max")) {
-            write_value(dir / "memory.max", std::to_string(memory));
-            if (fs::exists(dir / "memory.swap.max")) write_value(dir / "memory.swap.max", "0");
-        }
-        if (fs::exists(dir / "pids.max")) {
-            const RuntimeKind kind = runtime_kind(sandbox.runtime());
-            write_value(dir / "pids.max", std::to_string(host_pids_limit(kind, limits.pids)));
-        }
-        if (fs::exists(dir / "cpu.cfs_quota_us")) {
-            write_value(dir / "cpu.cfs_period_us", std::to_string(period));
-            write_value(dir / "cpu.cfs_quota_us", std::to_string(quota));
-        }
-        if (fs::exists(dir / "cpu.max")) {
-            write_value(dir / "cpu.max", std::to_string(quota) + " " + std::to_string(period));
-        }
-    }
-}
 
 SandboxPool::SandboxPool(RuntimeSettings settings, ReadinessProbe probe,
                          std::vector<PoolImage> images, std::function<void()> notify, int workers)
@@ -151,7 +110,7 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
     try {
         apply_cgroup_limits(box, limits);
         box.set_limits(limits);
-        box.set_cpu_weight(kNormalCpuShares);
+        box.set_cpu_weight(tuning::kNormalCpuShares);
         box.renice(0);
     } catch (const std::exception& e) {
         spdlog::warn("pool {}: {}; not handed out", image, e.what());
@@ -243,7 +202,7 @@ WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Im
     // A refill boots (and warms up) at a low CPU weight: on a busy machine it
     // yields to the sessions in use, whose next step would otherwise wait
     // behind a kernel starting. A cold start has a client waiting: default weight.
-    if (background) settings.start_cpu_shares = kBackgroundCpuShares;
+    if (background) settings.start_cpu_shares = tuning::kBackgroundCpuShares;
     if (!image.runtime.empty()) settings.runtime = image.runtime;
     warm.sandbox = Sandbox::start(session_id, image, limits, settings);
     warm.channels = probe_(*warm.sandbox);

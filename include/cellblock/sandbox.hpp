@@ -177,4 +177,8 @@ std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds mi
 // The cgroup directories (one per v1 controller, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
 
+// Applies memory, pids and CPU limits to a running sandbox's cgroup (a warm
+// sandbox handed to a session with limits of its own).
+void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits);
+
 }  // namespace cellblock

@@ -137,9 +137,6 @@ class SandboxPool {
     std::vector<std::thread> workers_;
 };
 
-// Applies memory, pids and CPU limits to a running sandbox's cgroup.
-void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits);
-
 // A fresh session id: 16 lowercase hex characters from a CSPRNG.
 std::string make_session_id();
 
