@@ -1,0 +1,204 @@
+// What file_transfer.cpp, file_uploads.cpp and file_downloads.cpp share: an
+// owned descriptor, the one-pass sha256, the request field readers and the
+// transfers' own records. Private to server/.
+#pragma once
+
+#include "file_transfer.hpp"
+
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include <openssl/evp.h>
+
+#include "cellblock/error_names.hpp"
+#include "cellblock/oci_bundle.hpp"
+#include "cellblock/wire_message.hpp"
+
+namespace cellblock::transfer_detail {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// An owned descriptor.
+class FileDescriptor {
+  public:
+    FileDescriptor() = default;
+    explicit FileDescriptor(int fd) : fd_(fd) {}
+    FileDescriptor(FileDescriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+    FileDescriptor& operator=(FileDescriptor&& other) noexcept {
+        if (this != &other) {
+            reset();
+            fd_ = std::exchange(other.fd_, -1);
+        }
+        return *this;
+    }
+    FileDescriptor(const FileDescriptor&) = delete;
+    FileDescriptor& operator=(const FileDescriptor&) = delete;
+    ~FileDescriptor() { reset(); }
+    int get() const { return fd_; }
+    explicit operator bool() const { return fd_ >= 0; }
+    void reset() {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+
+  private:
+    int fd_ = -1;
+};
+
+// A running SHA-256.
+class Sha256 {
+  public:
+    Sha256() : ctx_(EVP_MD_CTX_new()) {
+        if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1)
+            throw std::runtime_error("sha256: cannot initialise a digest");
+    }
+    Sha256(const Sha256& other) : ctx_(EVP_MD_CTX_new()) {
+        if (!ctx_ || EVP_MD_CTX_copy_ex(ctx_.get(), other.ctx_.get()) != 1)
+            throw std::runtime_error("sha256: cannot copy a digest");
+    }
+    Sha256& operator=(Sha256&& other) noexcept = default;
+    Sha256(Sha256&&) noexcept = default;
+    void update(std::string_view bytes) {
+        EVP_DigestUpdate(ctx_.get(), bytes.data(), bytes.size());
+    }
+    std::string hex() {
+        unsigned char md[EVP_MAX_MD_SIZE];
+        unsigned int len = 0;
+        EVP_DigestFinal_ex(ctx_.get(), md, &len);
+        static const char* digits = "0123456789abcdef";
+        std::string out;
+        for (unsigned int i = 0; i < len; ++i) {
+            out += digits[md[i] >> 4];
+            out += digits[md[i] & 15];
+        }
+        return out;
+    }
+
+  private:
+    struct Free {
+        void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
+    };
+    std::unique_ptr<EVP_MD_CTX, Free> ctx_;
+};
+
+inline std::string errno_text(int err = errno) { return std::strerror(err); }
+
+inline std::string bytes_text(std::uint64_t n) { return std::to_string(n) + " bytes"; }
+
+// Opens `relative` under `dir` without following any symlink and without
+// leaving `dir` (the sandbox writes /data/output: everything in it is hostile).
+inline FileDescriptor open_beneath(const fs::path& dir, const std::string& relative, int flags,
+                                   mode_t mode = 0) {
+    const FileDescriptor dirfd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC));
+    if (!dirfd) throw FileRequestError(ename::FileError, "the session's directory is gone");
+    open_how how{};
+    how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC | O_NOFOLLOW);
+    how.mode = (flags & O_CREAT) ? mode : 0;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV;
+    return FileDescriptor(
+        static_cast<int>(::syscall(SYS_openat2, dirfd.get(), relative.c_str(), &how, sizeof how)));
+}
+
+inline const json& field(const json& c, const char* name) {
+    static const json null;
+    const auto it = c.find(name);
+    return it == c.end() ? null : *it;
+}
+
+inline std::string string_field(const json& c, const char* name) {
+    const json& v = field(c, name);
+    if (!v.is_string() || v.get<std::string>().empty())
+        throw FileRequestError(ename::InvalidRequest,
+                               std::string(name) + " (a string) is required");
+    return v.get<std::string>();
+}
+
+// A path as sent; checked_relative_path judges it (an empty one is InvalidPath).
+inline std::string path_field(const json& c) {
+    const json& v = field(c, "path");
+    if (!v.is_string())
+        throw FileRequestError(ename::InvalidRequest, "path (a string) is required");
+    return v.get<std::string>();
+}
+
+inline std::uint64_t count_field(const json& c, const char* name) {
+    const json& v = field(c, name);
+    if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<std::int64_t>() >= 0))
+        throw FileRequestError(ename::InvalidRequest,
+                               std::string(name) + " (a non-negative integer) is required");
+    return v.get<std::uint64_t>();
+}
+
+inline std::string sha256_field(const json& c) {
+    std::string hex = string_field(c, "sha256");
+    std::transform(hex.begin(), hex.end(), hex.begin(),
+                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    if (hex.size() != 64 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+        throw FileRequestError(ename::InvalidRequest, "sha256 must be 64 hex digits");
+    return hex;
+}
+
+inline std::string new_transfer_id() {
+    std::string id = make_uuid();
+    id.erase(std::remove(id.begin(), id.end(), '-'), id.end());
+    return id;
+}
+
+// Reads exactly `length` bytes at `offset` into `dst`, or fewer at end of
+// file; returns how many.
+inline std::size_t read_into(int fd, std::uint64_t offset, char* dst, std::size_t length) {
+    std::size_t got = 0;
+    while (got < length) {
+        const ssize_t n = ::pread(fd, dst + got, length - got, static_cast<off_t>(offset + got));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) throw FileRequestError(ename::FileError, "read: " + errno_text());
+        if (n == 0) break;
+        got += static_cast<std::size_t>(n);
+    }
+    return got;
+}
+
+inline std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
+    std::string data(length, '\0');
+    data.resize(read_into(fd, offset, data.data(), length));
+    return data;
+}
+
+inline std::uint64_t free_bytes(const fs::path& dir) {
+    struct statvfs vfs {};
+    if (::statvfs(dir.c_str(), &vfs) != 0) return UINT64_MAX;
+    return static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+}
+
+}  // namespace cellblock::transfer_detail
+
+namespace cellblock {
+
+struct FileTransfers::Upload {
+    std::string id, session_id, path, sha256;
+    std::uint64_t size = 0, received = 0;
+    std::filesystem::path partial;
+    transfer_detail::FileDescriptor fd;
+    transfer_detail::Sha256 hash;
+    Clock::time_point touched;
+};
+
+struct FileTransfers::Download {
+    std::string id, session_id, path;
+    std::uint64_t size = 0, hashed = 0;
+    struct timespec mtime {};
+    ino_t inode = 0;
+    transfer_detail::FileDescriptor fd;
+    transfer_detail::Sha256 hash;
+    Clock::time_point touched;
+};
+
+}  // namespace cellblock
