@@ -8,11 +8,6 @@ using nlohmann::json;
 
 namespace {
 
-std::string json_string(const json& j, const char* key) {
-    auto it = j.find(key);
-    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-
 // What the relay does with a kernel's iopub message, by msg_type.
 enum class IopubKind {
     status,       // busy/idle: idle releases the held reply

@@ -3,15 +3,6 @@
 namespace cellblock {
 using nlohmann::json;
 
-namespace {
-
-std::string json_string(const json& j, const char* key) {
-    auto it = j.find(key);
-    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-
-}  // namespace
-
 std::vector<std::string> InboundMessage::identities() const {
     std::vector<std::string> ids;
     ids.reserve(layout.delimiter);

@@ -21,6 +21,12 @@
 
 namespace cellblock {
 
+// A string field of a JSON object, or "" (absent, or not a string).
+inline std::string json_string(const nlohmann::json& j, const char* key) {
+    auto it = j.find(key);
+    return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 // A verified message: its frames (kept, to be forwarded without a copy) and
 // what the relay reads of it, parsed once.
 struct InboundMessage {
