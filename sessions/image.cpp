@@ -43,7 +43,56 @@ void read_field(const json& j, const char* name, T& out, const std::string& wher
     }
 }
 
+using Complaint = std::optional<std::string>;
+
+Complaint check_kernel_argv(const Image& image) {
+    if (image.kernel_argv.empty()) return "missing field 'kernel_argv'";
+    return std::nullopt;
+}
+
+Complaint check_rootfs(const Image& image) {
+    if (image.rootfs == "host" || image.rootfs == "store") return std::nullopt;
+    if (!image.rootfs.empty() && image.rootfs[0] == '/') return std::nullopt;
+    return "rootfs '" + image.rootfs + "' is not host, store or an absolute path";
+}
+
+Complaint check_host_binds(const Image& image) {
+    if (image.rootfs == "store" && !image.host_binds.empty()) {
+        return std::string(
+            "host_binds are for the host image only (a built image carries its own files)");
+    }
+    for (const auto& path : image.host_binds) {
+        if (path.empty() || path[0] != '/' || path.find("..") != std::string::npos) {
+            return "host bind '" + path + "' is not an absolute path";
+        }
+    }
+    return std::nullopt;
+}
+
+Complaint check_build(const Image& image) {
+    if (!image.build.is_null() && image.rootfs != "store") {
+        return std::string("a build section needs rootfs 'store'");
+    }
+    return std::nullopt;
+}
+
+Complaint check_preload(const Image& image) {
+    for (const auto& module : image.preload) {
+        if (!is_module_name(module)) return "preload '" + module + "' is not a module name";
+    }
+    return std::nullopt;
+}
+
 }  // namespace
+
+const std::vector<ImageCheck>& image_checks() {
+    static const std::vector<ImageCheck> checks = {
+        {"kernel_argv", check_kernel_argv}, {"rootfs", check_rootfs},
+        {"host_binds", check_host_binds},   {"build", check_build},
+        {"preload", check_preload},
+    };
+    return checks;
+}
 
 json SandboxLimits::to_json() const {
     return {{"memory_mb", memory_mb}, {"pids", pids}, {"disk_mb", disk_mb}, {"shm_mb", shm_mb},
@@ -88,32 +137,10 @@ Image Image::from_json(const json& j) {
         }
     }
     if (image.name.empty()) throw std::runtime_error("image: missing field 'name'");
-    if (image.kernel_argv.empty()) {
-        throw std::runtime_error("image " + image.name + ": missing field 'kernel_argv'");
-    }
-    if (image.rootfs != "host" && image.rootfs != "store" &&
-        (image.rootfs.empty() || image.rootfs[0] != '/')) {
-        throw std::runtime_error("image " + image.name + ": rootfs '" + image.rootfs +
-                                 "' is not host, store or an absolute path");
-    }
-    if (image.rootfs == "store" && !image.host_binds.empty()) {
-        throw std::runtime_error("image " + image.name +
-                                 ": host_binds are for the host image only (a built image "
-                                 "carries its own files)");
-    }
-    if (!image.build.is_null() && image.rootfs != "store") {
-        throw std::runtime_error("image " + image.name + ": a build section needs rootfs 'store'");
-    }
-    for (const auto& path : image.host_binds) {
-        if (path.empty() || path[0] != '/' || path.find("..") != std::string::npos) {
-            throw std::runtime_error("image " + image.name + ": host bind '" + path +
-                                     "' is not an absolute path");
-        }
-    }
-    for (const auto& module : image.preload) {
-        if (!is_module_name(module)) {
-            throw std::runtime_error("image " + image.name + ": preload '" + module +
-                                     "' is not a module name");
+    for (const auto& check : image_checks()) {
+        if (auto complaint = check.check(image)) {
+            throw std::runtime_error("image " + image.name + ": " + *complaint + " (check " +
+                                     std::string(check.name) + ")");
         }
     }
     return image;

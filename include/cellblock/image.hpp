@@ -3,7 +3,9 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -61,6 +63,15 @@ struct Image {
     static Image load(const std::filesystem::path& image_json);
     static Image from_json(const nlohmann::json& j);
 };
+
+// The rules an image definition must pass, each named (as runc validates a
+// config: a list of checks, not one long function). from_json runs them in
+// order; the first complaint throws "image NAME: <complaint> (check NAME)".
+struct ImageCheck {
+    std::string_view name;
+    std::optional<std::string> (*check)(const Image& image);
+};
+const std::vector<ImageCheck>& image_checks();
 
 // Finds an image by name under the given directories (first match wins).
 Image find_image(const std::string& name, const std::vector<std::filesystem::path>& image_dirs);

@@ -465,6 +465,34 @@ TEST(Image, LimitsLayerOverTheBase) {
     EXPECT_THROW(SandboxLimits::from_json(json{{"pids", "many"}}, base), std::runtime_error);
 }
 
+// Each rule of an image definition is a named check, and a refusal names it.
+TEST(Image, DefinitionsAreCheckedByNamedChecks) {
+    std::set<std::string_view> names;
+    for (const auto& check : image_checks()) names.insert(check.name);
+    EXPECT_EQ(names, (std::set<std::string_view>{"kernel_argv", "rootfs", "host_binds", "build",
+                                                 "preload"}));
+    const json base = {{"name", "x"}, {"kernel_argv", {"k"}}};
+    auto refusal = [&](json patch) -> std::string {
+        json j = base;
+        j.merge_patch(patch);
+        try {
+            Image::from_json(j);
+        } catch (const std::runtime_error& e) {
+            return e.what();
+        }
+        return "";
+    };
+    EXPECT_EQ(refusal({{"rootfs", "rel"}}),
+              "image x: rootfs 'rel' is not host, store or an absolute path (check rootfs)");
+    EXPECT_EQ(refusal({{"host_binds", {"etc"}}}),
+              "image x: host bind 'etc' is not an absolute path (check host_binds)");
+    EXPECT_EQ(refusal({{"preload", {"os;rm"}}}),
+              "image x: preload 'os;rm' is not a module name (check preload)");
+    EXPECT_EQ(refusal({{"kernel_argv", json::array()}}),
+              "image x: missing field 'kernel_argv' (check kernel_argv)");
+    EXPECT_EQ(refusal({{"rootfs", "/srv/root"}}), "");
+}
+
 // An image's limits go through the one parser the server layers them with
 // (session_policy.cpp): the same bounds and the same words, at load.
 TEST(Image, LimitsAreCheckedByThePolicysParserAtLoad) {
