@@ -278,15 +278,20 @@ class BareKernels:
             # jupyter_client picks free ports before the kernel binds them; on
             # a host where other servers bind ports meanwhile, a kernel can
             # lose that race and exit ("Address already in use"): start it again.
+            # A kernel can also lose only its heartbeat or iopub port and stay
+            # alive without answering (or its client reach another kernel's
+            # port): one that is silent for a minute is started again too.
             for attempt in range(4):
                 ch = KernelChannels(self.ctx, km.get_connection_info(session=False))
                 try:
-                    wait_ready(ch, deadline, alive=km.is_alive)
+                    wait_ready(ch, min(deadline, time.monotonic() + 60), alive=km.is_alive)
                     break
                 except BenchError:
                     ch.close()
-                    if km.is_alive() or attempt == 3:
+                    if attempt == 3 or time.monotonic() >= deadline:
                         raise
+                    if km.is_alive():
+                        km.shutdown_kernel(now=True)
                     km.cleanup_resources()
                     km = launch()
             self.managers.append(km)
