@@ -7,9 +7,11 @@
 // no JSON, it relays itself while the kernel lives.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -97,6 +99,9 @@ class SessionProxy {
     void on_kernel(Channel channel);
     void on_kernel_heartbeat();
     void on_lifeline();
+    // Starts the client's signature of a large kernel message (scratch_) on
+    // another thread; Io uses it if the core forwards the message unchanged.
+    void sign_early();
     void watch(zmq::socket_t& socket, EventLoop::Handler handler);
     // Stops watching and closes `socket`.
     void close_socket(zmq::socket_t& socket);
@@ -118,6 +123,14 @@ class SessionProxy {
     std::unique_ptr<Io> io_;
     std::unique_ptr<SessionCore> core_;
     Multipart scratch_;
+    struct EarlySignature {
+        std::future<std::string> signature;
+        const void* content = nullptr;     // which message it signs
+        std::vector<zmq::message_t> keep;  // the large frames it reads, shared
+        std::array<std::string, 4> small;  // the small ones, copied
+    };
+    static constexpr std::size_t kEarlySignBytes = 256 << 10;
+    std::optional<EarlySignature> early_;
     EventLoop& loop_;
     std::unordered_map<void*, EventLoop::WatchId> watches_;  // by socket handle
     std::optional<EventLoop::WatchId> lifeline_watch_;

@@ -127,6 +127,42 @@ def test_create_execute_list_info(clients):
     assert_session_gone(server.state_dir, sid, r["processes"])
 
 
+LARGE_DISPLAY = """
+import base64, hashlib, os
+from IPython.display import display
+_b = base64.b64encode(os.urandom({n})).decode()
+display({{"image/png": _b}}, raw=True)
+print(hashlib.sha256(_b.encode()).hexdigest())
+"""
+
+
+def test_large_outputs_arrive_whole_and_signed(clients):
+    """A kernel message past 256 KiB has the client's signature computed on a
+    second thread while the kernel's is checked: each arrives byte for byte,
+    signed with the session's key (jupyter_client refuses any other), and a
+    large stream the policy cuts is re-signed over what it became."""
+    server = clients
+    reply = server.create(limits={"output_bytes": 100000})
+    kc = BlockingKernelClient()
+    kc.load_connection_info(reply["connection"])
+    kc.start_channels()
+    server.clients.append(kc)
+    kc.wait_for_ready(timeout=60)
+    for n in (300_000, 1_500_000, 3_000_000):
+        rep, iopub = execute(kc, LARGE_DISPLAY.format(n=n))
+        assert rep["content"]["status"] == "ok", rep["content"]
+        shown = [m["content"]["data"]["image/png"] for m in iopub if m["msg_type"] == "display_data"]
+        assert len(shown) == 1, msg_types(iopub)
+        digest = stream_text(iopub).strip()
+        assert hashlib.sha256(shown[0].encode()).hexdigest() == digest, (n, len(shown[0]))
+    # A 600 kB print is cut to the session's 100 kB: a new content, a new signature.
+    rep, iopub = execute(kc, "print('y' * 600_000)")
+    assert rep["content"]["status"] == "ok", rep["content"]
+    text = stream_text(iopub)
+    assert text.startswith("y" * 1000) and len(text) < 200_000, len(text)
+    assert rep["metadata"]["cellblock"]["output_truncated"] is True, rep["metadata"]
+
+
 LATE_SHELL_FLUSH = """
 import time
 _kernel = get_ipython().kernel
