@@ -120,7 +120,6 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
     static const std::unordered_map<std::string_view, RequestHandler> handlers = {
         {"interrupt_request", &SessionCore::on_interrupt_request},
         {"execute_request", &SessionCore::on_execute_request},
-        {"shutdown_request", &SessionCore::on_shutdown_request},
     };
     if (auto h = handlers.find(msg.msg_type); h != handlers.end()) {
         if (!(this->*(h->second))(now, channel, msg, request)) return;
@@ -132,6 +131,7 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
         return;
     }
     if (msg.msg_type == "shutdown_request") {
+        // Its grace starts once it is open at the kernel: answered for it after.
         shutdown_deadline_ = now + options_.shutdown_grace;
         shutdown_request_ = request;
     }
@@ -203,11 +203,6 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
     background_marker_sent_ = false;
     notify_state("busy");
     return true;
-}
-
-bool SessionCore::on_shutdown_request(Clock::time_point, Channel, InboundMessage&,
-                                      PendingRequest&) {
-    return true;  // forwarded; dispatch_request starts the grace once it is open
 }
 
 void SessionCore::drain_queue(Clock::time_point now, bool previous_failed) {

@@ -187,8 +187,6 @@ class SessionCore {
                               PendingRequest& request);
     bool on_execute_request(Clock::time_point now, Channel channel, InboundMessage& msg,
                             PendingRequest& request);
-    bool on_shutdown_request(Clock::time_point now, Channel channel, InboundMessage& msg,
-                             PendingRequest& request);
     void dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg);
     // Starts the next queued execute once the running one has finished.
     void drain_queue(Clock::time_point now, bool previous_failed);

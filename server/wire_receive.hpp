@@ -66,9 +66,11 @@ bool verify_frames(Multipart& in, const ReceiveRules& rules, InboundMessage& out
 
 enum class Received { nothing, message, rejected };
 
-// Receives one waiting multipart from `socket` (through `scratch`) and
-// verifies it. `rejected`: `why` says why and, for a ROUTER socket, `sender`
-// who sent it.
+// Receives one waiting multipart from a ROUTER `socket` (the client's
+// channels; through `scratch`) and verifies it. `rejected`: `why` says why
+// and `sender` who sent it (the routing identity). The kernel's side calls
+// recv_multipart and verify_frames itself, to start the client's signature
+// of a large message in between (SessionProxy::sign_early).
 Received receive_verified(zmq::socket_t& socket, Multipart& scratch, const ReceiveRules& rules,
                           InboundMessage& out, std::string& why, std::string& sender);
 
