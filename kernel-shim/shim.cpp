@@ -83,11 +83,26 @@ int main(int argc, char** argv) {
     // process's memory through /proc/1/mem (no ptrace needed) and take over
     // the init, its lifeline and its log. Non-dumpable makes /proc/1/* root's.
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    // `--adopt PID FD`: a session forked from a zygote. Its init (this
+    // process, exec'd by the forked interpreter) already has the kernel as its
+    // child PID, whose stderr is the pipe read at FD; the rest is as below.
+    pid_t adopted = -1;
+    int adopted_stderr = -1;
     int first = 1;
-    if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
-    if (first >= argc) {
-        say("usage: cellblock-shim -- KERNEL [ARGS...]");
-        return 2;
+    if (argc == 4 && strcmp(argv[1], "--adopt") == 0) {
+        adopted = static_cast<pid_t>(atoi(argv[2]));
+        adopted_stderr = atoi(argv[3]);
+        if (adopted <= 0 || adopted_stderr <= kLifelineFd || fcntl(adopted_stderr, F_GETFD) == -1) {
+            say("usage: cellblock-shim --adopt KERNEL_PID STDERR_FD");
+            return 2;
+        }
+        fcntl(adopted_stderr, F_SETFD, FD_CLOEXEC);
+    } else {
+        if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
+        if (first >= argc) {
+            say("usage: cellblock-shim -- KERNEL [ARGS...] | --adopt KERNEL_PID STDERR_FD");
+            return 2;
+        }
     }
     bool have_lifeline = fcntl(kLifelineFd, F_GETFD) != -1;
     if (have_lifeline) {
@@ -101,8 +116,10 @@ int main(int argc, char** argv) {
         have_lifeline = true;
     }
 
-    if (const char* home = getenv("HOME")) make_dir(home);
-    if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
+    if (adopted < 0) {
+        if (const char* home = getenv("HOME")) make_dir(home);
+        if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
+    }
 
     sigset_t handled;
     sigemptyset(&handled);
@@ -114,8 +131,8 @@ int main(int argc, char** argv) {
         return 1;
     }
 
-    int err_pipe[2];
-    if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+    int err_pipe[2] = {adopted_stderr, -1};
+    if (adopted < 0 && pipe2(err_pipe, O_CLOEXEC) != 0) {
         say("pipe failed");
         return 1;
     }
@@ -123,7 +140,9 @@ int main(int argc, char** argv) {
     std::vector<std::string> env_storage;
     std::vector<char*> env = kernel_environment(env_storage);
 
-    const pid_t kernel = fork();
+    // A signal that came before the mask above is lost to the signalfd: an
+    // adopted kernel that ended meanwhile is found by the first waitpid.
+    const pid_t kernel = adopted > 0 ? adopted : fork();
     if (kernel < 0) {
         say("fork failed");
         return 1;
@@ -145,7 +164,7 @@ int main(int argc, char** argv) {
         n = write(STDERR_FILENO, why, strlen(why));
         _exit(127);
     }
-    close(err_pipe[1]);
+    if (err_pipe[1] >= 0) close(err_pipe[1]);
     fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
 
     std::string lifeline_line;  // what the server sent, up to a newline
@@ -153,18 +172,21 @@ int main(int argc, char** argv) {
     bool stderr_open = true;
     int term_deadline_ms = -1;
     std::string exit_line;
+    bool checked_adopted = adopted < 0;
 
     while (exit_line.empty()) {
         pollfd fds[3] = {{sigfd, POLLIN, 0},
                          {have_lifeline ? kLifelineFd : -1, POLLIN, 0},
                          {stderr_open ? err_pipe[0] : -1, POLLIN, 0}};
-        const int ready = poll(fds, 3, term_deadline_ms);
+        const int ready = poll(fds, 3, adopted > 0 && !checked_adopted ? 0 : term_deadline_ms);
         if (ready < 0 && errno != EINTR) break;
         if (ready == 0 && term_deadline_ms >= 0) {
             exit_line = "kernel-exit terminated";
             break;
         }
-        if (fds[0].revents & POLLIN) {
+        const bool check_children = (fds[0].revents & POLLIN) || !checked_adopted;
+        checked_adopted = true;
+        if (check_children) {
             signalfd_siginfo info;
             while (read(sigfd, &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
                 const int sig = static_cast<int>(info.ssi_signo);

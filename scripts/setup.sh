@@ -8,6 +8,7 @@ PACKAGES=(
   cmake ninja-build g++ pkg-config clang-format
   libzmq3-dev cppzmq-dev nlohmann-json3-dev uuid-dev libssl-dev
   libsqlitecpp-dev libsqlite3-dev libgtest-dev libcli11-dev libspdlog-dev libfmt-dev
+  libseccomp-dev
   # fuzzing (tests/fuzz: clang's libFuzzer and sanitizer runtimes)
   clang libclang-rt-14-dev
   # sandbox runtimes (runsc: the gVisor tier, image host-gvisor)

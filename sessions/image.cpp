@@ -83,13 +83,28 @@ Complaint check_preload(const Image& image) {
     return std::nullopt;
 }
 
+Complaint check_zygote(const Image& image) {
+    if (!image.zygote) return std::nullopt;
+    if (image.runtime != "runc") {
+        return "zygote sessions need the runc runtime, not " + image.runtime;
+    }
+    const bool launcher = image.kernel_argv.size() >= 2 &&
+                          image.kernel_argv[1] == "/opt/cellblock/cellblock_ipykernel.py";
+    if (!launcher) {
+        return std::string(
+            "zygote sessions fork cellblock's ipykernel launcher: kernel_argv must be "
+            "[python, /opt/cellblock/cellblock_ipykernel.py, ...]");
+    }
+    return std::nullopt;
+}
+
 }  // namespace
 
 const std::vector<ImageCheck>& image_checks() {
     static const std::vector<ImageCheck> checks = {
         {"kernel_argv", check_kernel_argv}, {"rootfs", check_rootfs},
         {"host_binds", check_host_binds},   {"build", check_build},
-        {"preload", check_preload},
+        {"preload", check_preload},         {"zygote", check_zygote},
     };
     return checks;
 }
@@ -113,6 +128,7 @@ Image Image::from_json(const json& j) {
     read_field(j, "kernel_argv", image.kernel_argv, where);
     read_field(j, "env", image.env, where);
     read_field(j, "preload", image.preload, where);
+    read_field(j, "zygote", image.zygote, where);
     image.definition = j;
     if (j.contains("build")) {
         image.build = j.at("build");

@@ -86,7 +86,7 @@ std::vector<std::string> sandbox_environment(const Image& image) {
     return out;
 }
 
-json make_seccomp_profile(RuntimeKind kind) {
+json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
     // Docker's default profile denies these to an unprivileged container; so do
     // we, plus the calls that let same-uid code hijack another process, and
     // inotify: the kernel charges a sandbox's inotify instances to the user
@@ -115,7 +115,11 @@ json make_seccomp_profile(RuntimeKind kind) {
         0x02000000 /* CLONE_NEWCGROUP */ | 0x04000000 /* CLONE_NEWUTS */ |
         0x08000000 /* CLONE_NEWIPC */ | 0x10000000 /* CLONE_NEWUSER */ |
         0x20000000 /* CLONE_NEWPID */ | 0x40000000 /* CLONE_NEWNET */;
-    const std::set<std::string> denied_set(denied.begin(), denied.end());
+    std::set<std::string> denied_set(denied.begin(), denied.end());
+    if (role == SandboxRole::zygote) {
+        for (const char* call : {"unshare", "mount", "umount2", "move_mount", "sethostname"})
+            denied_set.erase(call);
+    }
     std::vector<std::string> allowed;
     for (const auto& name : x86_64_syscall_names()) {
         if (denied_set.count(name) || name == "clone" || name == "clone3" || name == "socket") {
@@ -138,8 +142,9 @@ json make_seccomp_profile(RuntimeKind kind) {
                         {"action", "SCMP_ACT_ALLOW"},
                         {"args", {{{"index", 0}, {"value", 40}, {"op", "SCMP_CMP_NE"}}}}});
     // The denied calls say EPERM, as under Docker's profile.
-    syscalls.push_back(
-        {{"names", denied}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 1 /* EPERM */}});
+    syscalls.push_back({{"names", std::vector<std::string>(denied_set.begin(), denied_set.end())},
+                        {"action", "SCMP_ACT_ERRNO"},
+                        {"errnoRet", 1 /* EPERM */}});
     // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
     if (kind != RuntimeKind::runsc) {
         syscalls.push_back(
@@ -159,8 +164,11 @@ json make_seccomp_profile(RuntimeKind kind) {
 
 json make_oci_config(const SandboxSpec& spec) {
     const SandboxLimits& lim = spec.limits;
-    const std::string uid = std::to_string(kSandboxUid);
     const RuntimeKind kind = runtime_kind(spec.runtime);
+    const bool zygote = spec.role == SandboxRole::zygote;
+    // Without a user namespace (the zygote) the ids are the host's own.
+    const std::uint32_t uid_value = zygote ? spec.ids.host_uid(kSandboxUid) : kSandboxUid;
+    const std::string uid = std::to_string(uid_value);
 
     json mounts = json::array();
     mounts.push_back({{"destination", "/proc"},
@@ -206,7 +214,19 @@ json make_oci_config(const SandboxSpec& spec) {
     mounts.push_back(bind_mount(spec.libexec_dir.string(), kSandboxLibexec, true, /*exec=*/true));
 
     std::vector<std::string> args{kSandboxShim, "--"};
-    for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
+    if (zygote) {
+        // The image's interpreter runs the zygote instead of the kernel launcher.
+        args.push_back(spec.image.kernel_argv.at(0));
+        args.push_back(std::string(kSandboxLibexec) + "/cellblock_zygote.py");
+        args.push_back("--socket");
+        args.push_back(std::string(kSandboxIpcDir) + "/zygote.sock");
+        std::string preload;
+        for (const auto& module : spec.image.preload)
+            preload += (preload.empty() ? "" : ",") + module;
+        if (!preload.empty()) args.insert(args.end(), {"--preload", preload});
+    } else {
+        for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
+    }
 
     std::vector<std::string> env = sandbox_environment(spec.image);
     if (!runtime_passes_fds(kind)) {
@@ -218,7 +238,7 @@ json make_oci_config(const SandboxSpec& spec) {
     const json no_caps = json::array();
     json process = {
         {"terminal", false},
-        {"user", {{"uid", kSandboxUid}, {"gid", kSandboxUid}}},
+        {"user", {{"uid", uid_value}, {"gid", uid_value}}},
         {"args", args},
         {"env", env},
         {"cwd", kSandboxHome},
@@ -248,7 +268,30 @@ json make_oci_config(const SandboxSpec& spec) {
 
     json namespaces = json::array();
     for (const char* ns : {"pid", "network", "ipc", "uts", "mount", "user", "cgroup"}) {
+        // The zygote's forks become sessions that must outlive it: no PID
+        // namespace whose end would end them; and no user namespace, so that
+        // each fork's own one can map the session's own host ids.
+        if (zygote && (std::string(ns) == "pid" || std::string(ns) == "user")) continue;
         namespaces.push_back({{"type", ns}});
+    }
+    json masked = {"/proc/acpi",        "/proc/asound",  "/proc/interrupts",
+                   "/proc/kcore",       "/proc/keys",    "/proc/latency_stats",
+                   "/proc/sched_debug", "/proc/scsi",    "/proc/timer_list",
+                   "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"};
+    json read_only = {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"};
+    if (zygote) {
+        masked = {"/sys/firmware", "/sys/devices/virtual/powercap"};
+        read_only = json::array();
+    }
+    json linux_section = {{"namespaces", namespaces},
+                          {"cgroupsPath", "/" + spec.cgroup_parent + "/" + spec.container_id},
+                          {"resources", resources},
+                          {"seccomp", make_seccomp_profile(kind, spec.role)},
+                          {"maskedPaths", masked},
+                          {"readonlyPaths", read_only}};
+    if (!zygote) {
+        linux_section["uidMappings"] = id_mapping(spec.ids);
+        linux_section["gidMappings"] = id_mapping(spec.ids);
     }
 
     return {{"ociVersion", "1.0.2"},
@@ -256,19 +299,7 @@ json make_oci_config(const SandboxSpec& spec) {
             {"root", {{"path", spec.rootfs.string()}, {"readonly", true}}},
             {"hostname", "sandbox"},
             {"mounts", mounts},
-            {"linux",
-             {{"uidMappings", id_mapping(spec.ids)},
-              {"gidMappings", id_mapping(spec.ids)},
-              {"namespaces", namespaces},
-              {"cgroupsPath", "/" + spec.cgroup_parent + "/" + spec.container_id},
-              {"resources", resources},
-              {"seccomp", make_seccomp_profile(kind)},
-              {"maskedPaths",
-               {"/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
-                "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
-                "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"}},
-              {"readonlyPaths",
-               {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"}}}}};
+            {"linux", linux_section}};
 }
 
 namespace {

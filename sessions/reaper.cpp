@@ -52,11 +52,14 @@ void remove_session(RuntimeSettings settings, const std::string& session_id, con
     // The runtime that created it, which may not be the caller's default.
     std::string recorded = read_text(runtime_file(dir));
     while (!recorded.empty() && recorded.back() == '\n') recorded.pop_back();
-    if (!recorded.empty()) settings.runtime = recorded;
-    const auto result = run_process(runtime_argv(settings, {"delete", "--force", cid}));
-    if (result.exit_code != 0 && result.output.find("does not exist") == std::string::npos &&
-        result.output.find("not exist") == std::string::npos) {
-        spdlog::warn("session {}: {} delete: {}", session_id, settings.runtime, result.output);
+    // A session forked from a zygote (kForkedRuntime) has no container to delete.
+    if (recorded != kForkedRuntime) {
+        if (!recorded.empty()) settings.runtime = recorded;
+        const auto result = run_process(runtime_argv(settings, {"delete", "--force", cid}));
+        if (result.exit_code != 0 && result.output.find("does not exist") == std::string::npos &&
+            result.output.find("not exist") == std::string::npos) {
+            spdlog::warn("session {}: {} delete: {}", session_id, settings.runtime, result.output);
+        }
     }
     unmount_if_mounted(dir / "ipc");
     unmount_if_mounted(dir / "output");

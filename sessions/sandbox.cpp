@@ -122,9 +122,9 @@ bool runtime_installed(const std::string& runtime) {
     return false;
 }
 
-std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Image& image,
-                                        const SandboxLimits& limits,
-                                        const RuntimeSettings& settings) {
+std::unique_ptr<Sandbox> Sandbox::prepare(const std::string& session_id, const Image& image,
+                                          const SandboxLimits& limits,
+                                          const RuntimeSettings& settings) {
     std::unique_ptr<Sandbox> box(new Sandbox());
     box->session_id_ = session_id;
     box->container_id_ = container_id_for(session_id);
@@ -211,8 +211,18 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     }
     box->inner_ = inner;
     box->inner_.ip = (dir / "ipc" / "k").string();
+    return box;
+}
+
+std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Image& image,
+                                        const SandboxLimits& limits,
+                                        const RuntimeSettings& settings, SandboxRole role) {
+    std::unique_ptr<Sandbox> box = prepare(session_id, image, limits, settings);
+    const fs::path& dir = box->dir_;
+    const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
     SandboxSpec spec;
+    spec.role = role;
     spec.container_id = box->container_id_;
     spec.image = image;
     spec.image.host_binds.clear();
@@ -418,6 +428,7 @@ void Sandbox::destroy() {
     lock_fd_.reset();
     version_fd_.reset();
     host_ids_.release();
+    keep_.reset();
 }
 
 }  // namespace cellblock

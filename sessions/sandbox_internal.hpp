@@ -28,6 +28,8 @@ void unmount_if_mounted(const fs::path& target);
 std::string container_id_for(const std::string& session_id);
 std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std::string> args);
 fs::path runtime_file(const fs::path& dir);
+// What runtime_file says of a session forked from a zygote.
+inline constexpr const char* kForkedRuntime = "zygote";
 int listen_lifeline(const fs::path& path, std::uint32_t owner);
 bool process_gone(pid_t pid);
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout);

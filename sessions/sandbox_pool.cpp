@@ -181,6 +181,7 @@ void SandboxPool::replace_image(PoolImage config) {
         dispose_locked(std::move(old.sandbox));
     }
     if (!stopping_) schedule_refills_locked();
+    // zygote_for replaces the zygote of an older version at the next fork.
 }
 
 void SandboxPool::dispose_locked(std::unique_ptr<Sandbox> sandbox) {
@@ -204,9 +205,54 @@ WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Im
     // behind a kernel starting. A cold start has a client waiting: default weight.
     if (background) settings.start_cpu_shares = tuning::kBackgroundCpuShares;
     if (!image.runtime.empty()) settings.runtime = image.runtime;
-    warm.sandbox = Sandbox::start(session_id, image, limits, settings);
+    if (image.zygote && runtime_kind(settings.runtime) == RuntimeKind::runc) {
+        warm.sandbox = fork_session(session_id, image, limits, settings);
+    } else {
+        warm.sandbox = Sandbox::start(session_id, image, limits, settings);
+    }
     warm.channels = probe_(*warm.sandbox);
     return warm;
+}
+
+std::shared_ptr<Zygote> SandboxPool::zygote_for(const Image& image,
+                                                const RuntimeSettings& settings) {
+    std::lock_guard lock(zygotes_mutex_);
+    auto& zygote = zygotes_[image.name];
+    if (zygote && (zygote->image().content_id != image.content_id || !zygote->alive())) {
+        spdlog::info("zygote of image {}: {}", image.name,
+                     zygote->alive() ? "a new version; replaced" : "gone; restarting it");
+        zygote.reset();
+    }
+    if (!zygote) zygote = Zygote::start(image, settings, tuning::kZygoteStartTimeout);
+    return zygote;
+}
+
+std::unique_ptr<Sandbox> SandboxPool::fork_session(const std::string& session_id,
+                                                   const Image& image, const SandboxLimits& limits,
+                                                   const RuntimeSettings& settings) {
+    std::shared_ptr<Zygote> zygote = zygote_for(image, settings);
+    try {
+        return zygote->fork(session_id, limits, settings);
+    } catch (const SandboxError& e) {
+        if (zygote->alive()) throw;
+        // The zygote died under this fork (or before it): once more with a new one.
+        spdlog::warn("zygote of image {} failed a fork and is gone ({}); restarting it", image.name,
+                     e.what());
+        return zygote_for(image, settings)->fork(session_id, limits, settings);
+    }
+}
+
+nlohmann::json SandboxPool::zygotes() {
+    std::lock_guard lock(zygotes_mutex_);
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& [name, zygote] : zygotes_) {
+        if (!zygote) continue;
+        out.push_back({{"image", name},
+                       {"container_id", zygote->container_id()},
+                       {"init_pid", zygote->init_pid()},
+                       {"interpreter_pid", zygote->interpreter_pid()}});
+    }
+    return out;
 }
 
 void SandboxPool::work() {

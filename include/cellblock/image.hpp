@@ -45,6 +45,10 @@ struct Image {
     // Modules a pooled kernel imports before it is handed out (names only,
     // checked to be dotted identifiers), so a session's first import is free.
     std::vector<std::string> preload;
+    // Sessions are forked from a zygote that imported the kernel and the
+    // preload once (docs/zygote.md), instead of booting an interpreter each.
+    // runc only; the kernel must be cellblock's ipykernel launcher.
+    bool zygote = false;
     SandboxLimits limits;
     // The image's "limits" object as written (session and sandbox fields),
     // layered between the server's defaults and a session request.

@@ -51,7 +51,17 @@ struct IdMapping {
     std::uint32_t host_uid(std::uint32_t container_uid) const { return host_base + container_uid; }
 };
 
+// A session's sandbox, or the zygote its sessions are forked from
+// (docs/zygote.md): the zygote's container has no user or PID namespace, runs
+// as the first host id of its range without capabilities, keeps /proc
+// unmasked (a forked session mounts its own, masked, /proc, which the kernel
+// allows only where a fully visible one exists) and lets its children create
+// namespaces and mounts, which each session stops for itself with the
+// session profile before any session code runs.
+enum class SandboxRole { session, zygote };
+
 struct SandboxSpec {
+    SandboxRole role = SandboxRole::session;
     std::string container_id;
     Image image;
     SandboxLimits limits;
@@ -92,6 +102,9 @@ void prepare_host_rootfs(const SandboxSpec& spec, const nlohmann::json& oci_conf
 // ENOSYS: gVisor applies every SCMP_ACT_ERRNO as EPERM whatever errnoRet says,
 // which would stop glibc falling back to clone, and its Sentry has no clone3
 // (it answers ENOSYS itself).
-nlohmann::json make_seccomp_profile(RuntimeKind kind = RuntimeKind::runc);
+// The zygote's profile also allows unshare, mount, umount2, move_mount and
+// sethostname (what a forked session needs to contain itself).
+nlohmann::json make_seccomp_profile(RuntimeKind kind = RuntimeKind::runc,
+                                    SandboxRole role = SandboxRole::session);
 
 }  // namespace cellblock

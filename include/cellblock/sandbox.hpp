@@ -61,9 +61,11 @@ class Sandbox {
     // mounts), writes the inner connection file, and starts the container
     // detached with the shim as init. Returns once the runtime has started it;
     // the kernel may still be importing. Throws SandboxError.
+    // A zygote's container (zygote.hpp) is started here too, with its role.
     static std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
                                           const SandboxLimits& limits,
-                                          const RuntimeSettings& settings);
+                                          const RuntimeSettings& settings,
+                                          SandboxRole role = SandboxRole::session);
     ~Sandbox();  // destroy()
     Sandbox(const Sandbox&) = delete;
     Sandbox& operator=(const Sandbox&) = delete;
@@ -131,8 +133,21 @@ class Sandbox {
     // The image's preload modules (Image::preload).
     const std::vector<std::string>& preload() const { return preload_; }
 
+    // Forked from a zygote rather than started by the runtime.
+    bool forked() const { return forked_; }
+
   private:
+    friend class Zygote;
     Sandbox() = default;
+    // The session directory with its lock, host id lease, mounts and inner
+    // connection file: everything before the sandbox's processes exist.
+    static std::unique_ptr<Sandbox> prepare(const std::string& session_id, const Image& image,
+                                            const SandboxLimits& limits,
+                                            const RuntimeSettings& settings);
+    bool forked_ = false;
+    // A forked session's zygote, kept (with the root it runs on) until the
+    // session is destroyed, whatever the pool does with it meanwhile.
+    std::shared_ptr<void> keep_;
     std::string session_id_;
     std::string container_id_;
     std::filesystem::path dir_;

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cellblock/sandbox.hpp"
+#include "cellblock/zygote.hpp"
 
 namespace cellblock {
 
@@ -89,6 +90,8 @@ class SandboxPool {
     nlohmann::json state() const;
     // The warm sandboxes held: [{image, container_id, init_pid}] (`cellblock ls`).
     nlohmann::json warm_sandboxes() const;
+    // The zygotes running: [{image, container_id, init_pid, interpreter_pid}].
+    nlohmann::json zygotes();
     std::size_t ready(const std::string& image) const;
     // Blocks until every image has `target` ready sandboxes or the timeout passes (tests,
     // benchmarks).
@@ -123,6 +126,12 @@ class SandboxPool {
     void dispose_locked(std::unique_ptr<Sandbox> sandbox);
     WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
                                 const SandboxLimits& limits, bool background);
+    // A session of a zygote image: forked from the image's live zygote (one
+    // is started, or restarted after a crash, when needed).
+    std::unique_ptr<Sandbox> fork_session(const std::string& session_id, const Image& image,
+                                          const SandboxLimits& limits,
+                                          const RuntimeSettings& settings);
+    std::shared_ptr<Zygote> zygote_for(const Image& image, const RuntimeSettings& settings);
 
     RuntimeSettings settings_;
     ReadinessProbe probe_;
@@ -135,6 +144,10 @@ class SandboxPool {
     std::uint64_t next_ticket_ = 1;
     bool stopping_ = false;
     std::vector<std::thread> workers_;
+    // One zygote per image name (of the version last asked for). A session
+    // forked from one keeps it (and the files it runs on) until it ends.
+    std::mutex zygotes_mutex_;
+    std::map<std::string, std::shared_ptr<Zygote>> zygotes_;
 };
 
 // A fresh session id: 16 lowercase hex characters from a CSPRNG.

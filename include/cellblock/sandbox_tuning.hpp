@@ -4,6 +4,7 @@
 // host's side of them.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 namespace cellblock::tuning {
@@ -11,6 +12,8 @@ namespace cellblock::tuning {
 // CFS: the period set at start (OCI config, apply_cgroup_limits) and by every
 // later quota change; a quota under the kernel's floor of 1 ms is raised to it.
 inline constexpr std::int64_t kCpuPeriodUs = 100000;
+// How long a zygote may take to import the kernel and the image's preload.
+inline constexpr std::chrono::seconds kZygoteStartTimeout{120};
 inline constexpr std::int64_t kMinCpuQuotaUs = 1000;
 // cgroup v1 cpu.shares: a session's kernel, and a pool refill booting in the
 // background (cgroup v2's cpu.weight is scaled from these: 1024 -> 100).

@@ -470,7 +470,7 @@ TEST(Image, DefinitionsAreCheckedByNamedChecks) {
     std::set<std::string_view> names;
     for (const auto& check : image_checks()) names.insert(check.name);
     EXPECT_EQ(names, (std::set<std::string_view>{"kernel_argv", "rootfs", "host_binds", "build",
-                                                 "preload"}));
+                                                 "preload", "zygote"}));
     const json base = {{"name", "x"}, {"kernel_argv", {"k"}}};
     auto refusal = [&](json patch) -> std::string {
         json j = base;
@@ -491,6 +491,60 @@ TEST(Image, DefinitionsAreCheckedByNamedChecks) {
     EXPECT_EQ(refusal({{"kernel_argv", json::array()}}),
               "image x: missing field 'kernel_argv' (check kernel_argv)");
     EXPECT_EQ(refusal({{"rootfs", "/srv/root"}}), "");
+    const json launcher = {"/usr/bin/python3", "/opt/cellblock/cellblock_ipykernel.py", "-f",
+                           "{connection_file}"};
+    EXPECT_EQ(refusal({{"zygote", true}, {"kernel_argv", launcher}}), "");
+    EXPECT_EQ(refusal({{"zygote", true}, {"kernel_argv", launcher}, {"runtime", "runsc"}}),
+              "image x: zygote sessions need the runc runtime, not runsc (check zygote)");
+    EXPECT_EQ(refusal({{"zygote", true}}),
+              "image x: zygote sessions fork cellblock's ipykernel launcher: kernel_argv must be "
+              "[python, /opt/cellblock/cellblock_ipykernel.py, ...] (check zygote)");
+}
+
+// A zygote's container: no user or PID namespace (its forks make their own),
+// the host ids of its lease with no capabilities, an unmasked /proc, and a
+// profile that lets its forks contain themselves; the session's is unchanged.
+TEST(OciConfig, ZygoteRole) {
+    SandboxSpec spec;
+    spec.container_id = "cb-z";
+    spec.image.kernel_argv = {"/usr/bin/python3", "/opt/cellblock/cellblock_ipykernel.py"};
+    spec.image.preload = {"numpy", "pandas"};
+    spec.ids = {(1u << 30) + 65536, 65536};
+    spec.role = SandboxRole::zygote;
+    const json config = make_oci_config(spec);
+    std::set<std::string> namespaces;
+    for (const auto& ns : config["linux"]["namespaces"]) namespaces.insert(ns["type"]);
+    EXPECT_EQ(namespaces, (std::set<std::string>{"network", "ipc", "uts", "mount", "cgroup"}));
+    EXPECT_FALSE(config["linux"].contains("uidMappings"));
+    EXPECT_EQ(config["process"]["user"]["uid"], (1u << 30) + 65536 + kSandboxUid);
+    EXPECT_TRUE(config["process"]["capabilities"]["bounding"].empty());
+    EXPECT_TRUE(config["process"]["noNewPrivileges"]);
+    EXPECT_EQ(config["linux"]["readonlyPaths"], json::array());
+    for (const auto& path : config["linux"]["maskedPaths"])
+        EXPECT_NE(path.get<std::string>().rfind("/proc", 0), 0u) << path;
+    const auto& args = config["process"]["args"];
+    EXPECT_EQ(args[2], "/usr/bin/python3");
+    EXPECT_EQ(args[3], "/opt/cellblock/cellblock_zygote.py");
+    EXPECT_EQ(args.back(), "numpy,pandas");
+    auto denied = [](const json& profile) {
+        std::set<std::string> names;
+        for (const auto& rule : profile["syscalls"])
+            if (rule["action"] == "SCMP_ACT_ERRNO")
+                for (const auto& n : rule["names"]) names.insert(n);
+        return names;
+    };
+    const auto zygote_denied = denied(config["linux"]["seccomp"]);
+    const auto session_denied = denied(make_seccomp_profile(RuntimeKind::runc));
+    for (const char* call : {"unshare", "mount", "umount2", "move_mount", "sethostname"}) {
+        EXPECT_EQ(zygote_denied.count(call), 0u) << call;
+        EXPECT_EQ(session_denied.count(call), 1u) << call;
+    }
+    EXPECT_EQ(zygote_denied.count("ptrace"), 1u);
+    EXPECT_EQ(zygote_denied.count("open_tree"), 1u);
+    spec.role = SandboxRole::session;
+    const json session = make_oci_config(spec);
+    EXPECT_EQ(session["linux"]["namespaces"].size(), 7u);
+    EXPECT_EQ(session["process"]["user"]["uid"], kSandboxUid);
 }
 
 // An image's limits go through the one parser the server layers them with

@@ -1,0 +1,361 @@
+"""cellblock's zygote: an interpreter that has imported the kernel and the
+image's preload once, and forks sessions from that state.
+
+It runs as the only program of a zygote container (see docs/zygote.md): no
+user or PID namespace of its own, an unprivileged host uid, no capabilities,
+no_new_privs and a seccomp profile that lets a child create namespaces. It
+never runs session code and never holds a session's key or data: the server
+sends it, per session, a socket to report on, the session's lifeline and log,
+and the session's three directories as detached mounts (open_tree), all as
+file descriptors; it forks and forgets them.
+
+The forked child does the containment itself, in this order, each step
+reported to the server on the session's report socket (the kernel attaches
+the sender's pid, which the child cannot forge):
+  A (the fork): closes every other descriptor, unshare(user) -> "userns";
+    the server writes the user namespace's id maps (the session's own host
+    id range) and moves A into the session's cgroups -> "mapped"; A becomes
+    root of that namespace, unshares mount, PID, IPC, UTS, network and
+    cgroup namespaces, forks B -> "init PID", exits.
+  B (PID 1 of the new PID namespace): private mounts, its own /proc with
+    the usual paths masked, fresh /tmp, home, /dev/shm, /dev/mqueue and
+    /dev/pts, the session's ipc, input (read-only) and output directories
+    moved in over the zygote's, hostname, loopback up, rlimits; drops the
+    bounding set, becomes uid 1000 (no capabilities left), installs the
+    session's seccomp filter; forks C -> "ready"; execs cellblock-shim
+    --adopt C, which is the session's init from then on, as in a booted one.
+  C: re-seeds every random generator, takes the session's environment and
+    starts the kernel on /run/cellblock/kernel.json.
+"""
+import ctypes
+import fcntl
+import gc
+import importlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.syscall.restype = ctypes.c_long
+LIBC.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+LIBC.unshare.argtypes = [ctypes.c_int]
+LIBC.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+LIBC.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+SYS_MOVE_MOUNT = 429
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+AT_FDCWD = -100
+
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+
+SANDBOX_UID = 1000
+SHIM = "/opt/cellblock/cellblock-shim"
+CONNECTION_FILE = "/run/cellblock/kernel.json"
+MAX_REQUEST = 65536
+# The fds of a fork request, in order.
+REQUEST_FDS = ("report", "lifeline", "log", "ipc", "input", "output")
+
+# What runc masks and makes read-only in every session's /proc and /sys.
+MASKED = ["/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
+          "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
+          "/proc/timer_stats"]
+READ_ONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+
+def check(result, step):
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{step}: {os.strerror(err)}")
+    return result
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(LIBC.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
+          f"mount {fstype or source} on {target}")
+
+
+def move_mount(tree_fd, target):
+    check(LIBC.syscall(SYS_MOVE_MOUNT, tree_fd, b"", AT_FDCWD, target.encode(),
+                       MOVE_MOUNT_F_EMPTY_PATH), f"move_mount onto {target}")
+
+
+def prctl(option, a=0, b=0, c=0, d=0):
+    return check(LIBC.prctl(option, a, b, c, d), f"prctl {option}")
+
+
+# --- the three processes of a fork ---------------------------------------
+
+
+def report(sock, text):
+    sock.send(text.encode()[:4000])
+
+
+def child_a(fds, request, bpf):
+    """Runs in the fork; never returns."""
+    report_sock = socket.socket(fileno=fds["report"])
+    try:
+        os.setsid()
+        check(LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
+        report(report_sock, "userns")
+        if report_sock.recv(64) != b"mapped":
+            os._exit(1)
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        check(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
+                           CLONE_NEWNET | CLONE_NEWCGROUP), "unshare namespaces")
+        pid = os.fork()
+        if pid:
+            report(report_sock, f"init {pid}")
+            os._exit(0)
+        init_b(fds, report_sock, request, bpf)
+    except BaseException as e:  # noqa: B902 - everything ends here, reported
+        try:
+            report(report_sock, f"error {type(e).__name__}: {e}")
+        finally:
+            os._exit(1)
+
+
+def setup_mounts(fds, limits):
+    # Nothing done here reaches the zygote's mounts (or the host's).
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in MASKED:
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", MS_RDONLY, "size=4k,mode=755")
+        elif os.path.exists(path):
+            mount("/dev/null", path, None, MS_BIND)
+    for path in READ_ONLY:
+        if os.path.exists(path):
+            mount(path, path, None, MS_BIND | MS_REC)
+            mount(None, path, None,
+                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    disk = f"size={int(limits['disk_mb'])}m"
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{disk}")
+    home = os.environ.get("HOME", "/home/sandbox")
+    mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"mode=700,uid={SANDBOX_UID},gid={SANDBOX_UID},{disk}")
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"mode=1777,size={int(limits['shm_mb'])}m")
+    mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+          "newinstance,ptmxmode=0666,mode=0620")
+    # The server made these read-only, nosuid, nodev and noexec as it wished.
+    move_mount(fds["ipc"], "/run/cellblock")
+    move_mount(fds["input"], "/data/input")
+    move_mount(fds["output"], "/data/output")
+    for name in ("ipc", "input", "output"):
+        os.close(fds[name])
+    return home
+
+
+def loopback_up():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        iff_up, iff_loopback, iff_running = 0x1, 0x8, 0x40
+        fcntl.ioctl(s, 0x8914,  # SIOCSIFFLAGS
+                    struct.pack("16sh14x", b"lo", iff_up | iff_loopback | iff_running))
+
+
+def drop_privileges(limits):
+    import resource
+
+    nofile = int(limits["nofile"])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # The session's host uids are its own: RLIMIT_NPROC counts only its tasks.
+    nproc = int(limits["pids"])
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    # First to go when the host runs out of memory, as a booted session.
+    # (The id change in A made this process non-dumpable, which hides its
+    # /proc files from itself; the uid change below makes it so again.)
+    prctl(PR_SET_DUMPABLE, 1)
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
+    for cap in range(64):
+        if LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 and ctypes.get_errno() == 22:
+            break  # EINVAL: past the last capability this kernel knows
+    os.setgroups([])
+    os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+    # From root to a non-root uid: the permitted and effective sets empty.
+    os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+
+
+def install_seccomp(bpf):
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    program = ctypes.create_string_buffer(bpf, len(bpf))
+    fprog = SockFprog(len(bpf) // 8, ctypes.addressof(program))
+    check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0),
+          "install the seccomp filter")
+
+
+def init_b(fds, report_sock, request, bpf):
+    limits = request["limits"]
+    home = setup_mounts(fds, limits)
+    hostname = request.get("hostname", "sandbox").encode()
+    check(LIBC.sethostname(hostname, len(hostname)), "sethostname")
+    loopback_up()
+    drop_privileges(limits)
+    os.chdir(home)
+    install_seccomp(bpf)
+    err_read, err_write = os.pipe()
+    kernel = os.fork()
+    if kernel == 0:
+        run_kernel(request, err_write)
+    os.close(err_write)
+    report(report_sock, "ready")
+    report_sock.close()
+    # The session's init from now on: cellblock-shim adopts the kernel. Its
+    # descriptors are moved clear of 2-4 first, where any of them may be.
+    lifeline = fcntl.fcntl(fds["lifeline"], fcntl.F_DUPFD, 10)
+    err_read = fcntl.fcntl(err_read, fcntl.F_DUPFD, 10)
+    log = fcntl.fcntl(fds["log"], fcntl.F_DUPFD, 10)
+    os.dup2(lifeline, 3)
+    os.dup2(err_read, 4)
+    os.dup2(log, 2)
+    devnull = os.open("/dev/null", os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.closerange(5, os.sysconf("SC_OPEN_MAX"))
+    env = dict(e.split("=", 1) for e in request["env"])
+    os.execve(SHIM, [SHIM, "--adopt", str(kernel), "4"], env)
+
+
+def reseed():
+    import random
+
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def run_kernel(request, err_write):
+    try:
+        prctl(PR_SET_DUMPABLE, 1)  # as a booted kernel: its own /proc is its uid's
+        os.setpgid(0, 0)
+        os.dup2(err_write, 2)
+        devnull = os.open("/dev/null", os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(devnull, 1)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(dict(e.split("=", 1) for e in request["env"]))
+        reseed()
+        from cellblock_ipykernel import IPKernelApp, SandboxKernel
+
+        sys.argv = ["cellblock_ipykernel.py", "-f", CONNECTION_FILE]
+        IPKernelApp.launch_instance(argv=["-f", CONNECTION_FILE], kernel_class=SandboxKernel)
+        os._exit(0)
+    except BaseException as e:  # noqa: B902
+        try:
+            os.write(2, f"cellblock-zygote: the kernel failed: {type(e).__name__}: {e}\n".encode())
+        finally:
+            os._exit(1)
+
+
+# --- the zygote ------------------------------------------------------------
+
+
+def fork_session(conn, listener, payload, fds_received, bpf):
+    request = json.loads(payload)
+    if len(fds_received) != len(REQUEST_FDS):
+        raise ValueError(f"a fork request carries {len(REQUEST_FDS)} descriptors, "
+                         f"not {len(fds_received)}")
+    fds = dict(zip(REQUEST_FDS, fds_received))
+    pid = os.fork()
+    if pid == 0:
+        keep = set(fds.values())
+        conn.detach()
+        listener.detach()
+        for fd in os.listdir("/proc/self/fd"):
+            if int(fd) > 2 and int(fd) not in keep:
+                try:
+                    os.close(int(fd))
+                except OSError:
+                    pass
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        child_a(fds, request, bpf)
+    return pid
+
+
+def serve(path, bpf_holder):
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            while True:
+                try:
+                    data, ancdata, _, _ = conn.recvmsg(
+                        MAX_REQUEST, socket.CMSG_SPACE(len(REQUEST_FDS) * 4))
+                except OSError:
+                    break
+                if not data:
+                    break
+                fds = []
+                for level, kind, cdata in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.extend(struct.unpack(f"{len(cdata) // 4}i", cdata[:len(cdata) // 4 * 4]))
+                try:
+                    if data.startswith(b"seccomp "):
+                        bpf_holder[0] = data[len(b"seccomp "):]
+                        reply = {"ok": True, "pid": os.getpid()}
+                    elif not bpf_holder[0]:
+                        reply = {"error": "no seccomp filter was given before the fork request"}
+                    else:
+                        reply = {"pid": fork_session(conn, listener, data, fds, bpf_holder[0])}
+                except Exception as e:  # noqa: B902 - the server gets the reason
+                    reply = {"error": f"{type(e).__name__}: {e}"}
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                conn.send(json.dumps(reply).encode())
+
+
+def main(argv):
+    socket_path = argv[argv.index("--socket") + 1]
+    preload = argv[argv.index("--preload") + 1].split(",") if "--preload" in argv else []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # What a kernel imports to start, and the image's preload, once.
+    import cellblock_ipykernel  # noqa: F401
+    import ipykernel.ipkernel  # noqa: F401
+    import ipykernel.zmqshell  # noqa: F401
+    for module in filter(None, preload):
+        importlib.import_module(module)
+    # A finished fork is reaped at once; sessions are not the zygote's children.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    # Objects alive now are never collected again: the collector's passes in
+    # the sessions leave their pages shared.
+    gc.collect()
+    gc.freeze()
+    serve(socket_path, [b""])
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,405 @@
+// A per-image zygote and the sessions forked from it (zygote.hpp,
+// docs/zygote.md). The containment steps a fork takes are in
+// kernel-shim/cellblock_zygote.py; this side gives it what only the host can:
+// the session's id maps, its cgroups, its directories as detached mounts, and
+// checks each step against the pid the kernel attached to the report.
+#include "cellblock/zygote.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <seccomp.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/sandbox_pool.hpp"
+#include "cellblock/sandbox_tuning.hpp"
+#include "sandbox_internal.hpp"
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace sandbox_detail;
+
+namespace {
+
+constexpr std::chrono::seconds kStepTimeout{10};
+// The zygote's RLIMIT_NOFILE bounds what a fork may set for its session (it
+// cannot raise it): as high as this process may give (runc sets it after it
+// has become the zygote's user).
+int zygote_nofile() {
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_max == RLIM_INFINITY) return 65536;
+    return static_cast<int>(std::min<rlim_t>(limit.rlim_max, 1 << 20));
+}
+
+std::uint32_t scmp_action(const json& rule) {
+    const std::string action = rule.at("action");
+    if (action == "SCMP_ACT_ALLOW") return SCMP_ACT_ALLOW;
+    if (action == "SCMP_ACT_ERRNO")
+        return SCMP_ACT_ERRNO(static_cast<std::uint16_t>(rule.value("errnoRet", 1)));
+    throw SandboxError("seccomp: action " + action + " is not supported here");
+}
+
+scmp_compare scmp_op(const std::string& op) {
+    if (op == "SCMP_CMP_NE") return SCMP_CMP_NE;
+    if (op == "SCMP_CMP_EQ") return SCMP_CMP_EQ;
+    if (op == "SCMP_CMP_MASKED_EQ") return SCMP_CMP_MASKED_EQ;
+    throw SandboxError("seccomp: comparison " + op + " is not supported here");
+}
+
+// Waits until `fd` is readable or `timeout` passes.
+bool wait_readable(int fd, std::chrono::milliseconds timeout) {
+    pollfd p{fd, POLLIN, 0};
+    for (;;) {
+        const int r = ::poll(&p, 1, static_cast<int>(timeout.count()));
+        if (r < 0 && errno == EINTR) continue;
+        return r > 0;
+    }
+}
+
+// One message on a SOCK_SEQPACKET report socket, with the sender's pid as
+// the kernel saw it (SO_PASSCRED): a fork cannot claim another process's.
+struct Report {
+    std::string text;
+    pid_t pid = -1;
+};
+
+Report receive_report(int fd, const std::string& step) {
+    if (!wait_readable(fd, kStepTimeout)) {
+        throw SandboxError("zygote fork: no answer within " + std::to_string(kStepTimeout.count()) +
+                           " s while waiting for " + step);
+    }
+    char buf[4096];
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(ucred))];
+    iovec iov{buf, sizeof buf};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    if (n <= 0) {
+        throw SandboxError("zygote fork: the session's process ended while waiting for " + step);
+    }
+    Report report;
+    report.text.assign(buf, static_cast<size_t>(n));
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
+            ucred cred;
+            std::memcpy(&cred, CMSG_DATA(c), sizeof cred);
+            report.pid = cred.pid;
+        }
+    }
+    if (report.text.rfind("error ", 0) == 0) {
+        throw SandboxError("zygote fork: " + report.text.substr(6));
+    }
+    return report;
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) throw SandboxError("open " + path.string() + ": " + errno_text());
+    const ssize_t n = ::write(fd, text.data(), text.size());
+    const std::string why = errno_text();
+    ::close(fd);
+    if (n != static_cast<ssize_t>(text.size())) {
+        throw SandboxError("write " + path.string() + ": " + why);
+    }
+}
+
+// The session's cgroup in each controller it is limited by (v1: memory,
+// pids, cpu, cpuacct; v2: the one unified directory), created empty.
+std::vector<fs::path> create_session_cgroups(const std::string& container_id) {
+    std::vector<fs::path> dirs;
+    const fs::path root = "/sys/fs/cgroup";
+    if (fs::exists(root / "cgroup.controllers")) {
+        const fs::path parent = root / "cellblock";
+        ::mkdir(parent.c_str(), 0755);
+        std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
+        dirs.push_back(parent / container_id);
+    } else {
+        for (const char* controller : {"memory", "pids", "cpu", "cpuacct"}) {
+            const fs::path hierarchy = root / controller;
+            std::error_code ec;
+            if (!fs::is_directory(hierarchy, ec) || fs::is_symlink(hierarchy, ec)) continue;
+            ::mkdir((hierarchy / "cellblock").c_str(), 0755);
+            dirs.push_back(hierarchy / "cellblock" / container_id);
+        }
+    }
+    for (const auto& dir : dirs) {
+        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+            throw SandboxError("cgroup " + dir.string() + ": " + errno_text());
+        }
+    }
+    return dirs;
+}
+
+// A detached copy of a session directory's mount (open_tree), with the
+// attributes the session gets: the forked child moves it into its own mount
+// namespace; it never sees the host path.
+UniqueFd detached_tree(const fs::path& dir, std::uint64_t attributes) {
+    UniqueFd tree(::open_tree(AT_FDCWD, dir.c_str(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC));
+    if (!tree) throw SandboxError("open_tree " + dir.string() + ": " + errno_text());
+    mount_attr attr{};
+    attr.attr_set = attributes;
+    if (::mount_setattr(tree.get(), "", AT_EMPTY_PATH, &attr, sizeof attr) != 0) {
+        throw SandboxError("mount_setattr " + dir.string() + ": " + errno_text());
+    }
+    return tree;
+}
+
+void send_with_fds(int socket, const std::string& data, const std::vector<int>& fds) {
+    iovec iov{const_cast<char*>(data.data()), data.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+    if (!fds.empty()) {
+        msg.msg_control = control.data();
+        msg.msg_controllen = control.size();
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    if (::sendmsg(socket, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(data.size())) {
+        throw SandboxError("zygote: send: " + errno_text());
+    }
+}
+
+json receive_reply(int socket, std::chrono::milliseconds timeout) {
+    if (!wait_readable(socket, timeout)) throw SandboxError("zygote: no reply");
+    std::string buf(65536, '\0');
+    const ssize_t n = ::recv(socket, buf.data(), buf.size(), 0);
+    if (n <= 0) throw SandboxError("zygote: the zygote closed its socket");
+    buf.resize(static_cast<size_t>(n));
+    json reply = json::parse(buf, nullptr, false);
+    if (!reply.is_object()) throw SandboxError("zygote: a reply that is not a JSON object");
+    if (reply.contains("error")) {
+        throw SandboxError("zygote: " + reply["error"].get<std::string>());
+    }
+    return reply;
+}
+
+}  // namespace
+
+std::string compile_seccomp_bpf(const json& profile) {
+    const std::uint32_t default_action =
+        scmp_action({{"action", profile.at("defaultAction")},
+                     {"errnoRet", profile.value("defaultErrnoRet", 1)}});
+    scmp_filter_ctx ctx = seccomp_init(default_action);
+    if (!ctx) throw SandboxError("seccomp_init failed");
+    std::unique_ptr<void, void (*)(void*)> owner(ctx, [](void* c) { seccomp_release(c); });
+    // runc's defaults: no_new_privs is the caller's business, and a rule
+    // that cannot be added for one architecture (a call i386 lacks) is skipped.
+    seccomp_attr_set(ctx, SCMP_FLTATR_CTL_NNP, 0);
+    for (const auto& arch : profile.value("architectures", json::array())) {
+        const std::string name = arch;
+        const std::uint32_t token = name == "SCMP_ARCH_X86"   ? SCMP_ARCH_X86
+                                    : name == "SCMP_ARCH_X32" ? SCMP_ARCH_X32
+                                                              : SCMP_ARCH_NATIVE;
+        const int r = seccomp_arch_add(ctx, token);
+        if (r != 0 && r != -EEXIST) throw SandboxError("seccomp_arch_add " + name + " failed");
+    }
+    for (const auto& rule : profile.at("syscalls")) {
+        const std::uint32_t action = scmp_action(rule);
+        if (action == default_action) continue;  // libseccomp refuses it; runc skips it too
+        std::vector<scmp_arg_cmp> args;
+        for (const auto& arg : rule.value("args", json::array())) {
+            args.push_back({arg.at("index").get<unsigned>(), scmp_op(arg.at("op")),
+                            arg.at("value").get<std::uint64_t>(),
+                            arg.value("valueTwo", std::uint64_t{0})});
+        }
+        for (const auto& name : rule.at("names")) {
+            const int nr = seccomp_syscall_resolve_name(name.get<std::string>().c_str());
+            if (nr == __NR_SCMP_ERROR) continue;  // unknown to libseccomp: the default applies
+            const int r = seccomp_rule_add_array(ctx, action, nr,
+                                                 static_cast<unsigned>(args.size()), args.data());
+            if (r != 0 && r != -EEXIST) {
+                throw SandboxError("seccomp rule for " + name.get<std::string>() + ": " +
+                                   std::strerror(-r));
+            }
+        }
+    }
+    const int out = ::memfd_create("cellblock-seccomp", MFD_CLOEXEC);
+    if (out < 0) throw SandboxError("memfd_create: " + errno_text());
+    UniqueFd memfd(out);
+    if (seccomp_export_bpf(ctx, memfd.get()) != 0) throw SandboxError("seccomp_export_bpf failed");
+    const off_t size = ::lseek(memfd.get(), 0, SEEK_END);
+    std::string bpf(static_cast<size_t>(size), '\0');
+    if (::pread(memfd.get(), bpf.data(), bpf.size(), 0) != size) {
+        throw SandboxError("seccomp: reading the program back failed");
+    }
+    return bpf;
+}
+
+std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings& settings,
+                                      std::chrono::milliseconds timeout) {
+    std::shared_ptr<Zygote> zygote(new Zygote());
+    zygote->image_ = image;
+    SandboxLimits limits = image.limits;
+    limits.nofile = std::max(limits.nofile, zygote_nofile());
+    zygote->box_ = Sandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
+    Sandbox& box = *zygote->box_;
+    const fs::path socket_path = box.dir() / "ipc" / "zygote.sock";
+    const fs::path log = box.dir() / "log" / "shim.log";
+    // The socket appears once the zygote has imported everything.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+        struct stat st {};
+        if (::lstat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) break;
+        if (!box.read_lifeline() || std::chrono::steady_clock::now() > deadline) {
+            throw SandboxError("zygote of image " + image.name +
+                               (box.exited() ? " ended while starting" : " did not start in time") +
+                               ": " + log_tail(log));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (socket_path.string().size() >= sizeof addr.sun_path) {
+        throw SandboxError("zygote socket path too long: " + socket_path.string());
+    }
+    std::strcpy(addr.sun_path, socket_path.c_str());
+    zygote->control_.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (!zygote->control_ ||
+        ::connect(zygote->control_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        throw SandboxError("connect " + socket_path.string() + ": " + errno_text());
+    }
+    // The filter every session installs on itself before its first own code.
+    const std::string bpf = compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc));
+    send_with_fds(zygote->control_.get(), "seccomp " + bpf, {});
+    const json reply = receive_reply(zygote->control_.get(), kStepTimeout);
+    zygote->interpreter_pid_ = reply.value("pid", -1);
+    spdlog::info("zygote of image {} ready: container {}, interpreter pid {}", image.name,
+                 box.container_id(), zygote->interpreter_pid_);
+    return zygote;
+}
+
+Zygote::~Zygote() = default;
+
+bool Zygote::alive() {
+    std::lock_guard lock(mutex_);
+    return box_ && box_->read_lifeline() && control_;
+}
+
+std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const SandboxLimits& limits,
+                                      const RuntimeSettings& settings) {
+    std::lock_guard lock(mutex_);
+    if (!control_) throw SandboxError("zygote of image " + image_.name + " is gone");
+    std::unique_ptr<Sandbox> box = Sandbox::prepare(session_id, image_, limits, settings);
+    box->forked_ = true;
+    box->keep_ = shared_from_this();
+    const fs::path dir = box->dir();
+    {
+        std::ofstream out(runtime_file(dir));
+        out << kForkedRuntime << "\n";
+        if (!out) throw SandboxError("write " + runtime_file(dir).string());
+    }
+    box->cgroup_dirs_ = create_session_cgroups(box->container_id());
+    apply_cgroup_limits(*box, limits);
+
+    int report_pair[2];
+    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, report_pair) != 0) {
+        throw SandboxError("report socketpair: " + errno_text());
+    }
+    UniqueFd report(report_pair[0]), report_child(report_pair[1]);
+    const int on = 1;
+    ::setsockopt(report.get(), SOL_SOCKET, SO_PASSCRED, &on, sizeof on);
+    int lifeline_pair[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, lifeline_pair) != 0) {
+        throw SandboxError("lifeline socketpair: " + errno_text());
+    }
+    box->lifeline_.reset(lifeline_pair[0]);
+    UniqueFd lifeline_child(lifeline_pair[1]);
+    const fs::path log = dir / "log" / "shim.log";
+    UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
+    if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
+    const std::uint64_t quiet = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
+    UniqueFd ipc = detached_tree(dir / "ipc", quiet);
+    UniqueFd input = detached_tree(dir / "input", quiet | MOUNT_ATTR_RDONLY);
+    UniqueFd output = detached_tree(dir / "output", quiet);
+
+    const json request = {{"session", session_id},
+                          {"env", sandbox_environment(image_)},
+                          {"hostname", "sandbox"},
+                          {"limits",
+                           {{"disk_mb", limits.disk_mb},
+                            {"shm_mb", limits.shm_mb},
+                            {"nofile", std::min(limits.nofile, zygote_nofile())},
+                            {"pids", limits.pids}}}};
+    try {
+        send_with_fds(control_.get(), request.dump(),
+                      {report_child.get(), lifeline_child.get(), log_fd.get(), ipc.get(),
+                       input.get(), output.get()});
+        const json reply = receive_reply(control_.get(), kStepTimeout);
+        (void)reply;
+    } catch (const SandboxError&) {
+        control_.reset();  // a zygote that fails its protocol is not used again
+        throw;
+    }
+    // The child holds its own copies now.
+    report_child.reset();
+    lifeline_child.reset();
+    log_fd.reset();
+    ipc.reset();
+    input.reset();
+    output.reset();
+
+    pid_t forked = -1;
+    try {
+        const Report userns = receive_report(report.get(), "the user namespace");
+        forked = userns.pid;
+        if (userns.text != "userns" || forked <= 0) {
+            throw SandboxError("zygote fork: unexpected report '" + userns.text + "'");
+        }
+        const IdMapping& ids = box->host_ids();
+        const std::string map =
+            "0 " + std::to_string(ids.host_base) + " " + std::to_string(ids.size);
+        const fs::path proc = "/proc/" + std::to_string(forked);
+        write_file(proc / "uid_map", map);
+        write_file(proc / "gid_map", map);
+        for (const auto& cgroup : box->cgroup_dirs_) {
+            write_file(cgroup / "cgroup.procs", std::to_string(forked));
+        }
+        if (::send(report.get(), "mapped", 6, MSG_NOSIGNAL) != 6) {
+            throw SandboxError("zygote fork: report: " + errno_text());
+        }
+        const Report init = receive_report(report.get(), "the session's init");
+        if (init.pid != forked || init.text.rfind("init ", 0) != 0) {
+            throw SandboxError("zygote fork: unexpected report '" + init.text + "'");
+        }
+        box->init_pid_ = static_cast<pid_t>(std::stoi(init.text.substr(5)));
+        const Report ready = receive_report(report.get(), "the contained session");
+        if (ready.text != "ready" || ready.pid != box->init_pid_) {
+            throw SandboxError("zygote fork: unexpected report '" + ready.text + "' from pid " +
+                               std::to_string(ready.pid));
+        }
+    } catch (const SandboxError& e) {
+        if (forked > 0) ::kill(forked, SIGKILL);
+        throw SandboxError(std::string(e.what()) + "; log: " + log_tail(log));
+    }
+    {
+        std::ofstream out(dir / "init.pid");
+        out << box->init_pid_;
+    }
+    box->open_counters();
+    return box;
+}
+
+}  // namespace cellblock
