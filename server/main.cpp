@@ -360,6 +360,11 @@ int main(int argc, char** argv) {
                             box["image"].get<std::string>().c_str(), "warm", "-", "-",
                             pid_list(box).c_str(), box["container_id"].get<std::string>().c_str());
             }
+            for (const auto& z : reply.value("zygotes", json::array())) {
+                std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "(zygote)",
+                            z["image"].get<std::string>().c_str(), "zygote", "-", "-",
+                            pid_list(z).c_str(), z["container_id"].get<std::string>().c_str());
+            }
             if (reply.contains("runtime_root")) {
                 std::printf("\nsandboxes: runc --root %s list\n",
                             reply["runtime_root"].get<std::string>().c_str());

@@ -186,9 +186,13 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
     // and the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
     json warm = pool_->warm_sandboxes();
     for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
+    // And the zygotes sessions are forked from (docs/zygote.md).
+    json zygotes = pool_->zygotes();
+    for (auto& z : zygotes) z["pids"] = sandbox_pids(z["container_id"].get<std::string>());
     return {{"status", "ok"},
             {"sessions", list},
             {"warm_sandboxes", warm},
+            {"zygotes", zygotes},
             {"runtime_root", settings_.runtime_root().string()}};
 }
 

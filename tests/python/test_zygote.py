@@ -1,0 +1,243 @@
+"""Sessions forked from a zygote (docs/zygote.md), checked from inside the
+session and from the host: the isolation of a booted session, siblings that
+cannot see or reach each other, generators re-seeded per session, limits that
+hold, a zygote whose death leaves its sessions working, and nothing left
+behind by a closed session.
+
+The image is the host image with `"zygote": true` and numpy preloaded, under
+a name of its own in a folder of this test's (CELLBLOCK_IMAGES_DIR).
+"""
+import ctypes  # noqa: F401 - the cells below use it inside the sandbox
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+
+import pytest
+
+import server_helpers as sh
+from server_helpers import assert_session_gone, execute, session_pids, stream_text, wait_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+IMAGE = "host-zygote-test"
+
+
+@pytest.fixture(scope="module")
+def zserver():
+    images = tempfile.mkdtemp(prefix="cb-zygote-images-")
+    with open(os.path.join(REPO, "images", "host", "image.json")) as f:
+        definition = json.load(f)
+    definition.update(name=IMAGE, zygote=True, preload=["numpy"])
+    os.makedirs(os.path.join(images, IMAGE))
+    with open(os.path.join(images, IMAGE, "image.json"), "w") as f:
+        json.dump(definition, f)
+    old = os.environ.get("CELLBLOCK_IMAGES_DIR")
+    os.environ["CELLBLOCK_IMAGES_DIR"] = images
+    try:
+        srv = sh.start_server(["--image", IMAGE, "--pool", f"{IMAGE}=0", "--pool", "host=0"])
+    finally:
+        if old is None:
+            del os.environ["CELLBLOCK_IMAGES_DIR"]
+        else:
+            os.environ["CELLBLOCK_IMAGES_DIR"] = old
+    yield srv
+    problems = srv.shutdown()
+    shutil.rmtree(images, ignore_errors=True)
+    assert not problems, "\n".join(problems)
+
+
+def run(kc, code, timeout=60):
+    reply, msgs = execute(kc, code, timeout=timeout)
+    errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+    assert reply["content"]["status"] == "ok", (reply["content"], errors)
+    return stream_text(msgs)
+
+
+def zygotes(srv):
+    return srv.ok("session_list_request", {"open_only": True})["content"]["zygotes"]
+
+
+def host_ids(pid):
+    """The real uid and the PID namespace depth of a host process."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields["Uid"].split()[0]), len(fields["NSpid"].split())
+
+
+INSIDE = r"""
+import ctypes, errno, json, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)
+def attempt(call):
+    return 0 if call() == 0 else errno.errorcode[ctypes.get_errno()]
+masked = {}
+for path in ('/proc/kcore', '/proc/interrupts', '/proc/timer_list', '/proc/keys'):
+    if os.path.exists(path):
+        masked[path] = len(open(path, 'rb').read(64))
+try:
+    open('/proc/sys/kernel/hostname', 'w').write('x')
+    sysctl = 'written'
+except OSError as e:
+    sysctl = errno.errorcode[e.errno]
+print(json.dumps({
+    'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(), 'pid': os.getpid(),
+    'cap_eff': status['CapEff'].strip(), 'cap_bnd': status['CapBnd'].strip(),
+    'no_new_privs': status['NoNewPrivs'].strip(), 'seccomp': status['Seccomp'].strip(),
+    'filters': status.get('Seccomp_filters', '?').strip(),
+    'hostname': socket.gethostname(),
+    'interfaces': sorted(name for _, name in socket.if_nameindex()),
+    'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit()),
+    'init': open('/proc/1/cmdline', 'rb').read().split(b'\0')[0].decode(),
+    'unshare': attempt(lambda: libc.unshare(0x10000000)),
+    'mount': attempt(lambda: libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)),
+    'ipc_dir': sorted(os.listdir('/run/cellblock')),
+    'masked': masked, 'sysctl': sysctl,
+    'home': os.getcwd(), 'home_writable': os.access(os.getcwd(), os.W_OK),
+}))
+"""
+
+
+def test_a_forked_session_is_contained_like_a_booted_one(zserver):
+    sid, kc, reply = zserver.open_session()
+    assert reply["image"] == IMAGE
+    seen = json.loads(run(kc, INSIDE))
+    assert (seen["uid"], seen["gid"], seen["groups"]) == (1000, 1000, [])
+    assert seen["cap_eff"] == "0000000000000000" and seen["cap_bnd"] == "0000000000000000", seen
+    assert seen["no_new_privs"] == "1" and seen["seccomp"] == "2", seen
+    # The zygote's profile (which lets a fork contain itself) and the
+    # session's own on top of it, which denies what a booted session's does.
+    assert seen["filters"] in ("2", "?"), seen
+    assert seen["hostname"] == "sandbox"
+    assert seen["interfaces"] == ["lo"], seen["interfaces"]
+    assert seen["init"].endswith("cellblock-shim"), seen["init"]
+    # PID 1 (the shim) and the kernel, with whatever the kernel runs below it.
+    assert seen["pid"] != 1 and 1 in seen["pids"] and len(seen["pids"]) < 10, seen["pids"]
+    assert seen["unshare"] == "EPERM" and seen["mount"] == "EPERM", seen
+    # The session's own ipc dir: the kernel's sockets, never the zygote's socket.
+    assert "zygote.sock" not in seen["ipc_dir"] and "kernel.json" in seen["ipc_dir"], seen
+    # What runc masks reads as empty (the paths this kernel has), /proc/sys is read-only.
+    on_host = [p for p in ("/proc/kcore", "/proc/interrupts", "/proc/timer_list", "/proc/keys")
+               if os.path.exists(p)]
+    assert on_host and seen["masked"] == {p: 0 for p in on_host}, seen["masked"]
+    assert seen["sysctl"] in ("EROFS", "EACCES", "EPERM"), seen
+    assert seen["home"] == "/home/sandbox" and seen["home_writable"]
+    # From the host: every process of the session runs as the session's own
+    # host ids, in a PID namespace below the host's, and none as the zygote's.
+    pids = session_pids(sid)
+    assert len(pids) >= 2, pids
+    uids = {host_ids(pid)[0] for pid in pids}
+    assert len(uids) == 1 and min(uids) >= (1 << 30), uids
+    assert all(host_ids(pid)[1] == 2 for pid in pids), [host_ids(p) for p in pids]
+    (zygote,) = zygotes(zserver)
+    assert host_ids(zygote["interpreter_pid"])[0] not in uids
+    assert zygote["interpreter_pid"] not in pids
+
+
+SIBLING_PLANT = r"""
+import ctypes, os, socket
+open('/tmp/mark', 'w').write('mine')
+open('/dev/shm/mark', 'w').write('mine')
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind('\0cellblock-sibling-test')
+listener.listen(1)
+libc = ctypes.CDLL(None, use_errno=True)
+shm_id = libc.shmget(0x5eed, 4096, 0o1666)   # IPC_CREAT | 0666
+print(os.getpid(), shm_id)
+"""
+
+SIBLING_PROBE = r"""
+import ctypes, errno, json, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    probe.connect('\0cellblock-sibling-test')
+    abstract = 'connected'
+except OSError as e:
+    abstract = errno.errorcode[e.errno]
+shm = libc.shmget(0x5eed, 0, 0)
+print(json.dumps({'tmp': os.path.exists('/tmp/mark'), 'shm': os.path.exists('/dev/shm/mark'),
+                  'abstract': abstract,
+                  'sysv': 'found' if shm >= 0 else errno.errorcode[ctypes.get_errno()],
+                  'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}))
+"""
+
+
+def test_siblings_cannot_see_or_reach_each_other(zserver):
+    sid1, kc1, _ = zserver.open_session()
+    sid2, kc2, _ = zserver.open_session()
+    planted = run(kc1, SIBLING_PLANT).split()
+    assert int(planted[1]) >= 0, planted  # the segment exists in the first session
+    seen = json.loads(run(kc2, SIBLING_PROBE))
+    assert seen["tmp"] is False and seen["shm"] is False, seen
+    assert seen["abstract"] == "ECONNREFUSED", seen
+    assert seen["sysv"] == "ENOENT", seen
+    assert len(seen["pids"]) < 10, seen["pids"]
+    # Different host uids: per-uid quotas (processes, inotify, mqueue bytes) are each one's own.
+    uids1 = {host_ids(pid)[0] for pid in session_pids(sid1)}
+    uids2 = {host_ids(pid)[0] for pid in session_pids(sid2)}
+    assert uids1 and uids2 and not uids1 & uids2, (uids1, uids2)
+    # Signalling a pid the sibling's kernel has in its own namespace reaches nothing of it.
+    out = run(kc2, "import os\ntry:\n    os.kill(99999, 0)\nexcept OSError as e:\n    print(e.errno)")
+    assert out.strip() == "3"  # ESRCH
+
+
+def test_each_session_draws_its_own_random_numbers(zserver):
+    code = "import random, numpy\nprint(random.random(), numpy.random.rand(), random.getrandbits(64))"
+    draws = []
+    for _ in range(3):
+        _, kc, _ = zserver.open_session()
+        draws.append(tuple(run(kc, code).split()))
+    assert len(set(draws)) == 3, draws
+    for column in range(3):
+        assert len({d[column] for d in draws}) == 3, draws
+
+
+def test_the_memory_limit_holds_for_what_the_session_allocates(zserver):
+    sid, kc, _ = zserver.open_session(limits={"memory_mb": 200})
+    limit = f"/sys/fs/cgroup/memory/cellblock/cb-{sid}/memory.limit_in_bytes"
+    if os.path.exists(limit):
+        with open(limit) as f:
+            assert int(f.read()) == 200 << 20
+    reply, msgs = execute(kc, "chunks = [b'z' * (32 << 20) for _ in range(20)]\nprint('survived')",
+                          timeout=120)
+    assert "survived" not in stream_text(msgs)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "MemoryLimitExceeded", reply["content"]
+
+
+def test_killing_the_zygote_leaves_its_sessions_working(zserver):
+    sid, kc, _ = zserver.open_session()
+    run(kc, "x = 41")
+    (zygote,) = zygotes(zserver)
+    os.kill(zygote["interpreter_pid"], signal.SIGKILL)
+    assert wait_for(lambda: sh.proc_state(zygote["interpreter_pid"]) in (None, "Z"), timeout=10)
+    assert run(kc, "print(x + 1)").strip() == "42"
+    # The next session comes from a new zygote.
+    _, kc2, _ = zserver.open_session()
+    assert run(kc2, "print(6 * 7)").strip() == "42"
+    (fresh,) = zygotes(zserver)
+    assert fresh["interpreter_pid"] != zygote["interpreter_pid"]
+    assert run(kc, "print(x + 2)").strip() == "43"
+
+
+def test_a_closed_forked_session_leaves_nothing_behind(zserver):
+    sid, kc, _ = zserver.open_session()
+    run(kc, "open('/tmp/f', 'w').write('x' * 1000)")
+    pids = session_pids(sid)
+    assert pids
+    zserver.ok("session_close_request", {"session_id": sid})
+    assert_session_gone(zserver.state_dir, sid, pids)
+    # The zygote stays for the next session.
+    assert zygotes(zserver)
+
+
+def test_a_forked_session_starts_fast_once_the_zygote_runs(zserver):
+    """Not a timing assertion: the figure is printed (bench/zygote.py measures it)."""
+    zserver.open_session()  # the zygote is up
+    started = time.monotonic()
+    _, kc, _ = zserver.open_session()
+    run(kc, "1 + 1")
+    print(f"create and first execution: {(time.monotonic() - started) * 1000:.0f} ms")
