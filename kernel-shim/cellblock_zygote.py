@@ -59,6 +59,7 @@ SYS_MOVE_MOUNT = 429
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 AT_FDCWD = -100
 
+PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
 PR_SET_SECCOMP = 22
@@ -339,6 +340,12 @@ def serve(path, bpf_holder):
 
 
 def main(argv):
+    # The zygote has no PID namespace whose end would end it: it ends with
+    # its container's init (the shim), which ends with the server's lifeline.
+    parent = os.getppid()
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        sys.exit("cellblock-zygote: the container's init is gone")
     socket_path = argv[argv.index("--socket") + 1]
     preload = argv[argv.index("--preload") + 1].split(",") if "--preload" in argv else []
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -347,7 +354,11 @@ def main(argv):
     import ipykernel.ipkernel  # noqa: F401
     import ipykernel.zmqshell  # noqa: F401
     for module in filter(None, preload):
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except BaseException as e:  # noqa: B902 - the server reports this line
+            sys.exit(f"cellblock-zygote: the image's preload (warm-up) failed: import {module}: "
+                     f"{type(e).__name__}: {e}")
     # A finished fork is reaped at once; sessions are not the zygote's children.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     # Objects alive now are never collected again: the collector's passes in

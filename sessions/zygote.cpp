@@ -313,6 +313,9 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
     }
     box->cgroup_dirs_ = create_session_cgroups(box->container_id());
     apply_cgroup_limits(*box, limits);
+    box->open_counters();
+    // A pool refill starts at a low CPU weight, as a booted one (RuntimeSettings).
+    if (settings.start_cpu_shares > 0) box->set_cpu_weight(settings.start_cpu_shares);
 
     int report_pair[2];
     if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, report_pair) != 0) {
@@ -398,7 +401,6 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
         std::ofstream out(dir / "init.pid");
         out << box->init_pid_;
     }
-    box->open_counters();
     return box;
 }
 

@@ -125,6 +125,58 @@ def runc_states(state_dir):
     return {c["id"]: c["status"] for c in json.loads(out)}
 
 
+def is_forked(state_dir, sid):
+    """Whether session `sid` was forked from a zygote (docs/zygote.md): it has
+    no runtime container, its session dir says so."""
+    try:
+        with open(os.path.join(state_dir, "sessions", sid, "runtime")) as f:
+            return f.read().strip() == "zygote"
+    except OSError:
+        return False
+
+
+def sandbox_running(state_dir, container_id):
+    """A sandbox of this server runs on the host: a runc container in its
+    runtime root, or a forked session whose init (the shim, PID 1 of its own
+    namespace) is alive in its cgroup."""
+    if container_id in runc_list(state_dir):
+        return True
+    sid = container_id[3:]
+    if not is_forked(state_dir, sid):
+        return False
+    for pid in session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                nspid = next(line for line in f if line.startswith("NSpid:")).split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                program = f.read().split(b"\0")[0]
+        except (OSError, StopIteration):
+            continue
+        if nspid[-1] == "1" and program.endswith(b"cellblock-shim"):
+            return True
+    return False
+
+
+def is_zygote(state_dir, sid):
+    """Whether the sandbox dir `sid` is a zygote's (it listens on zygote.sock)."""
+    return os.path.exists(os.path.join(state_dir, "sessions", sid, "ipc", "zygote.sock"))
+
+
+def running_sandboxes(state_dir):
+    """Container ids of every sandbox of this server that runs: runc's
+    containers (zygotes included) and the sessions forked from zygotes."""
+    ids = set(runc_list(state_dir))
+    for sid in sessions_on_disk(state_dir):
+        if is_forked(state_dir, sid) and sandbox_running(state_dir, f"cb-{sid}"):
+            ids.add(f"cb-{sid}")
+    return ids
+
+
+def session_sandboxes(state_dir):
+    """running_sandboxes less the zygotes: one per open or pooled session."""
+    return {c for c in running_sandboxes(state_dir) if not is_zygote(state_dir, c[3:])}
+
+
 def session_residue(state_dir, sid, pids=(), include_zombies=False):
     """Everything of session `sid` the host still holds, checked from the host.
 
@@ -197,9 +249,15 @@ def assert_session_gone(state_dir, sid, pids=(), timeout=15):
 def assert_session_present(state_dir, sid):
     """The session really has everything whose absence is checked later."""
     r = session_residue(state_dir, sid)
-    for kind in ("runc container", "runc state dir", "session dir", "mounts", "cgroups", "processes"):
+    kinds = ["session dir", "mounts", "cgroups", "processes"]
+    if not is_forked(state_dir, sid):
+        kinds += ["runc container", "runc state dir"]
+    for kind in kinds:
         assert kind in r, f"session {sid} has no {kind} while open: a later absence proves nothing ({r})"
-    assert runc_states(state_dir).get(f"cb-{sid}") == "running", runc_states(state_dir)
+    if is_forked(state_dir, sid):
+        assert sandbox_running(state_dir, f"cb-{sid}"), f"session {sid}'s init is not running ({r})"
+    else:
+        assert runc_states(state_dir).get(f"cb-{sid}") == "running", runc_states(state_dir)
     return r
 
 

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from server_helpers import (runc_list, server_factory, session_pids, wait_for)  # noqa: F401
+from server_helpers import (sandbox_running, server_factory, session_pids,  # noqa: F401
+                            session_sandboxes, wait_for)
 
 sys.path.insert(0, os.path.join(os.environ.get("CELLBLOCK_SOURCE_DIR", "../.."), "clients", "python"))
 import cellblock  # noqa: E402
@@ -111,17 +112,23 @@ def test_creates_are_served_in_the_order_they_came(server_factory):
 
 def test_a_create_past_the_wait_bound_is_server_busy(server_factory):
     srv = server_factory(["--pool", "host=0", "--pool-workers", "1", "--max-create-wait", "1"])
-    ids = [srv.send("session_create_request", {}) for _ in range(4)]
+    # Enough that one worker cannot start them all within 1 s: a session
+    # forked from a zygote starts in about a tenth of a second, one booted in
+    # about one, and the first create also starts the zygote.
+    creates = 24
+    ids = [srv.send("session_create_request", {}) for _ in range(creates)]
     order = collect_in_arrival_order(srv, ids)
     busy = [c for _, c in order if c["status"] == "error"]
-    assert busy, f"4 cold starts on one worker all within 1 s? {order}"
+    assert busy, f"{creates} cold starts on one worker all within 1 s? {order}"
     for c in busy:
         assert c["ename"] == "ServerBusy", c
         assert "creates waiting" in c["evalue"] and "max_create_wait_s is 1" in c["evalue"], c
     served = {c["session_id"] for _, c in order if c["status"] == "ok"}
     # Sandboxes started for refused creates are destroyed, never left open.
-    assert wait_for(lambda: open_ids(srv) == served and len(runc_list(srv.state_dir)) == len(served),
-                    timeout=60, interval=0.5), (open_ids(srv), runc_list(srv.state_dir), served)
+    assert wait_for(lambda: open_ids(srv) == served and
+                    len(session_sandboxes(srv.state_dir)) == len(served),
+                    timeout=60, interval=0.5), (open_ids(srv), session_sandboxes(srv.state_dir),
+                                                served)
     for sid in served:
         srv.ok("session_close_request", {"session_id": sid})
 
@@ -137,7 +144,7 @@ def test_an_abandoned_create_is_never_handed_out(server_factory):
     assert "client's timeout_s 0.3" in order[gone]["evalue"], order[gone]
     time.sleep(3)  # long enough for a sandbox that should not exist to be handed out
     assert open_ids(srv) == {order[first]["session_id"]}
-    assert len(runc_list(srv.state_dir)) == 1, runc_list(srv.state_dir)
+    assert len(session_sandboxes(srv.state_dir)) == 1, session_sandboxes(srv.state_dir)
     assert "session_create abandoned" in srv.log()
     bad = srv.call("session_create_request", {"timeout_s": "soon"})["content"]
     assert bad["ename"] == "InvalidRequest", bad
@@ -186,8 +193,8 @@ def test_ls_shows_every_sandbox_with_its_pids(server_factory):
     entry = next(s for s in listing["sessions"] if s["session_id"] == sid)
     assert entry["pids"] == session_pids(sid) and entry["pids"], (entry, session_pids(sid))
     (warm,) = listing["warm_sandboxes"]
-    assert warm["container_id"] in runc_list(srv.state_dir)
-    assert f"cb-{sid}" in runc_list(srv.state_dir)
+    assert sandbox_running(srv.state_dir, warm["container_id"])
+    assert sandbox_running(srv.state_dir, f"cb-{sid}")
     out = srv.cli("ls").stdout
     line = next(l for l in out.splitlines() if l.startswith(sid))
     assert ",".join(map(str, entry["pids"])) in line, out
