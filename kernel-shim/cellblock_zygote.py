@@ -77,7 +77,7 @@ REQUEST_FDS = ("report", "lifeline", "log", "ipc", "input", "output")
 # What runc masks and makes read-only in every session's /proc and /sys.
 MASKED = ["/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
           "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
-          "/proc/timer_stats"]
+          "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"]
 READ_ONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 
@@ -139,6 +139,8 @@ def setup_mounts(fds, limits):
     # Nothing done here reaches the zygote's mounts (or the host's).
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # Its own sysfs too, read-only: /sys/class/net shows this namespace's lo.
+    mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in MASKED:
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_RDONLY, "size=4k,mode=755")
@@ -181,8 +183,8 @@ def drop_privileges(limits):
     nofile = int(limits["nofile"])
     resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # The session's host uids are its own: RLIMIT_NPROC counts only its tasks.
-    nproc = int(limits["pids"])
+    # As a booted session's: the pids cgroup is the limit that binds.
+    nproc = int(limits["nproc"])
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     # First to go when the host runs out of memory, as a booted session.
     # (The id change in A made this process non-dumpable, which hides its

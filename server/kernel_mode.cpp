@@ -128,6 +128,8 @@ int run_kernel_mode(const KernelModeOptions& options) {
     EventLoop loop;
     auto proxy = std::make_unique<SessionProxy>(context, loop, session_id, outer, proxy_options);
     try {
+        // One kernel per process: a zygote image's kernel boots here too
+        // (docs/zygote.md, "Kernel mode").
         auto sandbox = Sandbox::start(session_id, image, limits.sandbox, settings);
         auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60));
         proxy->attach(std::move(sandbox), std::move(*channels));

@@ -255,8 +255,9 @@ json make_oci_config(const SandboxSpec& spec) {
           // Under runc RLIMIT_NPROC counts the host uid, which every sandbox
           // shares: only a loose bound. gVisor counts the sandbox's own tasks.
           rlimit("RLIMIT_NPROC",
-                 static_cast<std::uint64_t>(lim.pids) *
-                     (kind == RuntimeKind::runsc ? 1 : tuning::kRuncNprocFactor))}}};
+                 spec.nproc ? spec.nproc
+                            : static_cast<std::uint64_t>(lim.pids) *
+                                  (kind == RuntimeKind::runsc ? 1 : tuning::kRuncNprocFactor))}}};
 
     const std::int64_t memory = static_cast<std::int64_t>(lim.memory_mb) << 20;
     const std::int64_t period = tuning::kCpuPeriodUs;
@@ -280,7 +281,8 @@ json make_oci_config(const SandboxSpec& spec) {
                    "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"};
     json read_only = {"/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"};
     if (zygote) {
-        masked = {"/sys/firmware", "/sys/devices/virtual/powercap"};
+        // Each fork mounts its own /proc and /sys and masks them itself.
+        masked = json::array();
         read_only = json::array();
     }
     json linux_section = {{"namespaces", namespaces},

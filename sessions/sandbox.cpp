@@ -223,6 +223,14 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
 
     SandboxSpec spec;
     spec.role = role;
+    if (role == SandboxRole::zygote) {
+        // As high as runc may set it (it cannot raise past its own hard limit
+        // where root lacks CAP_SYS_RESOURCE, as here).
+        rlimit nproc{};
+        if (::getrlimit(RLIMIT_NPROC, &nproc) == 0) {
+            spec.nproc = nproc.rlim_max == RLIM_INFINITY ? (1u << 22) : nproc.rlim_max;
+        }
+    }
     spec.container_id = box->container_id_;
     spec.image = image;
     spec.image.host_binds.clear();

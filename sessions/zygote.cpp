@@ -19,8 +19,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -121,9 +123,20 @@ void write_file(const fs::path& path, const std::string& text) {
     }
 }
 
-// The session's cgroup in each controller it is limited by (v1: memory,
-// pids, cpu, cpuacct; v2: the one unified directory), created empty.
-std::vector<fs::path> create_session_cgroups(const std::string& container_id) {
+std::string read_file(const fs::path& path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+}
+
+// The session's own cgroup in every hierarchy, as runc makes for a booted
+// sandbox (v2: the one unified directory; v1: each mounted hierarchy, the
+// named and hybrid ones too), so that nothing of it stays in the zygote's.
+// A v1 cpuset gets the zygote's cpus and mems, a v1 devices cgroup the
+// zygote's device list (runc's: the default devices only).
+std::vector<fs::path> create_session_cgroups(const std::string& container_id,
+                                             const std::string& zygote_id) {
     std::vector<fs::path> dirs;
     const fs::path root = "/sys/fs/cgroup";
     if (fs::exists(root / "cgroup.controllers")) {
@@ -132,17 +145,32 @@ std::vector<fs::path> create_session_cgroups(const std::string& container_id) {
         std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
         dirs.push_back(parent / container_id);
     } else {
-        for (const char* controller : {"memory", "pids", "cpu", "cpuacct"}) {
-            const fs::path hierarchy = root / controller;
-            std::error_code ec;
-            if (!fs::is_directory(hierarchy, ec) || fs::is_symlink(hierarchy, ec)) continue;
-            ::mkdir((hierarchy / "cellblock").c_str(), 0755);
-            dirs.push_back(hierarchy / "cellblock" / container_id);
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(root, ec)) {
+            std::error_code type_ec;
+            if (!entry.is_directory(type_ec) || entry.is_symlink(type_ec)) continue;
+            if (!fs::exists(entry.path() / "cellblock" / zygote_id)) continue;
+            dirs.push_back(entry.path() / "cellblock" / container_id);
         }
     }
     for (const auto& dir : dirs) {
         if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
             throw SandboxError("cgroup " + dir.string() + ": " + errno_text());
+        }
+        const fs::path zygote = dir.parent_path() / zygote_id;
+        if (fs::exists(dir / "cpuset.cpus")) {
+            for (const char* file : {"cpuset.cpus", "cpuset.mems"}) {
+                std::string value = read_file(zygote / file);
+                while (!value.empty() && value.back() == '\n') value.pop_back();
+                if (!value.empty()) write_file(dir / file, value);
+            }
+        }
+        if (fs::exists(dir / "devices.deny")) {
+            write_file(dir / "devices.deny", "a");
+            std::istringstream allowed(read_file(zygote / "devices.list"));
+            for (std::string line; std::getline(allowed, line);) {
+                if (!line.empty()) write_file(dir / "devices.allow", line);
+            }
         }
     }
     return dirs;
@@ -265,7 +293,9 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
         if (::lstat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) break;
         if (!box.read_lifeline() || std::chrono::steady_clock::now() > deadline) {
             throw SandboxError("zygote of image " + image.name +
-                               (box.exited() ? " ended while starting" : " did not start in time") +
+                               (box.exited()
+                                    ? " ended while starting (" + box.exit_description() + ")"
+                                    : " did not start in time") +
                                ": " + log_tail(log));
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -291,7 +321,25 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     return zygote;
 }
 
-Zygote::~Zygote() = default;
+namespace {
+
+// The interpreter, orphaned when its shim died first, is this process's
+// child then (a subreaper): reap it once it is gone.
+void reap_orphaned(pid_t pid) {
+    if (pid <= 0) return;
+    for (int i = 0; i < 200; ++i) {
+        const pid_t r = ::waitpid(pid, nullptr, WNOHANG);
+        if (r == pid || (r < 0 && errno == ECHILD)) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+}
+
+}  // namespace
+
+Zygote::~Zygote() {
+    if (box_) box_->destroy();
+    reap_orphaned(interpreter_pid_);
+}
 
 bool Zygote::alive() {
     std::lock_guard lock(mutex_);
@@ -302,6 +350,11 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
                                       const RuntimeSettings& settings) {
     std::lock_guard lock(mutex_);
     if (!control_) throw SandboxError("zygote of image " + image_.name + " is gone");
+    const auto t0 = std::chrono::steady_clock::now();
+    auto ms_since = [&t0] {
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+            .count();
+    };
     std::unique_ptr<Sandbox> box = Sandbox::prepare(session_id, image_, limits, settings);
     box->forked_ = true;
     box->keep_ = shared_from_this();
@@ -311,7 +364,7 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
         out << kForkedRuntime << "\n";
         if (!out) throw SandboxError("write " + runtime_file(dir).string());
     }
-    box->cgroup_dirs_ = create_session_cgroups(box->container_id());
+    box->cgroup_dirs_ = create_session_cgroups(box->container_id(), box_->container_id());
     apply_cgroup_limits(*box, limits);
     box->open_counters();
     // A pool refill starts at a low CPU weight, as a booted one (RuntimeSettings).
@@ -345,7 +398,7 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
                            {{"disk_mb", limits.disk_mb},
                             {"shm_mb", limits.shm_mb},
                             {"nofile", std::min(limits.nofile, zygote_nofile())},
-                            {"pids", limits.pids}}}};
+                            {"nproc", limits.pids * tuning::kRuncNprocFactor}}}};
     try {
         send_with_fds(control_.get(), request.dump(),
                       {report_child.get(), lifeline_child.get(), log_fd.get(), ipc.get(),
@@ -364,6 +417,8 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
     input.reset();
     output.reset();
 
+    const double requested_ms = ms_since();
+    double mapped_ms = 0, init_ms = 0;
     pid_t forked = -1;
     try {
         const Report userns = receive_report(report.get(), "the user namespace");
@@ -383,11 +438,17 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
         if (::send(report.get(), "mapped", 6, MSG_NOSIGNAL) != 6) {
             throw SandboxError("zygote fork: report: " + errno_text());
         }
+        mapped_ms = ms_since();
         const Report init = receive_report(report.get(), "the session's init");
-        if (init.pid != forked || init.text.rfind("init ", 0) != 0) {
+        pid_t init_pid = -1;
+        const char* digits = init.text.data() + std::min<size_t>(5, init.text.size());
+        const auto parsed = std::from_chars(digits, init.text.data() + init.text.size(), init_pid);
+        if (init.pid != forked || init.text.rfind("init ", 0) != 0 || parsed.ec != std::errc() ||
+            parsed.ptr != init.text.data() + init.text.size() || init_pid <= 0) {
             throw SandboxError("zygote fork: unexpected report '" + init.text + "'");
         }
-        box->init_pid_ = static_cast<pid_t>(std::stoi(init.text.substr(5)));
+        box->init_pid_ = init_pid;
+        init_ms = ms_since();
         const Report ready = receive_report(report.get(), "the contained session");
         if (ready.text != "ready" || ready.pid != box->init_pid_) {
             throw SandboxError("zygote fork: unexpected report '" + ready.text + "' from pid " +
@@ -401,6 +462,10 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
         std::ofstream out(dir / "init.pid");
         out << box->init_pid_;
     }
+    spdlog::debug(
+        "session {} forked in {:.1f} ms: prepared and requested {:.1f}, mapped {:.1f}, "
+        "namespaces {:.1f}, contained {:.1f}",
+        session_id, ms_since(), requested_ms, mapped_ms, init_ms, ms_since());
     return box;
 }
 

@@ -54,8 +54,8 @@ struct IdMapping {
 // A session's sandbox, or the zygote its sessions are forked from
 // (docs/zygote.md): the zygote's container has no user or PID namespace, runs
 // as the first host id of its range without capabilities, keeps /proc
-// unmasked (a forked session mounts its own, masked, /proc, which the kernel
-// allows only where a fully visible one exists) and lets its children create
+// and /sys unmasked (a forked session mounts its own and masks them; the kernel
+// allows that only where fully visible ones exist) and lets its children create
 // namespaces and mounts, which each session stops for itself with the
 // session profile before any session code runs.
 enum class SandboxRole { session, zygote };
@@ -72,6 +72,11 @@ struct SandboxSpec {
     std::filesystem::path output_dir;   // host dir mounted at /data/output
     std::filesystem::path libexec_dir;  // host dir with cellblock-shim, mounted at /opt/cellblock
     std::string cgroup_parent = "cellblock";
+    // RLIMIT_NPROC when not 0 (else from limits.pids). A zygote's: the
+    // server's own hard limit. The user namespace of each fork is charged,
+    // one level up, to the zygote's uid, bounded by the zygote's limit at the
+    // time of the fork: that sum must not be what stops a session.
+    std::uint64_t nproc = 0;
     std::string runtime = "runc";  // runc, crun, runsc (or a path to one)
 };
 

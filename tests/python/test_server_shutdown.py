@@ -24,6 +24,7 @@ def slow_image_dir():
         image = json.load(f)
     image["name"] = "slowstart"
     image["kernel_argv"] = ["/usr/bin/python3", "-c", "import time; time.sleep(600)"]
+    image["zygote"] = False  # a kernel of its own: booted, not forked
     directory = tempfile.mkdtemp(prefix="cb-slowstart-images-")
     os.makedirs(os.path.join(directory, "slowstart"))
     with open(os.path.join(directory, "slowstart", "image.json"), "w") as f:

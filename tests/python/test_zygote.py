@@ -89,6 +89,8 @@ print(json.dumps({
     'filters': status.get('Seccomp_filters', '?').strip(),
     'hostname': socket.gethostname(),
     'interfaces': sorted(name for _, name in socket.if_nameindex()),
+    'sys_class_net': sorted(os.listdir('/sys/class/net')),
+    'sys_writable': os.access('/sys/kernel', os.W_OK),
     'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit()),
     'init': open('/proc/1/cmdline', 'rb').read().split(b'\0')[0].decode(),
     'unshare': attempt(lambda: libc.unshare(0x10000000)),
@@ -112,6 +114,8 @@ def test_a_forked_session_is_contained_like_a_booted_one(zserver):
     assert seen["filters"] in ("2", "?"), seen
     assert seen["hostname"] == "sandbox"
     assert seen["interfaces"] == ["lo"], seen["interfaces"]
+    # Its own sysfs (the zygote's would show the zygote's namespace), read-only.
+    assert seen["sys_class_net"] == ["lo"] and not seen["sys_writable"], seen
     assert seen["init"].endswith("cellblock-shim"), seen["init"]
     # PID 1 (the shim) and the kernel, with whatever the kernel runs below it.
     assert seen["pid"] != 1 and 1 in seen["pids"] and len(seen["pids"]) < 10, seen["pids"]

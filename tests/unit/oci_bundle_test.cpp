@@ -520,8 +520,7 @@ TEST(OciConfig, ZygoteRole) {
     EXPECT_TRUE(config["process"]["capabilities"]["bounding"].empty());
     EXPECT_TRUE(config["process"]["noNewPrivileges"]);
     EXPECT_EQ(config["linux"]["readonlyPaths"], json::array());
-    for (const auto& path : config["linux"]["maskedPaths"])
-        EXPECT_NE(path.get<std::string>().rfind("/proc", 0), 0u) << path;
+    EXPECT_EQ(config["linux"]["maskedPaths"], json::array());
     const auto& args = config["process"]["args"];
     EXPECT_EQ(args[2], "/usr/bin/python3");
     EXPECT_EQ(args[3], "/opt/cellblock/cellblock_zygote.py");
