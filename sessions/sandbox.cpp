@@ -224,6 +224,8 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     SandboxSpec spec;
     spec.role = role;
     if (role == SandboxRole::zygote) {
+        // What the directory is, for operators and tests (`cellblock ls` lists zygotes).
+        std::ofstream(dir / "role") << "zygote\n";
         // As high as runc may set it (it cannot raise past its own hard limit
         // where root lacks CAP_SYS_RESOURCE, as here).
         rlimit nproc{};

@@ -158,8 +158,13 @@ def sandbox_running(state_dir, container_id):
 
 
 def is_zygote(state_dir, sid):
-    """Whether the sandbox dir `sid` is a zygote's (it listens on zygote.sock)."""
-    return os.path.exists(os.path.join(state_dir, "sessions", sid, "ipc", "zygote.sock"))
+    """Whether the sandbox dir `sid` is a zygote's (the server marks it so
+    before the zygote starts)."""
+    try:
+        with open(os.path.join(state_dir, "sessions", sid, "role")) as f:
+            return f.read().strip() == "zygote"
+    except OSError:
+        return False
 
 
 def running_sandboxes(state_dir):
