@@ -221,6 +221,8 @@ std::shared_ptr<Zygote> SandboxPool::zygote_for(const Image& image,
     if (zygote && (zygote->image().content_id != image.content_id || !zygote->alive())) {
         spdlog::info("zygote of image {}: {}", image.name,
                      zygote->alive() ? "a new version; replaced" : "gone; restarting it");
+        // Nothing of the old version runs but the sessions forked from it.
+        zygote->retire();
         zygote.reset();
     }
     if (!zygote) zygote = Zygote::start(image, settings, tuning::kZygoteStartTimeout);

@@ -341,6 +341,16 @@ Zygote::~Zygote() {
     reap_orphaned(interpreter_pid_);
 }
 
+void Zygote::retire() {
+    std::lock_guard lock(mutex_);
+    control_.reset();
+    // The interpreter has no PID namespace to end with its init: it ends by
+    // its parent-death signal when the shim does.
+    box_->kill();
+    box_->reap_init();
+    reap_orphaned(interpreter_pid_);
+}
+
 bool Zygote::alive() {
     std::lock_guard lock(mutex_);
     return box_ && box_->read_lifeline() && control_;

@@ -42,6 +42,9 @@ class Zygote : public std::enable_shared_from_this<Zygote> {
                                   const RuntimeSettings& settings);
 
     bool alive();
+    // Ends the zygote's processes: it forks no more (its image has a new
+    // version). Its files stay until the last session forked from it is gone.
+    void retire();
     const Image& image() const { return image_; }
     // The zygote container's init (the shim), and the interpreter itself.
     pid_t init_pid() const { return box_->init_pid(); }
