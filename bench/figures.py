@@ -11,7 +11,8 @@ import zmq
 
 from client import BenchError, MultiDriver
 from servers import (HOST_IMAGE, BareKernels, CellblockServer, cgroup_memory, cgroup_throttling,
-                     process_cpu_ns, process_sched, proc_status, pss_bytes, wait_ready)
+                     mem_available, process_cpu_ns, process_sched, proc_status, pss_bytes,
+                     sessions_and_bare_kernels, wait_ready)
 from stats import Row, ms, summary, unavailable
 
 GIB = 1 << 30
@@ -464,14 +465,6 @@ def window(channels, seconds, warmup, server_pid=None):
             "server_cpu_share": (s1 - s0) / elapsed if s0 is not None and s1 is not None else None}
 
 
-def mem_available():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def throughput(bench):
     counts = bench.sessions or ([10] if bench.quick else [10, 50, 100])
     seconds = bench.n(15, 5)
@@ -572,14 +565,7 @@ def density(bench):
             anon0 = proc_status(srv.pid, "RssAnon")
             bench.log(f"density: creating {k} sessions and {k} bare kernels, importing "
                       "numpy, pandas, matplotlib in each")
-            replies, _ = srv.create_many(k)
-            chans = [srv.open_channels(r["connection"]) for r in replies]
-            bare_chans, _ = bare.start(k)
-            for side, cs in (("cellblock", chans), ("bare", bare_chans)):
-                for ch in cs:
-                    wait_ready(ch, time.monotonic() + 300)
-                    ex = ch.execute(IMPORTS, timeout=300)
-                    check(ex.status() == "ok", f"{side}: imports failed: {ex.reply['content']}")
+            replies, chans, _ = sessions_and_bare_kernels(srv, bare, k, IMPORTS)
             srv.wait_pool()
             time.sleep(2)   # idle: let the kernels' and the server's activity settle
             rss = proc_status(srv.pid, "VmRSS")

@@ -28,6 +28,15 @@ def proc_status(pid, field):
     return None
 
 
+def mem_available():
+    """The host's MemAvailable in bytes (/proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def pss_bytes(pid):
     """Proportional set size of one process (/proc/<pid>/smaps_rollup), or None."""
     try:
@@ -329,3 +338,18 @@ def wait_ready(channels, deadline, alive=None):
             return
         except BenchError:
             continue
+
+
+def sessions_and_bare_kernels(srv, bare, k, code, content=None):
+    """k sessions of `srv` and k bare kernels of `bare`, each ready and having
+    run `code`: (create replies, their channels, the bare kernels' channels)."""
+    replies, _ = srv.create_many(k, content)
+    chans = [srv.open_channels(r["connection"]) for r in replies]
+    bare_chans, _ = bare.start(k)
+    for side, cs in (("cellblock", chans), ("bare", bare_chans)):
+        for ch in cs:
+            wait_ready(ch, time.monotonic() + 300)
+            ex = ch.execute(code, timeout=300)
+            if ex.status() != "ok":
+                raise BenchError(f"{side}: {code!r} failed: {ex.reply['content']}")
+    return replies, chans, bare_chans

@@ -21,7 +21,8 @@ import shutil
 import time
 
 from client import BenchError
-from servers import HOST_IMAGE, BareKernels, CellblockServer, proc_status, pss_bytes, wait_ready
+from servers import (HOST_IMAGE, BareKernels, CellblockServer, mem_available, proc_status,
+                     pss_bytes, sessions_and_bare_kernels, wait_ready)
 from stats import Row, summary
 
 GIB = 1 << 30
@@ -92,14 +93,6 @@ def vmstat():
     return out
 
 
-def mem_available():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def zygote_of(srv):
     reply = srv.manager.call("session_list_request", {"open_only": True})
     zygotes = reply.get("zygotes", [])
@@ -157,15 +150,7 @@ def density(bench, srv):
     try:
         rss0 = proc_status(srv.pid, "VmRSS")
         bench.log(f"zygote density: {k} forked sessions and {k} bare kernels, imports in each")
-        replies, _ = srv.create_many(k, {"image": FORKED})
-        chans = [srv.open_channels(r["connection"]) for r in replies]
-        bare_chans, _ = bare.start(k)
-        for side, cs in (("forked", chans), ("bare", bare_chans)):
-            for ch in cs:
-                wait_ready(ch, time.monotonic() + 300)
-                ex = ch.execute(IMPORTS, timeout=300)
-                if ex.status() != "ok":
-                    raise BenchError(f"{side}: imports failed: {ex.reply['content']}")
+        replies, chans, _ = sessions_and_bare_kernels(srv, bare, k, IMPORTS, {"image": FORKED})
         time.sleep(2)
         rss = proc_status(srv.pid, "VmRSS")
         forked = [session_memory(srv, r["session_id"]) for r in replies]

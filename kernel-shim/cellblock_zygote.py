@@ -123,10 +123,17 @@ def child_a(fds, request, bpf):
         os.setresuid(0, 0, 0)
         check(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
                            CLONE_NEWNET | CLONE_NEWCGROUP), "unshare namespaces")
+        # B waits until A has reported it: its own reports come after.
+        reported, report_done = os.pipe()
         pid = os.fork()
         if pid:
             report(report_sock, f"init {pid}")
+            os.write(report_done, b"x")
             os._exit(0)
+        os.close(report_done)
+        if os.read(reported, 1) != b"x":
+            os._exit(1)
+        os.close(reported)
         init_b(fds, report_sock, request, bpf)
     except BaseException as e:  # noqa: B902 - everything ends here, reported
         try:
@@ -186,6 +193,11 @@ def drop_privileges(limits):
     # As a booted session's: the pids cgroup is the limit that binds.
     nproc = int(limits["nproc"])
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    # The priority of the server thread that asked for it (a pool refill
+    # boots at 19, as a booted refill does; a client's create at 0).
+    nice = int(limits.get("nice", 0))
+    if nice > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     # First to go when the host runs out of memory, as a booted session.
     # (The id change in A made this process non-dumpable, which hides its
     # /proc files from itself; the uid change below makes it so again.)

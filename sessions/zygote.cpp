@@ -316,6 +316,10 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     send_with_fds(zygote->control_.get(), "seccomp " + bpf, {});
     const json reply = receive_reply(zygote->control_.get(), kStepTimeout);
     zygote->interpreter_pid_ = reply.value("pid", -1);
+    // A pool worker that started it may run at a low priority; its forks take
+    // the priority of the thread that asks for each (see fork), which they
+    // can lower but not raise: the zygote itself runs at 0.
+    box.renice(0);
     spdlog::info("zygote of image {} ready: container {}, interpreter pid {}", image.name,
                  box.container_id(), zygote->interpreter_pid_);
     return zygote;
@@ -401,6 +405,9 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
     UniqueFd input = detached_tree(dir / "input", quiet | MOUNT_ATTR_RDONLY);
     UniqueFd output = detached_tree(dir / "output", quiet);
 
+    errno = 0;
+    int nice = ::getpriority(PRIO_PROCESS, 0);  // this thread's (Linux)
+    if (errno != 0) nice = 0;
     const json request = {{"session", session_id},
                           {"env", sandbox_environment(image_)},
                           {"hostname", "sandbox"},
@@ -408,7 +415,8 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
                            {{"disk_mb", limits.disk_mb},
                             {"shm_mb", limits.shm_mb},
                             {"nofile", std::min(limits.nofile, zygote_nofile())},
-                            {"nproc", limits.pids * tuning::kRuncNprocFactor}}}};
+                            {"nproc", limits.pids * tuning::kRuncNprocFactor},
+                            {"nice", nice}}}};
     try {
         send_with_fds(control_.get(), request.dump(),
                       {report_child.get(), lifeline_child.get(), log_fd.get(), ipc.get(),
