@@ -138,6 +138,11 @@ def test_a_forked_session_is_contained_like_a_booted_one(zserver):
     (zygote,) = zygotes(zserver)
     assert host_ids(zygote["interpreter_pid"])[0] not in uids
     assert zygote["interpreter_pid"] not in pids
+    # An operator sees it with `cellblock ls`, with its pids (shim and interpreter).
+    assert zygote["interpreter_pid"] in zygote["pids"] and zygote["init_pid"] in zygote["pids"]
+    line = next(l for l in zserver.cli("ls").stdout.splitlines() if l.startswith("(zygote)"))
+    assert IMAGE in line and zygote["container_id"] in line and \
+        str(zygote["interpreter_pid"]) in line, line
 
 
 SIBLING_PLANT = r"""
