@@ -97,6 +97,32 @@ std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std:
 
 // Which runtime created a session dir (written at start, read by the reaper).
 fs::path runtime_file(const fs::path& dir) { return dir / "runtime"; }
+
+void write_runtime_file(const fs::path& dir, const std::string& runtime) {
+    std::ofstream out(runtime_file(dir));
+    out << runtime << "\n";
+    if (!out) throw SandboxError("write " + runtime_file(dir).string());
+}
+
+void write_value(const fs::path& file, const std::string& value) {
+    const int fd = ::open(file.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) throw SandboxError("write " + file.string() + " = " + value + ": " + errno_text());
+    const ssize_t n = ::write(fd, value.data(), value.size());
+    const std::string why = errno_text();
+    ::close(fd);
+    if (n != static_cast<ssize_t>(value.size())) {
+        throw SandboxError("write " + file.string() + " = " + value + ": " + why);
+    }
+}
+
+void reap_child(pid_t pid) {
+    if (pid <= 0) return;
+    for (int i = 0; i < 200; ++i) {
+        const pid_t r = ::waitpid(pid, nullptr, WNOHANG);
+        if (r == pid || (r < 0 && errno == ECHILD)) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+}
 }  // namespace cellblock::sandbox_detail
 
 namespace cellblock {
@@ -266,11 +292,7 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
         if (!out) throw SandboxError("write " + (dir / "bundle" / "config.json").string());
     }
 
-    {
-        std::ofstream out(runtime_file(dir));
-        out << settings.runtime << "\n";
-        if (!out) throw SandboxError("write " + runtime_file(dir).string());
-    }
+    write_runtime_file(dir, settings.runtime);
 
     const fs::path log = dir / "log" / "shim.log";
     const int log_fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
@@ -409,14 +431,7 @@ void Sandbox::reap_init() {
     if (init_pid_ <= 0 || reaped_) return;
     // The init (and runsc's gofer) is our child (we are a subreaper); after
     // SIGKILL it ends at once.
-    for (pid_t pid : {init_pid_, gofer_pid_}) {
-        if (pid <= 0) continue;
-        for (int i = 0; i < 200; ++i) {
-            const pid_t r = ::waitpid(pid, nullptr, WNOHANG);
-            if (r == pid || (r < 0 && errno == ECHILD)) break;
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-        }
-    }
+    for (pid_t pid : {init_pid_, gofer_pid_}) reap_child(pid);
     reaped_ = true;
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) {
         std::lock_guard lock(runsc_children().mutex);

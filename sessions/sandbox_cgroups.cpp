@@ -92,13 +92,6 @@ void Sandbox::close_counters() {
 
 namespace {
 
-void write_value(const fs::path& file, const std::string& value) {
-    std::ofstream out(file);
-    out << value;
-    out.flush();
-    if (!out) throw SandboxError("cgroup write " + file.string() + " = " + value + ": failed");
-}
-
 // The whole of a small cgroup file, read again from its start.
 std::string_view pread_text(int fd, char (&buf)[512]) {
     if (fd < 0) return {};

@@ -28,6 +28,14 @@ void unmount_if_mounted(const fs::path& target);
 std::string container_id_for(const std::string& session_id);
 std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std::string> args);
 fs::path runtime_file(const fs::path& dir);
+// Writes `runtime` (the runtime's name, or kForkedRuntime) into runtime_file(dir).
+void write_runtime_file(const fs::path& dir, const std::string& runtime);
+// Writes `value` to a kernel file (cgroup, /proc/PID/uid_map) in one write(2),
+// as those files require; throws SandboxError naming the file and errno.
+void write_value(const fs::path& file, const std::string& value);
+// Waits up to a second for `pid`, a child of this process (or an orphan
+// whose subreaper it is) that was killed, and reaps it.
+void reap_child(pid_t pid);
 // What runtime_file says of a session forked from a zygote.
 inline constexpr const char* kForkedRuntime = "zygote";
 int listen_lifeline(const fs::path& path, std::uint32_t owner);

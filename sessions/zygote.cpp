@@ -112,24 +112,6 @@ Report receive_report(int fd, const std::string& step) {
     return report;
 }
 
-void write_file(const fs::path& path, const std::string& text) {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) throw SandboxError("open " + path.string() + ": " + errno_text());
-    const ssize_t n = ::write(fd, text.data(), text.size());
-    const std::string why = errno_text();
-    ::close(fd);
-    if (n != static_cast<ssize_t>(text.size())) {
-        throw SandboxError("write " + path.string() + ": " + why);
-    }
-}
-
-std::string read_file(const fs::path& path) {
-    std::ifstream in(path);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-}
-
 // The session's own cgroup in every hierarchy, as runc makes for a booted
 // sandbox (v2: the one unified directory; v1: each mounted hierarchy, the
 // named and hybrid ones too), so that nothing of it stays in the zygote's.
@@ -160,16 +142,16 @@ std::vector<fs::path> create_session_cgroups(const std::string& container_id,
         const fs::path zygote = dir.parent_path() / zygote_id;
         if (fs::exists(dir / "cpuset.cpus")) {
             for (const char* file : {"cpuset.cpus", "cpuset.mems"}) {
-                std::string value = read_file(zygote / file);
+                std::string value = read_text(zygote / file);
                 while (!value.empty() && value.back() == '\n') value.pop_back();
-                if (!value.empty()) write_file(dir / file, value);
+                if (!value.empty()) write_value(dir / file, value);
             }
         }
         if (fs::exists(dir / "devices.deny")) {
-            write_file(dir / "devices.deny", "a");
-            std::istringstream allowed(read_file(zygote / "devices.list"));
+            write_value(dir / "devices.deny", "a");
+            std::istringstream allowed(read_text(zygote / "devices.list"));
             for (std::string line; std::getline(allowed, line);) {
-                if (!line.empty()) write_file(dir / "devices.allow", line);
+                if (!line.empty()) write_value(dir / "devices.allow", line);
             }
         }
     }
@@ -325,24 +307,9 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     return zygote;
 }
 
-namespace {
-
-// The interpreter, orphaned when its shim died first, is this process's
-// child then (a subreaper): reap it once it is gone.
-void reap_orphaned(pid_t pid) {
-    if (pid <= 0) return;
-    for (int i = 0; i < 200; ++i) {
-        const pid_t r = ::waitpid(pid, nullptr, WNOHANG);
-        if (r == pid || (r < 0 && errno == ECHILD)) return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-}
-
-}  // namespace
-
 Zygote::~Zygote() {
     if (box_) box_->destroy();
-    reap_orphaned(interpreter_pid_);
+    reap_child(interpreter_pid_);  // orphaned to us once its shim died
 }
 
 void Zygote::retire() {
@@ -352,7 +319,7 @@ void Zygote::retire() {
     // its parent-death signal when the shim does.
     box_->kill();
     box_->reap_init();
-    reap_orphaned(interpreter_pid_);
+    reap_child(interpreter_pid_);  // orphaned to us once its shim died
 }
 
 bool Zygote::alive() {
@@ -373,11 +340,7 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
     box->forked_ = true;
     box->keep_ = shared_from_this();
     const fs::path dir = box->dir();
-    {
-        std::ofstream out(runtime_file(dir));
-        out << kForkedRuntime << "\n";
-        if (!out) throw SandboxError("write " + runtime_file(dir).string());
-    }
+    write_runtime_file(dir, kForkedRuntime);
     box->cgroup_dirs_ = create_session_cgroups(box->container_id(), box_->container_id());
     apply_cgroup_limits(*box, limits);
     box->open_counters();
@@ -448,10 +411,10 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
         const std::string map =
             "0 " + std::to_string(ids.host_base) + " " + std::to_string(ids.size);
         const fs::path proc = "/proc/" + std::to_string(forked);
-        write_file(proc / "uid_map", map);
-        write_file(proc / "gid_map", map);
+        write_value(proc / "uid_map", map);
+        write_value(proc / "gid_map", map);
         for (const auto& cgroup : box->cgroup_dirs_) {
-            write_file(cgroup / "cgroup.procs", std::to_string(forked));
+            write_value(cgroup / "cgroup.procs", std::to_string(forked));
         }
         if (::send(report.get(), "mapped", 6, MSG_NOSIGNAL) != 6) {
             throw SandboxError("zygote fork: report: " + errno_text());

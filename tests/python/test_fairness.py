@@ -212,13 +212,12 @@ def test_pool_refills_boot_at_a_low_weight_and_sessions_get_the_default(server):
     """Warm sandboxes waiting in the pool were started at a low CPU weight (a
     refill must not slow the sessions in use); the one a session takes is
     given the default weight back."""
-    from server_helpers import is_zygote, sessions_on_disk
-
     def pooled():
-        # (Not the zygote the pool's sessions are forked from: docs/zygote.md.)
-        return [sid for sid in sessions_on_disk(server.state_dir)
-                if sid not in server.session_ids and cpu_shares(sid) is not None and
-                not is_zygote(server.state_dir, sid)]
+        # The warm sandboxes the pool holds, as it lists them: not a refill
+        # still being forked (its cgroup exists, at the low weight, before its
+        # processes do), nor the zygote the pool's sessions come from.
+        warm = server.ok("session_list_request", {})["content"]["warm_sandboxes"]
+        return [w["container_id"][3:] for w in warm if cpu_shares(w["container_id"][3:]) is not None]
 
     assert wait_for(lambda: len(pooled()) >= 1, timeout=120), "the pool never refilled"
     waiting = pooled()
