@@ -1,5 +1,6 @@
 // cellblock-shim: init of a sandbox. See README.md in this folder.
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -24,6 +25,15 @@ namespace {
 constexpr int kLifelineFd = 3;
 constexpr size_t kMaxKernelStderr = 64 * 1024;
 constexpr int kTermGraceMs = 2000;
+// The egress forwarder (docs/egress.md): HTTP_PROXY in the kernel's
+// environment names this port on the sandbox's own loopback; each connection
+// goes on to the gateway's socket in the session's ipc dir, or is answered
+// with why there is none.
+constexpr uint16_t kEgressPort = 3128;
+constexpr const char* kEgressSocket = "/run/cellblock/egress.sock";
+constexpr const char kNoNetwork[] =
+    "cellblock: this session has no network access (its limits say network.mode none; "
+    "a server started with --egress-allow can give it some)\n";
 
 void say(const char* fmt, const char* arg = "") {
     fprintf(stderr, "cellblock-shim: ");
@@ -76,6 +86,110 @@ std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
     return env;
 }
 
+bool send_all(int fd, const char* data, size_t size) {
+    while (size > 0) {
+        const ssize_t n = send(fd, data, size, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return false;
+        data += n;
+        size -= static_cast<size_t>(n);
+    }
+    return true;
+}
+
+// One connection of the forwarder, in its own process: bytes both ways
+// between the client and the gateway until both are done.
+[[noreturn]] void forward_connection(int client) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    strcpy(addr.sun_path, kEgressSocket);
+    const int gateway = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (gateway < 0 || connect(gateway, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        char head[256];
+        const int n = snprintf(head, sizeof head,
+                               "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
+                               "Connection: close\r\nContent-Length: %zu\r\n\r\n",
+                               sizeof kNoNetwork - 1);
+        send_all(client, head, static_cast<size_t>(n));
+        send_all(client, kNoNetwork, sizeof kNoNetwork - 1);
+        shutdown(client, SHUT_WR);
+        // Read what the client still sends so that it reads the answer, not a reset.
+        timeval tv{1, 0};
+        setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        char sink[4096];
+        for (int i = 0; i < 64 && recv(client, sink, sizeof sink, 0) > 0; ++i) {
+        }
+        _exit(0);
+    }
+    bool open[2] = {true, true};  // client -> gateway, gateway -> client
+    const int from[2] = {client, gateway}, to[2] = {gateway, client};
+    static char buf[65536];
+    while (open[0] || open[1]) {
+        pollfd fds[2] = {{open[0] ? client : -1, POLLIN, 0}, {open[1] ? gateway : -1, POLLIN, 0}};
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            break;
+        }
+        for (int i = 0; i < 2; ++i) {
+            if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            const ssize_t n = recv(from[i], buf, sizeof buf, 0);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0 || !send_all(to[i], buf, static_cast<size_t>(n))) {
+                open[i] = false;
+                shutdown(to[i], SHUT_WR);
+                if (i == 1) open[0] = false;  // the gateway is done: so is the connection
+            }
+        }
+    }
+    _exit(0);
+}
+
+// Starts the forwarder: a process listening on 127.0.0.1:kEgressPort that
+// forks one process per connection. It holds none of the shim's descriptors.
+void start_egress_forwarder() {
+    const pid_t pid = fork();
+    if (pid != 0) {
+        if (pid < 0) say("egress forwarder: fork failed");
+        return;
+    }
+    for (int fd = 3; fd < 1024; ++fd) close(fd);
+    prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ignore.sa_flags = SA_NOCLDWAIT;  // connection processes reap themselves
+    sigaction(SIGCHLD, &ignore, nullptr);
+    signal(SIGINT, SIG_IGN);
+    const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const int one = 1;
+    setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(kEgressPort);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        listen(listener, 64) != 0) {
+        say("egress forwarder: cannot listen on 127.0.0.1:%s", std::to_string(kEgressPort).c_str());
+        _exit(1);
+    }
+    for (;;) {
+        const int client = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+        if (client < 0) {
+            if (errno == EINTR || errno == ECONNABORTED) continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                usleep(100000);
+                continue;
+            }
+            _exit(1);
+        }
+        const pid_t child = fork();
+        if (child == 0) {
+            close(listener);
+            forward_connection(client);
+        }
+        close(client);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -120,6 +234,7 @@ int main(int argc, char** argv) {
         if (const char* home = getenv("HOME")) make_dir(home);
         if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
     }
+    start_egress_forwarder();
 
     sigset_t handled;
     sigemptyset(&handled);

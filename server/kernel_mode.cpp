@@ -63,6 +63,7 @@ ServerPaths ServerPaths::defaults() {
     p.state_dir = "/run/cellblock";
     const fs::path exe_dir = executable_dir();
     p.libexec_dir = exe_dir.parent_path() / "libexec" / "cellblock";
+    p.egress_gateway = exe_dir / "cellblock-gateway";
     if (const char* dir = std::getenv("CELLBLOCK_IMAGES_DIR"); dir && *dir) {
         p.image_dirs.emplace_back(dir);
     }

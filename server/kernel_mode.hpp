@@ -17,8 +17,9 @@ struct ServerPaths {
     // Built and imported images (image_builder.hpp). Empty: serve uses
     // <state_dir>/images, kernel mode /var/lib/cellblock/images.
     std::filesystem::path image_store;
+    std::filesystem::path egress_gateway;  // the cellblock-gateway binary
 
-    // Defaults: /run/cellblock; <exe>/../libexec/cellblock;
+    // Defaults: /run/cellblock; <exe>/../libexec/cellblock; <exe>/cellblock-gateway;
     // images from $CELLBLOCK_IMAGES_DIR, <exe>/../share/cellblock/images, the source tree.
     static ServerPaths defaults();
 };

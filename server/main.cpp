@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/egress_rules.hpp"
 #include "cellblock/error_names.hpp"
 #include "eval_command.hpp"
 #include "image_cli.hpp"
@@ -203,6 +204,18 @@ int main(int argc, char** argv) {
         ->add_option("--max-create-wait", serve.policy.max_create_wait_s,
                      "seconds a session_create may wait for a sandbox before ServerBusy")
         ->capture_default_str();
+    std::vector<std::string> egress_allow, egress_resolve;
+    serve_cmd->add_option("--egress-allow", egress_allow,
+                          "HOST:PORT pattern sessions may reach through the egress gateway "
+                          "(repeatable; '*.example.com:443', 'pypi.org:*'); starts the gateway");
+    serve_cmd->add_option("--egress-private", serve.egress_private,
+                          "CIDR of private/loopback addresses the gateway may connect to after "
+                          "all (repeatable; refused by default)");
+    serve_cmd->add_option("--egress-resolve", egress_resolve,
+                          "NAME=ADDRESS: the gateway resolves NAME to ADDRESS, not by DNS "
+                          "(repeatable)");
+    serve_cmd->add_option("--egress-user", serve.egress_user, "the user the gateway runs as")
+        ->capture_default_str();
     serve_cmd
         ->add_option("--closed-window", serve.policy.closed_channels_s,
                      "seconds a closed session's channels still answer SessionClosed")
@@ -300,6 +313,27 @@ int main(int argc, char** argv) {
                 return 1;
             }
             serve.pool[serve.default_image] = 2;
+            if (!egress_allow.empty()) {
+                // The server's maximum: no session reaches beyond these; a
+                // session that asks for the gateway without a list gets them all.
+                auto& network = serve.policy.maxima.network;
+                network.mode = "gateway";
+                for (const auto& text : egress_allow) {
+                    try {
+                        network.allow.push_back(cellblock::HostPattern::parse(text).to_string());
+                    } catch (const std::exception& e) {
+                        throw std::runtime_error("--egress-allow " + text + ": " + e.what());
+                    }
+                }
+                serve.policy.defaults.network.allow = network.allow;
+            }
+            for (const auto& item : egress_resolve) {
+                const auto eq = item.find('=');
+                if (eq == std::string::npos)
+                    throw std::runtime_error("--egress-resolve " + item +
+                                             ": expected NAME=ADDRESS");
+                serve.egress_resolve[item.substr(0, eq)] = item.substr(eq + 1);
+            }
             for (const auto& item : pool_items) {
                 const auto eq = item.find('=');
                 if (eq == std::string::npos)

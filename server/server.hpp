@@ -35,6 +35,7 @@
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "cellblock/wire_message.hpp"
+#include "egress_gateway.hpp"
 #include "event_loop.hpp"
 #include "file_transfer.hpp"
 #include "inner_channels.hpp"
@@ -199,6 +200,10 @@ class Server final : public SessionObserver {
     // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
     void balance_cpu(Clock::time_point now);
     std::unordered_map<std::string, CpuFairness> fairness_;
+    // Sessions' way out (egress_gateway.hpp); null when the server has none.
+    std::unique_ptr<EgressGateway> egress_;
+    EventLoop::WatchId egress_watch_ = 0;
+    void on_egress();
     Clock::time_point next_balance_{};
 };
 

@@ -100,7 +100,28 @@ void Server::on_event(const std::string& session_id, const std::string& kind,
     }
 }
 
+void Server::on_egress() {
+    bool restarted = false;
+    for (const auto& event : egress_->read_events(restarted)) {
+        const std::string session_id = event.value("session", "");
+        json detail = event;
+        detail.erase("op");
+        detail.erase("session");
+        if (event.value("verdict", "") != "allowed") {
+            spdlog::info("session {}: egress {} {}:{} refused: {}", session_id,
+                         event.value("method", ""), event.value("host", ""), event.value("port", 0),
+                         event.value("reason", ""));
+        }
+        on_event(session_id, "egress", detail.dump());
+    }
+    if (restarted) {
+        loop_.unwatch(egress_watch_);
+        egress_watch_ = loop_.watch_fd(egress_->control_fd(), [this] { on_egress(); });
+    }
+}
+
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
+    if (egress_) egress_->remove_session(session_id);
     transfers_.session_closed(session_id);
     fairness_.erase(session_id);
     auto it = sessions_.find(session_id);
@@ -128,6 +149,7 @@ int Server::run() {
         on_manager();
     });
     loop_.watch_fd(wake_fd_.get(), [this] { on_pool_results(); });
+    if (egress_) egress_watch_ = loop_.watch_fd(egress_->control_fd(), [this] { on_egress(); });
     loop_.watch_fd(signal_fd_.get(), [&] {
         signalfd_siginfo info;
         [[maybe_unused]] auto n = ::read(signal_fd_.get(), &info, sizeof info);

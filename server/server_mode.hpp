@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "cellblock/session_policy.hpp"
 #include "kernel_mode.hpp"
@@ -21,6 +22,11 @@ struct ServeOptions {
     // The nice value of the server's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
     ServerPolicy policy;
+    // The egress gateway (docs/egress.md): started when policy.maxima.network
+    // is gateway, i.e. when --egress-allow named what sessions may reach.
+    std::vector<std::string> egress_private;            // --egress-private CIDR
+    std::map<std::string, std::string> egress_resolve;  // --egress-resolve NAME=ADDRESS
+    std::string egress_user = "nobody";                 // --egress-user
 };
 
 // Runs until SIGTERM/SIGINT; returns the process exit code.

@@ -1,6 +1,8 @@
 // Start-up: the state directory and its lock, images, the pool, the manager socket.
 #include "server.hpp"
 
+#include <pwd.h>
+
 namespace cellblock {
 
 void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key) {
@@ -143,6 +145,24 @@ Server::Server(const ServeOptions& options)
     }
     if (!images_.count(options_.default_image)) {
         throw std::runtime_error("default image '" + options_.default_image + "' not found");
+    }
+    if (options_.policy.maxima.network.gateway()) {
+        EgressOptions egress;
+        egress.binary = options_.paths.egress_gateway;
+        egress.private_ranges = options_.egress_private;
+        egress.resolve = options_.egress_resolve;
+        const passwd* user = ::getpwnam(options_.egress_user.c_str());
+        if (!user || user->pw_uid == 0) {
+            throw std::runtime_error("--egress-user " + options_.egress_user +
+                                     ": not an unprivileged user of this host");
+        }
+        egress.uid = user->pw_uid;
+        egress.gid = user->pw_gid;
+        egress_ = std::make_unique<EgressGateway>(std::move(egress));
+    } else if (!options_.egress_private.empty() || !options_.egress_resolve.empty()) {
+        throw std::runtime_error(
+            "--egress-private and --egress-resolve need a gateway: name what sessions may reach "
+            "with --egress-allow");
     }
 
     // Crash recovery: whatever an earlier server left is reaped, then marked.

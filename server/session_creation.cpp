@@ -207,6 +207,22 @@ void Server::expire_creates(Clock::time_point now) {
 
 void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms,
                            bool warm_start) {
+    if (pending.limits.network.gateway()) {
+        // The session's way out: a listener in its own ipc dir, which the
+        // sandbox sees as /run/cellblock/egress.sock.
+        try {
+            if (!egress_) throw std::runtime_error("the server has no egress gateway");
+            egress_->add_session(pending.session_id,
+                                 warm.sandbox->dir() / "ipc" / kEgressSocketName,
+                                 pending.limits.network);
+        } catch (const std::exception& e) {
+            spdlog::error("session {}: egress gateway: {}", pending.session_id, e.what());
+            reply_error(pending.request, ename::ServerError,
+                        std::string("the session's egress gateway did not start: ") + e.what());
+            pool_->dispose(std::move(warm.sandbox));
+            return;
+        }
+    }
     ConnectionInfo outer;
     outer.transport = "tcp";
     outer.ip = "127.0.0.1";

@@ -80,6 +80,12 @@ std::vector<std::string> sandbox_environment(const Image& image) {
         {"MPLCONFIGDIR", std::string(kSandboxHome) + "/.config/matplotlib"},
         {"XDG_CACHE_HOME", std::string(kSandboxHome) + "/.cache"},
     };
+    // The egress forwarder of the shim (docs/egress.md): HTTP clients, pip and
+    // curl go through it; a session without a gateway gets a 403 saying so.
+    for (const char* name : {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"}) {
+        env[name] = kSandboxEgressProxy;
+    }
+    for (const char* name : {"NO_PROXY", "no_proxy"}) env[name] = "localhost,127.0.0.1,::1";
     for (const auto& [name, value] : image.env) env[name] = value;
     std::vector<std::string> out;
     for (const auto& [name, value] : env) out.push_back(name + "=" + value);

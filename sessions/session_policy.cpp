@@ -8,6 +8,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "cellblock/egress_rules.hpp"
 #include "cellblock/error_names.hpp"
 
 namespace cellblock {
@@ -99,6 +100,99 @@ Wide<T> parse_value(std::string_view name, const json& value) {
     }
 }
 
+constexpr std::size_t kMaxAllowPatterns = 256;
+
+std::string join_patterns(const std::vector<std::string>& patterns) {
+    if (patterns.empty()) return "none";
+    std::string out;
+    for (const auto& p : patterns) out += (out.empty() ? "" : ", ") + p;
+    return out;
+}
+
+// Applies the "network" object of one layer onto `out`, within `maxima`.
+void apply_network(const json& j, NetworkLimits& out, const NetworkLimits* maxima,
+                   const std::string& origin) {
+    if (j.is_null()) return;
+    if (!j.is_object()) {
+        throw invalid(origin + "network must be a JSON object, got " + std::string(j.type_name()));
+    }
+    const auto above = [&](const std::string& what) {
+        return PolicyError(ename::LimitAboveMaximum, origin + what);
+    };
+    NetworkLimits next = out;
+    for (const auto& item : j.items()) {
+        const std::string& key = item.key();
+        const json& value = item.value();
+        const std::string name = "network." + key;
+        try {
+            if (key == "mode") {
+                if (!value.is_string() || (value != "none" && value != "gateway")) {
+                    throw invalid(name + " must be \"none\" or \"gateway\", got " + value.dump());
+                }
+                next.mode = value.get<std::string>();
+                if (maxima && next.gateway() && !maxima->gateway()) {
+                    throw above(
+                        "network.mode gateway is above the server's maximum none (the server "
+                        "has no egress gateway: start it with --egress-allow PATTERN)");
+                }
+            } else if (key == "allow") {
+                if (!value.is_array()) {
+                    throw invalid(name + " must be a list of \"host:port\" patterns, got " +
+                                  std::string(value.type_name()));
+                }
+                if (value.size() > kMaxAllowPatterns) {
+                    throw invalid(name + " has " + std::to_string(value.size()) +
+                                  " patterns; at most " + std::to_string(kMaxAllowPatterns));
+                }
+                std::vector<std::string> allow;
+                for (const auto& entry : value) {
+                    if (!entry.is_string()) {
+                        throw invalid(name + " entries must be strings, got " + entry.dump());
+                    }
+                    const HostPattern pattern = HostPattern::parse(entry.get<std::string>());
+                    if (maxima) {
+                        const bool within = std::any_of(
+                            maxima->allow.begin(), maxima->allow.end(), [&](const std::string& m) {
+                                return HostPattern::parse(m).covers(pattern);
+                            });
+                        if (!within) {
+                            throw above("network.allow '" + pattern.to_string() +
+                                        "' is not within the server's allowlist (" +
+                                        join_patterns(maxima->allow) + ")");
+                        }
+                    }
+                    allow.push_back(pattern.to_string());
+                }
+                next.allow = std::move(allow);
+            } else if (key == "max_bytes" || key == "max_connections") {
+                const std::int64_t v = parse_integer(name, value);
+                std::int64_t& field = key == "max_bytes" ? next.max_bytes : next.max_connections;
+                const std::int64_t maximum =
+                    maxima ? (key == "max_bytes" ? maxima->max_bytes : maxima->max_connections) : v;
+                if (v > maximum) {
+                    throw above(name + " " + std::to_string(v) + " is above the server's maximum " +
+                                std::to_string(maximum));
+                }
+                field = v;
+            } else if (key == "request_timeout_s") {
+                const double v = parse_real(name, value);
+                if (maxima && v > maxima->request_timeout_s) {
+                    throw above(name + " " + format_number(v) + " is above the server's maximum " +
+                                format_number(maxima->request_timeout_s));
+                }
+                next.request_timeout_s = v;
+            } else {
+                throw invalid("unknown limit '" + name + "'");
+            }
+        } catch (const PolicyError& e) {
+            const std::string what = e.what();
+            if (what.starts_with(origin)) throw;
+            throw PolicyError(e.ename(), origin + what);
+        }
+    }
+    out = std::move(next);
+}
+
 // Applies one layer (`j`, a flat object of limits) onto `out`. With `maxima`,
 // a value above its maximum throws LimitAboveMaximum. `origin` prefixes errors
 // that are not the requester's own ("image limits: ").
@@ -113,6 +207,10 @@ void apply_layer(const json& j, SessionLimits& out, const SessionLimits* maxima,
     for (const auto& item : j.items()) {
         const std::string& key = item.key();
         const json& value = item.value();
+        if (key == "network") {
+            apply_network(value, next.network, maxima ? &maxima->network : nullptr, origin);
+            continue;
+        }
         bool known = false;
         for_each_limit(
             [&](std::string_view name, auto& field, const auto& maximum) {
@@ -177,10 +275,19 @@ SandboxLimits SandboxLimits::from_json(const json& j, const SandboxLimits& base)
     return layered.sandbox;
 }
 
+json NetworkLimits::to_json() const {
+    return {{"mode", mode},
+            {"allow", allow},
+            {"max_bytes", max_bytes},
+            {"max_connections", max_connections},
+            {"request_timeout_s", request_timeout_s}};
+}
+
 json SessionLimits::to_json() const {
     json j = json::object();
     for_each_limit([&](std::string_view name, const auto& field) { j[std::string(name)] = field; },
                    *this);
+    j["network"] = network.to_json();
     return j;
 }
 
@@ -207,6 +314,10 @@ ServerPolicy::ServerPolicy() {
     maxima.sandbox.output_mb = 16384;
     maxima.sandbox.cpus = std::max(1U, std::thread::hardware_concurrency());
     maxima.sandbox.nofile = 65536;
+    // No gateway until the operator names what it may reach (--egress-allow).
+    maxima.network.max_bytes = std::int64_t{64} << 30;
+    maxima.network.max_connections = 256;
+    maxima.network.request_timeout_s = 3600;
 }
 
 void ServerPolicy::validate() const {
@@ -227,6 +338,10 @@ void ServerPolicy::validate() const {
             }
         },
         defaults, maxima);
+    // The defaults' network must be a session the maxima allow.
+    SessionLimits checked = maxima;
+    checked.network = NetworkLimits{};
+    apply_network(defaults.network.to_json(), checked.network, &maxima.network, "server default: ");
     if (!(max_create_wait_s > 0))
         throw invalid("max_create_wait_s " + format_number(max_create_wait_s) + " is not positive");
     if (!(closed_channels_s >= 0))

@@ -14,6 +14,8 @@ namespace cellblock {
 
 // Paths inside every sandbox.
 inline constexpr const char* kSandboxIpcDir = "/run/cellblock";
+// The shim's egress forwarder, on the sandbox's own loopback (shim.cpp).
+inline constexpr const char* kSandboxEgressProxy = "http://127.0.0.1:3128";
 inline constexpr const char* kSandboxConnectionFile = "/run/cellblock/kernel.json";
 inline constexpr const char* kSandboxLibexec = "/opt/cellblock";
 inline constexpr const char* kSandboxShim = "/opt/cellblock/cellblock-shim";

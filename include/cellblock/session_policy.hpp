@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -18,7 +19,22 @@
 
 namespace cellblock {
 
-// Everything a session request may ask for. Flat in JSON:
+// A session's way out (docs/egress.md): none, or the egress gateway, which
+// reaches only the host patterns in `allow` (egress_rules.hpp). In JSON, the
+// object "network" of the limits: {mode, allow, max_bytes, max_connections,
+// request_timeout_s}.
+struct NetworkLimits {
+    std::string mode = "none";                       // "none" or "gateway"
+    std::vector<std::string> allow;                  // canonical HostPattern texts
+    std::int64_t max_bytes = std::int64_t{1} << 30;  // both ways, over the session's life
+    std::int64_t max_connections = 16;               // open at once
+    double request_timeout_s = 60;  // to connect, and at most between two reads of a connection
+
+    bool gateway() const { return mode == "gateway"; }
+    nlohmann::json to_json() const;
+};
+
+// Everything a session request may ask for. Flat in JSON, plus "network":
 // {max_executions, idle_timeout_s, lifetime_s, exec_timeout_s, interrupt_grace_s,
 //  output_bytes, memory_mb, pids, disk_mb, shm_mb, output_mb, cpus, nofile}.
 struct SessionLimits {
@@ -31,6 +47,7 @@ struct SessionLimits {
     double interrupt_grace_s = 5;
     std::int64_t output_bytes = 1 << 20;  // stream output kept per execution
     SandboxLimits sandbox;
+    NetworkLimits network;
 
     nlohmann::json to_json() const;
     // Fields absent from `j` keep `base`'s values (null counts as {}). Unknown
@@ -70,8 +87,9 @@ struct ServerPolicy {
     void validate() const;
 
     // server defaults < image limits < request; each field of the image or the
-    // request above `maxima` throws PolicyError("LimitAboveMaximum", "<field> <v>
-    // is above the server's maximum <max>").
+    // request above `maxima` (for network: mode gateway where the maximum is
+    // none, an allow pattern no maximum pattern covers) throws PolicyError("LimitAboveMaximum",
+    // "<field> <v> is above the server's maximum <max>").
     SessionLimits effective(const nlohmann::json& image_limits,
                             const nlohmann::json& request_limits) const;
     nlohmann::json to_json() const;  // {defaults, maxima, kill_grace_s, ...}

@@ -34,12 +34,105 @@ TEST(SessionLimits, JsonRoundTripHasEveryFieldFlat) {
     const json j = limits.to_json();
     for (const char* name : {"max_executions", "idle_timeout_s", "lifetime_s", "exec_timeout_s",
                              "interrupt_grace_s", "output_bytes", "memory_mb", "pids", "disk_mb",
-                             "shm_mb", "output_mb", "cpus", "nofile"}) {
+                             "shm_mb", "output_mb", "cpus", "nofile", "network"}) {
         EXPECT_TRUE(j.contains(name)) << name;
     }
-    EXPECT_EQ(j.size(), 13U);
+    EXPECT_EQ(j.size(), 14U);
+    EXPECT_EQ(j["network"]["mode"], "none");
     const SessionLimits back = SessionLimits::from_json(j, SessionLimits{});
     EXPECT_EQ(back.to_json(), j);
+}
+
+// ---- network (the egress gateway's policy) ----
+
+ServerPolicy gateway_server(std::vector<std::string> allow) {
+    ServerPolicy policy;
+    policy.maxima.network.mode = "gateway";
+    policy.maxima.network.allow = allow;
+    policy.defaults.network.allow = allow;
+    return policy;
+}
+
+TEST(NetworkLimits, NoneByDefaultAndGatewayOnlyWhereTheServerHasOne) {
+    const ServerPolicy plain;
+    EXPECT_FALSE(plain.effective(json::object(), json::object()).network.gateway());
+    const PolicyError e = policy_error([&] {
+        plain.effective(json::object(), json{{"network", {{"mode", "gateway"}}}});
+    });
+    EXPECT_EQ(e.ename(), "LimitAboveMaximum");
+    EXPECT_NE(std::string(e.what()).find("--egress-allow"), std::string::npos) << e.what();
+}
+
+TEST(NetworkLimits, AllowListStaysWithinTheServers) {
+    const ServerPolicy policy = gateway_server({"*.example.com:443", "pypi.org:*"});
+    const SessionLimits all =
+        policy.effective(json::object(), json{{"network", {{"mode", "gateway"}}}});
+    EXPECT_TRUE(all.network.gateway());
+    EXPECT_EQ(all.network.allow, (std::vector<std::string>{"*.example.com:443", "pypi.org:*"}));
+
+    const SessionLimits narrow = policy.effective(
+        json::object(),
+        json{{"network",
+              {{"mode", "gateway"}, {"allow", {"API.Example.com:443", "pypi.org:443"}}}}});
+    EXPECT_EQ(narrow.network.allow,
+              (std::vector<std::string>{"api.example.com:443", "pypi.org:443"}));
+
+    for (const char* wider :
+         {"example.com:443", "api.example.com:80", "*.com:443", "*:443", "evil.test:443"}) {
+        const PolicyError e = policy_error([&] {
+            policy.effective(json::object(),
+                             json{{"network", {{"mode", "gateway"}, {"allow", {wider}}}}});
+        });
+        EXPECT_EQ(e.ename(), "LimitAboveMaximum") << wider;
+        EXPECT_NE(std::string(e.what()).find("not within the server's allowlist"),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
+TEST(NetworkLimits, MistakesAreInvalidLimits) {
+    const ServerPolicy policy = gateway_server({"*:*"});
+    for (const json& bad :
+         {json{{"network", "gateway"}}, json{{"network", {{"mode", "open"}}}},
+          json{{"network", {{"allow", "pypi.org:443"}}}},
+          json{{"network", {{"allow", {"pypi.org"}}}}}, json{{"network", {{"allow", {443}}}}},
+          json{{"network", {{"max_bytes", 0}}}}, json{{"network", {{"request_timeout_s", -1}}}},
+          json{{"network", {{"proxy", true}}}}}) {
+        const PolicyError e = policy_error([&] { policy.effective(json::object(), bad); });
+        EXPECT_EQ(e.ename(), "InvalidLimits") << bad.dump();
+        EXPECT_NE(std::string(e.what()).find("network"), std::string::npos) << e.what();
+    }
+}
+
+TEST(NetworkLimits, CapsAreBoundedByTheMaxima) {
+    ServerPolicy policy = gateway_server({"*:*"});
+    policy.maxima.network.max_connections = 8;
+    const PolicyError e = policy_error([&] {
+        policy.effective(json::object(), json{{"network", {{"max_connections", 9}}}});
+    });
+    EXPECT_EQ(e.ename(), "LimitAboveMaximum");
+    const SessionLimits ok = policy.effective(
+        json::object(), json{{"network", {{"max_connections", 8}, {"max_bytes", 1000}}}});
+    EXPECT_EQ(ok.network.max_connections, 8);
+    EXPECT_EQ(ok.network.max_bytes, 1000);
+}
+
+TEST(NetworkLimits, ImageLayerThenRequest) {
+    const ServerPolicy policy = gateway_server({"pypi.org:443"});
+    const json image = {{"network", {{"mode", "gateway"}}}};
+    EXPECT_TRUE(policy.effective(image, json::object()).network.gateway());
+    EXPECT_FALSE(policy.effective(image, json{{"network", {{"mode", "none"}}}}).network.gateway());
+    const PolicyError e = policy_error([&] {
+        policy.effective(json{{"network", {{"allow", {"evil.test:443"}}}}}, json::object());
+    });
+    EXPECT_NE(std::string(e.what()).find("image limits: "), std::string::npos) << e.what();
+}
+
+TEST(NetworkLimits, ValidateRefusesADefaultGatewayWithoutOne) {
+    ServerPolicy policy;
+    policy.defaults.network.mode = "gateway";
+    EXPECT_THROW(policy.validate(), PolicyError);
+    gateway_server({"pypi.org:443"}).validate();
 }
 
 TEST(SessionLimits, AbsentFieldsKeepTheBase) {

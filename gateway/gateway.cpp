@@ -1,0 +1,620 @@
+#include "gateway.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "cellblock/egress_rules.hpp"
+#include "cellblock/session_policy.hpp"
+#include "cellblock/unique_fd.hpp"
+#include "http_head.hpp"
+
+namespace cellblock::gateway {
+using nlohmann::json;
+
+namespace {
+
+// Connections served at once across all sessions; past it a connection is
+// closed unread (each one is a thread).
+constexpr int kMaxThreads = 512;
+constexpr std::size_t kRelayChunk = 64 * 1024;
+
+void log_line(const std::string& text) {
+    const std::string line = "cellblock-gateway: " + text + "\n";
+    [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
+}
+
+struct Config {
+    std::vector<AddressRange> opted_in;     // reserved ranges the operator allows
+    std::map<std::string, IpAddress> pins;  // name -> the address it resolves to
+};
+
+struct Session {
+    std::string id;
+    NetworkLimits limits;
+    std::vector<HostPattern> allow;
+    UniqueFd listener;
+    std::atomic<std::int64_t> bytes{0};
+    std::atomic<int> active{0};
+    std::atomic<bool> closed{false};
+    std::mutex fds_mutex;
+    std::set<int> fds;  // sockets of its connections: shut down when it is removed
+
+    void track(int fd) {
+        std::lock_guard lock(fds_mutex);
+        fds.insert(fd);
+        if (closed) ::shutdown(fd, SHUT_RDWR);
+    }
+    void untrack(int fd) {
+        std::lock_guard lock(fds_mutex);
+        fds.erase(fd);
+    }
+    void close_all() {
+        closed = true;
+        std::lock_guard lock(fds_mutex);
+        for (int fd : fds) ::shutdown(fd, SHUT_RDWR);
+    }
+};
+
+// What one connection did, reported to the server when it ends.
+struct Event {
+    std::string method, host, reason, verdict = "refused";
+    int port = 0, status = 0;
+    std::int64_t up = 0, down = 0;
+    std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+};
+
+class Gateway {
+  public:
+    explicit Gateway(int control_fd) : control_fd_(control_fd) {}
+    int run();
+
+  private:
+    void on_control();
+    void on_accept(const std::shared_ptr<Session>& session);
+    void report(const Session& session, const Event& event);
+    void handle(std::shared_ptr<Session> session, UniqueFd client);
+    void serve_connection(Session& session, int client, Event& event);
+
+    int control_fd_;
+    Config config_;
+    bool configured_ = false;
+    bool done_ = false;
+    std::map<std::string, std::shared_ptr<Session>> sessions_;
+    std::mutex send_mutex_;
+    std::atomic<int> threads_{0};
+};
+
+std::string seconds_text(double s) {
+    std::string text = std::to_string(s);
+    while (text.find('.') != std::string::npos && (text.back() == '0' || text.back() == '.')) {
+        const bool dot = text.back() == '.';
+        text.pop_back();
+        if (dot) break;
+    }
+    return text;
+}
+
+void set_timeouts(int fd, double seconds) {
+    timeval tv{};
+    tv.tv_sec = static_cast<time_t>(seconds);
+    tv.tv_usec = static_cast<suseconds_t>((seconds - static_cast<double>(tv.tv_sec)) * 1e6);
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+bool send_all(int fd, std::string_view data) {
+    while (!data.empty()) {
+        const ssize_t n = ::send(fd, data.data(), data.size(), MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return false;
+        data.remove_prefix(static_cast<std::size_t>(n));
+    }
+    return true;
+}
+
+// The addresses `host` stands for: a pinned name's address, an IP literal
+// itself, or what the system resolver answers. Empty with `why` on failure.
+std::vector<IpAddress> resolve(const std::string& host, const Config& config, std::string& why) {
+    if (auto pin = config.pins.find(host); pin != config.pins.end()) return {pin->second};
+    if (auto literal = IpAddress::parse(host)) return {*literal};
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &found);
+    if (rc != 0) {
+        why = "cannot resolve " + host + ": " + ::gai_strerror(rc);
+        return {};
+    }
+    std::vector<IpAddress> out;
+    for (addrinfo* a = found; a; a = a->ai_next) {
+        char text[INET6_ADDRSTRLEN] = {};
+        if (a->ai_family == AF_INET) {
+            ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, text,
+                        sizeof text);
+        } else if (a->ai_family == AF_INET6) {
+            ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, text,
+                        sizeof text);
+        } else {
+            continue;
+        }
+        if (auto ip = IpAddress::parse(text)) {
+            const bool seen = std::any_of(out.begin(), out.end(), [&](const IpAddress& o) {
+                return o.family == ip->family && o.bytes == ip->bytes;
+            });
+            if (!seen) out.push_back(*ip);
+        }
+    }
+    ::freeaddrinfo(found);
+    if (out.empty()) why = "cannot resolve " + host + ": no IPv4 or IPv6 address";
+    return out;
+}
+
+// Connects to exactly `address` (the one that was checked), within `timeout_s`.
+UniqueFd connect_to(const IpAddress& address, int port, double timeout_s, std::string& why,
+                    bool& timed_out) {
+    sockaddr_storage storage{};
+    socklen_t length = 0;
+    if (address.family == AF_INET) {
+        auto* in = reinterpret_cast<sockaddr_in*>(&storage);
+        in->sin_family = AF_INET;
+        in->sin_port = htons(static_cast<std::uint16_t>(port));
+        std::memcpy(&in->sin_addr, address.bytes.data(), 4);
+        length = sizeof *in;
+    } else {
+        auto* in6 = reinterpret_cast<sockaddr_in6*>(&storage);
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(static_cast<std::uint16_t>(port));
+        std::memcpy(&in6->sin6_addr, address.bytes.data(), 16);
+        length = sizeof *in6;
+    }
+    UniqueFd fd(::socket(address.family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!fd) {
+        why = std::string("socket: ") + std::strerror(errno);
+        return {};
+    }
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&storage), length) != 0) {
+        if (errno != EINPROGRESS) {
+            why = std::strerror(errno);
+            return {};
+        }
+        pollfd p{fd.get(), POLLOUT, 0};
+        const int ready = ::poll(&p, 1, static_cast<int>(timeout_s * 1000));
+        if (ready == 0) {
+            why = "no answer within " + seconds_text(timeout_s) + " s";
+            timed_out = true;
+            return {};
+        }
+        int error = 0;
+        socklen_t size = sizeof error;
+        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &size);
+        if (ready < 0 || error != 0) {
+            why = std::strerror(ready < 0 ? errno : error);
+            return {};
+        }
+    }
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+    set_timeouts(fd.get(), timeout_s);
+    return fd;
+}
+
+}  // namespace
+
+void send_control(int control_fd, const json& message, int fd) {
+    const std::string text = message.dump();
+    if (text.size() > kMaxControlMessage) {
+        throw std::runtime_error("control message of " + std::to_string(text.size()) +
+                                 " bytes is above " + std::to_string(kMaxControlMessage));
+    }
+    iovec iov{const_cast<char*>(text.data()), text.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    if (fd >= 0) {
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof control;
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+    }
+    ssize_t n;
+    do {
+        n = ::sendmsg(control_fd, &msg, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) throw std::system_error(errno, std::generic_category(), "gateway control");
+}
+
+bool receive_control(int control_fd, json& message, int& fd) {
+    fd = -1;
+    std::string buffer(kMaxControlMessage, '\0');
+    iovec iov{buffer.data(), buffer.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t n;
+    do {
+        n = ::recvmsg(control_fd, &msg, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) throw std::system_error(errno, std::generic_category(), "gateway control");
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (std::size_t i = 0; i < count; ++i) {
+            int received;
+            std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            if (fd < 0) {
+                fd = received;
+            } else {
+                ::close(received);  // one fd per message; more is not ours to keep
+            }
+        }
+    }
+    if (n == 0) return false;
+    if (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+        if (fd >= 0) ::close(fd);
+        fd = -1;
+        throw std::runtime_error("control message truncated");
+    }
+    buffer.resize(static_cast<std::size_t>(n));
+    message = json::parse(buffer, nullptr, false);
+    if (message.is_discarded() || !message.is_object()) {
+        if (fd >= 0) ::close(fd);
+        fd = -1;
+        throw std::runtime_error("control message is not a JSON object");
+    }
+    return true;
+}
+
+namespace {
+
+int Gateway::run() {
+    while (!done_) {
+        std::vector<pollfd> fds{{control_fd_, POLLIN, 0}};
+        std::vector<std::shared_ptr<Session>> polled;
+        for (auto& [id, session] : sessions_) {
+            fds.push_back({session->listener.get(), POLLIN, 0});
+            polled.push_back(session);
+        }
+        if (::poll(fds.data(), fds.size(), -1) < 0) {
+            if (errno == EINTR) continue;
+            log_line(std::string("poll: ") + std::strerror(errno));
+            return 1;
+        }
+        if (fds[0].revents) on_control();
+        for (std::size_t i = 1; i < fds.size(); ++i) {
+            if (fds[i].revents & POLLIN) on_accept(polled[i - 1]);
+        }
+    }
+    return 0;
+}
+
+void Gateway::on_control() {
+    json message;
+    int fd = -1;
+    try {
+        if (!receive_control(control_fd_, message, fd)) {
+            done_ = true;  // the server is gone
+            return;
+        }
+    } catch (const std::exception& e) {
+        log_line(std::string("control: ") + e.what());
+        return;
+    }
+    UniqueFd attached(fd);
+    const std::string op = message.value("op", "");
+    try {
+        if (op == "config") {
+            for (const auto& text : message.at("private")) {
+                auto range = AddressRange::parse(text.get<std::string>());
+                if (!range) throw std::runtime_error("not a CIDR: " + text.dump());
+                config_.opted_in.push_back(*range);
+            }
+            for (const auto& [name, address] : message.at("resolve").items()) {
+                auto ip = IpAddress::parse(address.get<std::string>());
+                if (!ip) throw std::runtime_error("not an address: " + address.dump());
+                config_.pins[normalise_host(name)] = *ip;
+            }
+            configured_ = true;
+        } else if (op == "add") {
+            if (!attached) throw std::runtime_error("add without a listener");
+            auto session = std::make_shared<Session>();
+            session->id = message.at("session").get<std::string>();
+            SessionLimits limits;
+            limits = SessionLimits::from_json(json{{"network", message.at("network")}}, limits);
+            session->limits = limits.network;
+            for (const auto& p : session->limits.allow)
+                session->allow.push_back(HostPattern::parse(p));
+            session->listener = std::move(attached);
+            if (auto old = sessions_.find(session->id); old != sessions_.end()) {
+                old->second->close_all();
+            }
+            sessions_[session->id] = std::move(session);
+        } else if (op == "remove") {
+            auto it = sessions_.find(message.at("session").get<std::string>());
+            if (it != sessions_.end()) {
+                it->second->close_all();
+                sessions_.erase(it);
+            }
+        } else {
+            throw std::runtime_error("unknown op '" + op + "'");
+        }
+    } catch (const std::exception& e) {
+        log_line("control " + op + ": " + e.what());
+    }
+}
+
+void Gateway::on_accept(const std::shared_ptr<Session>& session) {
+    UniqueFd client(::accept4(session->listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!client) return;
+    if (threads_ >= kMaxThreads) {
+        Event event;
+        event.reason = "the gateway serves " + std::to_string(kMaxThreads) +
+                       " connections at once; closed unread";
+        report(*session, event);
+        return;
+    }
+    ++threads_;
+    std::thread([this, session, fd = client.release()] {
+        handle(session, UniqueFd(fd));
+        --threads_;
+    }).detach();
+}
+
+void Gateway::report(const Session& session, const Event& event) {
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - event.started)
+                        .count();
+    json message = {{"op", "event"},          {"session", session.id},
+                    {"host", event.host},     {"port", event.port},
+                    {"method", event.method}, {"status", event.status},
+                    {"bytes_up", event.up},   {"bytes_down", event.down},
+                    {"duration_ms", ms},      {"verdict", event.verdict},
+                    {"reason", event.reason}};
+    std::lock_guard lock(send_mutex_);
+    try {
+        send_control(control_fd_, message);
+    } catch (const std::exception& e) {
+        log_line(std::string("report: ") + e.what());
+    }
+}
+
+void Gateway::handle(std::shared_ptr<Session> session, UniqueFd client) {
+    Event event;
+    ++session->active;
+    session->track(client.get());
+    try {
+        serve_connection(*session, client.get(), event);
+    } catch (const std::exception& e) {
+        event.reason = std::string("gateway error: ") + e.what();
+    }
+    session->untrack(client.get());
+    --session->active;
+    report(*session, event);
+}
+
+void Gateway::serve_connection(Session& session, int client, Event& event) {
+    const NetworkLimits& limits = session.limits;
+    set_timeouts(client, limits.request_timeout_s);
+    const auto refuse = [&](int status, const std::string& why) {
+        event.status = status;
+        event.reason = why;
+        send_all(client, error_response(status, "cellblock: " + why));
+        ::shutdown(client, SHUT_WR);
+        // Read what the client still sends (briefly) so that closing does not
+        // reset the connection before it has read the answer.
+        char sink[4096];
+        set_timeouts(client, 1);
+        for (int i = 0; i < 64 && ::recv(client, sink, sizeof sink, 0) > 0; ++i) {
+        }
+    };
+
+    // The request head, every size bounded (http_head.hpp).
+    std::string buffer;
+    HeadParse parsed;
+    for (;;) {
+        char chunk[4096];
+        const ssize_t n = ::recv(client, chunk, sizeof chunk, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                refuse(408, "no complete request within " + seconds_text(limits.request_timeout_s) +
+                                " s (network.request_timeout_s)");
+            } else {
+                event.reason = buffer.empty() ? "closed before a request" : "closed mid-request";
+            }
+            return;
+        }
+        buffer.append(chunk, static_cast<std::size_t>(n));
+        parsed = parse_request_head(buffer);
+        if (parsed.status != HeadParse::Status::incomplete) break;
+    }
+    if (parsed.status == HeadParse::Status::error) {
+        refuse(parsed.error_status, parsed.error);
+        return;
+    }
+    const HttpRequestHead& head = parsed.head;
+    event.method = head.method.substr(0, 32);
+    const TargetParse target = proxy_target(head);
+    if (!target.ok) {
+        refuse(target.error_status, target.error);
+        return;
+    }
+    event.host = target.target.host;
+    event.port = target.target.port;
+    const std::string where = event.host + ":" + std::to_string(event.port);
+
+    if (session.closed) {
+        refuse(503, "the session is closing");
+        return;
+    }
+    const bool allowed =
+        std::any_of(session.allow.begin(), session.allow.end(),
+                    [&](const HostPattern& p) { return p.matches(event.host, event.port); });
+    if (!allowed) {
+        refuse(403, where + " is not in this session's allowlist");
+        return;
+    }
+    if (session.active > limits.max_connections) {
+        refuse(429, "this session has " + std::to_string(limits.max_connections) +
+                        " connections open already (network.max_connections)");
+        return;
+    }
+    if (session.bytes >= limits.max_bytes) {
+        refuse(403, "this session has used its " + std::to_string(limits.max_bytes) +
+                        " bytes (network.max_bytes)");
+        return;
+    }
+    std::string why;
+    const std::vector<IpAddress> addresses = resolve(event.host, config_, why);
+    if (addresses.empty()) {
+        refuse(502, why);
+        return;
+    }
+    // Only addresses outside the reserved ranges are tried, and the one
+    // connected to is the one checked (no second lookup to rebind).
+    std::vector<IpAddress> usable;
+    std::string reserved_why;
+    for (const auto& address : addresses) {
+        if (auto reserved = reserved_address(address, config_.opted_in)) {
+            if (reserved_why.empty()) reserved_why = *reserved;
+        } else {
+            usable.push_back(address);
+        }
+    }
+    if (usable.empty()) {
+        refuse(403, event.host + " resolves to " + reserved_why +
+                        "; the gateway does not connect to private, loopback, link-local or "
+                        "metadata addresses");
+        return;
+    }
+    UniqueFd upstream;
+    bool timed_out = false;
+    for (const auto& address : usable) {
+        std::string failure;
+        upstream = connect_to(address, event.port, limits.request_timeout_s, failure, timed_out);
+        if (upstream) break;
+        why = "cannot connect to " + where + " (" + address.to_string() + "): " + failure;
+    }
+    if (!upstream) {
+        refuse(timed_out ? 504 : 502, why);
+        return;
+    }
+    session.track(upstream.get());
+    struct Untrack {
+        Session& s;
+        int fd;
+        ~Untrack() { s.untrack(fd); }
+    } untrack{session, upstream.get()};
+
+    std::string_view rest(buffer);
+    rest.remove_prefix(head.head_bytes);
+    std::string first_to_upstream;
+    if (target.target.tunnel) {
+        event.status = 200;
+        if (!send_all(client, "HTTP/1.1 200 Connection established\r\n\r\n")) {
+            event.reason = "client closed";
+            return;
+        }
+        first_to_upstream.assign(rest);
+    } else {
+        first_to_upstream = forward_head(head, target.target);
+        first_to_upstream.append(rest);
+    }
+    event.verdict = "allowed";
+
+    // Relays both ways until both ends are done, a side is idle for
+    // request_timeout_s, or the session's byte budget is spent.
+    const auto charge = [&](std::size_t n) {
+        return session.bytes.fetch_add(static_cast<std::int64_t>(n)) +
+                   static_cast<std::int64_t>(n) <=
+               limits.max_bytes;
+    };
+    if (!first_to_upstream.empty()) {
+        if (!charge(first_to_upstream.size())) {
+            event.reason = "byte cap (network.max_bytes) reached";
+            return;
+        }
+        if (!send_all(upstream.get(), first_to_upstream)) {
+            event.reason = "upstream closed";
+            return;
+        }
+        event.up += static_cast<std::int64_t>(first_to_upstream.size());
+    }
+    bool client_open = true, upstream_open = true;
+    std::vector<char> chunk(kRelayChunk);
+    const int idle_ms = static_cast<int>(limits.request_timeout_s * 1000);
+    while (client_open || upstream_open) {
+        pollfd fds[2] = {{client_open ? client : -1, POLLIN, 0},
+                         {upstream_open ? upstream.get() : -1, POLLIN, 0}};
+        const int ready = ::poll(fds, 2, idle_ms);
+        if (ready < 0 && errno == EINTR) continue;
+        if (ready <= 0) {
+            event.reason = ready == 0 ? "idle for " + seconds_text(limits.request_timeout_s) +
+                                            " s (network.request_timeout_s)"
+                                      : std::string("poll: ") + std::strerror(errno);
+            return;
+        }
+        for (int side = 0; side < 2; ++side) {
+            if (!(fds[side].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            const int from = side == 0 ? client : upstream.get();
+            const int to = side == 0 ? upstream.get() : client;
+            const ssize_t n = ::recv(from, chunk.data(), chunk.size(), 0);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                (side == 0 ? client_open : upstream_open) = false;
+                ::shutdown(to, SHUT_WR);
+                if (side == 1) client_open = false;  // the response is complete: done
+                continue;
+            }
+            const std::size_t size = static_cast<std::size_t>(n);
+            if (side == 1 && event.down == 0 && !target.target.tunnel) {
+                event.status = response_status(std::string_view(chunk.data(), size));
+            }
+            if (!charge(size)) {
+                event.reason = "byte cap (network.max_bytes " + std::to_string(limits.max_bytes) +
+                               ") reached; connection cut";
+                event.verdict = "cut";
+                return;
+            }
+            if (!send_all(to, std::string_view(chunk.data(), size))) {
+                event.reason = side == 0 ? "upstream closed" : "client closed";
+                return;
+            }
+            (side == 0 ? event.up : event.down) += static_cast<std::int64_t>(n);
+        }
+    }
+}
+
+}  // namespace
+
+int serve(int control_fd) {
+    Gateway gateway(control_fd);
+    return gateway.run();
+}
+
+}  // namespace cellblock::gateway
