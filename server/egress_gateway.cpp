@@ -88,7 +88,6 @@ void EgressGateway::start() {
 }
 
 void EgressGateway::stop() {
-    control_.reset();
     if (pid_ > 0) {
         ::kill(pid_, SIGKILL);
         int status = 0;
@@ -96,6 +95,7 @@ void EgressGateway::stop() {
         }
         pid_ = -1;
     }
+    control_.reset();
 }
 
 void EgressGateway::send(const json& message, int fd) {
