@@ -4,6 +4,9 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -11,7 +14,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <chrono>
+#include <climits>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -25,6 +30,7 @@
 #include "cellblock/session_policy.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "http_head.hpp"
+#include "tls.hpp"
 
 namespace cellblock::gateway {
 using nlohmann::json;
@@ -42,14 +48,28 @@ void log_line(const std::string& text) {
 }
 
 struct Config {
-    std::vector<AddressRange> opted_in;     // reserved ranges the operator allows
-    std::map<std::string, IpAddress> pins;  // name -> the address it resolves to
+    std::vector<AddressRange> opted_in;         // reserved ranges the operator allows
+    std::map<std::string, IpAddress> pins;      // name -> the address it resolves to
+    std::unique_ptr<UpstreamTls> upstream_tls;  // for hosts with secrets
 };
+
+// A credential for one host, added to that host's requests (never logged).
+struct Secret {
+    std::string host, header, value;
+};
+
+std::string lower(std::string_view s) {
+    std::string out(s);
+    for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return out;
+}
 
 struct Session {
     std::string id;
     NetworkLimits limits;
     std::vector<HostPattern> allow;
+    std::vector<Secret> secrets;
+    std::unique_ptr<SessionTls> tls;  // the session's CA: when it has secrets
     UniqueFd listener;
     std::atomic<std::int64_t> bytes{0};
     std::atomic<int> active{0};
@@ -78,8 +98,12 @@ struct Event {
     std::string method, host, reason, verdict = "refused";
     int port = 0, status = 0;
     std::int64_t up = 0, down = 0;
+    bool tls = false;                  // the gateway terminated TLS (a host with secrets)
+    std::vector<std::string> secrets;  // the names of the headers it added
     std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };
+
+struct Side;
 
 class Gateway {
   public:
@@ -92,6 +116,8 @@ class Gateway {
     void report(const Session& session, const Event& event);
     void handle(std::shared_ptr<Session> session, UniqueFd client);
     void serve_connection(Session& session, int client, Event& event);
+    void relay(Session& session, Side& client, Side& upstream, const std::string& first,
+               bool read_status, Event& event);
 
     int control_fd_;
     Config config_;
@@ -339,6 +365,8 @@ void Gateway::on_control() {
                 if (!ip) throw std::runtime_error("not an address: " + address.dump());
                 config_.pins[normalise_host(name)] = *ip;
             }
+            config_.upstream_tls =
+                std::make_unique<UpstreamTls>(message.value("extra_ca", std::string()));
             configured_ = true;
         } else if (op == "add") {
             if (!attached) throw std::runtime_error("add without a listener");
@@ -349,6 +377,16 @@ void Gateway::on_control() {
             session->limits = limits.network;
             for (const auto& p : session->limits.allow)
                 session->allow.push_back(HostPattern::parse(p));
+            for (const auto& secret : message.value("secrets", json::array())) {
+                session->secrets.push_back({secret.at("host").get<std::string>(),
+                                            secret.at("header").get<std::string>(),
+                                            secret.at("value").get<std::string>()});
+            }
+            if (!session->secrets.empty()) {
+                session->tls =
+                    std::make_unique<SessionTls>(CaPem{message.at("ca_key").get<std::string>(),
+                                                       message.at("ca_cert").get<std::string>()});
+            }
             session->listener = std::move(attached);
             if (auto old = sessions_.find(session->id); old != sessions_.end()) {
                 old->second->close_all();
@@ -395,6 +433,8 @@ void Gateway::report(const Session& session, const Event& event) {
                     {"bytes_up", event.up},   {"bytes_down", event.down},
                     {"duration_ms", ms},      {"verdict", event.verdict},
                     {"reason", event.reason}};
+    if (event.tls) message["tls"] = "terminated";
+    if (!event.secrets.empty()) message["secrets_added"] = event.secrets;
     std::lock_guard lock(send_mutex_);
     try {
         send_control(control_fd_, message);
@@ -417,47 +457,113 @@ void Gateway::handle(std::shared_ptr<Session> session, UniqueFd client) {
     report(*session, event);
 }
 
-void Gateway::serve_connection(Session& session, int client, Event& event) {
+// One end of a relayed connection: a socket, with TLS when the gateway
+// terminates it (a host with secrets).
+struct Side {
+    int fd = -1;
+    SSL* ssl = nullptr;
+    Side(int f) : fd(f) {}
+    Side(const Side&) = delete;
+    Side& operator=(const Side&) = delete;
+    ~Side() {
+        if (ssl) SSL_free(ssl);
+    }
+    static constexpr ssize_t kNothing = -2;  // a TLS record without data: read again later
+    // Bytes read, 0 at the end, -1 on error, kNothing.
+    ssize_t read(char* buf, std::size_t n) {
+        if (!ssl) {
+            ssize_t r;
+            do {
+                r = ::recv(fd, buf, n, 0);
+            } while (r < 0 && errno == EINTR);
+            return r;
+        }
+        const int r = SSL_read(ssl, buf, static_cast<int>(std::min<std::size_t>(n, INT32_MAX)));
+        if (r > 0) return r;
+        switch (SSL_get_error(ssl, r)) {
+            case SSL_ERROR_ZERO_RETURN:
+                return 0;
+            case SSL_ERROR_WANT_READ:
+            case SSL_ERROR_WANT_WRITE:
+                return kNothing;
+            case SSL_ERROR_SYSCALL:
+                return errno == 0 ? 0 : -1;  // errno 0: the peer closed without close_notify
+            default:
+                return -1;
+        }
+    }
+    bool write_all(std::string_view data) {
+        if (!ssl) return send_all(fd, data);
+        while (!data.empty()) {
+            const int n = SSL_write(
+                ssl, data.data(), static_cast<int>(std::min<std::size_t>(data.size(), INT32_MAX)));
+            if (n <= 0) return false;
+            data.remove_prefix(static_cast<std::size_t>(n));
+        }
+        return true;
+    }
+    bool pending() const { return ssl && SSL_pending(ssl) > 0; }
+    void shutdown_write() {
+        if (ssl) SSL_shutdown(ssl);
+        ::shutdown(fd, SHUT_WR);
+    }
+};
+
+// The head at the start of what `side` sends, every size bounded.
+HeadParse read_head(Side& side, std::string& buffer, std::string& why, bool& timed_out) {
+    HeadParse parsed;
+    char chunk[4096];
+    for (;;) {
+        const ssize_t n = side.read(chunk, sizeof chunk);
+        if (n == Side::kNothing) continue;
+        if (n <= 0) {
+            timed_out = n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+            why = buffer.empty() ? "closed before a request" : "closed mid-request";
+            parsed.status = HeadParse::Status::incomplete;
+            return parsed;
+        }
+        buffer.append(chunk, static_cast<std::size_t>(n));
+        parsed = parse_request_head(buffer);
+        if (parsed.status != HeadParse::Status::incomplete) return parsed;
+    }
+}
+
+void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
     const NetworkLimits& limits = session.limits;
-    set_timeouts(client, limits.request_timeout_s);
+    set_timeouts(client_fd, limits.request_timeout_s);
+    Side client(client_fd);
     const auto refuse = [&](int status, const std::string& why) {
         event.status = status;
         event.reason = why;
-        send_all(client, error_response(status, "cellblock: " + why));
-        ::shutdown(client, SHUT_WR);
+        client.write_all(error_response(status, "cellblock: " + why));
+        client.shutdown_write();
         // Read what the client still sends (briefly) so that closing does not
         // reset the connection before it has read the answer.
         char sink[4096];
-        set_timeouts(client, 1);
-        for (int i = 0; i < 64 && ::recv(client, sink, sizeof sink, 0) > 0; ++i) {
+        set_timeouts(client_fd, 1);
+        for (int i = 0; i < 64 && client.read(sink, sizeof sink) > 0; ++i) {
         }
     };
 
     // The request head, every size bounded (http_head.hpp).
     std::string buffer;
-    HeadParse parsed;
-    for (;;) {
-        char chunk[4096];
-        const ssize_t n = ::recv(client, chunk, sizeof chunk, 0);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                refuse(408, "no complete request within " + seconds_text(limits.request_timeout_s) +
-                                " s (network.request_timeout_s)");
-            } else {
-                event.reason = buffer.empty() ? "closed before a request" : "closed mid-request";
-            }
-            return;
+    std::string why;
+    bool timed_out = false;
+    HeadParse parsed = read_head(client, buffer, why, timed_out);
+    if (parsed.status == HeadParse::Status::incomplete) {
+        if (timed_out) {
+            refuse(408, "no complete request within " + seconds_text(limits.request_timeout_s) +
+                            " s (network.request_timeout_s)");
+        } else {
+            event.reason = why;
         }
-        buffer.append(chunk, static_cast<std::size_t>(n));
-        parsed = parse_request_head(buffer);
-        if (parsed.status != HeadParse::Status::incomplete) break;
+        return;
     }
     if (parsed.status == HeadParse::Status::error) {
         refuse(parsed.error_status, parsed.error);
         return;
     }
-    const HttpRequestHead& head = parsed.head;
+    HttpRequestHead& head = parsed.head;
     event.method = head.method.substr(0, 32);
     const TargetParse target = proxy_target(head);
     if (!target.ok) {
@@ -489,7 +595,6 @@ void Gateway::serve_connection(Session& session, int client, Event& event) {
                         " bytes (network.max_bytes)");
         return;
     }
-    std::string why;
     const std::vector<IpAddress> addresses = resolve(event.host, config_, why);
     if (addresses.empty()) {
         refuse(502, why);
@@ -512,87 +617,182 @@ void Gateway::serve_connection(Session& session, int client, Event& event) {
                         "metadata addresses");
         return;
     }
-    UniqueFd upstream;
-    bool timed_out = false;
+    UniqueFd upstream_fd;
+    timed_out = false;
     for (const auto& address : usable) {
         std::string failure;
-        upstream = connect_to(address, event.port, limits.request_timeout_s, failure, timed_out);
-        if (upstream) break;
+        upstream_fd = connect_to(address, event.port, limits.request_timeout_s, failure, timed_out);
+        if (upstream_fd) break;
         why = "cannot connect to " + where + " (" + address.to_string() + "): " + failure;
     }
-    if (!upstream) {
+    if (!upstream_fd) {
         refuse(timed_out ? 504 : 502, why);
         return;
     }
-    session.track(upstream.get());
+    session.track(upstream_fd.get());
     struct Untrack {
         Session& s;
         int fd;
         ~Untrack() { s.untrack(fd); }
-    } untrack{session, upstream.get()};
+    } untrack{session, upstream_fd.get()};
+    Side upstream(upstream_fd.get());
 
     std::string_view rest(buffer);
     rest.remove_prefix(head.head_bytes);
     std::string first_to_upstream;
+    bool read_status = !target.target.tunnel;
     if (target.target.tunnel) {
         event.status = 200;
-        if (!send_all(client, "HTTP/1.1 200 Connection established\r\n\r\n")) {
+        if (!client.write_all("HTTP/1.1 200 Connection established\r\n\r\n")) {
             event.reason = "client closed";
             return;
         }
-        first_to_upstream.assign(rest);
+        const bool has_secret =
+            session.tls && std::any_of(session.secrets.begin(), session.secrets.end(),
+                                       [&](const Secret& s) { return s.host == event.host; });
+        if (!has_secret) {
+            first_to_upstream.assign(rest);
+        } else {
+            // A host with secrets: the gateway is the TLS server the code
+            // talks to (a leaf of the session's CA), reads the request, adds
+            // the secrets and sends it on over its own verified TLS.
+            if (!rest.empty()) {
+                event.reason = "the client sent data before the tunnel was up";
+                return;
+            }
+            event.tls = true;
+            client.ssl = SSL_new(session.tls->server_context(event.host));
+            if (!client.ssl || SSL_set_fd(client.ssl, client_fd) != 1 ||
+                SSL_accept(client.ssl) != 1) {
+                event.reason = "TLS with the session's code failed: " + openssl_errors();
+                return;
+            }
+            std::string inner;
+            parsed = read_head(client, inner, why, timed_out);
+            if (parsed.status == HeadParse::Status::incomplete) {
+                event.reason = "inside the tunnel: " + why;
+                return;
+            }
+            if (parsed.status == HeadParse::Status::error) {
+                refuse(parsed.error_status, parsed.error);
+                return;
+            }
+            HttpRequestHead& request = parsed.head;
+            event.method = "CONNECT " + request.method.substr(0, 24);
+            if (request.target.empty() || request.target[0] != '/') {
+                refuse(400, "inside a tunnel a request names a path (origin form), not " +
+                                request.target.substr(0, 64));
+                return;
+            }
+            for (const auto& [name, value] : request.headers) {
+                if (lower(name) != "host") continue;
+                std::string host = value;
+                if (const auto colon = host.rfind(':'); colon != std::string::npos &&
+                                                        host.find(']') == std::string::npos &&
+                                                        host.find(':') == colon) {
+                    host.resize(colon);
+                }
+                if (normalise_host(host) != event.host) {
+                    refuse(400, "the request's Host " + value.substr(0, 64) +
+                                    " is not the tunnel's host " + event.host);
+                    return;
+                }
+            }
+            upstream.ssl = SSL_new(config_.upstream_tls->context());
+            if (!upstream.ssl || SSL_set_fd(upstream.ssl, upstream_fd.get()) != 1 ||
+                SSL_set_tlsext_host_name(upstream.ssl, event.host.c_str()) != 1 ||
+                SSL_set1_host(upstream.ssl, event.host.c_str()) != 1 ||
+                SSL_connect(upstream.ssl) != 1) {
+                const long verify = upstream.ssl ? SSL_get_verify_result(upstream.ssl) : 0;
+                refuse(502,
+                       "TLS to " + where + " failed: " +
+                           (verify != X509_V_OK ? std::string(X509_verify_cert_error_string(verify))
+                                                : openssl_errors()));
+                return;
+            }
+            // The secrets replace whatever the code sent under their names.
+            std::vector<std::pair<std::string, std::string>> headers;
+            for (auto& header : request.headers) {
+                const bool replaced = std::any_of(
+                    session.secrets.begin(), session.secrets.end(), [&](const Secret& s) {
+                        return s.host == event.host && lower(s.header) == lower(header.first);
+                    });
+                if (!replaced) headers.push_back(std::move(header));
+            }
+            for (const auto& secret : session.secrets) {
+                if (secret.host != event.host) continue;
+                headers.emplace_back(secret.header, secret.value);
+                event.secrets.push_back(secret.header);
+            }
+            request.headers = std::move(headers);
+            ProxyTarget origin = target.target;
+            origin.tunnel = false;
+            origin.origin_form = request.target;
+            first_to_upstream = forward_head(request, origin);
+            first_to_upstream.append(std::string_view(inner).substr(request.head_bytes));
+            read_status = true;
+        }
     } else {
         first_to_upstream = forward_head(head, target.target);
         first_to_upstream.append(rest);
     }
     event.verdict = "allowed";
+    relay(session, client, upstream, first_to_upstream, read_status, event);
+}
 
+void Gateway::relay(Session& session, Side& client, Side& upstream, const std::string& first,
+                    bool read_status, Event& event) {
     // Relays both ways until both ends are done, a side is idle for
     // request_timeout_s, or the session's byte budget is spent.
+    const NetworkLimits& limits = session.limits;
     const auto charge = [&](std::size_t n) {
         return session.bytes.fetch_add(static_cast<std::int64_t>(n)) +
                    static_cast<std::int64_t>(n) <=
                limits.max_bytes;
     };
-    if (!first_to_upstream.empty()) {
-        if (!charge(first_to_upstream.size())) {
+    if (!first.empty()) {
+        if (!charge(first.size())) {
             event.reason = "byte cap (network.max_bytes) reached";
+            event.verdict = "cut";
             return;
         }
-        if (!send_all(upstream.get(), first_to_upstream)) {
+        if (!upstream.write_all(first)) {
             event.reason = "upstream closed";
             return;
         }
-        event.up += static_cast<std::int64_t>(first_to_upstream.size());
+        event.up += static_cast<std::int64_t>(first.size());
     }
-    bool client_open = true, upstream_open = true;
+    bool open[2] = {true, true};  // client -> upstream, upstream -> client
+    Side* from[2] = {&client, &upstream};
+    Side* to[2] = {&upstream, &client};
     std::vector<char> chunk(kRelayChunk);
     const int idle_ms = static_cast<int>(limits.request_timeout_s * 1000);
-    while (client_open || upstream_open) {
-        pollfd fds[2] = {{client_open ? client : -1, POLLIN, 0},
-                         {upstream_open ? upstream.get() : -1, POLLIN, 0}};
-        const int ready = ::poll(fds, 2, idle_ms);
+    while (open[0] || open[1]) {
+        pollfd fds[2] = {{open[0] ? client.fd : -1, POLLIN, 0},
+                         {open[1] ? upstream.fd : -1, POLLIN, 0}};
+        const bool buffered = (open[0] && client.pending()) || (open[1] && upstream.pending());
+        const int ready = ::poll(fds, 2, buffered ? 0 : idle_ms);
         if (ready < 0 && errno == EINTR) continue;
-        if (ready <= 0) {
+        if (ready < 0 || (ready == 0 && !buffered)) {
             event.reason = ready == 0 ? "idle for " + seconds_text(limits.request_timeout_s) +
                                             " s (network.request_timeout_s)"
                                       : std::string("poll: ") + std::strerror(errno);
             return;
         }
         for (int side = 0; side < 2; ++side) {
-            if (!(fds[side].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-            const int from = side == 0 ? client : upstream.get();
-            const int to = side == 0 ? upstream.get() : client;
-            const ssize_t n = ::recv(from, chunk.data(), chunk.size(), 0);
-            if (n < 0 && errno == EINTR) continue;
+            if (!open[side]) continue;
+            if (!(fds[side].revents & (POLLIN | POLLHUP | POLLERR)) && !from[side]->pending())
+                continue;
+            const ssize_t n = from[side]->read(chunk.data(), chunk.size());
+            if (n == Side::kNothing) continue;
             if (n <= 0) {
-                (side == 0 ? client_open : upstream_open) = false;
-                ::shutdown(to, SHUT_WR);
-                if (side == 1) client_open = false;  // the response is complete: done
+                open[side] = false;
+                to[side]->shutdown_write();
+                if (side == 1) open[0] = false;  // the response is complete: done
                 continue;
             }
             const std::size_t size = static_cast<std::size_t>(n);
-            if (side == 1 && event.down == 0 && !target.target.tunnel) {
+            if (side == 1 && event.down == 0 && read_status) {
                 event.status = response_status(std::string_view(chunk.data(), size));
             }
             if (!charge(size)) {
@@ -601,11 +801,11 @@ void Gateway::serve_connection(Session& session, int client, Event& event) {
                 event.verdict = "cut";
                 return;
             }
-            if (!send_all(to, std::string_view(chunk.data(), size))) {
+            if (!to[side]->write_all(std::string_view(chunk.data(), size))) {
                 event.reason = side == 0 ? "upstream closed" : "client closed";
                 return;
             }
-            (side == 0 ? event.up : event.down) += static_cast<std::int64_t>(n);
+            (side == 0 ? event.up : event.down) += n;
         }
     }
 }

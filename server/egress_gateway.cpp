@@ -9,7 +9,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -17,11 +19,85 @@
 
 #include "cellblock/egress_rules.hpp"
 #include "gateway.hpp"
+#include "tls.hpp"
 
 namespace cellblock {
 using nlohmann::json;
 
+namespace {
+
+constexpr std::size_t kMaxSecretBytes = 8192;
+constexpr std::size_t kMaxExtraCaBytes = 48 * 1024;  // it travels in one control message
+
+std::string read_small_file(const std::filesystem::path& path, std::size_t max, bool private_only,
+                            const std::string& what) {
+    UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!fd) throw std::runtime_error(what + ": " + std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        throw std::runtime_error(what + ": not a regular file");
+    }
+    if (private_only && (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0)) {
+        throw std::runtime_error(what +
+                                 ": must be owned by the server's user and readable by "
+                                 "no one else (chmod 600)");
+    }
+    if (static_cast<std::size_t>(st.st_size) > max) {
+        throw std::runtime_error(what + ": larger than " + std::to_string(max) + " bytes");
+    }
+    std::string text(static_cast<std::size_t>(st.st_size), '\0');
+    std::size_t got = 0;
+    while (got < text.size()) {
+        const ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
+        if (n <= 0) throw std::runtime_error(what + ": read failed");
+        got += static_cast<std::size_t>(n);
+    }
+    return text;
+}
+
+// Writes `text` at `path` as a new file (whatever was there is replaced:
+// the directory is writable by the sandbox, so nothing there is trusted).
+void write_new_file(const std::filesystem::path& path, const std::string& text) {
+    ::unlink(path.c_str());
+    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
+    if (!fd) throw std::runtime_error(path.string() + ": " + std::strerror(errno));
+    std::string_view rest(text);
+    while (!rest.empty()) {
+        const ssize_t n = ::write(fd.get(), rest.data(), rest.size());
+        if (n <= 0) throw std::runtime_error(path.string() + ": " + std::strerror(errno));
+        rest.remove_prefix(static_cast<std::size_t>(n));
+    }
+}
+
+}  // namespace
+
+std::string read_secret(const std::string& value_from) {
+    std::string value;
+    if (value_from.starts_with("env:")) {
+        const char* v = std::getenv(value_from.substr(4).c_str());
+        if (!v || !*v) {
+            throw std::runtime_error("secret " + value_from +
+                                     ": not set in the server's environment");
+        }
+        value = v;
+    } else if (value_from.starts_with("file:")) {
+        value =
+            read_small_file(value_from.substr(5), kMaxSecretBytes, true, "secret " + value_from);
+        while (!value.empty() && (value.back() == '\n' || value.back() == '\r')) value.pop_back();
+    } else {
+        throw std::runtime_error("secret " + value_from + ": not env:NAME or file:/path");
+    }
+    if (value.empty() || value.find_first_of(std::string("\r\n\0", 3)) != std::string::npos) {
+        throw std::runtime_error("secret " + value_from + ": empty, or holds a line break or NUL");
+    }
+    return value;
+}
+
 EgressGateway::EgressGateway(EgressOptions options) : options_(std::move(options)) {
+    if (!options_.extra_ca_file.empty()) {
+        extra_ca_ = read_small_file(options_.extra_ca_file, kMaxExtraCaBytes, false,
+                                    "--egress-ca " + options_.extra_ca_file);
+    }
     for (const auto& text : options_.private_ranges) {
         if (!AddressRange::parse(text)) {
             throw std::runtime_error("--egress-private " + text + ": not an address or CIDR range");
@@ -80,10 +156,11 @@ void EgressGateway::start() {
     control_ = std::move(ours);
     json resolve = json::object();
     for (const auto& [name, address] : options_.resolve) resolve[normalise_host(name)] = address;
-    send({{"op", "config"}, {"private", options_.private_ranges}, {"resolve", resolve}});
-    for (const auto& [id, entry] : sessions_) {
-        send({{"op", "add"}, {"session", id}, {"network", entry.network}}, entry.listener.get());
-    }
+    send({{"op", "config"},
+          {"private", options_.private_ranges},
+          {"resolve", resolve},
+          {"extra_ca", extra_ca_}});
+    for (const auto& [id, entry] : sessions_) send(entry.add, entry.listener.get());
     spdlog::info("egress gateway: pid {} as uid {}", pid_, options_.uid);
 }
 
@@ -102,8 +179,29 @@ void EgressGateway::send(const json& message, int fd) {
     gateway::send_control(control_.get(), message, fd);
 }
 
-void EgressGateway::add_session(const std::string& session_id, const std::filesystem::path& path,
-                                const NetworkLimits& network) {
+void EgressGateway::add_session(const std::string& session_id, const std::filesystem::path& ipc_dir,
+                                const NetworkLimits& network, std::chrono::seconds lifetime) {
+    json add = {{"op", "add"}, {"session", session_id}, {"network", network.to_json()}};
+    std::string bundle = read_small_file(kSystemCaBundle, 16u << 20, false, kSystemCaBundle);
+    if (!network.secrets.empty()) {
+        json values = json::array();
+        std::vector<std::string> hosts;
+        for (const auto& secret : network.secrets) {
+            values.push_back({{"host", secret.host},
+                              {"header", secret.header},
+                              {"value", read_secret(secret.value_from)}});
+            if (std::find(hosts.begin(), hosts.end(), secret.host) == hosts.end())
+                hosts.push_back(secret.host);
+        }
+        const gateway::CaPem ca = gateway::make_session_ca(session_id, hosts, lifetime);
+        add["secrets"] = std::move(values);
+        add["ca_key"] = ca.key;
+        add["ca_cert"] = ca.cert;
+        if (!bundle.empty() && bundle.back() != '\n') bundle += '\n';
+        bundle += ca.cert;
+    }
+    write_new_file(ipc_dir / kEgressCaBundleName, bundle);
+    const std::filesystem::path path = ipc_dir / kEgressSocketName;
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     if (path.string().size() >= sizeof addr.sun_path) {
@@ -117,9 +215,8 @@ void EgressGateway::add_session(const std::string& session_id, const std::filesy
         ::chmod(path.c_str(), 0666) != 0 || ::listen(listener.get(), 64) != 0) {
         throw std::runtime_error("egress socket " + path.string() + ": " + std::strerror(errno));
     }
-    Entry entry{std::move(listener), network.to_json()};
-    send({{"op", "add"}, {"session", session_id}, {"network", entry.network}},
-         entry.listener.get());
+    Entry entry{std::move(listener), std::move(add)};
+    send(entry.add, entry.listener.get());
     sessions_[session_id] = std::move(entry);
 }
 

@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -21,12 +22,24 @@
 namespace cellblock {
 
 inline constexpr const char* kEgressSocketName = "egress.sock";
+// The trust store a gateway session's code uses (SSL_CERT_FILE and friends
+// name it): the host's CA bundle, plus the session's own CA when it has secrets.
+inline constexpr const char* kEgressCaBundleName = "ca-certificates.crt";
+inline constexpr const char* kSystemCaBundle = "/etc/ssl/certs/ca-certificates.crt";
+
+// The value of a secret reference (NetworkSecret::value_from): the server's
+// environment variable, or a regular file only the server's user can read
+// (at most 8 KiB, a final newline dropped). Throws std::runtime_error naming
+// the reference (never the value) when it is missing, readable by others, or
+// holds a line break.
+std::string read_secret(const std::string& value_from);
 
 struct EgressOptions {
     std::filesystem::path binary;                // cellblock-gateway
     std::vector<std::string> private_ranges;     // CIDRs the operator opts in (tests' loopback)
     std::map<std::string, std::string> resolve;  // name -> address, instead of DNS
-    uid_t uid = 65534;  // the gateway's user and group when the server is root
+    std::string extra_ca_file;  // PEM the gateway trusts upstream besides the system's
+    uid_t uid = 65534;          // the gateway's user and group when the server is root
     gid_t gid = 65534;
 };
 
@@ -44,10 +57,13 @@ class EgressGateway {
     int control_fd() const { return control_.get(); }
     pid_t pid() const { return pid_; }
 
-    // Listens at `socket_path` (mode 0666: the directory is the session's
-    // own) and hands the listener to the gateway. Throws on failure.
-    void add_session(const std::string& session_id, const std::filesystem::path& socket_path,
-                     const NetworkLimits& network);
+    // Listens at ipc_dir/egress.sock (mode 0666: the directory is the
+    // session's own), writes ipc_dir/ca-certificates.crt, and hands the
+    // listener to the gateway with the limits; with secrets, also their
+    // values and a new CA valid for `lifetime`, whose key only the gateway
+    // keeps. Throws on failure.
+    void add_session(const std::string& session_id, const std::filesystem::path& ipc_dir,
+                     const NetworkLimits& network, std::chrono::seconds lifetime);
     void remove_session(const std::string& session_id);
 
     // The events waiting (JSON objects, gateway.hpp). Sets `restarted` when the
@@ -61,8 +77,9 @@ class EgressGateway {
 
     struct Entry {
         UniqueFd listener;
-        nlohmann::json network;
+        nlohmann::json add;  // the add message (with secrets' values: kept in memory only)
     };
+    std::string extra_ca_;
     EgressOptions options_;
     UniqueFd control_;
     pid_t pid_ = -1;

@@ -204,7 +204,7 @@ int main(int argc, char** argv) {
         ->add_option("--max-create-wait", serve.policy.max_create_wait_s,
                      "seconds a session_create may wait for a sandbox before ServerBusy")
         ->capture_default_str();
-    std::vector<std::string> egress_allow, egress_resolve;
+    std::vector<std::string> egress_allow, egress_resolve, egress_secrets;
     serve_cmd->add_option("--egress-allow", egress_allow,
                           "HOST:PORT pattern sessions may reach through the egress gateway "
                           "(repeatable; '*.example.com:443', 'pypi.org:*'); starts the gateway");
@@ -214,6 +214,12 @@ int main(int argc, char** argv) {
     serve_cmd->add_option("--egress-resolve", egress_resolve,
                           "NAME=ADDRESS: the gateway resolves NAME to ADDRESS, not by DNS "
                           "(repeatable)");
+    serve_cmd->add_option(
+        "--egress-secret", egress_secrets,
+        "HOST:HEADER=env:NAME or HOST:HEADER=file:/path: a credential sessions may ask the "
+        "gateway to add to their HTTPS requests for HOST (repeatable; never enters the sandbox)");
+    serve_cmd->add_option("--egress-ca", serve.egress_ca,
+                          "PEM file of CAs the gateway trusts upstream besides the system's");
     serve_cmd->add_option("--egress-user", serve.egress_user, "the user the gateway runs as")
         ->capture_default_str();
     serve_cmd
@@ -326,6 +332,17 @@ int main(int argc, char** argv) {
                     }
                 }
                 serve.policy.defaults.network.allow = network.allow;
+                for (const auto& text : egress_secrets) {
+                    try {
+                        network.secrets.push_back(cellblock::NetworkSecret::parse(text));
+                    } catch (const std::exception& e) {
+                        throw std::runtime_error("--egress-secret " + text + ": " + e.what());
+                    }
+                }
+            } else if (!egress_secrets.empty()) {
+                throw std::runtime_error(
+                    "--egress-secret needs a gateway: name what sessions "
+                    "may reach with --egress-allow");
             }
             for (const auto& item : egress_resolve) {
                 const auto eq = item.find('=');

@@ -27,6 +27,7 @@ struct ServeOptions {
     std::vector<std::string> egress_private;            // --egress-private CIDR
     std::map<std::string, std::string> egress_resolve;  // --egress-resolve NAME=ADDRESS
     std::string egress_user = "nobody";                 // --egress-user
+    std::string egress_ca;                              // --egress-ca FILE
 };
 
 // Runs until SIGTERM/SIGINT; returns the process exit code.

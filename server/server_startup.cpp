@@ -151,6 +151,11 @@ Server::Server(const ServeOptions& options)
         egress.binary = options_.paths.egress_gateway;
         egress.private_ranges = options_.egress_private;
         egress.resolve = options_.egress_resolve;
+        egress.extra_ca_file = options_.egress_ca;
+        // A secret the server offers must be there now, not at a session's create.
+        for (const auto& secret : options_.policy.maxima.network.secrets) {
+            (void)read_secret(secret.value_from);
+        }
         const passwd* user = ::getpwnam(options_.egress_user.c_str());
         if (!user || user->pw_uid == 0) {
             throw std::runtime_error("--egress-user " + options_.egress_user +
@@ -159,9 +164,11 @@ Server::Server(const ServeOptions& options)
         egress.uid = user->pw_uid;
         egress.gid = user->pw_gid;
         egress_ = std::make_unique<EgressGateway>(std::move(egress));
-    } else if (!options_.egress_private.empty() || !options_.egress_resolve.empty()) {
+    } else if (!options_.egress_private.empty() || !options_.egress_resolve.empty() ||
+               !options_.egress_ca.empty()) {
         throw std::runtime_error(
-            "--egress-private and --egress-resolve need a gateway: name what sessions may reach "
+            "--egress-private, --egress-resolve and --egress-ca need a gateway: name what sessions "
+            "may reach "
             "with --egress-allow");
     }
 

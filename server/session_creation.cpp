@@ -212,9 +212,10 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
         // sandbox sees as /run/cellblock/egress.sock.
         try {
             if (!egress_) throw std::runtime_error("the server has no egress gateway");
-            egress_->add_session(pending.session_id,
-                                 warm.sandbox->dir() / "ipc" / kEgressSocketName,
-                                 pending.limits.network);
+            const auto lifetime =
+                std::chrono::seconds(static_cast<std::int64_t>(pending.limits.lifetime_s) + 3600);
+            egress_->add_session(pending.session_id, warm.sandbox->dir() / "ipc",
+                                 pending.limits.network, lifetime);
         } catch (const std::exception& e) {
             spdlog::error("session {}: egress gateway: {}", pending.session_id, e.what());
             reply_error(pending.request, ename::ServerError,

@@ -86,6 +86,11 @@ std::vector<std::string> sandbox_environment(const Image& image) {
         env[name] = kSandboxEgressProxy;
     }
     for (const char* name : {"NO_PROXY", "no_proxy"}) env[name] = "localhost,127.0.0.1,::1";
+    // The trust store the server writes for a gateway session: the host's
+    // CAs, plus the session's own when the gateway adds secrets for a host.
+    for (const char* name : {"SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"}) {
+        env[name] = std::string(kSandboxIpcDir) + "/ca-certificates.crt";
+    }
     for (const auto& [name, value] : image.env) env[name] = value;
     std::vector<std::string> out;
     for (const auto& [name, value] : env) out.push_back(name + "=" + value);

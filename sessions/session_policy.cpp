@@ -1,6 +1,7 @@
 #include "cellblock/session_policy.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <iomanip>
 #include <limits>
@@ -101,6 +102,21 @@ Wide<T> parse_value(std::string_view name, const json& value) {
 }
 
 constexpr std::size_t kMaxAllowPatterns = 256;
+constexpr std::size_t kMaxSecrets = 16;
+
+bool is_token(std::string_view s) {
+    if (s.empty() || s.size() > 64) return false;
+    return std::all_of(s.begin(), s.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) ||
+               std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+    });
+}
+
+std::string lowercase(std::string_view s) {
+    std::string out(s);
+    for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return out;
+}
 
 std::string join_patterns(const std::vector<std::string>& patterns) {
     if (patterns.empty()) return "none";
@@ -174,6 +190,26 @@ void apply_network(const json& j, NetworkLimits& out, const NetworkLimits* maxim
                                 std::to_string(maximum));
                 }
                 field = v;
+            } else if (key == "secrets") {
+                if (!value.is_array()) {
+                    throw invalid(name + " must be a list of {host, header, value_from}, got " +
+                                  std::string(value.type_name()));
+                }
+                if (value.size() > kMaxSecrets) {
+                    throw invalid(name + " has " + std::to_string(value.size()) +
+                                  " entries; at most " + std::to_string(kMaxSecrets));
+                }
+                std::vector<NetworkSecret> secrets;
+                for (const auto& entry : value) {
+                    NetworkSecret secret = NetworkSecret::from_json(entry);
+                    if (maxima && std::find(maxima->secrets.begin(), maxima->secrets.end(),
+                                            secret) == maxima->secrets.end()) {
+                        throw above("network.secrets " + secret.to_json().dump() +
+                                    " is not one the server offers (--egress-secret)");
+                    }
+                    secrets.push_back(std::move(secret));
+                }
+                next.secrets = std::move(secrets);
             } else if (key == "request_timeout_s") {
                 const double v = parse_real(name, value);
                 if (maxima && v > maxima->request_timeout_s) {
@@ -188,6 +224,17 @@ void apply_network(const json& j, NetworkLimits& out, const NetworkLimits* maxim
             const std::string what = e.what();
             if (what.starts_with(origin)) throw;
             throw PolicyError(e.ename(), origin + what);
+        }
+    }
+    // A secret is for a host the session may reach (on some port).
+    for (const auto& secret : next.secrets) {
+        const bool allowed = std::any_of(next.allow.begin(), next.allow.end(), [&](const auto& p) {
+            const HostPattern pattern = HostPattern::parse(p);
+            return pattern.matches(secret.host, pattern.port == 0 ? 443 : pattern.port);
+        });
+        if (!allowed) {
+            throw invalid(origin + "network.secrets: " + secret.host +
+                          " is not in network.allow (" + join_patterns(next.allow) + ")");
         }
     }
     out = std::move(next);
@@ -275,9 +322,84 @@ SandboxLimits SandboxLimits::from_json(const json& j, const SandboxLimits& base)
     return layered.sandbox;
 }
 
+json NetworkSecret::to_json() const {
+    return {{"host", host}, {"header", header}, {"value_from", value_from}};
+}
+
+NetworkSecret NetworkSecret::from_json(const json& j) {
+    if (!j.is_object()) {
+        throw invalid("network.secrets entries must be {host, header, value_from}, got " +
+                      j.dump());
+    }
+    NetworkSecret s;
+    for (const auto& item : j.items()) {
+        if (!item.value().is_string()) {
+            throw invalid("network.secrets." + item.key() + " must be a string");
+        }
+        const std::string v = item.value().get<std::string>();
+        if (item.key() == "host") {
+            s.host = normalise_host(v);
+            if (s.host.empty() || IpAddress::parse(s.host)) {
+                throw invalid("network.secrets.host '" + v + "' is not a DNS name");
+            }
+        } else if (item.key() == "header") {
+            static const std::vector<std::string> reserved = {"host",
+                                                              "content-length",
+                                                              "transfer-encoding",
+                                                              "connection",
+                                                              "proxy-connection",
+                                                              "proxy-authorization",
+                                                              "keep-alive",
+                                                              "te",
+                                                              "trailer",
+                                                              "upgrade"};
+            if (!is_token(v) ||
+                std::find(reserved.begin(), reserved.end(), lowercase(v)) != reserved.end()) {
+                throw invalid("network.secrets.header '" + v +
+                              "' is not a header the gateway may set");
+            }
+            s.header = v;
+        } else if (item.key() == "value_from") {
+            const bool env =
+                v.starts_with("env:") && v.size() > 4 &&
+                std::all_of(v.begin() + 4, v.end(),
+                            [](char c) {
+                                return std::isalnum(static_cast<unsigned char>(c)) || c == '_';
+                            }) &&
+                !std::isdigit(static_cast<unsigned char>(v[4]));
+            const bool file = v.starts_with("file:/") && v.find("/../") == std::string::npos;
+            if (!env && !file) {
+                throw invalid("network.secrets.value_from '" + v +
+                              "' must be env:NAME or file:/absolute/path");
+            }
+            s.value_from = v;
+        } else {
+            throw invalid("unknown limit 'network.secrets." + item.key() + "'");
+        }
+    }
+    if (s.host.empty() || s.header.empty() || s.value_from.empty()) {
+        throw invalid("network.secrets entries need host, header and value_from, got " + j.dump());
+    }
+    return s;
+}
+
+NetworkSecret NetworkSecret::parse(std::string_view text) {
+    const auto eq = text.find('=');
+    const auto colon = text.substr(0, eq).rfind(':');
+    if (eq == std::string_view::npos || colon == std::string_view::npos) {
+        throw invalid("'" + std::string(text) + "' must be HOST:HEADER=env:NAME or file:/path");
+    }
+    return from_json({{"host", std::string(text.substr(0, colon))},
+                      {"header", std::string(text.substr(colon + 1, eq - colon - 1))},
+                      {"value_from", std::string(text.substr(eq + 1))}});
+}
+
 json NetworkLimits::to_json() const {
+    json secret_list = json::array();
+    for (const auto& s : secrets) secret_list.push_back(s.to_json());
     return {{"mode", mode},
             {"allow", allow},
+            {"secrets", secret_list},
             {"max_bytes", max_bytes},
             {"max_connections", max_connections},
             {"request_timeout_s", request_timeout_s}};

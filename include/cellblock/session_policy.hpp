@@ -19,16 +19,35 @@
 
 namespace cellblock {
 
+// A credential the gateway adds to a session's HTTPS requests for one host
+// (docs/egress.md), by reference: the value is read by the server from its
+// environment ("env:NAME") or a root-only file ("file:/path") and never enters
+// the sandbox. The server offers a fixed set (--egress-secret); a session may
+// take any of them, exactly as offered.
+struct NetworkSecret {
+    std::string host;        // an exact DNS name, lowercase
+    std::string header;      // "Authorization"
+    std::string value_from;  // "env:NAME" or "file:/absolute/path"
+
+    bool operator==(const NetworkSecret&) const = default;
+    nlohmann::json to_json() const;
+    // Throws PolicyError(InvalidLimits) naming what is wrong.
+    static NetworkSecret from_json(const nlohmann::json& j);
+    // "HOST:HEADER=SOURCE", the form of --egress-secret.
+    static NetworkSecret parse(std::string_view text);
+};
+
 // A session's way out (docs/egress.md): none, or the egress gateway, which
 // reaches only the host patterns in `allow` (egress_rules.hpp). In JSON, the
 // object "network" of the limits: {mode, allow, max_bytes, max_connections,
-// request_timeout_s}.
+// request_timeout_s, secrets}.
 struct NetworkLimits {
     std::string mode = "none";                       // "none" or "gateway"
     std::vector<std::string> allow;                  // canonical HostPattern texts
     std::int64_t max_bytes = std::int64_t{1} << 30;  // both ways, over the session's life
     std::int64_t max_connections = 16;               // open at once
     double request_timeout_s = 60;  // to connect, and at most between two reads of a connection
+    std::vector<NetworkSecret> secrets;  // each for a host that `allow` names
 
     bool gateway() const { return mode == "gateway"; }
     nlohmann::json to_json() const;
