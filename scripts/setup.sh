@@ -9,6 +9,8 @@ PACKAGES=(
   libzmq3-dev cppzmq-dev nlohmann-json3-dev uuid-dev libssl-dev
   libsqlitecpp-dev libsqlite3-dev libgtest-dev libcli11-dev libspdlog-dev libfmt-dev
   libseccomp-dev
+  # the egress gateway's tests make their upstreams' certificates with the openssl tool
+  openssl ca-certificates
   # fuzzing (tests/fuzz: clang's libFuzzer and sanitizer runtimes)
   clang libclang-rt-14-dev
   # sandbox runtimes (runsc: the gVisor tier, image host-gvisor)
