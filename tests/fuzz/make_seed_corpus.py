@@ -5,9 +5,10 @@ wire: the messages jupyter_client serialized (tests/fixtures/
 jupyter_client_vectors.json), in the wire target's input format, plus
 hand-made edge cases. connection_file: the connection files jupyter_client
 wrote, plus edge cases. limits and image: the documented examples, the repo's
-image.json files, plus edge cases.
+image.json files, plus edge cases. http_head: proxy requests as curl and
+Python send them, plus edge cases.
 
-    /usr/bin/python3 tests/fuzz/make_seed_corpus.py
+    /usr/bin/python3 tests/fuzz/make_seed_corpus.py [TARGET...]
 
 Deterministic: regenerating changes files only when the inputs change.
 """
@@ -19,6 +20,7 @@ import json
 import pathlib
 import shutil
 import struct
+import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -248,9 +250,46 @@ def image_seeds():
     return seeds
 
 
+def http_head_seeds():
+    seeds = {
+        "curl-connect": b"CONNECT api.example.com:443 HTTP/1.1\r\nHost: api.example.com:443\r\n"
+                        b"User-Agent: curl/7.88.1\r\nProxy-Connection: Keep-Alive\r\n\r\n",
+        "curl-get": b"GET http://example.com/path?q=1 HTTP/1.1\r\nHost: example.com\r\n"
+                    b"User-Agent: curl/7.88.1\r\nAccept: */*\r\n"
+                    b"Proxy-Connection: Keep-Alive\r\n\r\n",
+        "python-post-body": b"POST http://example.com:8080/api HTTP/1.1\r\n"
+                            b"Host: example.com:8080\r\nAccept-Encoding: identity\r\n"
+                            b"Content-Length: 7\r\nContent-Type: application/json\r\n"
+                            b"Connection: close\r\n\r\n{\"a\":1}",
+        "connect-ipv6": b"CONNECT [2001:db8::1]:443 HTTP/1.1\r\n\r\n",
+        "connect-no-port": b"CONNECT example.com HTTP/1.1\r\n\r\n",
+        "connect-mapped": b"CONNECT [::ffff:169.254.169.254]:80 HTTP/1.1\r\n\r\n",
+        "lf-only": b"GET http://example.com/ HTTP/1.0\nHost: example.com\n\n",
+        "connection-names": b"GET http://example.com/ HTTP/1.1\r\nConnection: keep-alive, X-A\r\n"
+                            b"X-A: 1\r\nTE: trailers\r\nUpgrade: h2c\r\n"
+                            b"Proxy-Authorization: Basic eDp5\r\n\r\n",
+        "userinfo": b"GET http://user:pw@example.com/ HTTP/1.1\r\n\r\n",
+        "https-url": b"GET https://example.com/ HTTP/1.1\r\n\r\n",
+        "origin-form": b"GET /index.html HTTP/1.1\r\nHost: example.com\r\n\r\n",
+        "http2": b"GET http://example.com/ HTTP/2.0\r\n\r\n",
+        "obs-fold": b"GET http://example.com/ HTTP/1.1\r\nA: b\r\n c\r\n\r\n",
+        "space-before-colon": b"GET http://example.com/ HTTP/1.1\r\nA : b\r\n\r\n",
+        "many-headers": b"GET http://example.com/ HTTP/1.1\r\n" + b"X: y\r\n" * 6 + b"\r\n",
+        "long-line": b"GET http://example.com/" + b"a" * 80 + b" HTTP/1.1\r\n\r\n",
+        "incomplete": b"GET http://example.com/ HTTP/1.1\r\nHost: exa",
+        "pattern-suffix": b"*.example.com:443",
+        "pattern-ipv6": b"[::1]:*",
+    }
+    return seeds
+
+
+TARGETS = {"wire": wire_seeds, "connection_file": connection_seeds, "limits": limits_seeds,
+           "image": image_seeds, "http_head": http_head_seeds}
+
+
 def main():
-    for target, seeds in (("wire", wire_seeds()), ("connection_file", connection_seeds()),
-                          ("limits", limits_seeds()), ("image", image_seeds())):
+    for target in sys.argv[1:] or TARGETS:
+        seeds = TARGETS[target]()
         out = CORPUS / target
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
