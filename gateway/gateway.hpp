@@ -1,4 +1,4 @@
-// The egress gateway process (docs/egress.md): one per server, unprivileged,
+// The egress gateway process (docs/network.md): one per server, unprivileged,
 // under its own seccomp profile. The server hands it, over one control
 // socket, a listening unix socket per session (the session's
 // /run/cellblock/egress.sock) with that session's network limits; the gateway

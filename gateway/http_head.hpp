@@ -1,6 +1,6 @@
 // What the egress gateway reads from a sandbox before it connects anywhere: an
 // HTTP/1.x request head, parsed with every size bounded, and what it sends on
-// (docs/egress.md). Pure functions over bytes: unit-tested and fuzzed.
+// (docs/network.md). Pure functions over bytes: unit-tested and fuzzed.
 #pragma once
 
 #include <cstddef>

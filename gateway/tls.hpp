@@ -1,4 +1,4 @@
-// TLS for the egress gateway's secrets (docs/egress.md): a per-session CA
+// TLS for the egress gateway's secrets (docs/network.md): a per-session CA
 // that the sandbox trusts, leaf certificates it signs for the hosts that have
 // secrets, and the verified client side the gateway uses upstream. The CA's
 // private key is made by the server, handed to the gateway, and never written

@@ -8,12 +8,42 @@ seeing the error's reply and idle status (seen here against a bare ipykernel,
 about one time in three). With no stop_on_error_timeout configured, we queue
 the marker right after the requests that were already waiting, so only those
 are aborted, as the messaging spec intends.
+
+Packages: pip installs into PIP_TARGET (the session's home, on PYTHONPATH);
+the directory is made before ipykernel is imported and import caches are
+dropped after every cell, so `%pip install x` then `import x` works.
 """
-from ipykernel.ipkernel import IPythonKernel
-from ipykernel.kernelapp import IPKernelApp
+import importlib
+import os
+
+
+def _make_package_dir():
+    # PIP_TARGET, on PYTHONPATH: made before the first import searches it, so
+    # the import system keeps a finder for it that notices what pip adds.
+    target = os.environ.get("PIP_TARGET")
+    if target:
+        try:
+            os.makedirs(target, exist_ok=True)
+        except OSError:
+            pass
+
+
+_make_package_dir()
+
+from ipykernel.ipkernel import IPythonKernel  # noqa: E402
+from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 
 
 class SandboxKernel(IPythonKernel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # A session forked from a zygote has a fresh home: make the package
+        # dir there too. After each cell the import caches are dropped, so a
+        # package `%pip install`ed in one cell imports in the next.
+        _make_package_dir()
+        importlib.invalidate_caches()
+        self.shell.events.register("post_execute", importlib.invalidate_caches)
+
     def _abort_queues(self):
         if self.stop_on_error_timeout or not hasattr(self, "schedule_dispatch"):
             return super()._abort_queues()

@@ -25,7 +25,7 @@ namespace {
 constexpr int kLifelineFd = 3;
 constexpr size_t kMaxKernelStderr = 64 * 1024;
 constexpr int kTermGraceMs = 2000;
-// The egress forwarder (docs/egress.md): HTTP_PROXY in the kernel's
+// The egress forwarder (docs/network.md): HTTP_PROXY in the kernel's
 // environment names this port on the sandbox's own loopback; each connection
 // goes on to the gateway's socket in the session's ipc dir, or is answered
 // with why there is none.
@@ -152,6 +152,11 @@ void start_egress_forwarder() {
         if (pid < 0) say("egress forwarder: fork failed");
         return;
     }
+    // Its stdio is /dev/null: the init's stdout and stderr are the host's
+    // log of the session, which only the init may hold (test_posture).
+    const int devnull = open("/dev/null", O_RDWR);
+    if (devnull < 0) _exit(1);
+    for (int fd = 0; fd < 3; ++fd) dup2(devnull, fd);
     for (int fd = 3; fd < 1024; ++fd) close(fd);
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     struct sigaction ignore {};
@@ -168,8 +173,7 @@ void start_egress_forwarder() {
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
         listen(listener, 64) != 0) {
-        say("egress forwarder: cannot listen on 127.0.0.1:%s", std::to_string(kEgressPort).c_str());
-        _exit(1);
+        _exit(1);  // the port is taken: HTTP_PROXY then reaches whatever took it
     }
     for (;;) {
         const int client = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);

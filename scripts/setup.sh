@@ -22,8 +22,9 @@ PACKAGES=(
   # clients and tests
   python3-jupyter-client python3-jupyter-kernel-test python3-nbclient python3-nbformat
   jupyter-console python3-pytest python3-zmq python3-pexpect tmux iproute2 procps
-  # the Python client's install test (pip without an index or build isolation)
-  python3-pip python3-setuptools
+  # the Python client's install test (pip without an index or build isolation);
+  # pip and requests in sessions, through the egress gateway (test_egress_packages.py)
+  python3-pip python3-setuptools python3-requests
   # real frontends (tests/python/test_frontends.py): classic Notebook 6, nbconvert,
   # and headless Chromium driven by playwright-core (tests/frontend/install.sh)
   jupyter-notebook jupyter-nbconvert python3-nbconvert chromium nodejs

@@ -1,5 +1,5 @@
 // The server's side of the egress gateway (gateway/gateway.hpp,
-// docs/egress.md): starts the unprivileged cellblock-gateway process, gives it
+// docs/network.md): starts the unprivileged cellblock-gateway process, gives it
 // one listening socket per session whose limits say network.mode gateway (the
 // session's /run/cellblock/egress.sock), takes it back when the session
 // closes, and reads the gateway's per-connection events for the audit trail.

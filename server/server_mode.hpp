@@ -22,7 +22,7 @@ struct ServeOptions {
     // The nice value of the server's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
     ServerPolicy policy;
-    // The egress gateway (docs/egress.md): started when policy.maxima.network
+    // The egress gateway (docs/network.md): started when policy.maxima.network
     // is gateway, i.e. when --egress-allow named what sessions may reach.
     std::vector<std::string> egress_private;            // --egress-private CIDR
     std::map<std::string, std::string> egress_resolve;  // --egress-resolve NAME=ADDRESS

@@ -80,12 +80,19 @@ std::vector<std::string> sandbox_environment(const Image& image) {
         {"MPLCONFIGDIR", std::string(kSandboxHome) + "/.config/matplotlib"},
         {"XDG_CACHE_HOME", std::string(kSandboxHome) + "/.cache"},
     };
-    // The egress forwarder of the shim (docs/egress.md): HTTP clients, pip and
+    // The egress forwarder of the shim (docs/network.md): HTTP clients, pip and
     // curl go through it; a session without a gateway gets a 403 saying so.
     for (const char* name : {"HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"}) {
         env[name] = kSandboxEgressProxy;
     }
     for (const char* name : {"NO_PROXY", "no_proxy"}) env[name] = "localhost,127.0.0.1,::1";
+    // Packages a session installs (pip through the gateway) go to its own
+    // capped home, never the image: pip --target (which Debian's PEP 668
+    // guard allows) on the import path, read again after each cell.
+    env["PIP_TARGET"] = kSandboxPackages;
+    env["PYTHONPATH"] = kSandboxPackages;
+    env["PIP_NO_CACHE_DIR"] = "1";
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1";
     // The trust store the server writes for a gateway session: the host's
     // CAs, plus the session's own when the gateway adds secrets for a host.
     for (const char* name : {"SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"}) {

@@ -1,4 +1,4 @@
-// The egress gateway's rules as values (docs/egress.md): the host patterns of
+// The egress gateway's rules as values (docs/network.md): the host patterns of
 // a session's allowlist, whether one allowlist stays within another (a session
 // cannot widen what the server allows), and the address ranges the gateway
 // never connects to unless the operator opts one in. No sockets, no DNS.

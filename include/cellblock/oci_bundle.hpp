@@ -20,6 +20,8 @@ inline constexpr const char* kSandboxConnectionFile = "/run/cellblock/kernel.jso
 inline constexpr const char* kSandboxLibexec = "/opt/cellblock";
 inline constexpr const char* kSandboxShim = "/opt/cellblock/cellblock-shim";
 inline constexpr const char* kSandboxHome = "/home/sandbox";
+// Where pip installs a session's packages (PIP_TARGET, on PYTHONPATH): its home.
+inline constexpr const char* kSandboxPackages = "/home/sandbox/.packages";
 inline constexpr const char* kSandboxInputDir = "/data/input";
 inline constexpr const char* kSandboxOutputDir = "/data/output";
 inline constexpr std::uint32_t kSandboxUid = 1000;

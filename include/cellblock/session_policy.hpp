@@ -20,7 +20,7 @@
 namespace cellblock {
 
 // A credential the gateway adds to a session's HTTPS requests for one host
-// (docs/egress.md), by reference: the value is read by the server from its
+// (docs/network.md), by reference: the value is read by the server from its
 // environment ("env:NAME") or a root-only file ("file:/path") and never enters
 // the sandbox. The server offers a fixed set (--egress-secret); a session may
 // take any of them, exactly as offered.
@@ -37,7 +37,7 @@ struct NetworkSecret {
     static NetworkSecret parse(std::string_view text);
 };
 
-// A session's way out (docs/egress.md): none, or the egress gateway, which
+// A session's way out (docs/network.md): none, or the egress gateway, which
 // reaches only the host patterns in `allow` (egress_rules.hpp). In JSON, the
 // object "network" of the limits: {mode, allow, max_bytes, max_connections,
 // request_timeout_s, secrets}.

@@ -1,4 +1,4 @@
-"""The egress gateway (docs/egress.md), end to end: a real `cellblock serve`
+"""The egress gateway (docs/network.md), end to end: a real `cellblock serve`
 with --egress-allow, real sandboxes whose code uses urllib and raw sockets
 through the shim's forwarder on 127.0.0.1:3128, and upstream servers of this
 test on 127.0.0.1 only.

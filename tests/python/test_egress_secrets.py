@@ -1,4 +1,4 @@
-"""Secrets through the egress gateway (docs/egress.md): credentials the server
+"""Secrets through the egress gateway (docs/network.md): credentials the server
 holds (its environment, a root-only file) that the gateway adds to a
 session's HTTPS requests for one host, terminating TLS with a per-session CA
 the sandbox trusts, and that never reach the sandbox: not its environment,

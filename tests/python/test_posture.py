@@ -46,9 +46,11 @@ INITIAL_NS_INODES = {"ipc": 0xEFFFFFFF, "uts": 0xEFFFFFFE, "user": 0xEFFFFFFD,
 # the processes it starts.
 BASE_ENV = {"PATH", "HOME", "USER", "LANG", "TMPDIR", "IPYTHONDIR", "MPLCONFIGDIR",
             "XDG_CACHE_HOME",
-            # the egress forwarder and the gateway sessions' trust store (docs/egress.md)
+            # the egress forwarder and the gateway sessions' trust store (docs/network.md)
             "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy",
-            "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"}
+            "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
+            # a session's own packages (pip --target into its home, on the import path)
+            "PIP_TARGET", "PYTHONPATH", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}
 IPYKERNEL_ENV = {"TERM", "CLICOLOR", "PAGER", "GIT_PAGER", "PYDEVD_USE_FRAME_EVAL",
                  "JPY_PARENT_PID", "MPLBACKEND"}
 # Only the init, only under runsc: where its lifeline socket is (not a secret).
