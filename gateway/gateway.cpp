@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -72,7 +73,8 @@ struct Session {
     std::unique_ptr<SessionTls> tls;  // the session's CA: when it has secrets
     UniqueFd listener;
     std::atomic<std::int64_t> bytes{0};
-    std::atomic<int> active{0};
+    std::atomic<int> active{0};           // connections being served (counted at accept)
+    std::uint64_t refused_at_accept = 0;  // over a cap; the accepting thread only
     std::atomic<bool> closed{false};
     std::mutex fds_mutex;
     std::set<int> fds;  // sockets of its connections: shut down when it is removed
@@ -105,6 +107,35 @@ struct Event {
 
 struct Side;
 
+// The body of the one request a connection carries (body_framing): what the
+// client sends past it is dropped, never forwarded.
+struct BodyLimit {
+    BodyFraming::Kind kind = BodyFraming::Kind::none;
+    unsigned long long left = 0;
+    ChunkedScanner chunked;
+    std::size_t dropped = 0;
+
+    explicit BodyLimit(const BodyFraming& framing) : kind(framing.kind), left(framing.length) {}
+    bool ended() const {
+        return kind == BodyFraming::Kind::none ||
+               (kind == BodyFraming::Kind::length && left == 0) ||
+               (kind == BodyFraming::Kind::chunked && (chunked.done() || chunked.failed()));
+    }
+    bool malformed() const { return kind == BodyFraming::Kind::chunked && chunked.failed(); }
+    // How many of `data`'s first bytes are body.
+    std::size_t take(std::string_view data) {
+        std::size_t n = 0;
+        if (kind == BodyFraming::Kind::length) {
+            n = static_cast<std::size_t>(std::min<unsigned long long>(left, data.size()));
+            left -= n;
+        } else if (kind == BodyFraming::Kind::chunked && !ended()) {
+            n = chunked.feed(data);
+        }
+        dropped += data.size() - n;
+        return n;
+    }
+};
+
 class Gateway {
   public:
     explicit Gateway(int control_fd) : control_fd_(control_fd) {}
@@ -117,7 +148,7 @@ class Gateway {
     void handle(std::shared_ptr<Session> session, UniqueFd client);
     void serve_connection(Session& session, int client, Event& event);
     void relay(Session& session, Side& client, Side& upstream, const std::string& first,
-               bool read_status, Event& event);
+               bool read_status, BodyLimit* body, Event& event);
 
     int control_fd_;
     Config config_;
@@ -409,14 +440,31 @@ void Gateway::on_control() {
 void Gateway::on_accept(const std::shared_ptr<Session>& session) {
     UniqueFd client(::accept4(session->listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!client) return;
-    if (threads_ >= kMaxThreads) {
-        Event event;
-        event.reason = "the gateway serves " + std::to_string(kMaxThreads) +
-                       " connections at once; closed unread";
-        report(*session, event);
+    // The caps hold before a thread exists: a session that opens connections
+    // and sends nothing holds at most max_connections of them.
+    const bool over_session_cap = session->active >= session->limits.max_connections;
+    if (over_session_cap || threads_ >= kMaxThreads) {
+        const std::string why =
+            over_session_cap
+                ? "this session has " + std::to_string(session->limits.max_connections) +
+                      " connections open already (network.max_connections)"
+                : "the gateway serves " + std::to_string(kMaxThreads) + " connections at once";
+        const std::string answer = error_response(429, "cellblock: " + why);
+        [[maybe_unused]] ssize_t n =
+            ::send(client.get(), answer.data(), answer.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+        // One event for the first refusal and then one per hundred: a flood of
+        // connections is not a flood of audit rows.
+        if (++session->refused_at_accept % 100 == 1) {
+            Event event;
+            event.status = 429;
+            event.reason =
+                why + " (" + std::to_string(session->refused_at_accept) + " refused so far)";
+            report(*session, event);
+        }
         return;
     }
     ++threads_;
+    ++session->active;
     std::thread([this, session, fd = client.release()] {
         handle(session, UniqueFd(fd));
         --threads_;
@@ -445,7 +493,6 @@ void Gateway::report(const Session& session, const Event& event) {
 
 void Gateway::handle(std::shared_ptr<Session> session, UniqueFd client) {
     Event event;
-    ++session->active;
     session->track(client.get());
     try {
         serve_connection(*session, client.get(), event);
@@ -510,10 +557,30 @@ struct Side {
 };
 
 // The head at the start of what `side` sends, every size bounded.
-HeadParse read_head(Side& side, std::string& buffer, std::string& why, bool& timed_out) {
+// The whole head must come within `timeout_s` (a client that sends a byte now
+// and then does not keep a connection: no slowloris).
+HeadParse read_head(Side& side, std::string& buffer, double timeout_s, std::string& why,
+                    bool& timed_out) {
     HeadParse parsed;
     char chunk[4096];
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(timeout_s));
     for (;;) {
+        if (!side.pending()) {
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                deadline - std::chrono::steady_clock::now());
+            pollfd p{side.fd, POLLIN, 0};
+            const int ready = left.count() > 0 ? ::poll(&p, 1, static_cast<int>(left.count())) : 0;
+            if (ready < 0 && errno == EINTR) continue;
+            if (ready <= 0) {
+                timed_out = true;
+                why = "no complete request within " + seconds_text(timeout_s) +
+                      " s (network.request_timeout_s)";
+                parsed.status = HeadParse::Status::incomplete;
+                return parsed;
+            }
+        }
         const ssize_t n = side.read(chunk, sizeof chunk);
         if (n == Side::kNothing) continue;
         if (n <= 0) {
@@ -549,11 +616,10 @@ void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
     std::string buffer;
     std::string why;
     bool timed_out = false;
-    HeadParse parsed = read_head(client, buffer, why, timed_out);
+    HeadParse parsed = read_head(client, buffer, limits.request_timeout_s, why, timed_out);
     if (parsed.status == HeadParse::Status::incomplete) {
         if (timed_out) {
-            refuse(408, "no complete request within " + seconds_text(limits.request_timeout_s) +
-                            " s (network.request_timeout_s)");
+            refuse(408, why);
         } else {
             event.reason = why;
         }
@@ -583,11 +649,6 @@ void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
                     [&](const HostPattern& p) { return p.matches(event.host, event.port); });
     if (!allowed) {
         refuse(403, where + " is not in this session's allowlist");
-        return;
-    }
-    if (session.active > limits.max_connections) {
-        refuse(429, "this session has " + std::to_string(limits.max_connections) +
-                        " connections open already (network.max_connections)");
         return;
     }
     if (session.bytes >= limits.max_bytes) {
@@ -641,6 +702,7 @@ void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
     rest.remove_prefix(head.head_bytes);
     std::string first_to_upstream;
     bool read_status = !target.target.tunnel;
+    std::optional<BodyLimit> body;  // plain HTTP and terminated TLS: one request's body
     if (target.target.tunnel) {
         event.status = 200;
         if (!client.write_all("HTTP/1.1 200 Connection established\r\n\r\n")) {
@@ -668,7 +730,7 @@ void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
                 return;
             }
             std::string inner;
-            parsed = read_head(client, inner, why, timed_out);
+            parsed = read_head(client, inner, limits.request_timeout_s, why, timed_out);
             if (parsed.status == HeadParse::Status::incomplete) {
                 event.reason = "inside the tunnel: " + why;
                 return;
@@ -728,20 +790,42 @@ void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
             ProxyTarget origin = target.target;
             origin.tunnel = false;
             origin.origin_form = request.target;
+            const BodyFraming framing = body_framing(request);
+            if (!framing.ok) {
+                refuse(400, framing.error);
+                return;
+            }
+            body.emplace(framing);
+            const std::string_view inner_rest = std::string_view(inner).substr(request.head_bytes);
             first_to_upstream = forward_head(request, origin);
-            first_to_upstream.append(std::string_view(inner).substr(request.head_bytes));
+            first_to_upstream.append(inner_rest.substr(0, body->take(inner_rest)));
             read_status = true;
         }
     } else {
+        const BodyFraming framing = body_framing(head);
+        if (!framing.ok) {
+            refuse(400, framing.error);
+            return;
+        }
+        body.emplace(framing);
         first_to_upstream = forward_head(head, target.target);
-        first_to_upstream.append(rest);
+        first_to_upstream.append(rest.substr(0, body->take(rest)));
+        if (body->malformed()) {
+            refuse(400, "malformed chunked body");
+            return;
+        }
     }
     event.verdict = "allowed";
-    relay(session, client, upstream, first_to_upstream, read_status, event);
+    relay(session, client, upstream, first_to_upstream, read_status, body ? &*body : nullptr,
+          event);
+    if (body && body->dropped > 0 && event.reason.empty()) {
+        event.reason = std::to_string(body->dropped) +
+                       " bytes after the request's body were dropped (one request per connection)";
+    }
 }
 
 void Gateway::relay(Session& session, Side& client, Side& upstream, const std::string& first,
-                    bool read_status, Event& event) {
+                    bool read_status, BodyLimit* body, Event& event) {
     // Relays both ways until both ends are done, a side is idle for
     // request_timeout_s, or the session's byte budget is spent.
     const NetworkLimits& limits = session.limits;
@@ -791,7 +875,15 @@ void Gateway::relay(Session& session, Side& client, Side& upstream, const std::s
                 if (side == 1) open[0] = false;  // the response is complete: done
                 continue;
             }
-            const std::size_t size = static_cast<std::size_t>(n);
+            std::size_t size = static_cast<std::size_t>(n);
+            if (side == 0 && body) {
+                size = body->take(std::string_view(chunk.data(), size));
+                if (body->malformed()) {
+                    event.reason = "malformed chunked body; connection closed";
+                    return;
+                }
+                if (size == 0) continue;  // past the body: dropped
+            }
             if (side == 1 && event.down == 0 && read_status) {
                 event.status = response_status(std::string_view(chunk.data(), size));
             }
@@ -805,7 +897,7 @@ void Gateway::relay(Session& session, Side& client, Side& upstream, const std::s
                 event.reason = side == 0 ? "upstream closed" : "client closed";
                 return;
             }
-            (side == 0 ? event.up : event.down) += n;
+            (side == 0 ? event.up : event.down) += static_cast<std::int64_t>(size);
         }
     }
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
+#include <string>
 
 #include "cellblock/egress_rules.hpp"
 
@@ -340,6 +342,107 @@ std::string forward_head(const HttpRequestHead& head, const ProxyTarget& target)
     }
     out += "Connection: close\r\n\r\n";
     return out;
+}
+
+BodyFraming body_framing(const HttpRequestHead& head) {
+    BodyFraming framing;
+    const auto fail = [&](std::string why) {
+        framing.ok = false;
+        framing.error = std::move(why);
+        return framing;
+    };
+    bool has_length = false, has_coding = false;
+    for (const auto& [name, value] : head.headers) {
+        std::string lower_name(name);
+        for (char& c : lower_name)
+            c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        if (lower_name == "transfer-encoding") {
+            std::string coding(value);
+            for (char& c : coding)
+                c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            if (has_coding || coding != "chunked") {
+                return fail("Transfer-Encoding " + value.substr(0, 64) +
+                            ": the gateway forwards only one chunked coding");
+            }
+            has_coding = true;
+        } else if (lower_name == "content-length") {
+            if (value.empty() || value.size() > 18 ||
+                !std::all_of(value.begin(), value.end(),
+                             [](char c) { return c >= '0' && c <= '9'; })) {
+                return fail("Content-Length " + value.substr(0, 64) + " is not a number");
+            }
+            const unsigned long long n = std::stoull(value);
+            if (has_length && n != framing.length) {
+                return fail("two Content-Length headers that differ");
+            }
+            has_length = true;
+            framing.length = n;
+        }
+    }
+    if (has_coding && has_length) {
+        return fail("both Transfer-Encoding and Content-Length: the body's end is ambiguous");
+    }
+    framing.kind = has_coding   ? BodyFraming::Kind::chunked
+                   : has_length ? BodyFraming::Kind::length
+                                : BodyFraming::Kind::none;
+    return framing;
+}
+
+std::size_t ChunkedScanner::feed(std::string_view data) {
+    constexpr std::size_t kMaxLine = 1024;
+    constexpr std::size_t kMaxTrailers = 100;
+    std::size_t used = 0;
+    while (used < data.size() && state_ != State::done && state_ != State::failed) {
+        if (state_ == State::data) {
+            const std::size_t take = static_cast<std::size_t>(
+                std::min<unsigned long long>(remaining_, data.size() - used));
+            used += take;
+            remaining_ -= take;
+            if (remaining_ == 0) state_ = State::data_end;
+            continue;
+        }
+        // A line: chunk size, the CRLF after a chunk's data, or a trailer.
+        const char c = data[used++];
+        if (c != '\n') {
+            if (c == '\r') {
+                saw_cr_ = true;
+                continue;
+            }
+            if (saw_cr_ || line_.size() >= kMaxLine || state_ == State::data_end) {
+                // A bare CR, a line too long, or data past the chunk's size.
+                state_ = State::failed;
+                break;
+            }
+            line_.push_back(c);
+            continue;
+        }
+        saw_cr_ = false;
+        std::string line = std::move(line_);
+        line_.clear();
+        if (state_ == State::data_end) {
+            state_ = line.empty() ? State::size : State::failed;
+        } else if (state_ == State::size) {
+            const std::string digits = line.substr(0, line.find(';'));
+            std::size_t end = 0;
+            while (end < digits.size() && std::isxdigit(static_cast<unsigned char>(digits[end])))
+                ++end;
+            std::size_t tail = end;
+            while (tail < digits.size() && (digits[tail] == ' ' || digits[tail] == '\t')) ++tail;
+            if (end == 0 || end > 15 || tail != digits.size()) {
+                state_ = State::failed;
+                break;
+            }
+            remaining_ = std::stoull(digits.substr(0, end), nullptr, 16);
+            state_ = remaining_ == 0 ? State::trailer : State::data;
+        } else if (state_ == State::trailer) {
+            if (line.empty()) {
+                state_ = State::done;
+            } else if (++trailers_ > kMaxTrailers) {
+                state_ = State::failed;
+            }
+        }
+    }
+    return state_ == State::failed ? 0 : used;
 }
 
 std::string error_response(int status, std::string_view body) {

@@ -77,6 +77,38 @@ std::string forward_head(const HttpRequestHead& head, const ProxyTarget& target)
 // `body` (a line ending in "\n" is added when missing).
 std::string error_response(int status, std::string_view body);
 
+// How a request's body is delimited (RFC 9112 section 6): nothing, a
+// Content-Length, or chunked coding. The gateway forwards exactly that body and
+// drops what follows, so a second request smuggled behind the first never
+// reaches the upstream.
+struct BodyFraming {
+    enum class Kind { none, length, chunked } kind = Kind::none;
+    unsigned long long length = 0;  // Kind::length
+    bool ok = true;
+    std::string error;  // when !ok (a 400): Transfer-Encoding with Content-Length, a coding other
+                        // than "chunked", Content-Lengths that differ or are not a number
+};
+BodyFraming body_framing(const HttpRequestHead& head);
+
+// Finds the end of a chunked body in the bytes that follow the head, fed in
+// pieces. Chunk-size lines and trailer lines are bounded (1 KiB each, 100
+// trailer lines); past a bound, or on a malformed line, failed() turns true.
+class ChunkedScanner {
+  public:
+    // How many of `data`'s first bytes belong to the body: all of them until
+    // the end is found (then done()), none once failed().
+    std::size_t feed(std::string_view data);
+    bool done() const { return state_ == State::done; }
+    bool failed() const { return state_ == State::failed; }
+
+  private:
+    enum class State { size, data, data_end, trailer, done, failed } state_ = State::size;
+    unsigned long long remaining_ = 0;  // of the current chunk's data
+    std::string line_;
+    std::size_t trailers_ = 0;
+    bool saw_cr_ = false;
+};
+
 // The status code of a response whose first bytes are `start` ("HTTP/1.1 200
 // OK\r\n..."), or 0 when they are not a status line.
 int response_status(std::string_view start);

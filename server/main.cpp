@@ -482,9 +482,23 @@ int main(int argc, char** argv) {
             }
             std::cout << "\nevents:\n";
             for (const auto& e : reply["events"]) {
+                std::string detail = e["detail"].get<std::string>();
+                if (e["kind"] == "egress") {
+                    // One line per connection: what, where, how it ended.
+                    const json c = json::parse(detail, nullptr, false);
+                    if (c.is_object()) {
+                        detail =
+                            c.value("method", "-") + " " + c.value("host", "-") + ":" +
+                            std::to_string(c.value("port", 0)) + " " + c.value("verdict", "") +
+                            " " + std::to_string(c.value("status", 0)) + " up " +
+                            std::to_string(c.value("bytes_up", 0)) + " B down " +
+                            std::to_string(c.value("bytes_down", 0)) + " B " +
+                            std::to_string(c.value("duration_ms", 0)) + " ms" +
+                            (c.value("reason", "").empty() ? "" : ": " + c.value("reason", ""));
+                    }
+                }
                 std::printf("  %s %-12s %s\n", when(e["at"].get<double>()).c_str(),
-                            e["kind"].get<std::string>().c_str(),
-                            e["detail"].get<std::string>().c_str());
+                            e["kind"].get<std::string>().c_str(), detail.c_str());
             }
             return 0;
         }

@@ -112,6 +112,10 @@ void Server::on_egress() {
                          event.value("method", ""), event.value("host", ""), event.value("port", 0),
                          event.value("reason", ""));
         }
+        if (auto it = sessions_.find(session_id); it != sessions_.end()) {
+            it->second->add_network_bytes(event.value("bytes_up", std::uint64_t{0}) +
+                                          event.value("bytes_down", std::uint64_t{0}));
+        }
         on_event(session_id, "egress", detail.dump());
     }
     if (restarted) {

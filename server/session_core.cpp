@@ -275,6 +275,10 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     const std::uint64_t cpu_ms =
         (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
+    if (const NetworkLimits& network = governor_->limits().network; network.gateway()) {
+        md["cellblock"]["network_bytes_used"] = network_bytes_;
+        md["cellblock"]["network_max_bytes"] = network.max_bytes;
+    }
     memory_peak_bytes_ = std::max(memory_peak_bytes_, usage.memory_peak_bytes);
     cpu_ms_total_ += cpu_ms;
     const std::string new_metadata = md.dump();

@@ -145,6 +145,10 @@ class SessionCore {
     const SessionGovernor* governor() const { return governor_ ? &*governor_ : nullptr; }
     std::string state() const;
     std::uint64_t memory_peak_bytes() const { return memory_peak_bytes_; }
+    // Bytes the egress gateway relayed for the session (connections ended so
+    // far): on every execute_reply of a gateway session, against max_bytes.
+    void add_network_bytes(std::uint64_t bytes) { network_bytes_ += bytes; }
+    std::uint64_t network_bytes() const { return network_bytes_; }
     std::uint64_t cpu_ms() const { return cpu_ms_total_; }
     std::optional<Clock::time_point> running_since() const {
         return execution_ ? std::optional(execution_->started) : std::nullopt;
@@ -241,6 +245,7 @@ class SessionCore {
 
     std::uint64_t memory_peak_bytes_ = 0;
     std::uint64_t cpu_ms_total_ = 0;
+    std::uint64_t network_bytes_ = 0;
     std::uint64_t cpu_ns_at_attach_ = 0;  // the kernel's start is not the session's
     Clock::time_point idle_since_{};
 };

@@ -86,6 +86,7 @@ class SessionProxy {
     // (the registry keeps them).
     std::uint64_t memory_peak_bytes() const { return core_->memory_peak_bytes(); }
     std::uint64_t cpu_ms() const { return core_->cpu_ms(); }
+    void add_network_bytes(std::uint64_t bytes) { core_->add_network_bytes(bytes); }
     // When the running execution started (none: the kernel is idle), and
     // when the last one ended: what CPU fairness needs to tell a long
     // computation (or work left running in the background) from short cells.

@@ -38,6 +38,12 @@ class Upstream(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         Upstream.seen.append({"path": self.path, "headers": dict(self.headers.items())})
+        if self.path.startswith("/redirect"):
+            self.send_response(302)
+            self.send_header("Location", self.path.split("to=", 1)[1])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         body = (b"x" * 200_000 if self.path.startswith("/big")
                 else json.dumps(Upstream.seen[-1]).encode())
         self.send_response(200)
@@ -46,6 +52,7 @@ class Upstream(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self):
+        Upstream.seen.append({"path": self.path, "headers": dict(self.headers.items())})
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.send_response(201)
         self.send_header("Content-Length", str(len(body)))
@@ -364,3 +371,121 @@ def gateway_holds(pid, path):
             if len(fields) >= 8 and fields[7] == path and fields[6] in inodes:
                 return True
     return False
+
+
+def test_requests_and_the_reply_metadata_count_the_bytes(gw):
+    sid, kc, _ = gateway_session(gw)
+    out = run(kc, f"""
+import requests
+r = requests.get("http://{API}:{gw.http_port}/echo?via=requests", timeout=30)
+print(r.status_code, r.json()["path"])
+""")
+    assert out.split() == ["200", "/echo?via=requests"], out
+    events = wait_for(lambda: egress_events(gw, sid))
+    used = sum(e["bytes_up"] + e["bytes_down"] for e in events)
+    reply, _ = execute(kc, "1")
+    meta = reply["metadata"]["cellblock"]
+    assert meta["network_bytes_used"] == used and used > 0, (meta, events)
+    assert meta["network_max_bytes"] == 1 << 30, meta
+    # A session without the gateway has no network figures.
+    _, plain, _ = gw.open_session()
+    reply, _ = execute(plain, "1")
+    assert "network_bytes_used" not in reply["metadata"]["cellblock"], reply["metadata"]
+
+
+def test_a_redirect_to_a_refused_host_is_refused(gw):
+    sid, kc, _ = gateway_session(gw, allow=[f"{API}:{gw.http_port}"])
+    target = f"http://evil.cellblock.test:{gw.http_port}/"
+    got = fetch(kc, f"http://{API}:{gw.http_port}/redirect?to={target}")
+    assert got["status"] == 403, got
+    assert f"evil.cellblock.test:{gw.http_port} is not in this session's allowlist" in got["body"]
+
+
+def test_one_request_per_connection_nothing_smuggled_behind_it(gw):
+    sid, kc, _ = gateway_session(gw)
+    before = len(Upstream.seen)
+    out = run(kc, rf"""
+import socket
+def ask(data):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+    s.sendall(data)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    return got.split(b"\r\n")[0].decode()
+smuggled = b"GET http://{API}:{gw.http_port}/smuggled HTTP/1.1\r\nHost: {API}:{gw.http_port}\r\n\r\n"
+print(ask(b"POST http://{API}:{gw.http_port}/post HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello" + smuggled))
+print(ask(b"POST http://{API}:{gw.http_port}/post HTTP/1.1\r\nContent-Length: 5\r\n"
+          b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled))
+""")
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("HTTP/1.") and " 201 " in lines[0], lines
+    assert lines[1].startswith("HTTP/1.1 400"), lines
+    paths = [seen["path"] for seen in Upstream.seen[before:]]
+    assert paths == ["/post"], paths
+    events = wait_for(lambda: len(egress_events(gw, sid)) >= 2 and egress_events(gw, sid))
+    assert any("dropped" in e["reason"] for e in events), events
+    assert any("ambiguous" in e["reason"] for e in events), events
+
+
+def test_a_slow_head_is_cut_at_the_request_timeout(gw):
+    sid, kc, _ = gateway_session(gw, request_timeout_s=1.5)
+    out = run(kc, r"""
+import socket, time
+s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+start = time.monotonic()
+answer = b""
+try:
+    for byte in b"GET http://slow.cellblock.test/ HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+        s.send(bytes([byte]))
+        time.sleep(0.2)
+        s.setblocking(False)
+        try:
+            answer += s.recv(4096)
+        except BlockingIOError:
+            pass
+        s.setblocking(True)
+        if answer:
+            break
+except OSError:
+    pass
+print(answer.split(b"\r\n")[0].decode(), round(time.monotonic() - start))
+""")
+    line, seconds = out.strip().rsplit(" ", 1)
+    assert line.startswith("HTTP/1.1 408"), out
+    assert int(seconds) < 10, out
+
+
+def test_a_connection_flood_holds_only_the_sessions_cap(gw):
+    sid, kc, _ = gateway_session(gw, max_connections=4)
+    _, other, _ = gateway_session(gw)
+    sock_path = os.path.join(gw.state_dir, "sessions", sid, "ipc", "egress.sock")
+    pid = gateway_pid(gw)
+    threads_before = int(status_of(pid)["Threads"])
+    held = []
+    try:
+        for _ in range(2000):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(sock_path)  # blocking: a full backlog waits for the gateway's accept
+            c.settimeout(10)
+            held.append(c)
+        # Beyond the cap, connections are answered 429 at once, unread.
+        refused = held[-1].recv(4096)
+        assert refused.startswith(b"HTTP/1.1 429"), refused
+        assert b"network.max_connections" in refused, refused
+        threads = int(status_of(pid)["Threads"])
+        assert threads <= threads_before + 4, (threads_before, threads)
+        # Another session is served meanwhile.
+        assert fetch(other, f"http://{API}:{gw.http_port}/echo")["status"] == 200
+    finally:
+        for c in held:
+            c.close()
+    # The audit did not get a row per refused connection.
+    events = wait_for(lambda: egress_events(gw, sid))
+    assert len(events) <= 2000 // 100 + 10, len(events)
+
+
+def status_of(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)

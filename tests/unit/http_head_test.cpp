@@ -367,5 +367,66 @@ TEST(ResponseStatus, NotStatusLines) {
     }
 }
 
+// ---- body framing (no smuggling past the one request) ----
+
+TEST(BodyFraming, NoneLengthOrChunked) {
+    EXPECT_EQ(body_framing(request("GET", "/")).kind, BodyFraming::Kind::none);
+    const BodyFraming length = body_framing(request("POST", "/", {{"Content-Length", "12"}}));
+    ASSERT_TRUE(length.ok);
+    EXPECT_EQ(length.kind, BodyFraming::Kind::length);
+    EXPECT_EQ(length.length, 12U);
+    // The same length twice is one length.
+    EXPECT_TRUE(
+        body_framing(request("POST", "/", {{"Content-Length", "5"}, {"content-length", "5"}})).ok);
+    EXPECT_EQ(body_framing(request("POST", "/", {{"Transfer-Encoding", "Chunked"}})).kind,
+              BodyFraming::Kind::chunked);
+}
+
+TEST(BodyFraming, AmbiguousFramingIsRefused) {
+    for (const auto& headers : std::vector<std::vector<std::pair<std::string, std::string>>>{
+             {{"Content-Length", "5"}, {"Transfer-Encoding", "chunked"}},
+             {{"Content-Length", "5"}, {"Content-Length", "6"}},
+             {{"Content-Length", "-1"}},
+             {{"Content-Length", "5 5"}},
+             {{"Content-Length", "99999999999999999999"}},
+             {{"Transfer-Encoding", "gzip, chunked"}},
+             {{"Transfer-Encoding", "chunked"}, {"Transfer-Encoding", "chunked"}},
+         }) {
+        const BodyFraming framing = body_framing(request("POST", "/", headers));
+        EXPECT_FALSE(framing.ok) << headers[0].first << ": " << headers[0].second;
+        EXPECT_FALSE(framing.error.empty());
+    }
+}
+
+TEST(ChunkedScanner, FindsTheEndAndNothingPastIt) {
+    const std::string body = "4\r\nWiki\r\n5;ext=1\r\npedia\r\n0\r\nX-Trailer: 1\r\n\r\n";
+    const std::string smuggled = "GET /admin HTTP/1.1\r\nHost: other\r\n\r\n";
+    ChunkedScanner whole;
+    EXPECT_EQ(whole.feed(body + smuggled), body.size());
+    EXPECT_TRUE(whole.done());
+    // Byte by byte, the same end.
+    ChunkedScanner bytes;
+    std::size_t taken = 0;
+    for (char c : body + smuggled) taken += bytes.feed(std::string_view(&c, 1));
+    EXPECT_EQ(taken, body.size());
+    EXPECT_TRUE(bytes.done());
+}
+
+TEST(ChunkedScanner, MalformedOrUnboundedFails) {
+    for (const std::string& bad :
+         {std::string("zz\r\n"), std::string("4\r\nWikiXX"), std::string("4 4\r\n"),
+          std::string(2000, '1'), std::string("1\rx\n"), std::string("fffffffffffffffff\r\n")}) {
+        ChunkedScanner scanner;
+        scanner.feed(bad);
+        EXPECT_TRUE(scanner.failed()) << bad.substr(0, 20);
+        EXPECT_EQ(scanner.feed("0\r\n\r\n"), 0U);
+    }
+    ChunkedScanner trailers;
+    std::string many = "0\r\n";
+    for (int i = 0; i < 200; ++i) many += "T: x\r\n";
+    trailers.feed(many);
+    EXPECT_TRUE(trailers.failed());
+}
+
 }  // namespace
 }  // namespace cellblock::gateway
