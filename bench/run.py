@@ -89,13 +89,17 @@ SNAPSHOT = f"/run/cellblock-bench-bin-{os.getpid()}"
 
 
 def snapshot_binaries():
-    """Copies build/bin/cellblock and build/libexec/cellblock/ aside, so every server of
+    """Copies build/bin/cellblock (and cellblock-gateway) and build/libexec/cellblock/ aside, so every server of
     the run is the same build even if the working tree is rebuilt meanwhile."""
     build = os.path.dirname(os.path.dirname(CELLBLOCK))
     shutil.rmtree(SNAPSHOT, ignore_errors=True)
     os.makedirs(os.path.join(SNAPSHOT, "bin"))
     os.chmod(SNAPSHOT, 0o755)
     shutil.copy2(CELLBLOCK, os.path.join(SNAPSHOT, "bin", "cellblock"))
+    # The egress gateway lives beside cellblock (figure 12 starts it).
+    gateway = os.path.join(os.path.dirname(CELLBLOCK), "cellblock-gateway")
+    if os.path.exists(gateway):
+        shutil.copy2(gateway, os.path.join(SNAPSHOT, "bin", "cellblock-gateway"))
     shutil.copytree(os.path.join(build, "libexec", "cellblock"),
                     os.path.join(SNAPSHOT, "libexec", "cellblock"))
     servers.CELLBLOCK = os.path.join(SNAPSHOT, "bin", "cellblock")

@@ -122,8 +122,10 @@ class CellblockServer:
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
-                raise BenchError(f"cellblock serve exited with {self.proc.returncode}: "
-                                 f"{self.log_tail()}")
+                tail = self.log_tail()
+                # A server that did not start leaves no state dir to block the next run.
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+                raise BenchError(f"cellblock serve exited with {self.proc.returncode}: {tail}")
             try:
                 with open(os.path.join(self.state_dir, "server.json")) as f:
                     info = json.load(f)
