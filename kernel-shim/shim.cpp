@@ -86,66 +86,97 @@ std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
     return env;
 }
 
-bool send_all(int fd, const char* data, size_t size) {
-    while (size > 0) {
-        const ssize_t n = send(fd, data, size, MSG_NOSIGNAL);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return false;
-        data += n;
-        size -= static_cast<size_t>(n);
-    }
-    return true;
-}
+// One connection through the forwarder: the client's socket, the gateway's
+// (or none: the session has no gateway, and the client gets kNoNetwork), and
+// what waits to be written each way. Everything is non-blocking; each
+// direction holds at most kPipeBuffer bytes, so a slow side stalls the other
+// instead of growing memory.
+constexpr size_t kPipeBuffer = 64 * 1024;
+constexpr size_t kMaxPipes = 128;
 
-// One connection of the forwarder, in its own process: bytes both ways
-// between the client and the gateway until both are done.
-[[noreturn]] void forward_connection(int client) {
+struct Pipe {
+    int fd[2] = {-1, -1};           // client, gateway (-1: refusing)
+    std::string out[2];             // to write to fd[i]
+    bool eof[2] = {false, false};   // fd[i] sent EOF (or failed)
+    bool shut[2] = {false, false};  // SHUT_WR done on fd[i]
+    int drain_ms = 0;               // refusing: how long to read the client's leftovers
+};
+
+void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
+// A new connection: to the gateway, or the answer that there is none.
+Pipe open_pipe(int client) {
+    Pipe p;
+    p.fd[0] = client;
+    set_nonblocking(client);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     strcpy(addr.sun_path, kEgressSocket);
     const int gateway = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (gateway < 0 || connect(gateway, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-        char head[256];
-        const int n = snprintf(head, sizeof head,
-                               "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
-                               "Connection: close\r\nContent-Length: %zu\r\n\r\n",
-                               sizeof kNoNetwork - 1);
-        send_all(client, head, static_cast<size_t>(n));
-        send_all(client, kNoNetwork, sizeof kNoNetwork - 1);
-        shutdown(client, SHUT_WR);
-        // Read what the client still sends so that it reads the answer, not a reset.
-        timeval tv{1, 0};
-        setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        char sink[4096];
-        for (int i = 0; i < 64 && recv(client, sink, sizeof sink, 0) > 0; ++i) {
-        }
-        _exit(0);
+    // Blocking connect: the gateway accepts at once (its backlog is 64).
+    if (gateway >= 0 && connect(gateway, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+        set_nonblocking(gateway);
+        p.fd[1] = gateway;
+        return p;
     }
-    bool open[2] = {true, true};  // client -> gateway, gateway -> client
-    const int from[2] = {client, gateway}, to[2] = {gateway, client};
-    static char buf[65536];
-    while (open[0] || open[1]) {
-        pollfd fds[2] = {{open[0] ? client : -1, POLLIN, 0}, {open[1] ? gateway : -1, POLLIN, 0}};
-        if (poll(fds, 2, -1) < 0) {
-            if (errno == EINTR) continue;
-            break;
+    if (gateway >= 0) close(gateway);
+    char head[256];
+    const int n = snprintf(head, sizeof head,
+                           "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
+                           "Connection: close\r\nContent-Length: %zu\r\n\r\n",
+                           sizeof kNoNetwork - 1);
+    p.out[0] = std::string(head, static_cast<size_t>(n)) + kNoNetwork;
+    p.eof[1] = true;  // nothing will come from a gateway
+    p.drain_ms = 1000;
+    return p;
+}
+
+// Moves what it can; returns false once the pipe is done.
+bool pump(Pipe& p, const pollfd* polled) {
+    static char buf[kPipeBuffer];
+    for (int i = 0; i < 2; ++i) {
+        const int from = p.fd[i], other = 1 - i;
+        if (from < 0) continue;
+        const short ev = polled[i].revents;
+        // Read from fd[i] into out[other] while there is room.
+        if (!p.eof[i] && (ev & (POLLIN | POLLHUP | POLLERR)) && p.out[other].size() < kPipeBuffer) {
+            const ssize_t n = recv(from, buf, kPipeBuffer - p.out[other].size(), 0);
+            if (n > 0) {
+                if (p.fd[other] >= 0) p.out[other].append(buf, static_cast<size_t>(n));
+            } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+                p.eof[i] = true;
+            }
         }
-        for (int i = 0; i < 2; ++i) {
-            if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-            const ssize_t n = recv(from[i], buf, sizeof buf, 0);
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0 || !send_all(to[i], buf, static_cast<size_t>(n))) {
-                open[i] = false;
-                shutdown(to[i], SHUT_WR);
-                if (i == 1) open[0] = false;  // the gateway is done: so is the connection
+        // Write out[i] to fd[i].
+        if (!p.out[i].empty() && (ev & POLLOUT)) {
+            const ssize_t n = send(from, p.out[i].data(), p.out[i].size(), MSG_NOSIGNAL);
+            if (n > 0) {
+                p.out[i].erase(0, static_cast<size_t>(n));
+            } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+                p.out[i].clear();
+                p.eof[other] = true;  // nothing more can reach it
+                p.eof[i] = true;
             }
         }
     }
-    _exit(0);
+    // A side that ended and whose bytes are delivered: end the other's writing.
+    for (int i = 0; i < 2; ++i) {
+        const int other = 1 - i;
+        if (p.eof[i] && p.out[other].empty() && p.fd[other] >= 0 && !p.shut[other]) {
+            shutdown(p.fd[other], SHUT_WR);
+            p.shut[other] = true;
+        }
+    }
+    if (p.fd[1] < 0) {  // refusing: the answer is out, the client's rest read briefly
+        return !(p.out[0].empty() && (p.eof[0] || p.drain_ms <= 0));
+    }
+    // The gateway is done and its bytes are delivered: the connection is over.
+    return !(p.eof[1] && p.out[0].empty());
 }
 
-// Starts the forwarder: a process listening on 127.0.0.1:kEgressPort that
-// forks one process per connection. It holds none of the shim's descriptors.
+// Starts the forwarder: one process listening on 127.0.0.1:kEgressPort that
+// copies each connection to the gateway's socket in one poll loop. It holds
+// none of the shim's descriptors.
 void start_egress_forwarder() {
     const pid_t pid = fork();
     if (pid != 0) {
@@ -159,12 +190,9 @@ void start_egress_forwarder() {
     for (int fd = 0; fd < 3; ++fd) dup2(devnull, fd);
     for (int fd = 3; fd < 1024; ++fd) close(fd);
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
-    struct sigaction ignore {};
-    ignore.sa_handler = SIG_IGN;
-    ignore.sa_flags = SA_NOCLDWAIT;  // connection processes reap themselves
-    sigaction(SIGCHLD, &ignore, nullptr);
     signal(SIGINT, SIG_IGN);
-    const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    signal(SIGPIPE, SIG_IGN);
+    const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     const int one = 1;
     setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     sockaddr_in addr{};
@@ -175,22 +203,44 @@ void start_egress_forwarder() {
         listen(listener, 64) != 0) {
         _exit(1);  // the port is taken: HTTP_PROXY then reaches whatever took it
     }
+    std::vector<Pipe> pipes;
+    std::vector<pollfd> fds;
     for (;;) {
-        const int client = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-        if (client < 0) {
-            if (errno == EINTR || errno == ECONNABORTED) continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                usleep(100000);
+        fds.assign(1, pollfd{pipes.size() < kMaxPipes ? listener : -1, POLLIN, 0});
+        bool draining = false;
+        for (const Pipe& p : pipes) {
+            for (int i = 0; i < 2; ++i) {
+                short events = 0;
+                if (p.fd[i] >= 0 && !p.eof[i] && p.out[1 - i].size() < kPipeBuffer)
+                    events |= POLLIN;
+                if (p.fd[i] >= 0 && !p.out[i].empty()) events |= POLLOUT;
+                fds.push_back({events ? p.fd[i] : -1, events, 0});
+            }
+            draining = draining || (p.fd[1] < 0 && p.out[0].empty());
+        }
+        const int wait_ms = draining ? 100 : -1;
+        if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) _exit(1);
+        for (size_t k = 0; k < pipes.size();) {
+            Pipe& p = pipes[k];
+            if (p.fd[1] < 0 && p.out[0].empty()) p.drain_ms -= 100;
+            if (pump(p, &fds[1 + 2 * k])) {
+                ++k;
                 continue;
             }
-            _exit(1);
+            for (int fd : p.fd)
+                if (fd >= 0) close(fd);
+            // Keep the poll slots lined up with the pipes still open.
+            fds.erase(fds.begin() + 1 + 2 * static_cast<long>(k),
+                      fds.begin() + 3 + 2 * static_cast<long>(k));
+            pipes.erase(pipes.begin() + static_cast<long>(k));
         }
-        const pid_t child = fork();
-        if (child == 0) {
-            close(listener);
-            forward_connection(client);
+        if (fds[0].revents & POLLIN) {
+            int client;
+            while (pipes.size() < kMaxPipes &&
+                   (client = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) >= 0) {
+                pipes.push_back(open_pipe(client));
+            }
         }
-        close(client);
     }
 }
 
