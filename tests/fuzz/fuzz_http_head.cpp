@@ -158,6 +158,26 @@ void fuzz_rules(std::string_view text) {
     }
 }
 
+// The body after a head: its framing, and a chunked scanner fed the rest in
+// two pieces, which never takes more than it was fed nor anything once failed.
+void fuzz_body(std::string_view text) {
+    const HeadParse parsed = gateway::parse_request_head(text);
+    if (parsed.status != HeadParse::Status::complete) return;
+    const gateway::BodyFraming framing = gateway::body_framing(parsed.head);
+    FUZZ_CHECK(framing.ok || !framing.error.empty(), "a refused framing without a reason");
+    const std::string_view rest = text.substr(parsed.head.head_bytes);
+    gateway::ChunkedScanner scanner;
+    const std::size_t cut = rest.size() / 2;
+    const std::size_t first = scanner.feed(rest.substr(0, cut));
+    FUZZ_CHECK(first <= cut, "the scanner took %zu of %zu bytes", first, cut);
+    const bool failed_early = scanner.failed(), done_early = scanner.done();
+    const std::size_t second = scanner.feed(rest.substr(cut));
+    FUZZ_CHECK(second <= rest.size() - cut, "the scanner took more than it was fed");
+    FUZZ_CHECK(!failed_early || second == 0, "the scanner went on after failing");
+    FUZZ_CHECK(!done_early || second == 0, "the scanner took bytes after the end");
+    FUZZ_CHECK(!(scanner.done() && scanner.failed()), "done and failed at once");
+}
+
 }  // namespace
 }  // namespace cellblock::fuzz
 
@@ -171,5 +191,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     small.max_headers = 4;
     fuzz_head(text, small);
     if (size <= 300) fuzz_rules(text);
+    fuzz_body(text);
     return 0;
 }
