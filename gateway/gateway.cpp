@@ -146,7 +146,7 @@ class Gateway {
     void on_accept(const std::shared_ptr<Session>& session);
     void report(const Session& session, const Event& event);
     void handle(std::shared_ptr<Session> session, UniqueFd client);
-    void serve_connection(Session& session, int client, Event& event);
+    void serve_connection(Session& session, int client, const std::string& first, Event& event);
     void relay(Session& session, Side& client, Side& upstream, const std::string& first,
                bool read_status, BodyLimit* body, Event& event);
 
@@ -491,11 +491,79 @@ void Gateway::report(const Session& session, const Event& event) {
     }
 }
 
+// The sandbox's forwarder hands over the code's own TCP connection: one byte
+// with the socket attached (SCM_RIGHTS), so bytes then go between the code and
+// the gateway with no copy in the sandbox. Anything that sends no socket is
+// itself the client, its first byte already read into `first`. A passed
+// descriptor that is not a TCP stream socket is refused (the sandbox chose it).
+UniqueFd take_passed_socket(int conn, double timeout_s, std::string& first, std::string& why) {
+    pollfd p{conn, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(timeout_s * 1000)) <= 0) {
+        why = "no request within " + seconds_text(timeout_s) + " s (network.request_timeout_s)";
+        return {};
+    }
+    char byte = 0;
+    iovec iov{&byte, 1};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t n;
+    do {
+        n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    UniqueFd passed;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (std::size_t i = 0; i < count; ++i) {
+            int fd;
+            std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+            if (!passed) {
+                passed.reset(fd);
+            } else {
+                ::close(fd);
+            }
+        }
+    }
+    if (n <= 0) {
+        why = "closed before a request";
+        return {};
+    }
+    if (!passed) {
+        first.assign(1, byte);
+        return {};
+    }
+    int type = 0, domain = 0;
+    socklen_t size = sizeof type;
+    const bool stream =
+        ::getsockopt(passed.get(), SOL_SOCKET, SO_TYPE, &type, &size) == 0 && type == SOCK_STREAM;
+    size = sizeof domain;
+    const bool inet = ::getsockopt(passed.get(), SOL_SOCKET, SO_DOMAIN, &domain, &size) == 0 &&
+                      (domain == AF_INET || domain == AF_INET6);
+    if (!stream || !inet || (msg.msg_flags & MSG_CTRUNC)) {
+        why = "the forwarder passed a descriptor that is not a TCP connection";
+        return {};
+    }
+    return passed;
+}
+
 void Gateway::handle(std::shared_ptr<Session> session, UniqueFd client) {
     Event event;
+    std::string first;
+    UniqueFd passed =
+        take_passed_socket(client.get(), session->limits.request_timeout_s, first, event.reason);
+    if (!passed && first.empty()) {
+        --session->active;
+        report(*session, event);
+        return;
+    }
+    if (passed) client = std::move(passed);  // the forwarder's connection closes here
     session->track(client.get());
     try {
-        serve_connection(*session, client.get(), event);
+        serve_connection(*session, client.get(), first, event);
     } catch (const std::exception& e) {
         event.reason = std::string("gateway error: ") + e.what();
     }
@@ -595,7 +663,8 @@ HeadParse read_head(Side& side, std::string& buffer, double timeout_s, std::stri
     }
 }
 
-void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
+void Gateway::serve_connection(Session& session, int client_fd, const std::string& first,
+                               Event& event) {
     const NetworkLimits& limits = session.limits;
     set_timeouts(client_fd, limits.request_timeout_s);
     Side client(client_fd);
@@ -613,7 +682,7 @@ void Gateway::serve_connection(Session& session, int client_fd, Event& event) {
     };
 
     // The request head, every size bounded (http_head.hpp).
-    std::string buffer;
+    std::string buffer = first;
     std::string why;
     bool timed_out = false;
     HeadParse parsed = read_head(client, buffer, limits.request_timeout_s, why, timed_out);
