@@ -458,6 +458,7 @@ print(answer.split(b"\r\n")[0].decode(), round(time.monotonic() - start))
 
 
 def test_a_connection_flood_holds_only_the_sessions_cap(gw):
+    """10,000 connections to one session's socket, none sending a byte."""
     sid, kc, _ = gateway_session(gw, max_connections=4)
     _, other, _ = gateway_session(gw)
     sock_path = os.path.join(gw.state_dir, "sessions", sid, "ipc", "egress.sock")
@@ -465,7 +466,7 @@ def test_a_connection_flood_holds_only_the_sessions_cap(gw):
     threads_before = int(status_of(pid)["Threads"])
     held = []
     try:
-        for _ in range(2000):
+        for _ in range(10_000):
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             c.connect(sock_path)  # blocking: a full backlog waits for the gateway's accept
             c.settimeout(10)
@@ -483,9 +484,67 @@ def test_a_connection_flood_holds_only_the_sessions_cap(gw):
             c.close()
     # The audit did not get a row per refused connection.
     events = wait_for(lambda: egress_events(gw, sid))
-    assert len(events) <= 2000 // 100 + 10, len(events)
+    assert len(events) <= 10_000 // 100 + 10, len(events)
 
 
 def status_of(pid):
     with open(f"/proc/{pid}/status") as f:
         return dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+
+
+def test_malformed_connect_lines_are_refused(gw):
+    sid, kc, _ = gateway_session(gw)
+    out = run(kc, r"""
+import socket
+for line in (b"CONNECT tunnel.cellblock.test HTTP/1.1", b"CONNECT :80 HTTP/1.1",
+             b"CONNECT [::1 HTTP/1.1", b"CONNECT tunnel.cellblock.test:99999 HTTP/1.1",
+             b"CONNECT user@tunnel.cellblock.test:80 HTTP/1.1", b"CONNECT  HTTP/1.1"):
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+    s.sendall(line + b"\r\n\r\n")
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    print(got.split(b"\r\n")[0].decode())
+""")
+    lines = out.strip().splitlines()
+    assert len(lines) == 6 and all(line.startswith("HTTP/1.1 400") for line in lines), lines
+
+
+def test_what_the_sandbox_passes_the_gateway_must_be_a_tcp_connection(gw):
+    """The forwarder hands connections over with SCM_RIGHTS; code in the sandbox
+    can do the same with a descriptor of its choosing, or speak HTTP on the
+    socket itself."""
+    sid, kc, _ = gateway_session(gw)
+    out = run(kc, rf"""
+import os, socket
+def over_unix(data, fds=()):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect("/run/cellblock/egress.sock")
+    if fds:
+        socket.send_fds(s, [b"F"], list(fds))
+    else:
+        s.sendall(data)
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except OSError:
+        pass
+    s.close()
+    return got.split(b"\r\n")[0].decode() or "closed"
+r, w = os.pipe()
+print(over_unix(b"", [r]))                                  # a pipe: refused
+print(over_unix(b"", [os.open("/tmp", os.O_RDONLY)]))       # a directory: refused
+u1, u2 = socket.socketpair()
+print(over_unix(b"", [u1.fileno()]))                        # a unix socket: refused
+print(over_unix(b"GET http://{API}:{gw.http_port}/echo HTTP/1.1\r\n\r\n"))  # HTTP itself: served
+""")
+    lines = out.strip().splitlines()
+    assert lines[:3] == ["closed"] * 3, lines
+    assert lines[3].startswith("HTTP/1.") and " 200 " in lines[3], lines
+    events = wait_for(lambda: len(egress_events(gw, sid)) >= 4 and egress_events(gw, sid))
+    refused = [e for e in events if "not a TCP connection" in e["reason"]]
+    assert len(refused) == 3, events
+    assert fetch(kc, f"http://{API}:{gw.http_port}/echo")["status"] == 200
