@@ -119,7 +119,7 @@ def egress_figure(bench):
     args = ["--egress-allow", f"{HOST}:{hp}", "--egress-allow", f"{HOST}:{sp}",
             "--egress-allow", f"{SECRET_HOST}:{sp}",
             "--egress-resolve", f"{HOST}=127.0.0.1", "--egress-resolve", f"{SECRET_HOST}=127.0.0.1",
-            "--egress-private", "127.0.0.1/32", "--egress-ca", cert,
+            "--egress-private", "127.0.0.1/32", "--egress-ca", cert, "--egress-no-dns",
             "--egress-secret", f"{SECRET_HOST}:Authorization=env:CELLBLOCK_BENCH_TOKEN"]
     rows = []
     try:

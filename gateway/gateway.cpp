@@ -52,6 +52,7 @@ struct Config {
     std::vector<AddressRange> opted_in;         // reserved ranges the operator allows
     std::map<std::string, IpAddress> pins;      // name -> the address it resolves to
     std::unique_ptr<UpstreamTls> upstream_tls;  // for hosts with secrets
+    bool dns = true;                            // false: only pinned names and IP literals resolve
 };
 
 // A credential for one host, added to that host's requests (never logged).
@@ -192,6 +193,12 @@ bool send_all(int fd, std::string_view data) {
 std::vector<IpAddress> resolve(const std::string& host, const Config& config, std::string& why) {
     if (auto pin = config.pins.find(host); pin != config.pins.end()) return {pin->second};
     if (auto literal = IpAddress::parse(host)) return {*literal};
+    if (!config.dns) {
+        why = "cannot resolve " + host +
+              ": this server resolves only the names it was given "
+              "(--egress-resolve)";
+        return {};
+    }
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -396,6 +403,7 @@ void Gateway::on_control() {
                 if (!ip) throw std::runtime_error("not an address: " + address.dump());
                 config_.pins[normalise_host(name)] = *ip;
             }
+            config_.dns = message.value("dns", true);
             config_.upstream_tls =
                 std::make_unique<UpstreamTls>(message.value("extra_ca", std::string()));
             configured_ = true;

@@ -87,20 +87,30 @@ std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
     return env;
 }
 
+// One connection through the forwarder: the client's socket, the gateway's
+// (or none: the session has no gateway, and the client gets kNoNetwork), and
+// what waits to be written each way. Everything is non-blocking; each
+// direction holds at most kPipeBuffer bytes, so a slow side stalls the other
+// instead of growing memory.
+constexpr size_t kPipeBuffer = 64 * 1024;
+constexpr size_t kMaxPipes = 128;
+
+struct Pipe {
+    int fd[2] = {-1, -1};           // client, gateway (-1: refusing)
+    std::string out[2];             // to write to fd[i]
+    bool eof[2] = {false, false};   // fd[i] sent EOF (or failed)
+    bool shut[2] = {false, false};  // SHUT_WR done on fd[i]
+    int drain_ms = 0;               // refusing: how long to read the client's leftovers
+};
+
+void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
+
 // Hands the client's connection to the gateway: one byte with the socket
 // attached (SCM_RIGHTS). From then on the gateway talks to the client
-// directly; the forwarder copies nothing.
-bool pass_to_gateway(int client) {
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    strcpy(addr.sun_path, kEgressSocket);
-    const int gateway = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (gateway < 0) return false;
-    // Blocking connect: the gateway accepts at once (its backlog is 64).
-    if (connect(gateway, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-        close(gateway);
-        return false;
-    }
+// directly; the forwarder copies nothing. Under runsc the code's sockets live
+// in gVisor's netstack and cannot be passed to a host process: there the
+// forwarder copies (copy_mode).
+bool pass_to_gateway(int gateway, int client) {
     char byte = 'F';
     iovec iov{&byte, 1};
     alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
@@ -118,61 +128,91 @@ bool pass_to_gateway(int client) {
     do {
         n = sendmsg(gateway, &msg, MSG_NOSIGNAL);
     } while (n < 0 && errno == EINTR);
-    close(gateway);
-    return true;  // sent or not, the connection is the gateway's (or closed)
+    return n == 1;
 }
 
-// A connection of a session without a gateway: the answer saying so, then
-// whatever the client still sends, read for a moment so that closing does not
-// reset the connection before the client has read the answer.
-constexpr size_t kMaxRefusals = 64;
-constexpr int kDrainMs = 1000;
-
-struct Refusal {
-    int fd = -1;
-    std::string out;
-    int drain_ms = kDrainMs;
-    bool done = false;
-};
-
-Refusal refuse(int client) {
-    Refusal r;
-    r.fd = client;
-    fcntl(client, F_SETFL, fcntl(client, F_GETFL) | O_NONBLOCK);
+// A new connection: to the gateway, or the answer that there is none.
+// A new connection: handed to the gateway (true: nothing left to do here),
+// or a pipe that copies it to the gateway (copy_mode) or answers that there is
+// no gateway.
+bool open_pipe(int client, bool copy_mode, Pipe& p) {
+    p.fd[0] = client;
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    strcpy(addr.sun_path, kEgressSocket);
+    const int gateway = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    // Blocking connect: the gateway accepts at once (its backlog is 64).
+    if (gateway >= 0 && connect(gateway, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+        if (!copy_mode && pass_to_gateway(gateway, client)) {
+            close(gateway);
+            close(client);
+            return true;
+        }
+        set_nonblocking(client);
+        set_nonblocking(gateway);
+        p.fd[1] = gateway;
+        return false;
+    }
+    if (gateway >= 0) close(gateway);
+    set_nonblocking(client);
     char head[256];
     const int n = snprintf(head, sizeof head,
                            "HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\n"
                            "Connection: close\r\nContent-Length: %zu\r\n\r\n",
                            sizeof kNoNetwork - 1);
-    r.out = std::string(head, static_cast<size_t>(n)) + kNoNetwork;
-    return r;
+    p.out[0] = std::string(head, static_cast<size_t>(n)) + kNoNetwork;
+    p.eof[1] = true;  // nothing will come from a gateway
+    p.drain_ms = 1000;
+    return false;
 }
 
-void advance(Refusal& r, short revents, int elapsed_ms) {
-    if (!r.out.empty() && (revents & (POLLOUT | POLLERR | POLLHUP))) {
-        const ssize_t n = send(r.fd, r.out.data(), r.out.size(), MSG_NOSIGNAL);
-        if (n > 0) {
-            r.out.erase(0, static_cast<size_t>(n));
-            if (r.out.empty()) shutdown(r.fd, SHUT_WR);
-        } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-            r.done = true;
-            return;
+// Moves what it can; returns false once the pipe is done.
+bool pump(Pipe& p, const pollfd* polled) {
+    static char buf[kPipeBuffer];
+    for (int i = 0; i < 2; ++i) {
+        const int from = p.fd[i], other = 1 - i;
+        if (from < 0) continue;
+        const short ev = polled[i].revents;
+        // Read from fd[i] into out[other] while there is room.
+        if (!p.eof[i] && (ev & (POLLIN | POLLHUP | POLLERR)) && p.out[other].size() < kPipeBuffer) {
+            const ssize_t n = recv(from, buf, kPipeBuffer - p.out[other].size(), 0);
+            if (n > 0) {
+                if (p.fd[other] >= 0) p.out[other].append(buf, static_cast<size_t>(n));
+            } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+                p.eof[i] = true;
+            }
+        }
+        // Write out[i] to fd[i].
+        if (!p.out[i].empty() && (ev & POLLOUT)) {
+            const ssize_t n = send(from, p.out[i].data(), p.out[i].size(), MSG_NOSIGNAL);
+            if (n > 0) {
+                p.out[i].erase(0, static_cast<size_t>(n));
+            } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+                p.out[i].clear();
+                p.eof[other] = true;  // nothing more can reach it
+                p.eof[i] = true;
+            }
         }
     }
-    if (r.out.empty()) {
-        r.drain_ms -= elapsed_ms;
-        if (revents & (POLLIN | POLLERR | POLLHUP)) {
-            char sink[4096];
-            const ssize_t n = recv(r.fd, sink, sizeof sink, 0);
-            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) r.done = true;
+    // A side that ended and whose bytes are delivered: end the other's writing.
+    for (int i = 0; i < 2; ++i) {
+        const int other = 1 - i;
+        if (p.eof[i] && p.out[other].empty() && p.fd[other] >= 0 && !p.shut[other]) {
+            shutdown(p.fd[other], SHUT_WR);
+            p.shut[other] = true;
         }
-        if (r.drain_ms <= 0) r.done = true;
     }
+    if (p.fd[1] < 0) {  // refusing: the answer is out, the client's rest read briefly
+        return !(p.out[0].empty() && (p.eof[0] || p.drain_ms <= 0));
+    }
+    // The gateway is done and its bytes are delivered: the connection is over.
+    return !(p.eof[1] && p.out[0].empty());
 }
 
 // Starts the forwarder: one process listening on 127.0.0.1:kEgressPort that
-// hands each connection to the gateway, or answers that there is none, in one
-// poll loop. It holds none of the shim's descriptors.
+// hands each connection to the gateway (or, under runsc, copies it), or
+// answers that there is none, in one poll loop. It holds none of the shim's
+// descriptors.
 void start_egress_forwarder() {
     const pid_t pid = fork();
     if (pid != 0) {
@@ -199,39 +239,46 @@ void start_egress_forwarder() {
         listen(listener, 64) != 0) {
         _exit(1);  // the port is taken: HTTP_PROXY then reaches whatever took it
     }
-    std::vector<Refusal> refusals;
+    // Under runsc (its init connects its lifeline by path) sockets cannot be
+    // passed to the host: copy.
+    const bool copy_mode = getenv("CELLBLOCK_LIFELINE") != nullptr;
+    std::vector<Pipe> pipes;
     std::vector<pollfd> fds;
     for (;;) {
-        fds.assign(1, pollfd{refusals.size() < kMaxRefusals ? listener : -1, POLLIN, 0});
-        for (const Refusal& r : refusals) {
-            fds.push_back({r.fd, static_cast<short>(r.out.empty() ? POLLIN : POLLOUT), 0});
+        fds.assign(1, pollfd{pipes.size() < kMaxPipes ? listener : -1, POLLIN, 0});
+        bool draining = false;
+        for (const Pipe& p : pipes) {
+            for (int i = 0; i < 2; ++i) {
+                short events = 0;
+                if (p.fd[i] >= 0 && !p.eof[i] && p.out[1 - i].size() < kPipeBuffer)
+                    events |= POLLIN;
+                if (p.fd[i] >= 0 && !p.out[i].empty()) events |= POLLOUT;
+                fds.push_back({events ? p.fd[i] : -1, events, 0});
+            }
+            draining = draining || (p.fd[1] < 0 && p.out[0].empty());
         }
-        constexpr int kTickMs = 100;
-        const auto before = std::chrono::steady_clock::now();
-        if (poll(fds.data(), fds.size(), refusals.empty() ? -1 : kTickMs) < 0 && errno != EINTR)
-            _exit(1);
-        const int elapsed = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                 std::chrono::steady_clock::now() - before)
-                                                 .count());
-        for (size_t k = 0; k < refusals.size(); ++k)
-            advance(refusals[k], fds[1 + k].revents, elapsed);
-        for (auto it = refusals.begin(); it != refusals.end();) {
-            if (!it->done) {
-                ++it;
+        const int wait_ms = draining ? 100 : -1;
+        if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) _exit(1);
+        for (size_t k = 0; k < pipes.size();) {
+            Pipe& p = pipes[k];
+            if (p.fd[1] < 0 && p.out[0].empty()) p.drain_ms -= 100;
+            if (pump(p, &fds[1 + 2 * k])) {
+                ++k;
                 continue;
             }
-            close(it->fd);
-            it = refusals.erase(it);
+            for (int fd : p.fd)
+                if (fd >= 0) close(fd);
+            // Keep the poll slots lined up with the pipes still open.
+            fds.erase(fds.begin() + 1 + 2 * static_cast<long>(k),
+                      fds.begin() + 3 + 2 * static_cast<long>(k));
+            pipes.erase(pipes.begin() + static_cast<long>(k));
         }
         if (fds[0].revents & POLLIN) {
             int client;
-            while (refusals.size() < kMaxRefusals &&
+            while (pipes.size() < kMaxPipes &&
                    (client = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC)) >= 0) {
-                if (pass_to_gateway(client)) {
-                    close(client);
-                } else {
-                    refusals.push_back(refuse(client));
-                }
+                Pipe p;
+                if (!open_pipe(client, copy_mode, p)) pipes.push_back(std::move(p));
             }
         }
     }

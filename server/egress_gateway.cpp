@@ -159,7 +159,8 @@ void EgressGateway::start() {
     send({{"op", "config"},
           {"private", options_.private_ranges},
           {"resolve", resolve},
-          {"extra_ca", extra_ca_}});
+          {"extra_ca", extra_ca_},
+          {"dns", options_.dns}});
     for (const auto& [id, entry] : sessions_) send(entry.add, entry.listener.get());
     spdlog::info("egress gateway: pid {} as uid {}", pid_, options_.uid);
 }

@@ -39,6 +39,7 @@ struct EgressOptions {
     std::vector<std::string> private_ranges;     // CIDRs the operator opts in (tests' loopback)
     std::map<std::string, std::string> resolve;  // name -> address, instead of DNS
     std::string extra_ca_file;  // PEM the gateway trusts upstream besides the system's
+    bool dns = true;            // false (--egress-no-dns): names outside `resolve` do not resolve
     uid_t uid = 65534;          // the gateway's user and group when the server is root
     gid_t gid = 65534;
 };

@@ -220,6 +220,9 @@ int main(int argc, char** argv) {
         "gateway to add to their HTTPS requests for HOST (repeatable; never enters the sandbox)");
     serve_cmd->add_option("--egress-ca", serve.egress_ca,
                           "PEM file of CAs the gateway trusts upstream besides the system's");
+    serve_cmd->add_flag("--egress-no-dns", serve.egress_no_dns,
+                        "the gateway resolves only --egress-resolve names (and IP literals): "
+                        "no DNS query ever");
     serve_cmd->add_option("--egress-user", serve.egress_user, "the user the gateway runs as")
         ->capture_default_str();
     serve_cmd

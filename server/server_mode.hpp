@@ -28,6 +28,7 @@ struct ServeOptions {
     std::map<std::string, std::string> egress_resolve;  // --egress-resolve NAME=ADDRESS
     std::string egress_user = "nobody";                 // --egress-user
     std::string egress_ca;                              // --egress-ca FILE
+    bool egress_no_dns = false;                         // --egress-no-dns
 };
 
 // Runs until SIGTERM/SIGINT; returns the process exit code.

@@ -152,6 +152,7 @@ Server::Server(const ServeOptions& options)
         egress.private_ranges = options_.egress_private;
         egress.resolve = options_.egress_resolve;
         egress.extra_ca_file = options_.egress_ca;
+        egress.dns = !options_.egress_no_dns;
         // A secret the server offers must be there now, not at a session's create.
         for (const auto& secret : options_.policy.maxima.network.secrets) {
             (void)read_secret(secret.value_from);

@@ -13,6 +13,7 @@ the gateway must refuse before connecting.
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
 import socketserver
@@ -91,6 +92,8 @@ def gw(upstreams):
         "--egress-resolve", f"{TUNNEL}=127.0.0.1",
         "--egress-resolve", f"{RESERVED}=127.0.0.2",
         "--egress-private", "127.0.0.1/32",
+        # Nothing here may ask a DNS server: names not pinned do not resolve.
+        "--egress-no-dns",
     ])
     srv.http_port, srv.echo_port = http_port, echo_port
     yield srv
@@ -548,3 +551,25 @@ print(over_unix(b"GET http://{API}:{gw.http_port}/echo HTTP/1.1\r\n\r\n"))  # HT
     refused = [e for e in events if "not a TCP connection" in e["reason"]]
     assert len(refused) == 3, events
     assert fetch(kc, f"http://{API}:{gw.http_port}/echo")["status"] == 200
+
+
+@pytest.mark.skipif(shutil.which("runsc") is None, reason="runsc (gVisor) is not installed")
+def test_a_gvisor_session_reaches_the_gateway_too(gw):
+    """Under runsc the code's sockets live in gVisor's netstack and cannot be
+    handed to a host process: the forwarder copies instead."""
+    sid, kc, reply = gw.open_session(image="host-gvisor", limits={"network": {
+        "mode": "gateway", "allow": [f"{API}:{gw.http_port}"]}})
+    assert reply["runtime"] == "runsc", reply
+    got = fetch(kc, f"http://{API}:{gw.http_port}/echo?gvisor=1")
+    assert got["status"] == 200 and json.loads(got["body"])["path"] == "/echo?gvisor=1", got
+    got = fetch(kc, f"http://other.cellblock.test:{gw.http_port}/")
+    assert got["status"] == 403 and "allowlist" in got["body"], got
+
+
+def test_names_not_pinned_do_not_resolve_under_no_dns(gw):
+    """With --egress-no-dns (every fixture here) an allowed name that was not
+    pinned is refused without a lookup: the suite never asks a DNS server."""
+    sid, kc, _ = gateway_session(gw)  # everything the server allows: *.cellblock.test:PORT
+    got = fetch(kc, f"http://unpinned.cellblock.test:{gw.http_port}/")
+    assert got["status"] == 502, got
+    assert "resolves only the names it was given" in got["body"], got

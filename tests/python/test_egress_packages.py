@@ -89,6 +89,8 @@ def pkg_server():
         "--egress-allow", f"{INDEX}:{port}",
         "--egress-resolve", f"{INDEX}=127.0.0.1",
         "--egress-private", "127.0.0.1/32",
+        # Nothing here may ask a DNS server: names not pinned do not resolve.
+        "--egress-no-dns",
     ])
     srv.index_url = f"http://{INDEX}:{port}/simple/"
     srv.trusted = f"{INDEX}:{port}"

@@ -91,6 +91,8 @@ def sgw():
             "--egress-resolve", f"{PASS_HOST}=127.0.0.1",
             "--egress-resolve", f"{BAD_HOST}=127.0.0.1",
             "--egress-private", "127.0.0.1/32",
+        # Nothing here may ask a DNS server: names not pinned do not resolve.
+        "--egress-no-dns",
             "--egress-ca", good_cert,
             "--egress-secret", f"{SECRET_HOST}:Authorization=env:CB_TEST_EGRESS_TOKEN",
             "--egress-secret", f"{SECRET_HOST}:X-Api-Key=file:{key_file}",
