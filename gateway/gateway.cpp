@@ -42,6 +42,7 @@ namespace {
 // closed unread (each one is a thread).
 constexpr int kMaxThreads = 512;
 constexpr std::size_t kRelayChunk = 64 * 1024;
+constexpr std::size_t kSpliceChunk = 256 * 1024;
 
 void log_line(const std::string& text) {
     const std::string line = "cellblock-gateway: " + text + "\n";
@@ -927,6 +928,22 @@ void Gateway::relay(Session& session, Side& client, Side& upstream, const std::s
     Side* from[2] = {&client, &upstream};
     Side* to[2] = {&upstream, &client};
     std::vector<char> chunk(kRelayChunk);
+    // Bytes that need no look (a tunnel; a response after its status line)
+    // move socket -> pipe -> socket with splice(2): the kernel moves them and
+    // the gateway never copies them. TLS the gateway terminates, and a
+    // request's body (its framing is checked), go through `chunk`.
+    struct Pipe {
+        UniqueFd r, w;
+    } pipes[2];
+    if (!client.ssl && !upstream.ssl) {
+        for (auto& pipe : pipes) {
+            int fds[2];
+            if (::pipe2(fds, O_CLOEXEC) != 0) break;
+            pipe.r.reset(fds[0]);
+            pipe.w.reset(fds[1]);
+            ::fcntl(fds[1], F_SETPIPE_SZ, static_cast<int>(kSpliceChunk));  // best effort
+        }
+    }
     const int idle_ms = static_cast<int>(limits.request_timeout_s * 1000);
     while (open[0] || open[1]) {
         pollfd fds[2] = {{open[0] ? client.fd : -1, POLLIN, 0},
@@ -944,6 +961,37 @@ void Gateway::relay(Session& session, Side& client, Side& upstream, const std::s
             if (!open[side]) continue;
             if (!(fds[side].revents & (POLLIN | POLLHUP | POLLERR)) && !from[side]->pending())
                 continue;
+            const bool zero_copy = pipes[side].r && !(side == 0 && body) &&
+                                   !(side == 1 && read_status && event.down == 0);
+            if (zero_copy) {
+                const ssize_t n = ::splice(from[side]->fd, nullptr, pipes[side].w.get(), nullptr,
+                                           kSpliceChunk, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+                if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+                if (n <= 0) {
+                    open[side] = false;
+                    to[side]->shutdown_write();
+                    if (side == 1) open[0] = false;
+                    continue;
+                }
+                if (!charge(static_cast<std::size_t>(n))) {
+                    event.reason = "byte cap (network.max_bytes " +
+                                   std::to_string(limits.max_bytes) + ") reached; connection cut";
+                    event.verdict = "cut";
+                    return;
+                }
+                for (ssize_t left = n; left > 0;) {
+                    const ssize_t m = ::splice(pipes[side].r.get(), nullptr, to[side]->fd, nullptr,
+                                               static_cast<std::size_t>(left), SPLICE_F_MOVE);
+                    if (m < 0 && errno == EINTR) continue;
+                    if (m <= 0) {
+                        event.reason = side == 0 ? "upstream closed" : "client closed";
+                        return;
+                    }
+                    left -= m;
+                }
+                (side == 0 ? event.up : event.down) += n;
+                continue;
+            }
             const ssize_t n = from[side]->read(chunk.data(), chunk.size());
             if (n == Side::kNothing) continue;
             if (n <= 0) {
