@@ -48,6 +48,18 @@ std::optional<SessionLimits> expect_policy(const char* what,
 void check_positive_and_round_trip(const SessionLimits& l, const char* what) {
     const json fields = l.to_json();
     for (const auto& [name, value] : fields.items()) {
+        if (name == "network") {
+            // The one object: a mode, lists, and positive caps.
+            FUZZ_CHECK(value.is_object() &&
+                           (value["mode"] == "none" || value["mode"] == "gateway") &&
+                           value["allow"].is_array() && value["secrets"].is_array(),
+                       "%s: network is %s", what, value.dump().c_str());
+            for (const char* cap : {"max_bytes", "max_connections", "request_timeout_s"}) {
+                FUZZ_CHECK(value[cap].is_number() && value[cap].get<double>() > 0,
+                           "%s: network.%s is %s", what, cap, value[cap].dump().c_str());
+            }
+            continue;
+        }
         FUZZ_CHECK(value.is_number() && value.get<double>() > 0, "%s: %s is %s", what, name.c_str(),
                    value.dump().c_str());
     }
