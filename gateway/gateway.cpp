@@ -206,31 +206,9 @@ UniqueFd take_passed_socket(int conn, double timeout_s, std::string& first, std:
         return {};
     }
     char byte = 0;
-    iovec iov{&byte, 1};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)] = {};
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    ssize_t n;
-    do {
-        n = ::recvmsg(conn, &msg, MSG_CMSG_CLOEXEC);
-    } while (n < 0 && errno == EINTR);
     UniqueFd passed;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (std::size_t i = 0; i < count; ++i) {
-            int fd;
-            std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-            if (!passed) {
-                passed.reset(fd);
-            } else {
-                ::close(fd);
-            }
-        }
-    }
+    int flags = 0;
+    const ssize_t n = receive_with_fd(conn, &byte, 1, passed, flags);
     if (n <= 0) {
         why = "closed before a request";
         return {};
@@ -246,7 +224,7 @@ UniqueFd take_passed_socket(int conn, double timeout_s, std::string& first, std:
     size = sizeof domain;
     const bool inet = ::getsockopt(passed.get(), SOL_SOCKET, SO_DOMAIN, &domain, &size) == 0 &&
                       (domain == AF_INET || domain == AF_INET6);
-    if (!stream || !inet || (msg.msg_flags & MSG_CTRUNC)) {
+    if (!stream || !inet || (flags & MSG_CTRUNC)) {
         why = "the forwarder passed a descriptor that is not a TCP connection";
         return {};
     }

@@ -16,7 +16,11 @@
 
 #include <string>
 
+#include <sys/types.h>
+
 #include <nlohmann/json.hpp>
+
+#include "cellblock/unique_fd.hpp"
 
 namespace cellblock::gateway {
 
@@ -29,6 +33,12 @@ int serve(int control_fd);
 // Sends one control message, with `fd` attached when it is not -1. Throws
 // std::system_error on failure.
 void send_control(int control_fd, const nlohmann::json& message, int fd = -1);
+
+// One recvmsg (EINTR retried): up to `size` bytes into `data`, the first
+// descriptor attached kept in `fd` (any others closed at once), the message's
+// MSG_* flags in `flags`. Returns what recvmsg returned (-1: errno says why).
+// Shared by the control socket and the forwarder's hand-over.
+ssize_t receive_with_fd(int socket, char* data, std::size_t size, UniqueFd& fd, int& flags);
 
 // Receives one control message and the fd attached to it (-1: none; the
 // caller owns it). Returns false at EOF. Throws on a malformed message.
