@@ -335,6 +335,15 @@ def execute(kc, code, metadata=None, timeout=60):
     return reply, iopub
 
 
+def run_ok(kc, code, timeout=60):
+    """Executes code that must succeed (the error's content in the assertion);
+    returns its stdout."""
+    reply, msgs = execute(kc, code, timeout=timeout)
+    errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+    assert reply["content"]["status"] == "ok", (reply["content"], errors)
+    return stream_text(msgs)
+
+
 def drain(channel_get, timeout=0.3):
     msgs = []
     while True:

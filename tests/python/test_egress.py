@@ -18,12 +18,11 @@ import signal
 import socket
 import socketserver
 import threading
-import time
 
 import pytest
 
 import server_helpers as sh
-from server_helpers import execute, server_factory, stream_text, wait_for  # noqa: F401
+from server_helpers import execute, server_factory, wait_for  # noqa: F401
 
 API = "api.cellblock.test"
 TUNNEL = "tunnel.cellblock.test"
@@ -101,11 +100,7 @@ def gw(upstreams):
     assert not problems, "\n".join(problems)
 
 
-def run(kc, code, timeout=60):
-    reply, msgs = execute(kc, code, timeout=timeout)
-    errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
-    assert reply["content"]["status"] == "ok", (reply["content"], errors)
-    return stream_text(msgs)
+run = sh.run_ok  # executes code that must succeed; its stdout
 
 
 # Fetches a URL through the environment's proxy settings and prints

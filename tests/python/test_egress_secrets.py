@@ -22,7 +22,7 @@ import threading
 import pytest
 
 import server_helpers as sh
-from server_helpers import execute, session_pids, stream_text, wait_for
+from server_helpers import session_pids, wait_for
 
 SECRET_HOST = "secret.cellblock.test"   # the gateway adds secrets here
 PASS_HOST = "pass.cellblock.test"       # same upstream, no secrets: tunnelled untouched
@@ -118,11 +118,7 @@ def sgw():
     assert not problems, "\n".join(problems)
 
 
-def run(kc, code, timeout=60):
-    reply, msgs = execute(kc, code, timeout=timeout)
-    errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
-    assert reply["content"]["status"] == "ok", (reply["content"], errors)
-    return stream_text(msgs)
+run = sh.run_ok  # executes code that must succeed; its stdout
 
 
 # In the sandbox: an HTTPS GET through HTTPS_PROXY with the default trust
