@@ -138,6 +138,21 @@ def fetch(url, verify=True, headers=None):
 '''
 
 
+# In the sandbox: a TLS connection through a CONNECT tunnel of the forwarder,
+# to see the certificate the code is shown.
+TUNNEL = r'''
+import hashlib, socket, ssl
+def tunnel(host, port, verify):
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += s.recv(1)
+    ctx = ssl.create_default_context() if verify else ssl._create_unverified_context()
+    return ctx.wrap_socket(s, server_hostname=host)
+'''
+
+
 def fetch(kc, url, verify=True, headers=None):
     out = run(kc, FETCH + f"print(json.dumps(fetch({url!r}, {verify!r}, {headers!r})))")
     return json.loads(out.strip().splitlines()[-1])
@@ -168,18 +183,11 @@ def test_the_gateway_adds_the_secrets_and_the_code_never_sees_them(sgw):
     assert seen["authorization_sha256"] == sha(sgw.token), seen
     assert seen["x_api_key_sha256"] == sha(sgw.api_key), seen
     # The certificate the code saw is the session's CA's, for that host only.
-    out = run(kc, f'''
-import socket, ssl
-s = socket.create_connection(("127.0.0.1", 3128))
-s.sendall(b"CONNECT {SECRET_HOST}:{sgw.port} HTTP/1.1\\r\\n\\r\\n")
-head = b""
-while b"\\r\\n\\r\\n" not in head:
-    head += s.recv(1)
-t = ssl.create_default_context().wrap_socket(s, server_hostname="{SECRET_HOST}")
-issuer = dict(x[0] for x in t.getpeercert()["issuer"])
-print(issuer["commonName"])
+    out = run(kc, TUNNEL + f"""
+t = tunnel("{SECRET_HOST}", {sgw.port}, verify=True)
+print(dict(x[0] for x in t.getpeercert()["issuer"])["commonName"])
 t.close()
-''')
+""")
     assert out.strip() == f"cellblock session {sid}", out
     events = wait_for(lambda: egress_events(sgw, sid))
     first = events[0]
@@ -263,17 +271,11 @@ def test_a_host_without_secrets_is_tunnelled_untouched(sgw):
     # certificate (self-signed, so not trusted inside the sandbox).
     got = fetch(kc, f"https://{PASS_HOST}:{sgw.port}/")
     assert got["status"] == 0 and "CERTIFICATE_VERIFY_FAILED" in got["error"], got
-    out = run(kc, f'''
-import socket, ssl, hashlib
-s = socket.create_connection(("127.0.0.1", 3128))
-s.sendall(b"CONNECT {PASS_HOST}:{sgw.port} HTTP/1.1\\r\\n\\r\\n")
-head = b""
-while b"\\r\\n\\r\\n" not in head:
-    head += s.recv(1)
-t = ssl._create_unverified_context().wrap_socket(s, server_hostname="{PASS_HOST}")
+    out = run(kc, TUNNEL + f"""
+t = tunnel("{PASS_HOST}", {sgw.port}, verify=False)
 print(hashlib.sha256(t.getpeercert(binary_form=True)).hexdigest())
 t.close()
-''')
+""")
     assert out.strip() == hashlib.sha256(sgw.upstream_der).hexdigest(), out
     got = fetch(kc, f"https://{PASS_HOST}:{sgw.port}/", verify=False)
     assert got["status"] == 200 and not json.loads(got["body"])["had_authorization"], got
