@@ -1,5 +1,8 @@
 // cellblock-shim: init of a sandbox. See README.md in this folder.
 #include <fcntl.h>
+#include <grp.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -284,6 +287,78 @@ void start_egress_forwarder() {
     }
 }
 
+// `--engine UID`: started as root by a container engine (a Docker Swarm
+// task, docs/scale-out.md), with no runtime to set up what runc does. The
+// session's network must carry only the server's inbound connections to the
+// published kernel ports, which arrive from the node on the local subnet: the
+// default routes go, so nothing leaves even where the node forwards.
+bool delete_default_route(int family) {
+    const int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
+    if (fd < 0) return false;
+    struct {
+        nlmsghdr header;
+        rtmsg route;
+    } request{};
+    request.header.nlmsg_len = sizeof request;
+    request.header.nlmsg_type = RTM_DELROUTE;
+    request.header.nlmsg_flags = NLM_F_REQUEST | NLM_F_ACK;
+    request.header.nlmsg_seq = 1;
+    request.route.rtm_family = static_cast<unsigned char>(family);
+    request.route.rtm_dst_len = 0;
+    request.route.rtm_table = RT_TABLE_MAIN;
+    request.route.rtm_scope = RT_SCOPE_NOWHERE;
+    bool ok = false;
+    // Several default routes (one per gateway) each take a request.
+    for (int attempt = 0; attempt < 8; ++attempt) {
+        if (send(fd, &request, sizeof request, 0) != static_cast<ssize_t>(sizeof request)) break;
+        char reply[512];
+        const ssize_t n = recv(fd, reply, sizeof reply, 0);
+        if (n < static_cast<ssize_t>(sizeof(nlmsghdr) + sizeof(nlmsgerr))) break;
+        const auto* err = reinterpret_cast<const nlmsgerr*>(NLMSG_DATA(reply));
+        if (err->error == 0) continue;  // one deleted; look for another
+        // No (more) default route of this family, or no such family here.
+        ok = err->error == -ESRCH || err->error == -ENOENT || err->error == -EAFNOSUPPORT;
+        break;
+    }
+    close(fd);
+    return ok;
+}
+
+bool enter_engine_sandbox(uid_t uid) {
+    if (getuid() != 0) {
+        say("--engine: the engine must start the shim as root (it drops to the sandbox's uid)");
+        return false;
+    }
+    for (int family : {AF_INET, AF_INET6}) {
+        if (!delete_default_route(family)) {
+            say("--engine: cannot delete the default route of family %s",
+                family == AF_INET ? "inet" : "inet6");
+            return false;
+        }
+    }
+    // The engine mounts the home tmpfs as root's; the kernel runs as `uid`.
+    if (const char* home = getenv("HOME")) {
+        make_dir(home);
+        if (chown(home, uid, uid) != 0) {
+            say("--engine: chown %s failed", home);
+            return false;
+        }
+    }
+    // From root to `uid` with no capability left (no PR_SET_KEEPCAPS), and
+    // no way back through a setuid binary or file capabilities.
+    if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0 || getuid() != uid ||
+        geteuid() != uid) {
+        say("--engine: cannot drop to the sandbox's uid");
+        return false;
+    }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) {
+        say("--engine: PR_SET_NO_NEW_PRIVS failed");
+        return false;
+    }
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);  // setuid made it dumpable again
+    return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -306,9 +381,15 @@ int main(int argc, char** argv) {
         }
         fcntl(adopted_stderr, F_SETFD, FD_CLOEXEC);
     } else {
-        if (argc > 1 && strcmp(argv[1], "--") == 0) first = 2;
+        if (argc > 2 && strcmp(argv[1], "--engine") == 0) {
+            const long uid = atol(argv[2]);
+            if (uid <= 0 || !enter_engine_sandbox(static_cast<uid_t>(uid))) return 1;
+            first = 3;
+        }
+        if (argc > first && strcmp(argv[first], "--") == 0) ++first;
         if (first >= argc) {
-            say("usage: cellblock-shim -- KERNEL [ARGS...] | --adopt KERNEL_PID STDERR_FD");
+            say("usage: cellblock-shim [--engine UID] -- KERNEL [ARGS...] | --adopt KERNEL_PID "
+                "STDERR_FD");
             return 2;
         }
     }

@@ -12,7 +12,7 @@
 
 #include "cellblock/connection_info.hpp"
 #include "cellblock/image_builder.hpp"
-#include "cellblock/sandbox.hpp"
+#include "cellblock/runc_sandbox.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "inner_channels.hpp"
@@ -131,7 +131,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
     try {
         // One kernel per process: a zygote image's kernel boots here too
         // (docs/zygote.md, "Kernel mode").
-        auto sandbox = Sandbox::start(session_id, image, limits.sandbox, settings);
+        auto sandbox = RuncSandbox::start(session_id, image, limits.sandbox, settings);
         auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60));
         proxy->attach(std::move(sandbox), std::move(*channels));
     } catch (const std::exception& e) {

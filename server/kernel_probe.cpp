@@ -20,6 +20,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 std::string log_tail(const Sandbox& sandbox) {
+    if (sandbox.dir().empty()) return {};  // not on this host (a Swarm service)
     std::ifstream in(sandbox.dir() / "log" / "shim.log");
     std::stringstream ss;
     ss << in.rdbuf();
@@ -115,10 +116,11 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                                ": its start was abandoned (the server is stopping)");
         }
     };
-    // Connect only to links the sandbox cannot touch (see link_kernel_sockets).
+    // Connect only to links the sandbox cannot touch (see link_kernel_sockets);
+    // a backend's tcp ports (a Swarm node's) are the engine's, not the sandbox's.
     const auto deadline = Clock::now() + timeout;
     ConnectionInfo linked = inner;
-    linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
+    if (inner.transport == "ipc") linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
     ch->shell.connect(linked.endpoint(Channel::shell));
     ch->control.connect(linked.endpoint(Channel::control));
     ch->stdin_.connect(linked.endpoint(Channel::stdin_));

@@ -226,6 +226,27 @@ int main(int argc, char** argv) {
     serve_cmd->add_option("--egress-user", serve.egress_user, "the user the gateway runs as")
         ->capture_default_str();
     serve_cmd
+        ->add_option("--backend", serve.backend,
+                     "where sessions' sandboxes run: runc (this host) or swarm (one Docker "
+                     "Swarm service per session; docs/scale-out.md)")
+        ->check(CLI::IsMember({"runc", "swarm"}))
+        ->capture_default_str();
+    std::vector<std::string> swarm_images;
+    serve_cmd
+        ->add_option("--swarm-docker-host", serve.swarm.docker_host,
+                     "the engine API of a Swarm manager (unix:///path)")
+        ->capture_default_str();
+    serve_cmd->add_option("--swarm-connect-host", serve.swarm.connect_host,
+                          "reach every node's published kernel ports at this host (default: "
+                          "each node's own address)");
+    serve_cmd
+        ->add_option("--swarm-network", serve.swarm.network,
+                     "the network sessions are attached to (deploy/swarm/node-setup.sh)")
+        ->capture_default_str();
+    serve_cmd->add_option("--swarm-image", swarm_images,
+                          "IMAGE=REF: the engine image of a cellblock image (repeatable; default "
+                          "cellblock/IMAGE:CONTENT12, as `cellblock image export` tags it)");
+    serve_cmd
         ->add_option("--closed-window", serve.policy.closed_channels_s,
                      "seconds a closed session's channels still answer SessionClosed")
         ->capture_default_str();
@@ -353,6 +374,17 @@ int main(int argc, char** argv) {
                     throw std::runtime_error("--egress-resolve " + item +
                                              ": expected NAME=ADDRESS");
                 serve.egress_resolve[item.substr(0, eq)] = item.substr(eq + 1);
+            }
+            for (const auto& item : swarm_images) {
+                const auto eq = item.find('=');
+                if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
+                    throw std::runtime_error("--swarm-image " + item + ": expected IMAGE=REF");
+                serve.swarm.images[item.substr(0, eq)] = item.substr(eq + 1);
+            }
+            if (serve.backend == "swarm" && !egress_allow.empty()) {
+                throw std::runtime_error(
+                    "--egress-allow: the egress gateway serves runc sessions only; sessions "
+                    "on the swarm backend have no network (docs/scale-out.md)");
             }
             for (const auto& item : pool_items) {
                 const auto eq = item.find('=');

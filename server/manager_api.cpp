@@ -276,6 +276,12 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
 
 json Server::file_request(Request& r, std::vector<std::string>& buffers) {
     SessionProxy& s = live_session(r.message.content);
+    if (s.sandbox()->dir().empty()) {
+        throw RequestError{ename::FileError,
+                           "session " + s.session_id() + " runs on the " + s.sandbox()->runtime() +
+                               " backend, whose sandboxes have no directory on this host: file "
+                               "transfer is not available there yet (docs/scale-out.md)"};
+    }
     const SessionFiles files{s.session_id(), s.sandbox()->input_dir(), s.sandbox()->output_dir(),
                              s.sandbox()->input_dir().parent_path() / "partial",
                              static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb)

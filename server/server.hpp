@@ -30,6 +30,7 @@
 #include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/replay_guard.hpp"
+#include "cellblock/runc_backend.hpp"
 #include "cellblock/sandbox_pool.hpp"
 #include "cellblock/session_store.hpp"
 #include "cellblock/signer.hpp"

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cellblock/session_policy.hpp"
+#include "cellblock/swarm_backend.hpp"
 #include "kernel_mode.hpp"
 
 namespace cellblock {
@@ -22,6 +23,10 @@ struct ServeOptions {
     // The nice value of the server's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
     ServerPolicy policy;
+    // Where sessions' sandboxes are placed (docs/scale-out.md): "runc" on
+    // this host, or "swarm" (one Swarm service per session, `swarm` below).
+    std::string backend = "runc";
+    SwarmSettings swarm;
     // The egress gateway (docs/network.md): started when policy.maxima.network
     // is gateway, i.e. when --egress-allow named what sessions may reach.
     std::vector<std::string> egress_private;            // --egress-private CIDR

@@ -228,8 +228,19 @@ Server::Server(const ServeOptions& options)
     }
     zmq::context_t* ctx = &context_;
     const int wake = wake_fd_.get();
+    std::shared_ptr<SandboxBackend> backend;
+    if (options_.backend == "swarm") {
+        SwarmSettings swarm = options_.swarm;
+        swarm.state_dir = options_.paths.state_dir;
+        auto placed = std::make_shared<SwarmBackend>(swarm);
+        spdlog::info("backend swarm: manager {}, server id {}, network {}", swarm.docker_host,
+                     placed->server_id(), swarm.network);
+        backend = std::move(placed);
+    } else {
+        backend = std::make_shared<RuncBackend>(settings_);
+    }
     pool_ = std::make_unique<SandboxPool>(
-        settings_,
+        std::move(backend),
         [ctx, stopping = &stopping_](Sandbox& box) -> std::shared_ptr<void> {
             return std::shared_ptr<InnerChannels>(
                 probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping));

@@ -363,10 +363,17 @@ void SessionCore::on_tick(Clock::time_point now) {
             release_held_reply(now);
             const KernelExit exit = io_.kernel_exit();
             io_.log(exit.description);
-            const std::string ename = exit.oom ? ename::MemoryLimitExceeded : ename::KernelDied;
+            // A lost node took the session's state with it: the client is
+            // told the session closed, never handed a new kernel.
+            const std::string ename = exit.node_lost ? ename::SessionClosed
+                                      : exit.oom     ? ename::MemoryLimitExceeded
+                                                     : ename::KernelDied;
+            const std::string reason = exit.node_lost ? "node_lost: "
+                                       : exit.oom     ? "memory_limit: "
+                                                      : "kernel_died: ";
             if (execution_) finish_execution(now, "error", ename);
-            fail_pending(ename, exit.description);
-            close(now, (exit.oom ? "memory_limit: " : "kernel_died: ") + exit.description);
+            fail_pending(ename, exit.node_lost ? reason + exit.description : exit.description);
+            close(now, reason + exit.description);
             return;
         }
     }

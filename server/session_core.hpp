@@ -50,6 +50,8 @@ class SessionObserver {
 struct KernelExit {
     bool oom = false;
     std::string description;
+    // The machine it ran on was lost (a Swarm node down): its state is gone.
+    bool node_lost = false;
 };
 
 // What the core asks of the world. SessionProxy does it with sockets and

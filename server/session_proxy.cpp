@@ -113,7 +113,20 @@ class SessionProxy::Io final : public SessionIo {
     }
 
     void interrupt_kernel() override {
-        if (p_.sandbox_) p_.sandbox_->interrupt();
+        if (!p_.sandbox_ || p_.sandbox_->interrupt()) return;
+        // A backend that cannot signal the kernel (a Swarm service on another
+        // node): ask the kernel itself, on its control channel (the
+        // messaging spec's interrupt_mode "message"). Its reply has no
+        // pending request and is dropped.
+        WireMessage msg;
+        msg.header = make_header("interrupt_request", p_.server_session_);
+        msg.parent_header = json::object();
+        msg.content = json::object();
+        auto frames = encode(msg, p_.inner_signer_);
+        std::vector<zmq::message_t> out;
+        out.reserve(frames.size());
+        for (auto& f : frames) out.push_back(to_frame(f));
+        send_multipart(p_.inner_socket(Channel::control), out);
     }
     void kill_kernel() override {
         if (p_.sandbox_) p_.sandbox_->kill();
@@ -123,7 +136,8 @@ class SessionProxy::Io final : public SessionIo {
     }
     KernelExit kernel_exit() override {
         if (!p_.sandbox_) return {};
-        return {p_.sandbox_->memory_limit_hit(), p_.sandbox_->exit_description()};
+        return {p_.sandbox_->memory_limit_hit(), p_.sandbox_->exit_description(),
+                p_.sandbox_->node_lost()};
     }
 
     void release_kernel() override {

@@ -1,7 +1,7 @@
 // A session's sandbox: its start (bundle, mounts, runtime, lifeline), signals,
 // exit and destruction. Cgroups, the lifeline, gVisor and the reaper have files
 // of their own (sandbox_internal.hpp).
-#include "cellblock/sandbox.hpp"
+#include "cellblock/runc_sandbox.hpp"
 #include "cellblock/sandbox_tuning.hpp"
 
 #include <fcntl.h>
@@ -148,10 +148,10 @@ bool runtime_installed(const std::string& runtime) {
     return false;
 }
 
-std::unique_ptr<Sandbox> Sandbox::prepare(const std::string& session_id, const Image& image,
+std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id, const Image& image,
                                           const SandboxLimits& limits,
                                           const RuntimeSettings& settings) {
-    std::unique_ptr<Sandbox> box(new Sandbox());
+    std::unique_ptr<RuncSandbox> box(new RuncSandbox());
     box->session_id_ = session_id;
     box->container_id_ = container_id_for(session_id);
     box->settings_ = settings;
@@ -240,10 +240,10 @@ std::unique_ptr<Sandbox> Sandbox::prepare(const std::string& session_id, const I
     return box;
 }
 
-std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Image& image,
+std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, const Image& image,
                                         const SandboxLimits& limits,
                                         const RuntimeSettings& settings, SandboxRole role) {
-    std::unique_ptr<Sandbox> box = prepare(session_id, image, limits, settings);
+    std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
     const fs::path& dir = box->dir_;
     const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
@@ -365,9 +365,9 @@ std::unique_ptr<Sandbox> Sandbox::start(const std::string& session_id, const Ima
     return box;
 }
 
-Sandbox::~Sandbox() { destroy(); }
+RuncSandbox::~RuncSandbox() { destroy(); }
 
-bool Sandbox::read_lifeline() {
+bool RuncSandbox::read_lifeline() {
     if (exited_) return false;
     char buf[512];
     const ssize_t n = ::recv(lifeline_.get(), buf, sizeof buf, MSG_DONTWAIT);
@@ -381,14 +381,14 @@ bool Sandbox::read_lifeline() {
     return false;
 }
 
-bool Sandbox::memory_limit_hit() const {
+bool RuncSandbox::memory_limit_hit() const {
     const auto u = usage();
     return u.oom_kills > 0 ||
            u.memory_peak_bytes >=
                (static_cast<std::uint64_t>(limits_.memory_mb) << 20) - (1u << 20);
 }
 
-std::string Sandbox::exit_description() const {
+std::string RuncSandbox::exit_description() const {
     std::string status = shim_status_;
     while (!status.empty() && status.back() == '\n') status.pop_back();
     const auto pos = status.rfind("kernel-exit ");
@@ -407,27 +407,28 @@ std::string Sandbox::exit_description() const {
     return text;
 }
 
-void Sandbox::interrupt() {
-    if (exited_ || init_pid_ <= 0) return;
+bool RuncSandbox::interrupt() {
+    if (exited_ || init_pid_ <= 0) return true;
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) {
         // The init pid is gVisor's Sentry, which a SIGINT would end: ask the
         // shim over the lifeline instead (it forwards SIGINT to the kernel).
         static const char line[] = "interrupt\n";
         [[maybe_unused]] auto n =
             ::send(lifeline_.get(), line, sizeof line - 1, MSG_DONTWAIT | MSG_NOSIGNAL);
-        return;
+        return true;
     }
     ::kill(init_pid_, SIGINT);
+    return true;
 }
 
-void Sandbox::kill() {
+void RuncSandbox::kill() {
     // Killing PID 1 of the sandbox's PID namespace kills every process in it;
     // under runsc the init pid is the Sentry, whose death ends the sandbox too.
     if (init_pid_ > 0 && !reaped_) ::kill(init_pid_, SIGKILL);
     if (gofer_pid_ > 0 && !reaped_) ::kill(gofer_pid_, SIGKILL);
 }
 
-void Sandbox::reap_init() {
+void RuncSandbox::reap_init() {
     if (init_pid_ <= 0 || reaped_) return;
     // The init (and runsc's gofer) is our child (we are a subreaper); after
     // SIGKILL it ends at once.
@@ -440,7 +441,7 @@ void Sandbox::reap_init() {
     }
 }
 
-void Sandbox::destroy() {
+void RuncSandbox::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
     close_counters();

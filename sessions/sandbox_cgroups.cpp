@@ -53,7 +53,7 @@ std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
     return dirs;
 }
 
-void Sandbox::open_counters() {
+void RuncSandbox::open_counters() {
     auto open_first = [&](std::initializer_list<const char*> names, int flags) {
         for (const auto& dir : cgroup_dirs_) {
             for (const char* name : names) {
@@ -81,7 +81,7 @@ void Sandbox::open_counters() {
     }
 }
 
-void Sandbox::close_counters() {
+void RuncSandbox::close_counters() {
     for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
                     &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
                     &counters_.pids_current}) {
@@ -120,7 +120,7 @@ std::uint64_t keyed_u64(std::string_view text, std::string_view key) {
 
 }  // namespace
 
-SandboxUsage Sandbox::usage() const {
+SandboxUsage RuncSandbox::usage() const {
     SandboxUsage u;
     if (destroyed_) return u;
     char buf[512];
@@ -131,7 +131,7 @@ SandboxUsage Sandbox::usage() const {
     return u;
 }
 
-void Sandbox::renice(int nice) {
+void RuncSandbox::renice(int nice) {
     if (destroyed_) return;
     for (const auto& dir : cgroup_dirs_) {
         std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
@@ -141,14 +141,14 @@ void Sandbox::renice(int nice) {
     }
 }
 
-std::int64_t Sandbox::task_count() const {
+std::int64_t RuncSandbox::task_count() const {
     if (destroyed_ || counters_.pids_current < 0) return -1;
     char buf[512];
     const std::string_view text = pread_text(counters_.pids_current, buf);
     return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
 }
 
-int Sandbox::any_task_runnable() const {
+int RuncSandbox::any_task_runnable() const {
     if (destroyed_) return -1;
     for (const auto& dir : cgroup_dirs_) {
         std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
@@ -167,7 +167,7 @@ int Sandbox::any_task_runnable() const {
     return -1;
 }
 
-bool Sandbox::set_cpu_quota(double cpus) {
+bool RuncSandbox::set_cpu_quota(double cpus) {
     if (destroyed_ || counters_.cpu_quota < 0) return false;
     constexpr long period = tuning::kCpuPeriodUs;
     const long quota = std::max<long>(tuning::kMinCpuQuotaUs, std::lround(cpus * period));
@@ -180,7 +180,7 @@ bool Sandbox::set_cpu_quota(double cpus) {
            static_cast<ssize_t>(text.size());
 }
 
-bool Sandbox::set_cpu_weight(int shares) {
+bool RuncSandbox::set_cpu_weight(int shares) {
     if (destroyed_ || counters_.cpu_weight < 0) return false;
     // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
     const long value = counters_.cpu_weight_v2
@@ -191,7 +191,9 @@ bool Sandbox::set_cpu_weight(int shares) {
            static_cast<ssize_t>(text.size());
 }
 
-void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits) {
+void RuncSandbox::apply_limits(const SandboxLimits& limits) { apply_cgroup_limits(*this, limits); }
+
+void apply_cgroup_limits(const RuncSandbox& sandbox, const SandboxLimits& limits) {
     const std::int64_t memory = static_cast<std::int64_t>(limits.memory_mb) << 20;
     const std::int64_t period = tuning::kCpuPeriodUs;
     const std::int64_t quota = static_cast<std::int64_t>(limits.cpus * period);

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cellblock/sandbox.hpp"
+#include "cellblock/runc_sandbox.hpp"
 
 namespace cellblock::sandbox_detail {
 namespace fs = std::filesystem;

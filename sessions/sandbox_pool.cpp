@@ -18,23 +18,15 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Whether a sandbox started with `a` can serve `b`: mount sizes and rlimits
-// are fixed at start. Under runsc the pids limit is an rlimit too (see
-// host_pids_limit), enforced inside the Sentry where the host cannot change it.
-bool same_fixed_limits(const SandboxLimits& a, const SandboxLimits& b, RuntimeKind kind) {
-    return a.disk_mb == b.disk_mb && a.shm_mb == b.shm_mb && a.output_mb == b.output_mb &&
-           a.nofile == b.nofile && (kind != RuntimeKind::runsc || a.pids == b.pids);
-}
-
 constexpr std::chrono::milliseconds kRefillDelay{250};
 
 }  // namespace
 
 std::string make_session_id() { return make_random_key().substr(0, 16); }
 
-SandboxPool::SandboxPool(RuntimeSettings settings, ReadinessProbe probe,
+SandboxPool::SandboxPool(std::shared_ptr<SandboxBackend> backend, ReadinessProbe probe,
                          std::vector<PoolImage> images, std::function<void()> notify, int workers)
-    : settings_(std::move(settings)), probe_(std::move(probe)), notify_(std::move(notify)) {
+    : backend_(std::move(backend)), probe_(std::move(probe)), notify_(std::move(notify)) {
     for (auto& image : images) {
         const std::string name = image.image.name;
         slots_[name].config = std::move(image);
@@ -92,8 +84,7 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
         std::lock_guard lock(mutex_);
         auto it = slots_.find(image);
         if (it == slots_.end() || it->second.ready.empty() ||
-            !same_fixed_limits(it->second.config.limits, limits,
-                               runtime_kind(it->second.config.image.runtime))) {
+            !backend_->can_serve(it->second.config.image, it->second.config.limits, limits)) {
             return {};
         }
         warm = std::move(it->second.ready.front());
@@ -108,7 +99,7 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
         return {};
     }
     try {
-        apply_cgroup_limits(box, limits);
+        box.apply_limits(limits);
         box.set_limits(limits);
         box.set_cpu_weight(tuning::kNormalCpuShares);
         box.renice(0);
@@ -160,6 +151,8 @@ void SandboxPool::dispose(std::unique_ptr<Sandbox> sandbox) {
 
 void SandboxPool::replace_image(PoolImage config) {
     const std::string name = config.image.name;
+    // Outside the pool's lock: retiring a zygote waits for a fork under way.
+    backend_->image_changed(config.image, config.image.content_id.empty() && config.target == 0);
     std::lock_guard lock(mutex_);
     Slot& slot = slots_[name];
     slot.config = std::move(config);
@@ -181,7 +174,6 @@ void SandboxPool::replace_image(PoolImage config) {
         dispose_locked(std::move(old.sandbox));
     }
     if (!stopping_) schedule_refills_locked();
-    // zygote_for replaces the zygote of an older version at the next fork.
 }
 
 void SandboxPool::dispose_locked(std::unique_ptr<Sandbox> sandbox) {
@@ -198,64 +190,12 @@ void SandboxPool::dispose_locked(std::unique_ptr<Sandbox> sandbox) {
 WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Image& image,
                                          const SandboxLimits& limits, bool background) {
     WarmSandbox warm;
-    // Each image (or a session's request, through a copy of it) names its runtime.
-    RuntimeSettings settings = settings_;
-    // A refill boots (and warms up) at a low CPU weight: on a busy machine it
-    // yields to the sessions in use, whose next step would otherwise wait
-    // behind a kernel starting. A cold start has a client waiting: default weight.
-    if (background) settings.start_cpu_shares = tuning::kBackgroundCpuShares;
-    if (!image.runtime.empty()) settings.runtime = image.runtime;
-    if (image.zygote && runtime_kind(settings.runtime) == RuntimeKind::runc) {
-        warm.sandbox = fork_session(session_id, image, limits, settings);
-    } else {
-        warm.sandbox = Sandbox::start(session_id, image, limits, settings);
-    }
+    warm.sandbox = backend_->start(session_id, image, limits, background);
     warm.channels = probe_(*warm.sandbox);
     return warm;
 }
 
-std::shared_ptr<Zygote> SandboxPool::zygote_for(const Image& image,
-                                                const RuntimeSettings& settings) {
-    std::lock_guard lock(zygotes_mutex_);
-    auto& zygote = zygotes_[image.name];
-    if (zygote && (zygote->image().content_id != image.content_id || !zygote->alive())) {
-        spdlog::info("zygote of image {}: {}", image.name,
-                     zygote->alive() ? "a new version; replaced" : "gone; restarting it");
-        // Nothing of the old version runs but the sessions forked from it.
-        zygote->retire();
-        zygote.reset();
-    }
-    if (!zygote) zygote = Zygote::start(image, settings, tuning::kZygoteStartTimeout);
-    return zygote;
-}
-
-std::unique_ptr<Sandbox> SandboxPool::fork_session(const std::string& session_id,
-                                                   const Image& image, const SandboxLimits& limits,
-                                                   const RuntimeSettings& settings) {
-    std::shared_ptr<Zygote> zygote = zygote_for(image, settings);
-    try {
-        return zygote->fork(session_id, limits, settings);
-    } catch (const SandboxError& e) {
-        if (zygote->alive()) throw;
-        // The zygote died under this fork (or before it): once more with a new one.
-        spdlog::warn("zygote of image {} failed a fork and is gone ({}); restarting it", image.name,
-                     e.what());
-        return zygote_for(image, settings)->fork(session_id, limits, settings);
-    }
-}
-
-nlohmann::json SandboxPool::zygotes() {
-    std::lock_guard lock(zygotes_mutex_);
-    nlohmann::json out = nlohmann::json::array();
-    for (const auto& [name, zygote] : zygotes_) {
-        if (!zygote) continue;
-        out.push_back({{"image", name},
-                       {"container_id", zygote->container_id()},
-                       {"init_pid", zygote->init_pid()},
-                       {"interpreter_pid", zygote->interpreter_pid()}});
-    }
-    return out;
-}
+nlohmann::json SandboxPool::zygotes() { return backend_->extras(); }
 
 void SandboxPool::work() {
     for (;;) {

@@ -264,8 +264,8 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     zygote->image_ = image;
     SandboxLimits limits = image.limits;
     limits.nofile = std::max(limits.nofile, zygote_nofile());
-    zygote->box_ = Sandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
-    Sandbox& box = *zygote->box_;
+    zygote->box_ = RuncSandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
+    RuncSandbox& box = *zygote->box_;
     const fs::path socket_path = box.dir() / "ipc" / "zygote.sock";
     const fs::path log = box.dir() / "log" / "shim.log";
     // The socket appears once the zygote has imported everything.
@@ -327,7 +327,7 @@ bool Zygote::alive() {
     return box_ && box_->read_lifeline() && control_;
 }
 
-std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const SandboxLimits& limits,
+std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id, const SandboxLimits& limits,
                                       const RuntimeSettings& settings) {
     std::lock_guard lock(mutex_);
     if (!control_) throw SandboxError("zygote of image " + image_.name + " is gone");
@@ -336,7 +336,7 @@ std::unique_ptr<Sandbox> Zygote::fork(const std::string& session_id, const Sandb
         return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
             .count();
     };
-    std::unique_ptr<Sandbox> box = Sandbox::prepare(session_id, image_, limits, settings);
+    std::unique_ptr<RuncSandbox> box = RuncSandbox::prepare(session_id, image_, limits, settings);
     box->forked_ = true;
     box->keep_ = shared_from_this();
     const fs::path dir = box->dir();

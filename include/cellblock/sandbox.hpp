@@ -1,5 +1,5 @@
-// A running sandbox: an OCI container whose init is cellblock-shim, the
-// session directory around it, and everything needed to destroy it without a trace.
+// A session's sandbox as the server sees it, whatever backend runs it, and
+// the settings of the runc backend (runc_sandbox.hpp).
 #pragma once
 
 #include <sys/types.h>
@@ -55,77 +55,24 @@ struct SandboxUsage {
     std::uint64_t oom_kills = 0;
 };
 
+// A session's sandbox, wherever its backend placed it (sandbox_backend.hpp):
+// the seam between the pool, the policy and the relay, which hold only this,
+// and the backends (runc on this host: runc_sandbox.hpp; a Docker Swarm
+// service: swarm_backend.hpp). Figures a backend cannot give read as 0 or
+// -1 and controls it cannot apply answer false; every backend can be
+// interrupted, killed and destroyed.
 class Sandbox {
   public:
-    // Creates the session directory (lock, bundle, capped ipc and output
-    // mounts), writes the inner connection file, and starts the container
-    // detached with the shim as init. Returns once the runtime has started it;
-    // the kernel may still be importing. Throws SandboxError.
-    // A zygote's container (zygote.hpp) is started here too, with its role.
-    static std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
-                                          const SandboxLimits& limits,
-                                          const RuntimeSettings& settings,
-                                          SandboxRole role = SandboxRole::session);
-    ~Sandbox();  // destroy()
+    virtual ~Sandbox() = default;
     Sandbox(const Sandbox&) = delete;
     Sandbox& operator=(const Sandbox&) = delete;
 
     const std::string& session_id() const { return session_id_; }
+    // The backend's name for it: the runc container id, the Swarm service id.
     const std::string& container_id() const { return container_id_; }
-    // The inner connection as seen from the host (ipc paths in the session dir).
+    // The inner connection as seen from the server (ipc paths in the session
+    // dir, or the host and ports a Swarm node publishes).
     const ConnectionInfo& inner_connection() const { return inner_; }
-    std::filesystem::path dir() const { return dir_; }
-    std::filesystem::path input_dir() const { return dir_ / "input"; }
-    std::filesystem::path output_dir() const { return dir_ / "output"; }
-    pid_t init_pid() const { return init_pid_; }
-    // The host ids this sandbox's container ids map to, leased for its
-    // lifetime: no other sandbox on the host runs as them meanwhile.
-    const IdMapping& host_ids() const { return host_ids_.ids(); }
-
-    // The runtime this sandbox runs on ("runc", "runsc", ...).
-    const std::string& runtime() const { return settings_.runtime; }
-
-    // Readable when the shim writes a status line or exits (EOF); the server
-    // holds the other end, so the shim also sees EOF when the server dies.
-    // Under runc/crun it is one end of a socketpair passed as the init's fd 3;
-    // under runsc it is the one connection accepted on a socket in the ipc dir,
-    // which is unlinked as soon as the shim is connected.
-    int lifeline_fd() const { return lifeline_.get(); }
-    // Reads what the shim reported; returns false once the shim is gone.
-    bool read_lifeline();
-    bool exited() const { return exited_; }
-    // Why the kernel ended, in words: "kernel exited with status 1",
-    // "kernel killed by signal 9 (memory limit of 512 MB reached)".
-    std::string exit_description() const;
-    bool memory_limit_hit() const;
-
-    void interrupt();  // SIGINT to the kernel (through the shim: a signal, or a lifeline line)
-    void kill();       // SIGKILL to every process of the sandbox
-    void reap_init();  // waits for the killed init (a child of this subreaper)
-    // Kills, deletes the container, unmounts and removes every file of the
-    // session, removes its cgroup. Idempotent; never throws.
-    void destroy();
-
-    // Read from cgroup files opened once at start: this runs on every
-    // execution's reply path, where a path lookup in cgroupfs (kernfs
-    // revalidation per component) cost more than the read itself.
-    SandboxUsage usage() const;
-    // The sandbox's CPU weight relative to other sandboxes (cgroup v1
-    // cpu.shares, 1024 = default; v2 cpu.weight is scaled to match).
-    // Returns false when the sandbox has no CPU controller to write.
-    bool set_cpu_weight(int shares);
-    // The sandbox's CFS quota in cores per 100 ms period (cpu.cfs_quota_us,
-    // v2 cpu.max); 0 or less: no quota. Returns false without such a file.
-    bool set_cpu_quota(double cpus);
-    // Processes and threads in the sandbox's cgroup (pids.current); -1 unknown.
-    std::int64_t task_count() const;
-    // 1 if one of them is runnable (state R) right now: the sandbox wants
-    // CPU, whether it gets it or not; 0 none; -1 unknown. Reads /proc per
-    // task, up to the first runnable one.
-    int any_task_runnable() const;
-    // Sets the nice value of every thread in the sandbox (the pool boots
-    // refills at nice 19; a session's kernel runs at 0).
-    void renice(int nice);
     const SandboxLimits& limits() const { return limits_; }
     // Records limits applied after start (a pooled sandbox handed to a session).
     void set_limits(const SandboxLimits& limits) { limits_ = limits; }
@@ -133,67 +80,66 @@ class Sandbox {
     // The image's preload modules (Image::preload).
     const std::vector<std::string>& preload() const { return preload_; }
 
+    // The backend ("runc", "runsc", "crun", "swarm").
+    virtual const std::string& runtime() const = 0;
+    // The session directory on this host (input, output, ipc), or empty
+    // where the sandbox has none here (a Swarm service on another node).
+    virtual std::filesystem::path dir() const { return {}; }
+    std::filesystem::path input_dir() const { return dir().empty() ? dir() : dir() / "input"; }
+    std::filesystem::path output_dir() const { return dir().empty() ? dir() : dir() / "output"; }
+    // The init's pid on this host; -1 where it runs elsewhere.
+    virtual pid_t init_pid() const { return -1; }
+    // The host ids its container ids map to (empty where not on this host).
+    virtual IdMapping host_ids() const { return {0, 0}; }
     // Forked from a zygote rather than started by the runtime.
-    bool forked() const { return forked_; }
+    virtual bool forked() const { return false; }
 
-  private:
-    friend class Zygote;
+    // Readable when something about the sandbox's life changed (the shim
+    // wrote a line, it exited, its node was lost); read_lifeline() then
+    // says whether it still lives.
+    virtual int lifeline_fd() const = 0;
+    virtual bool read_lifeline() = 0;
+    virtual bool exited() const = 0;
+    // Why the kernel ended, in words: "kernel exited with status 1",
+    // "kernel killed by signal 9 (memory limit of 512 MB reached)",
+    // "node worker-2 is down".
+    virtual std::string exit_description() const = 0;
+    virtual bool memory_limit_hit() const { return false; }
+    // Ended because the machine it ran on was lost, with all its state.
+    virtual bool node_lost() const { return false; }
+
+    // SIGINT to the kernel. False where the backend cannot signal it: the
+    // relay then sends the kernel an interrupt_request on its control channel.
+    virtual bool interrupt() = 0;
+    virtual void kill() = 0;       // ends every process of the sandbox
+    virtual void reap_init() {}    // waits for a killed init, where it is our child
+    // Kills and removes every trace of the session. Idempotent; never throws.
+    virtual void destroy() = 0;
+    // Memory, pids and CPU limits for a sandbox handed over from the pool.
+    // Throws SandboxError where they cannot be applied.
+    virtual void apply_limits(const SandboxLimits& limits) = 0;
+
+    virtual SandboxUsage usage() const { return {}; }
+    // CPU weight (cgroup v1 cpu.shares scale, 1024 = default); false where
+    // there is nothing to write.
+    virtual bool set_cpu_weight(int /*shares*/) { return false; }
+    // CFS quota in cores per period; 0 or less: none. False where unsupported.
+    virtual bool set_cpu_quota(double /*cpus*/) { return false; }
+    // Processes and threads (pids.current); -1 unknown.
+    virtual std::int64_t task_count() const { return -1; }
+    // 1 if one of its tasks is runnable now, 0 none, -1 unknown.
+    virtual int any_task_runnable() const { return -1; }
+    // Nice value of every thread (pool refills boot at 19).
+    virtual void renice(int /*nice*/) {}
+
+  protected:
     Sandbox() = default;
-    // The session directory with its lock, host id lease, mounts and inner
-    // connection file: everything before the sandbox's processes exist.
-    static std::unique_ptr<Sandbox> prepare(const std::string& session_id, const Image& image,
-                                            const SandboxLimits& limits,
-                                            const RuntimeSettings& settings);
-    bool forked_ = false;
-    // A forked session's zygote, kept (with the root it runs on) until the
-    // session is destroyed, whatever the pool does with it meanwhile.
-    std::shared_ptr<void> keep_;
     std::string session_id_;
     std::string container_id_;
-    std::filesystem::path dir_;
-    RuntimeSettings settings_;
-    SandboxLimits limits_;
     ConnectionInfo inner_;
-    pid_t init_pid_ = -1;
-    pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
-    UniqueFd lifeline_;
-    UniqueFd lock_fd_;
-    UniqueFd version_fd_;   // a stored image version held (hold_stored_version)
-    HostIdLease host_ids_;  // released in destroy(), once nothing of the sandbox is left
-    bool exited_ = false;
-    bool destroyed_ = false;
-    bool reaped_ = false;
-    std::string shim_status_;
+    SandboxLimits limits_;
     std::string image_name_;
     std::vector<std::string> preload_;
-    std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
-    // Kept-open cgroup files (-1 where the controller or file is absent).
-    struct CounterFiles {
-        int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
-        int cpu_weight = -1, cpu_quota = -1, pids_current = -1;
-        bool cpu_weight_v2 = false, cpu_quota_v2 = false;
-    } counters_;
-    void open_counters();
-    void close_counters();
 };
-
-// Removes what earlier cellblock processes left behind: sessions whose lock
-// is not held (their owner died) are killed, deleted, unmounted and removed.
-// Returns the ids of the sessions reaped.
-std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
-
-// Removes cellblock's empty `cb-*` cgroups (every controller) that are older
-// than `min_age`: what runs killed mid-way leave when their session
-// directory is already gone. A cgroup with tasks is never removed (the
-// kernel refuses), and the age keeps a sandbox that another server is
-// creating at this moment out of reach. Returns the paths removed.
-std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds min_age);
-
-// The cgroup directories (one per v1 controller, or the v2 one) of a container.
-std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
-
-// Applies memory, pids and CPU limits to a running sandbox's cgroup (a warm
-// sandbox handed to a session with limits of its own).
-void apply_cgroup_limits(const Sandbox& sandbox, const SandboxLimits& limits);
 
 }  // namespace cellblock

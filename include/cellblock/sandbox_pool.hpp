@@ -15,8 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cellblock/sandbox.hpp"
-#include "cellblock/zygote.hpp"
+#include "cellblock/sandbox_backend.hpp"
 
 namespace cellblock {
 
@@ -51,17 +50,18 @@ class SandboxPool {
   public:
     // `notify` is called from a worker thread whenever a StartResult or a
     // warm sandbox is ready (the server wakes its loop with it); it must not block.
-    SandboxPool(RuntimeSettings settings, ReadinessProbe probe, std::vector<PoolImage> images,
-                std::function<void()> notify, int workers = 2);
+    // Sandboxes are started by `backend` (sandbox_backend.hpp), on the
+    // worker threads.
+    SandboxPool(std::shared_ptr<SandboxBackend> backend, ReadinessProbe probe,
+                std::vector<PoolImage> images, std::function<void()> notify, int workers = 2);
     ~SandboxPool();  // stops workers, destroys every sandbox still held
     SandboxPool(const SandboxPool&) = delete;
     SandboxPool& operator=(const SandboxPool&) = delete;
 
-    // Sandboxes run on their image's runtime (Image::runtime); a session that
-    // asks for another runtime is a cold start with a copy of the image.
-    // A warm sandbox of `image` whose tmpfs sizes (and, under runsc, pids)
-    // match `limits`, or nullptr.
-    // Memory, pids and CPU limits are applied to it here (cgroup writes).
+    // A warm sandbox of `image` that the backend says can serve `limits`
+    // (SandboxBackend::can_serve), or nullptr; a session that asks for
+    // another runtime is a cold start with a copy of the image.
+    // The rest of its limits are applied to it here (Sandbox::apply_limits).
     // Never blocks on sandbox work. Refill is scheduled in the background.
     WarmSandbox take(const std::string& image, const SandboxLimits& limits);
 
@@ -90,8 +90,10 @@ class SandboxPool {
     nlohmann::json state() const;
     // The warm sandboxes held: [{image, container_id, init_pid}] (`cellblock ls`).
     nlohmann::json warm_sandboxes() const;
-    // The zygotes running: [{image, container_id, init_pid, interpreter_pid}].
+    // What the backend runs besides sessions (SandboxBackend::extras: the
+    // runc backend's zygotes).
     nlohmann::json zygotes();
+    SandboxBackend& backend() { return *backend_; }
     std::size_t ready(const std::string& image) const;
     // Blocks until every image has `target` ready sandboxes or the timeout passes (tests,
     // benchmarks).
@@ -126,14 +128,8 @@ class SandboxPool {
     void dispose_locked(std::unique_ptr<Sandbox> sandbox);
     WarmSandbox start_and_probe(const std::string& session_id, const Image& image,
                                 const SandboxLimits& limits, bool background);
-    // A session of a zygote image: forked from the image's live zygote (one
-    // is started, or restarted after a crash, when needed).
-    std::unique_ptr<Sandbox> fork_session(const std::string& session_id, const Image& image,
-                                          const SandboxLimits& limits,
-                                          const RuntimeSettings& settings);
-    std::shared_ptr<Zygote> zygote_for(const Image& image, const RuntimeSettings& settings);
 
-    RuntimeSettings settings_;
+    std::shared_ptr<SandboxBackend> backend_;
     ReadinessProbe probe_;
     std::function<void()> notify_;
     mutable std::mutex mutex_;
@@ -144,10 +140,6 @@ class SandboxPool {
     std::uint64_t next_ticket_ = 1;
     bool stopping_ = false;
     std::vector<std::thread> workers_;
-    // One zygote per image name (of the version last asked for). A session
-    // forked from one keeps it (and the files it runs on) until it ends.
-    std::mutex zygotes_mutex_;
-    std::map<std::string, std::shared_ptr<Zygote>> zygotes_;
 };
 
 // A fresh session id: 16 lowercase hex characters from a CSPRNG.

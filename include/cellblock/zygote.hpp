@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cellblock/sandbox.hpp"
+#include "cellblock/runc_sandbox.hpp"
 #include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
@@ -38,7 +38,7 @@ class Zygote : public std::enable_shared_from_this<Zygote> {
     // kernel (which may still be starting: probe it as a booted one).
     // Serialised per zygote. Throws SandboxError; the zygote is then
     // alive() or not, which the caller checks before the next fork.
-    std::unique_ptr<Sandbox> fork(const std::string& session_id, const SandboxLimits& limits,
+    std::unique_ptr<RuncSandbox> fork(const std::string& session_id, const SandboxLimits& limits,
                                   const RuntimeSettings& settings);
 
     bool alive();
@@ -54,7 +54,7 @@ class Zygote : public std::enable_shared_from_this<Zygote> {
   private:
     Zygote() = default;
     Image image_;
-    std::unique_ptr<Sandbox> box_;
+    std::unique_ptr<RuncSandbox> box_;
     UniqueFd control_;
     pid_t interpreter_pid_ = -1;
     std::mutex mutex_;

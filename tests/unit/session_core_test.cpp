@@ -544,6 +544,20 @@ TEST_F(CoreTest, AKernelExitDrainsThenAnswersWhatIsPending) {
     EXPECT_EQ(core->close_reason(), "memory_limit: killed by the OOM killer");
 }
 
+TEST_F(CoreTest, ALostNodeClosesTheSessionAsNodeLostNeverKernelDied) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    io.exit = {false, "node worker-2 is down", true};
+    core->on_kernel_exit(t0);
+    core->on_tick(t0 + 200ms);
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["ename"], "SessionClosed");
+    EXPECT_EQ(core->close_reason(), "node_lost: node worker-2 is down");
+    EXPECT_EQ(audit.closed, std::vector<std::string>{"node_lost: node worker-2 is down"});
+    EXPECT_TRUE(core->closed());
+}
+
 TEST_F(CoreTest, AClosedSessionAnswersSessionClosedAndQueuedExecutesToo) {
     core->on_client_request(t0, Channel::shell, execute("e1"));
     core->on_client_request(t0, Channel::shell, execute("e2"));

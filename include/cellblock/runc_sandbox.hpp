@@ -1,0 +1,132 @@
+// The runc backend's sandbox: an OCI container on this host whose init is
+// cellblock-shim, the session directory around it, and everything needed to
+// destroy it without a trace. runsc and crun run the same bundle.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cellblock/sandbox.hpp"
+
+namespace cellblock {
+
+class RuncSandbox final : public Sandbox {
+  public:
+    // Creates the session directory (lock, bundle, capped ipc and output
+    // mounts), writes the inner connection file, and starts the container
+    // detached with the shim as init. Returns once the runtime has started it;
+    // the kernel may still be importing. Throws SandboxError.
+    // A zygote's container (zygote.hpp) is started here too, with its role.
+    static std::unique_ptr<RuncSandbox> start(const std::string& session_id, const Image& image,
+                                              const SandboxLimits& limits,
+                                              const RuntimeSettings& settings,
+                                              SandboxRole role = SandboxRole::session);
+    ~RuncSandbox() override;  // destroy()
+
+    // The runtime this sandbox runs on ("runc", "runsc", ...).
+    const std::string& runtime() const override { return settings_.runtime; }
+    std::filesystem::path dir() const override { return dir_; }
+    pid_t init_pid() const override { return init_pid_; }
+    // The host ids this sandbox's container ids map to, leased for its
+    // lifetime: no other sandbox on the host runs as them meanwhile.
+    IdMapping host_ids() const override { return host_ids_.ids(); }
+    bool forked() const override { return forked_; }
+
+    // Readable when the shim writes a status line or exits (EOF); the server
+    // holds the other end, so the shim also sees EOF when the server dies.
+    // Under runc/crun it is one end of a socketpair passed as the init's fd 3;
+    // under runsc it is the one connection accepted on a socket in the ipc dir,
+    // which is unlinked as soon as the shim is connected.
+    int lifeline_fd() const override { return lifeline_.get(); }
+    // Reads what the shim reported; returns false once the shim is gone.
+    bool read_lifeline() override;
+    bool exited() const override { return exited_; }
+    std::string exit_description() const override;
+    bool memory_limit_hit() const override;
+
+    // SIGINT to the kernel (through the shim: a signal, or a lifeline line).
+    bool interrupt() override;
+    void kill() override;       // SIGKILL to every process of the sandbox
+    void reap_init() override;  // waits for the killed init (a child of this subreaper)
+    // Kills, deletes the container, unmounts and removes every file of the
+    // session, removes its cgroup. Idempotent; never throws.
+    void destroy() override;
+    // cgroup writes (apply_cgroup_limits).
+    void apply_limits(const SandboxLimits& limits) override;
+
+    // Read from cgroup files opened once at start: this runs on every
+    // execution's reply path, where a path lookup in cgroupfs (kernfs
+    // revalidation per component) cost more than the read itself.
+    SandboxUsage usage() const override;
+    // cgroup v1 cpu.shares (v2 cpu.weight is scaled to match). False when
+    // the sandbox has no CPU controller to write.
+    bool set_cpu_weight(int shares) override;
+    // cpu.cfs_quota_us per 100 ms period (v2 cpu.max); false without such a file.
+    bool set_cpu_quota(double cpus) override;
+    // pids.current of the sandbox's cgroup; -1 unknown.
+    std::int64_t task_count() const override;
+    // Reads /proc per task, up to the first runnable one (state R): the
+    // sandbox wants CPU, whether it gets it or not.
+    int any_task_runnable() const override;
+    void renice(int nice) override;
+
+  private:
+    friend class Zygote;
+    RuncSandbox() = default;
+    // The session directory with its lock, host id lease, mounts and inner
+    // connection file: everything before the sandbox's processes exist.
+    static std::unique_ptr<RuncSandbox> prepare(const std::string& session_id,
+                                                const Image& image, const SandboxLimits& limits,
+                                                const RuntimeSettings& settings);
+    bool forked_ = false;
+    // A forked session's zygote, kept (with the root it runs on) until the
+    // session is destroyed, whatever the pool does with it meanwhile.
+    std::shared_ptr<void> keep_;
+    std::filesystem::path dir_;
+    RuntimeSettings settings_;
+    pid_t init_pid_ = -1;
+    pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
+    UniqueFd lifeline_;
+    UniqueFd lock_fd_;
+    UniqueFd version_fd_;   // a stored image version held (hold_stored_version)
+    HostIdLease host_ids_;  // released in destroy(), once nothing of the sandbox is left
+    bool exited_ = false;
+    bool destroyed_ = false;
+    bool reaped_ = false;
+    std::string shim_status_;
+    std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
+    // Kept-open cgroup files (-1 where the controller or file is absent).
+    struct CounterFiles {
+        int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
+        int cpu_weight = -1, cpu_quota = -1, pids_current = -1;
+        bool cpu_weight_v2 = false, cpu_quota_v2 = false;
+    } counters_;
+    void open_counters();
+    void close_counters();
+};
+
+// Removes what earlier cellblock processes left behind: sessions whose lock
+// is not held (their owner died) are killed, deleted, unmounted and removed.
+// Returns the ids of the sessions reaped.
+std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
+
+// Removes cellblock's empty `cb-*` cgroups (every controller) that are older
+// than `min_age`: what runs killed mid-way leave when their session
+// directory is already gone. A cgroup with tasks is never removed (the
+// kernel refuses), and the age keeps a sandbox that another server is
+// creating at this moment out of reach. Returns the paths removed.
+std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds min_age);
+
+// The cgroup directories (one per v1 controller, or the v2 one) of a container.
+std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
+
+// Applies memory, pids and CPU limits to a running sandbox's cgroup (a warm
+// sandbox handed to a session with limits of its own).
+void apply_cgroup_limits(const RuncSandbox& sandbox, const SandboxLimits& limits);
+
+}  // namespace cellblock

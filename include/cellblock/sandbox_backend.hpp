@@ -1,0 +1,48 @@
+// Where sandboxes live: the operations the pool and the server need from a
+// placement backend. The runc backend (this host) and the Docker Swarm
+// backend (swarm_backend.hpp) sit behind it; the pool, the policy and the
+// relay do not know which one they use. docs/scale-out.md.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cellblock/sandbox.hpp"
+
+namespace cellblock {
+
+class SandboxBackend {
+  public:
+    virtual ~SandboxBackend() = default;
+
+    // "runc" (with the image's runtime: runc, runsc, crun) or "swarm".
+    virtual std::string name() const = 0;
+
+    // Starts a session's sandbox from an image and limits and returns once
+    // it is started (its kernel may still be importing: the server's
+    // readiness probe waits for the kernel). `background`: a pool refill,
+    // which may start at a lower priority than a create a client waits for.
+    // Throws SandboxError naming the step that failed. Called from the
+    // pool's worker threads, several at once.
+    virtual std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
+                                           const SandboxLimits& limits, bool background) = 0;
+
+    // Whether a warm sandbox started with `pooled` limits can serve a
+    // session that asks for `wanted` (what apply_limits cannot change later).
+    virtual bool can_serve(const Image& image, const SandboxLimits& pooled,
+                           const SandboxLimits& wanted) const = 0;
+
+    // What this backend runs for this server beyond the sessions the server
+    // holds: [{kind, image, container_id, ...}] (`cellblock ls`).
+    virtual nlohmann::json extras() { return nlohmann::json::array(); }
+
+    // The pool now holds `image` (a rebuilt version), or the image is
+    // `removed`: whatever the backend keeps for an older version (a zygote)
+    // is let go.
+    virtual void image_changed(const Image& /*image*/, bool /*removed*/) {}
+};
+
+}  // namespace cellblock

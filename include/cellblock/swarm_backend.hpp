@@ -1,0 +1,90 @@
+// The Docker Swarm backend (docs/scale-out.md): one session = one Swarm
+// service running the image's kernel under cellblock-shim, placed by the
+// engine on any node that can hold it. The server keeps the clients' keys,
+// the policy and the relay; a service holds only its session's inner key
+// (a Swarm secret) and publishes its five kernel ports on its node.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "cellblock/sandbox_backend.hpp"
+
+namespace cellblock {
+
+struct SwarmState;
+
+struct SwarmSettings {
+    // The engine API of a Swarm manager (serve --swarm-docker-host).
+    std::string docker_host = "unix:///var/run/docker.sock";
+    // Where the server reaches the ports a node publishes: empty, the node's
+    // own address (Status.Addr); or one host for every node (a test swarm
+    // whose workers' port ranges are forwarded to 127.0.0.1).
+    std::string connect_host;
+    // The network sessions are attached to (deploy/swarm/node-setup.sh):
+    // no masquerade, no inter-container traffic, no new connections out of
+    // it on any node. The shim also deletes the default route.
+    std::string network = "cellblock-sessions";
+    // Engine image references per cellblock image name; an image not named
+    // here is "cellblock/NAME:CONTENT12" (`cellblock image export`).
+    std::map<std::string, std::string> images;
+    // The server's own directory: its Swarm identity (server-id) lives there.
+    std::filesystem::path state_dir;
+    std::chrono::milliseconds watch_interval{1000};
+    std::chrono::milliseconds start_timeout{120000};
+};
+
+// The engine image reference of an image (SwarmSettings::images, or the
+// export tag "cellblock/NAME:CONTENT12"; "cellblock/NAME:host" for a host image).
+std::string swarm_image_ref(const SwarmSettings& settings, const Image& image);
+
+// The service spec of a session: what the engine is asked to run. Pure, so
+// that its hardening is checked by a unit test.
+nlohmann::json swarm_service_spec(const SwarmSettings& settings, const std::string& server_id,
+                                  const std::string& session_id, const Image& image,
+                                  const SandboxLimits& limits, const std::string& secret_id,
+                                  const std::string& secret_name);
+
+class SwarmBackend final : public SandboxBackend {
+  public:
+    // Reads or creates the server's Swarm identity, removes every service and
+    // secret an earlier run of this server left (their sessions' clients and
+    // keys are gone with it), and starts the watcher. Throws SandboxError
+    // when the engine cannot be reached or is not a Swarm manager.
+    explicit SwarmBackend(SwarmSettings settings);
+    ~SwarmBackend() override;
+
+    std::string name() const override { return "swarm"; }
+    std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
+                                   const SandboxLimits& limits, bool background) override;
+    // A service's limits are fixed at its creation (an update re-creates its
+    // task, and the kernel's state with it): only equal limits are served.
+    bool can_serve(const Image& image, const SandboxLimits& pooled,
+                   const SandboxLimits& wanted) const override;
+    // The nodes: [{kind: node, hostname, state, availability, sessions}].
+    nlohmann::json extras() override;
+
+    const std::string& server_id() const { return server_id_; }
+    // The services found and removed at start.
+    const std::vector<std::string>& reaped() const { return reaped_; }
+
+  private:
+    void watch();
+
+    SwarmSettings settings_;
+    std::shared_ptr<SwarmState> state_;
+    std::string server_id_;
+    std::vector<std::string> reaped_;
+    std::mutex wake_mutex_;
+    std::condition_variable wake_;
+    bool stopping_ = false;
+    std::thread watcher_;
+};
+
+}  // namespace cellblock

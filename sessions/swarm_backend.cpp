@@ -1,0 +1,491 @@
+// The Docker Swarm backend (swarm_backend.hpp, docs/scale-out.md).
+#include "cellblock/swarm_backend.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <set>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/oci_bundle.hpp"
+#include "cellblock/signer.hpp"
+#include "cellblock/unique_fd.hpp"
+#include "docker_api.hpp"
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// The kernel's ports inside every session's container, in Channel order
+// of the connection file: shell, iopub, stdin, control, hb.
+constexpr int kFirstKernelPort = 5555;
+// The connection file, a Swarm secret: a file only the sandbox's uid reads.
+constexpr const char* kSecretFile = "cellblock-connection.json";
+constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
+constexpr std::int64_t kNanoPerCore = 1000000000;
+
+std::string base64(const std::string& in) {
+    static const char* table = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    std::string out;
+    std::size_t i = 0;
+    for (; i + 2 < in.size(); i += 3) {
+        const unsigned v = (static_cast<unsigned char>(in[i]) << 16) |
+                           (static_cast<unsigned char>(in[i + 1]) << 8) |
+                           static_cast<unsigned char>(in[i + 2]);
+        for (int shift : {18, 12, 6, 0}) out += table[(v >> shift) & 63];
+    }
+    if (i < in.size()) {
+        unsigned v = static_cast<unsigned char>(in[i]) << 16;
+        if (i + 1 < in.size()) v |= static_cast<unsigned char>(in[i + 1]) << 8;
+        out += table[(v >> 18) & 63];
+        out += table[(v >> 12) & 63];
+        out += i + 1 < in.size() ? table[(v >> 6) & 63] : '=';
+        out += '=';
+    }
+    return out;
+}
+
+json tmpfs(const std::string& target, int size_mb, int mode) {
+    return {{"Type", "tmpfs"},
+            {"Target", target},
+            {"TmpfsOptions",
+             {{"SizeBytes", static_cast<std::int64_t>(size_mb) << 20}, {"Mode", mode}}}};
+}
+
+json bind_ro(const std::string& path) {
+    return {{"Type", "bind"}, {"Source", path}, {"Target", path}, {"ReadOnly", true}};
+}
+
+std::string read_or_create_server_id(const fs::path& state_dir) {
+    const fs::path dir = state_dir / "swarm";
+    fs::create_directories(dir);
+    fs::permissions(dir, fs::perms::owner_all, fs::perm_options::replace);
+    const fs::path file = dir / "server-id";
+    std::string id;
+    if (std::ifstream in(file); in) in >> id;
+    if (id.size() == 16) return id;
+    id = make_random_key().substr(0, 16);
+    std::ofstream(file) << id << "\n";
+    return id;
+}
+
+}  // namespace
+
+class SwarmSandbox;
+
+// What a session's sandbox and the backend's watcher share: the engine and
+// the register of live services. Sandboxes hold it, so that one destroyed
+// after the backend still removes its service.
+struct SwarmState {
+    explicit SwarmState(const std::string& host) : api(host) {}
+    DockerApi api;
+    std::mutex mutex;
+    std::map<std::string, SwarmSandbox*> live;  // service id → sandbox
+
+    void remove(const std::string& service_id, const std::string& secret_id) noexcept {
+        try {
+            if (!service_id.empty()) api.expect("DELETE", "/services/" + service_id, nullptr, 404);
+        } catch (const std::exception& e) {
+            spdlog::warn("swarm: removing service {}: {}", service_id, e.what());
+        }
+        // The service's removal releases the secret; the engine may take a
+        // moment to see it.
+        for (int attempt = 0; !secret_id.empty() && attempt < 20; ++attempt) {
+            try {
+                api.expect("DELETE", "/secrets/" + secret_id, nullptr, 404);
+                return;
+            } catch (const std::exception& e) {
+                if (attempt == 19) spdlog::warn("swarm: removing secret {}: {}", secret_id, e.what());
+                ::usleep(100000);
+            }
+        }
+    }
+};
+
+class SwarmSandbox final : public Sandbox {
+  public:
+    SwarmSandbox(std::shared_ptr<SwarmState> state, std::string service_id, std::string secret_id,
+                 std::string task_id, std::string node_id, std::string node_name)
+        : state_(std::move(state)),
+          secret_id_(std::move(secret_id)),
+          task_id_(std::move(task_id)),
+          node_id_(std::move(node_id)),
+          node_name_(std::move(node_name)),
+          event_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {
+        container_id_ = std::move(service_id);
+        if (!event_) throw SandboxError("eventfd for service " + container_id_ + " failed");
+    }
+    ~SwarmSandbox() override { destroy(); }
+
+    const std::string& runtime() const override {
+        static const std::string name = "swarm";
+        return name;
+    }
+    int lifeline_fd() const override { return event_.get(); }
+    bool read_lifeline() override {
+        std::uint64_t n;
+        [[maybe_unused]] auto r = ::read(event_.get(), &n, sizeof n);
+        std::lock_guard lock(mutex_);
+        if (!lost_.empty()) exited_ = true;
+        return !exited_;
+    }
+    bool exited() const override {
+        std::lock_guard lock(mutex_);
+        return exited_;
+    }
+    std::string exit_description() const override {
+        std::lock_guard lock(mutex_);
+        return lost_.empty() ? "the service was removed" : lost_;
+    }
+    bool node_lost() const override {
+        std::lock_guard lock(mutex_);
+        return node_lost_;
+    }
+    // The engine has no way to signal a task's process from the manager:
+    // the relay asks the kernel on its control channel.
+    bool interrupt() override { return false; }
+    void kill() override {
+        {
+            std::lock_guard lock(mutex_);
+            if (killed_) return;
+            killed_ = true;
+        }
+        state_->remove(container_id_, "");
+    }
+    void destroy() override {
+        {
+            std::lock_guard lock(mutex_);
+            if (destroyed_) return;
+            destroyed_ = true;
+            exited_ = true;
+        }
+        {
+            std::lock_guard lock(state_->mutex);
+            state_->live.erase(container_id_);
+        }
+        state_->remove(container_id_, secret_id_);
+    }
+    void apply_limits(const SandboxLimits& limits) override {
+        const SandboxLimits& a = limits_;
+        if (a.memory_mb != limits.memory_mb || a.pids != limits.pids || a.cpus != limits.cpus) {
+            throw SandboxError("service " + container_id_ +
+                               ": its limits are fixed at its creation");
+        }
+    }
+
+    // From the watcher, under the state's lock.
+    void lost(const std::string& why, bool node) {
+        {
+            std::lock_guard lock(mutex_);
+            if (!lost_.empty() || destroyed_) return;
+            lost_ = why;
+            node_lost_ = node;
+        }
+        const std::uint64_t one = 1;
+        [[maybe_unused]] auto r = ::write(event_.get(), &one, sizeof one);
+    }
+    const std::string& task_id() const { return task_id_; }
+    const std::string& node_id() const { return node_id_; }
+    const std::string& node_name() const { return node_name_; }
+
+    void set_identity(const std::string& session_id, const ConnectionInfo& inner,
+                      const Image& image, const SandboxLimits& limits) {
+        session_id_ = session_id;
+        inner_ = inner;
+        image_name_ = image.name;
+        preload_ = image.preload;
+        limits_ = limits;
+    }
+
+  private:
+    std::shared_ptr<SwarmState> state_;
+    std::string secret_id_, task_id_, node_id_, node_name_;
+    UniqueFd event_;
+    mutable std::mutex mutex_;
+    std::string lost_;
+    bool node_lost_ = false;
+    bool exited_ = false;
+    bool killed_ = false;
+    bool destroyed_ = false;
+};
+
+std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
+    if (auto it = settings.images.find(image.name); it != settings.images.end()) return it->second;
+    const std::string tag = image.rootfs == "host" || image.content_id.empty()
+                                ? std::string("host")
+                                : image.content_id.substr(0, 12);
+    return "cellblock/" + image.name + ":" + tag;
+}
+
+json swarm_service_spec(const SwarmSettings& settings, const std::string& server_id,
+                        const std::string& session_id, const Image& image,
+                        const SandboxLimits& limits, const std::string& secret_id,
+                        const std::string& secret_name) {
+    json command = {kSandboxShim, "--engine", std::to_string(kSandboxUid), "--"};
+    for (const auto& arg : image.kernel_argv) {
+        command.push_back(arg == "{connection_file}" ? std::string(kSecretPath) : arg);
+    }
+    json env = json::array();
+    for (auto& var : sandbox_environment(image)) env.push_back(var);
+    json mounts = json::array();
+    if (image.rootfs == "host") {
+        // The node's /usr, as a host image on runc binds the host's.
+        mounts.push_back(bind_ro("/usr"));
+        for (const auto& path : image.host_binds) mounts.push_back(bind_ro(path));
+    }
+    mounts.push_back(tmpfs("/tmp", limits.disk_mb, 01777));
+    mounts.push_back(tmpfs(kSandboxHome, limits.disk_mb, 0700));
+    mounts.push_back(tmpfs("/dev/shm", limits.shm_mb, 01777));
+    mounts.push_back(tmpfs(kSandboxOutputDir, limits.output_mb, 0755));
+    json ports = json::array();
+    for (int i = 0; i < 5; ++i) {
+        ports.push_back(
+            {{"Protocol", "tcp"}, {"TargetPort", kFirstKernelPort + i}, {"PublishMode", "host"}});
+    }
+    const json labels = {{"cellblock.server", server_id},
+                         {"cellblock.session", session_id},
+                         {"cellblock.image", image.name}};
+    json container = {
+        {"Image", swarm_image_ref(settings, image)},
+        {"Labels", labels},
+        {"Command", command},
+        {"Env", env},
+        // The shim starts as root only to delete the default route, own the
+        // home tmpfs and drop to the sandbox's uid; it keeps these four
+        // capabilities until then and none after (kernel-shim/shim.cpp).
+        {"User", "0:0"},
+        {"CapabilityDrop", {"ALL"}},
+        {"CapabilityAdd", {"CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"}},
+        {"ReadOnly", true},
+        {"Hostname", "sandbox"},
+        {"Init", false},
+        {"StopGracePeriod", 0},
+        {"Mounts", mounts},
+        {"Secrets",
+         {{{"SecretID", secret_id},
+           {"SecretName", secret_name},
+           {"File",
+            {{"Name", kSecretFile},
+             {"UID", std::to_string(kSandboxUid)},
+             {"GID", std::to_string(kSandboxUid)},
+             {"Mode", 0400}}}}}},
+        {"Ulimits", {{{"Name", "nofile"}, {"Soft", limits.nofile}, {"Hard", limits.nofile}}}},
+    };
+    json resources = {
+        {"Limits",
+         {{"MemoryBytes", static_cast<std::int64_t>(limits.memory_mb) << 20},
+          {"NanoCPUs", static_cast<std::int64_t>(limits.cpus * kNanoPerCore)},
+          {"Pids", limits.pids}}}};
+    return {{"Name", "cb-" + session_id},
+            {"Labels", labels},
+            {"TaskTemplate",
+             {{"ContainerSpec", container},
+              {"Resources", resources},
+              // Never a silent new kernel: a task that ends stays ended.
+              {"RestartPolicy", {{"Condition", "none"}, {"MaxAttempts", 0}}},
+              {"Networks", {{{"Target", settings.network}}}}}},
+            {"Mode", {{"Replicated", {{"Replicas", 1}}}}},
+            {"EndpointSpec", {{"Mode", "dnsrr"}, {"Ports", ports}}}};
+}
+
+SwarmBackend::SwarmBackend(SwarmSettings settings)
+    : settings_(std::move(settings)), state_(std::make_shared<SwarmState>(settings_.docker_host)) {
+    const json info = state_->api.expect("GET", "/info");
+    const json swarm = info.value("Swarm", json::object());
+    if (swarm.value("LocalNodeState", "") != "active" || !swarm.value("ControlAvailable", false)) {
+        throw SandboxError("docker host " + settings_.docker_host +
+                           " is not a Swarm manager (docker swarm init, or a manager's socket)");
+    }
+    server_id_ = read_or_create_server_id(settings_.state_dir);
+    // What an earlier run of this server left: its clients and their keys
+    // went with it, so nothing can be re-adopted; every service goes.
+    const std::string mine =
+        "?filters=" + docker_filters({{"label", {"cellblock.server=" + server_id_}}});
+    for (const auto& service : state_->api.expect("GET", "/services" + mine)) {
+        const std::string id = service.value("ID", "");
+        state_->remove(id, "");
+        reaped_.push_back(service["Spec"].value("Name", id));
+    }
+    for (const auto& secret : state_->api.expect("GET", "/secrets" + mine)) {
+        state_->remove("", secret.value("ID", ""));
+    }
+    for (const auto& name : reaped_) {
+        spdlog::info("swarm: removed service {} left by an earlier run of this server", name);
+    }
+    watcher_ = std::thread([this] { watch(); });
+}
+
+SwarmBackend::~SwarmBackend() {
+    {
+        std::lock_guard lock(wake_mutex_);
+        stopping_ = true;
+    }
+    wake_.notify_all();
+    if (watcher_.joinable()) watcher_.join();
+}
+
+bool SwarmBackend::can_serve(const Image&, const SandboxLimits& a, const SandboxLimits& b) const {
+    return a.memory_mb == b.memory_mb && a.pids == b.pids && a.cpus == b.cpus &&
+           a.disk_mb == b.disk_mb && a.shm_mb == b.shm_mb && a.output_mb == b.output_mb &&
+           a.nofile == b.nofile;
+}
+
+std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, const Image& image,
+                                             const SandboxLimits& limits, bool /*background*/) {
+    DockerApi& api = state_->api;
+    ConnectionInfo kernel;
+    kernel.transport = "tcp";
+    kernel.ip = "0.0.0.0";
+    kernel.shell_port = kFirstKernelPort;
+    kernel.iopub_port = kFirstKernelPort + 1;
+    kernel.stdin_port = kFirstKernelPort + 2;
+    kernel.control_port = kFirstKernelPort + 3;
+    kernel.hb_port = kFirstKernelPort + 4;
+    kernel.key = make_random_key();
+    kernel.kernel_name = image.name;
+    const json labels = {{"cellblock.server", server_id_}, {"cellblock.session", session_id}};
+    const std::string secret_name = "cb-" + session_id + "-" + make_random_key().substr(0, 8);
+    const json secret_spec = {
+        {"Name", secret_name}, {"Labels", labels}, {"Data", base64(kernel.to_json().dump())}};
+    const std::string secret_id =
+        api.expect("POST", "/secrets/create", &secret_spec).value("ID", "");
+    std::string service_id;
+    try {
+        const json spec = swarm_service_spec(settings_, server_id_, session_id, image, limits,
+                                             secret_id, secret_name);
+        service_id = api.expect("POST", "/services/create", &spec).value("ID", "");
+        if (service_id.empty()) throw SandboxError("swarm: the engine gave the service no id");
+        // Placed and running, with its five ports published on its node.
+        const std::string query =
+            "/tasks?filters=" + docker_filters({{"service", {service_id}}});
+        const auto deadline = Clock::now() + settings_.start_timeout;
+        json task;
+        for (;;) {
+            for (const auto& t : api.expect("GET", query)) {
+                if (task.is_null() || t.value("CreatedAt", "") > task.value("CreatedAt", "")) task = t;
+            }
+            const json status = task.is_null() ? json::object() : task.value("Status", json::object());
+            const std::string state = status.value("State", "");
+            if (state == "running" &&
+                status.value("PortStatus", json::object()).value("Ports", json::array()).size() == 5) {
+                break;
+            }
+            if (state == "failed" || state == "rejected" || state == "shutdown" ||
+                state == "complete" || state == "orphaned" || state == "remove") {
+                throw SandboxError("swarm service cb-" + session_id + ": task " + state + ": " +
+                                   status.value("Err", status.value("Message", "")));
+            }
+            if (Clock::now() > deadline) {
+                throw SandboxError("swarm service cb-" + session_id + " not running within " +
+                                   std::to_string(settings_.start_timeout.count() / 1000) +
+                                   " s (task state " + (state.empty() ? "none" : state) + ": " +
+                                   status.value("Err", status.value("Message", "")) + ")");
+            }
+            ::usleep(50000);
+        }
+        ConnectionInfo inner = kernel;
+        for (const auto& port : task["Status"]["PortStatus"]["Ports"]) {
+            const int published = port.value("PublishedPort", 0);
+            switch (port.value("TargetPort", 0) - kFirstKernelPort) {
+                case 0: inner.shell_port = published; break;
+                case 1: inner.iopub_port = published; break;
+                case 2: inner.stdin_port = published; break;
+                case 3: inner.control_port = published; break;
+                case 4: inner.hb_port = published; break;
+                default: break;
+            }
+        }
+        const std::string node_id = task.value("NodeID", "");
+        const json node = api.expect("GET", "/nodes/" + node_id);
+        const std::string node_name = node["Description"].value("Hostname", node_id);
+        inner.ip = settings_.connect_host.empty() ? node["Status"].value("Addr", "")
+                                                  : settings_.connect_host;
+        if (inner.ip.empty()) throw SandboxError("swarm node " + node_name + " has no address");
+        auto box = std::make_unique<SwarmSandbox>(state_, service_id, secret_id,
+                                                  task.value("ID", ""), node_id, node_name);
+        box->set_identity(session_id, inner, image, limits);
+        {
+            std::lock_guard lock(state_->mutex);
+            state_->live[service_id] = box.get();
+        }
+        spdlog::debug("swarm: session {} on node {} (service {})", session_id, node_name,
+                      service_id.substr(0, 12));
+        return box;
+    } catch (...) {
+        state_->remove(service_id, secret_id);
+        throw;
+    }
+}
+
+void SwarmBackend::watch() {
+    std::unique_lock wake_lock(wake_mutex_);
+    while (!stopping_) {
+        wake_.wait_for(wake_lock, settings_.watch_interval, [this] { return stopping_; });
+        if (stopping_) break;
+        wake_lock.unlock();
+        try {
+            std::map<std::string, json> nodes;
+            for (const auto& node : state_->api.expect("GET", "/nodes")) {
+                nodes[node.value("ID", "")] = node;
+            }
+            std::map<std::string, json> tasks;
+            for (const auto& task : state_->api.expect("GET", "/tasks")) {
+                tasks[task.value("ID", "")] = task;
+            }
+            std::lock_guard lock(state_->mutex);
+            for (auto& [service_id, box] : state_->live) {
+                auto node = nodes.find(box->node_id());
+                const std::string node_state =
+                    node == nodes.end() ? "gone" : node->second["Status"].value("State", "");
+                if (node_state != "ready") {
+                    box->lost("node " + box->node_name() + " is " + node_state +
+                                  " (the session's kernel and its state went with it)",
+                              true);
+                    continue;
+                }
+                auto task = tasks.find(box->task_id());
+                const json status =
+                    task == tasks.end() ? json::object() : task->second.value("Status", json::object());
+                const std::string state = status.value("State", "gone");
+                if (state != "running") {
+                    box->lost("the kernel's task on node " + box->node_name() + " is " + state +
+                                  (status.contains("Err") ? ": " + status.value("Err", "") : ""),
+                              false);
+                }
+            }
+        } catch (const std::exception& e) {
+            spdlog::warn("swarm: watching the services: {}", e.what());
+        }
+        wake_lock.lock();
+    }
+}
+
+json SwarmBackend::extras() {
+    json out = json::array();
+    try {
+        std::map<std::string, int> per_node;
+        {
+            std::lock_guard lock(state_->mutex);
+            for (const auto& [id, box] : state_->live) ++per_node[box->node_id()];
+        }
+        for (const auto& node : state_->api.expect("GET", "/nodes")) {
+            const std::string id = node.value("ID", "");
+            out.push_back({{"kind", "node"},
+                           {"node_id", id},
+                           {"hostname", node["Description"].value("Hostname", "")},
+                           {"state", node["Status"].value("State", "")},
+                           {"availability", node["Spec"].value("Availability", "")},
+                           {"sandboxes", per_node[id]}});
+        }
+    } catch (const std::exception& e) {
+        out.push_back({{"kind", "error"}, {"message", e.what()}});
+    }
+    return out;
+}
+
+}  // namespace cellblock
