@@ -1,0 +1,115 @@
+#!/bin/bash
+# Prepares one Docker Swarm node to hold cellblock sessions, or (--check) verifies it.
+#
+# Run as root on every node that will run sessions, after its dockerd is up and
+# again after each reboot or dockerd restart (the firewall rules are not
+# persistent). Idempotent: what is already there is left as it is.
+#
+#  1. A config-only bridge network, the local half of the swarm network
+#     `cellblock-sessions` (created once on a manager with --config-from): the
+#     sessions' bridge gets a fixed name so the rules below can name it, no
+#     inter-container traffic and no masquerading.
+#  2. Firewall rules in this node's network namespace: a session can open no
+#     connection to the node itself (INPUT) nor through it (DOCKER-USER, or
+#     FORWARD where Docker made no DOCKER-USER), for IPv4 and IPv6. Replies to
+#     connections made *to* a session's published port still pass.
+set -euo pipefail
+
+DOCKER=${DOCKER:-docker}
+HOST=""
+CHECK=0
+CONFIG_NETWORK=cellblock-sessions-config
+BRIDGE=cbsess0
+SUBNET=10.215.0.0/24
+
+usage() {
+    cat <<EOF
+usage: $0 [-H DOCKER_HOST] [--subnet CIDR] [--bridge NAME] [--check]
+
+  -H, --host HOST   docker daemon to configure (default: the docker CLI's own)
+  --subnet CIDR     sessions' subnet on this node (default $SUBNET)
+  --bridge NAME     sessions' bridge device (default $BRIDGE)
+  --check           change nothing; exit 1 unless everything is in place
+The docker CLI used is \$DOCKER (default: docker on PATH).
+EOF
+}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -H|--host) HOST=$2; shift 2 ;;
+        --subnet) SUBNET=$2; shift 2 ;;
+        --bridge) BRIDGE=$2; shift 2 ;;
+        --check) CHECK=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "node-setup: unknown argument $1" >&2; usage >&2; exit 2 ;;
+    esac
+done
+
+dock() {
+    if [ -n "$HOST" ]; then "$DOCKER" -H "$HOST" "$@"; else "$DOCKER" "$@"; fi
+}
+
+missing=0
+report() { # STATE WHAT
+    printf 'node-setup: %-8s %s\n' "$1" "$2"
+    if [ "$1" = missing ] || [ "$1" = wrong ]; then missing=1; fi
+}
+
+# --- 1. the config-only network -------------------------------------------
+want="$SUBNET $BRIDGE false false"
+if have=$(dock network inspect "$CONFIG_NETWORK" --format \
+        '{{range .IPAM.Config}}{{.Subnet}}{{end}} {{index .Options "com.docker.network.bridge.name"}} {{index .Options "com.docker.network.bridge.enable_icc"}} {{index .Options "com.docker.network.bridge.enable_ip_masquerade"}}' 2>/dev/null); then
+    if [ "$have" = "$want" ]; then
+        report present "network $CONFIG_NETWORK ($want)"
+    else
+        # Replacing it would need the swarm network that uses it removed first.
+        report wrong "network $CONFIG_NETWORK is '$have', want '$want': remove it and rerun"
+    fi
+elif [ "$CHECK" = 1 ]; then
+    report missing "network $CONFIG_NETWORK"
+else
+    dock network create --config-only --subnet "$SUBNET" \
+        -o com.docker.network.bridge.name="$BRIDGE" \
+        -o com.docker.network.bridge.enable_icc=false \
+        -o com.docker.network.bridge.enable_ip_masquerade=false \
+        "$CONFIG_NETWORK" >/dev/null
+    report created "network $CONFIG_NETWORK ($want)"
+fi
+
+# --- 2. the firewall --------------------------------------------------------
+# NEW (and INVALID, UNTRACKED) packets from the sessions' bridge are dropped;
+# ESTABLISHED/RELATED pass, which are the replies to inbound connections,
+# whether those came through docker-proxy or through Docker's DNAT (FORWARD).
+rule=(-i "$BRIDGE" -m conntrack ! --ctstate ESTABLISHED,RELATED -j DROP)
+
+ensure_rule() { # TOOL CHAIN
+    local tool=$1 chain=$2
+    if "$tool" -w -C "$chain" "${rule[@]}" 2>/dev/null; then
+        report present "$tool $chain ${rule[*]}"
+    elif [ "$CHECK" = 1 ]; then
+        report missing "$tool $chain ${rule[*]}"
+    else
+        "$tool" -w -I "$chain" "${rule[@]}"
+        report added "$tool $chain ${rule[*]}"
+    fi
+}
+
+forward_chain() { # TOOL: Docker's DOCKER-USER runs before its own FORWARD rules
+    if "$1" -w -n -L DOCKER-USER >/dev/null 2>&1; then echo DOCKER-USER; else echo FORWARD; fi
+}
+
+ensure_rule iptables INPUT
+ensure_rule iptables "$(forward_chain iptables)"
+if command -v ip6tables >/dev/null && ip6tables -w -n -L INPUT >/dev/null 2>&1; then
+    ensure_rule ip6tables INPUT
+    ensure_rule ip6tables "$(forward_chain ip6tables)"
+else
+    report skipped "ip6tables (not available here)"
+fi
+
+if [ "$CHECK" = 1 ] && [ "$missing" = 1 ]; then
+    echo "node-setup: this node is NOT ready for cellblock sessions" >&2
+    exit 1
+fi
+if [ "$missing" = 1 ]; then exit 1; fi
+echo "node-setup: ready"
