@@ -7,6 +7,7 @@ process that carried them, never by a program's name: other people's Docker
 daemons run on the same host.
 """
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+SHIM_SOCKET_DIR = "/run/containerd/s"  # containerd's, fixed whatever its --state dir
 
 
 @dataclass(frozen=True)
@@ -215,15 +217,27 @@ def remove_cgroups(tag: str) -> list:
     return left
 
 
+def shim_sockets(containerd_address: str, namespace: str, container_ids: set) -> list:
+    """The host-wide sockets of the instance's containerd-shims that are still there.
+    containerd names each sha256(address/namespace/id): a shim killed with SIGKILL leaves it."""
+    found = []
+    for cid in sorted(container_ids):
+        digest = hashlib.sha256(os.path.join(containerd_address, namespace, cid).encode()).hexdigest()
+        path = os.path.join(SHIM_SOCKET_DIR, digest)
+        if os.path.lexists(path):
+            found.append(path)
+    return found
+
+
 def links_with_tag(tag: str) -> list:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
     return [name for name in names if name.startswith(tag)]
 
 
-def find_residue(directory: str, tag: str, marks: list) -> list:
+def find_residue(directory: str, tag: str, marks: list, shim_socket_paths=()) -> list:
     """Everything of the instance still on the host, as human-readable lines (empty: clean)."""
-    residue = []
+    residue = [f"shim socket {path}" for path in shim_socket_paths if os.path.lexists(path)]
     table = process_table()
     for pid in sorted(instance_pids(marks, tag)):
         if pid in table:

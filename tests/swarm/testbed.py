@@ -64,6 +64,10 @@ class TestbedError(RuntimeError):
     """A step of the testbed failed; the message names the step."""
 
 
+class AlreadyUp(TestbedError):
+    """The directory holds an instance already (which `up` must not tear down)."""
+
+
 class DaemonStartFailed(TestbedError):
     """The private dockerd did not come up: the host cannot run this testbed."""
 
@@ -176,6 +180,19 @@ class Testbed:
                           self.worker(name)["container"], check=False)
         return out.strip() == "true"
 
+    def container_ids(self) -> set:
+        """The manager daemon's containers, from its data root: known after a crash too."""
+        ids = {w["container_id"] for w in self.state["workers"] if w.get("container_id")}
+        try:
+            ids |= set(os.listdir(os.path.join(self.dir, "outer", "data", "containers")))
+        except OSError:
+            pass
+        return ids
+
+    def shim_sockets(self) -> list:
+        address = os.path.join(self.dir, "outer", "exec", "containerd", "containerd.sock")
+        return residue.shim_sockets(address, self.tag, self.container_ids())
+
     def describe(self) -> dict:
         return {
             "dir": self.dir,
@@ -214,13 +231,13 @@ class Testbed:
 
 # --- bring-up ---------------------------------------------------------------
 
-def up(directory: str, workers: int = 2) -> Testbed:
+def up(directory: str, workers: int = 2, ports_per_worker: int = PORTS_PER_WORKER) -> Testbed:
     """Creates and starts an instance in `directory` (created; must not hold one already).
     On failure the partial instance is left for `down` (which the CLI runs itself)."""
     started = time.monotonic()
     directory = os.path.realpath(directory)
     if os.path.exists(os.path.join(directory, "state.json")):
-        raise TestbedError(f"{directory} already holds a testbed: run down first")
+        raise AlreadyUp(f"{directory} already holds a testbed: run down first")
     outer = os.path.join(directory, "outer")
     longest = os.path.join(outer, "exec", "containerd", "containerd.sock.ttrpc")
     if len(longest) > SOCKET_PATH_MAX:
@@ -232,7 +249,7 @@ def up(directory: str, workers: int = 2) -> Testbed:
     os.makedirs(outer, exist_ok=True)
 
     with _allocation_lock():
-        bed = Testbed(directory, _allocate(directory, workers))
+        bed = Testbed(directory, _allocate(directory, workers, ports_per_worker))
         bed.save()
         _create_bridge(bed)
         _start_manager_daemon(bed)
@@ -311,7 +328,7 @@ def _udp_port_free(port: int) -> bool:
             return False
 
 
-def _allocate(directory: str, workers: int) -> dict:
+def _allocate(directory: str, workers: int, ports_per_worker: int) -> dict:
     links = set(residue.links_with_tag("cbsw"))
     while True:
         tag = "cbsw%06x" % random.randrange(16 ** 6)
@@ -323,13 +340,13 @@ def _allocate(directory: str, workers: int) -> dict:
     if net is None:
         raise TestbedError(f"no free /24 in {MANAGER_NETS[0]}.0.0/16 and {MANAGER_NETS[1]}.0.0/16")
     blocks, lo = [], PORT_SEARCH[0]
-    while len(blocks) < workers and lo + PORTS_PER_WORKER - 1 <= PORT_SEARCH[1]:
-        hi = lo + PORTS_PER_WORKER - 1
+    while len(blocks) < workers and lo + ports_per_worker - 1 <= PORT_SEARCH[1]:
+        hi = lo + ports_per_worker - 1
         if _port_block_free(lo, hi):
             blocks.append([lo, hi])
         lo = hi + 1
     if len(blocks) < workers:
-        raise TestbedError(f"ports: fewer than {workers} free blocks of {PORTS_PER_WORKER} "
+        raise TestbedError(f"ports: fewer than {workers} free blocks of {ports_per_worker} "
                            f"in {PORT_SEARCH[0]}-{PORT_SEARCH[1]} on {CONNECT_HOST}")
     # VXLAN sockets of the manager sit in the host's namespace: one port per swarm, or a
     # second swarm's overlay fails with "file exists" against the first one's.
@@ -425,8 +442,8 @@ def _create_worker(bed: Testbed, w: dict) -> None:
                 raise
             caps.remove(unknown)
             bed.docker("rm", "-f", w["container"], check=False)
-    w["addr"] = bed.docker("inspect", "--format", "{{.NetworkSettings.IPAddress}}",
-                           w["container"]).strip()
+    w["addr"], w["container_id"] = bed.docker(
+        "inspect", "--format", "{{.NetworkSettings.IPAddress}} {{.Id}}", w["container"]).split()
 
 
 def _run_worker(bed: Testbed, w: dict, caps: list, var_lib: str) -> None:
@@ -520,8 +537,11 @@ def down(directory: str, log=print) -> list:
     doomed = (doomed | residue.instance_pids(bed.marks(), bed.tag)) - {dockerd_pid}
     if doomed:
         names = sorted({table[p].cmdline.split(" ")[0] for p in doomed if p in table})
-        log(f"down: killing {len(doomed)} leftover processes of the instance ({', '.join(names)})")
-        residue.kill_pids(doomed)
+        log(f"down: stopping {len(doomed)} leftover processes of the instance ({', '.join(names)})")
+        residue.kill_pids(doomed, grace=3)
+    sockets = bed.shim_sockets()
+    for path in sockets:
+        os.unlink(path)
     left_mounts = residue.unmount_under(directory)
     if bed.tag in residue.links_with_tag(bed.tag):
         run(["ip", "link", "del", bed.tag], check=False)
@@ -530,7 +550,7 @@ def down(directory: str, log=print) -> list:
     residue.remove_cgroups(bed.tag)
     if not left_mounts and os.path.isdir(directory):
         shutil.rmtree(directory, ignore_errors=True)
-    left = residue.find_residue(directory, bed.tag, bed.marks())
+    left = residue.find_residue(directory, bed.tag, bed.marks(), sockets)
     log(f"down: {directory} in {time.monotonic() - started:.1f} s; "
         + ("nothing left" if not left else "LEFT: " + "; ".join(left)))
     return left
@@ -595,14 +615,19 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", required=True, help="the instance's directory (all its state)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ports-per-worker", type=int, default=PORTS_PER_WORKER,
+                        help="host ports each worker may publish (a cellblock session takes 5)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("testbed: needs root (bridges, dockerd, cgroups)", file=sys.stderr)
         return 2
     if args.command == "up":
         try:
-            bed = up(args.dir, args.workers)
-        except (TestbedError, OSError) as e:
+            bed = up(args.dir, args.workers, args.ports_per_worker)
+        except AlreadyUp as e:
+            print(f"testbed up: {e}", file=sys.stderr)
+            return 1
+        except (Exception, KeyboardInterrupt) as e:
             print(f"testbed up: {e}", file=sys.stderr)
             print("testbed up: removing the partial instance", file=sys.stderr)
             down(args.dir, log=lambda m: print(m, file=sys.stderr))
