@@ -13,6 +13,8 @@
 #     connection to the node itself (INPUT) nor through it (DOCKER-USER, or
 #     FORWARD where Docker made no DOCKER-USER), for IPv4 and IPv6. Replies to
 #     connections made *to* a session's published port still pass.
+#  3. With --allow-from: new connections to the sessions (their published ports)
+#     only from those sources, the hosts of cellblock's front.
 set -euo pipefail
 
 DOCKER=${DOCKER:-docker}
@@ -21,14 +23,18 @@ CHECK=0
 CONFIG_NETWORK=cellblock-sessions-config
 BRIDGE=cbsess0
 SUBNET=10.215.0.0/24
+ALLOW_FROM=""
+INBOUND_CHAIN=CELLBLOCK-SESSIONS-IN
 
 usage() {
     cat <<EOF
-usage: $0 [-H DOCKER_HOST] [--subnet CIDR] [--bridge NAME] [--check]
+usage: $0 [-H DOCKER_HOST] [--subnet CIDR] [--bridge NAME] [--allow-from CIDR,...] [--check]
 
   -H, --host HOST   docker daemon to configure (default: the docker CLI's own)
   --subnet CIDR     sessions' subnet on this node (default $SUBNET)
   --bridge NAME     sessions' bridge device (default $BRIDGE)
+  --allow-from LIST IPv4 sources (comma-separated CIDRs) that may open connections
+                    to sessions; default: any (then firewall the node's ports yourself)
   --check           change nothing; exit 1 unless everything is in place
 The docker CLI used is \$DOCKER (default: docker on PATH).
 EOF
@@ -39,6 +45,7 @@ while [ $# -gt 0 ]; do
         -H|--host) HOST=$2; shift 2 ;;
         --subnet) SUBNET=$2; shift 2 ;;
         --bridge) BRIDGE=$2; shift 2 ;;
+        --allow-from) ALLOW_FROM=$2; shift 2 ;;
         --check) CHECK=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "node-setup: unknown argument $1" >&2; usage >&2; exit 2 ;;
@@ -105,6 +112,30 @@ if command -v ip6tables >/dev/null && ip6tables -w -n -L INPUT >/dev/null 2>&1; 
     ensure_rule ip6tables "$(forward_chain ip6tables)"
 else
     report skipped "ip6tables (not available here)"
+fi
+
+# --- 3. who may connect to the sessions -----------------------------------------
+# A chain of our own, rebuilt on every run, so that changing the list needs no cleanup.
+if [ -n "$ALLOW_FROM" ]; then
+    want_chain=$(printf -- '-N %s\n' "$INBOUND_CHAIN"
+                 IFS=, ; for cidr in $ALLOW_FROM; do printf -- '-A %s -s %s -j RETURN\n' "$INBOUND_CHAIN" "$cidr"; done
+                 printf -- '-A %s -j DROP\n' "$INBOUND_CHAIN")
+    # iptables -S prints a /32 as such, so the wanted list is normalized the same way.
+    want_chain=$(echo "$want_chain" | sed -E 's#-s ([0-9.]+) #-s \1/32 #')
+    have_chain=$(iptables -w -S "$INBOUND_CHAIN" 2>/dev/null || true)
+    if [ "$have_chain" = "$want_chain" ]; then
+        report present "iptables chain $INBOUND_CHAIN (allow $ALLOW_FROM)"
+    elif [ "$CHECK" = 1 ]; then
+        report missing "iptables chain $INBOUND_CHAIN (allow $ALLOW_FROM)"
+    else
+        iptables -w -N "$INBOUND_CHAIN" 2>/dev/null || iptables -w -F "$INBOUND_CHAIN"
+        IFS=, read -ra cidrs <<<"$ALLOW_FROM"
+        for cidr in "${cidrs[@]}"; do iptables -w -A "$INBOUND_CHAIN" -s "$cidr" -j RETURN; done
+        iptables -w -A "$INBOUND_CHAIN" -j DROP
+        report set "iptables chain $INBOUND_CHAIN (allow $ALLOW_FROM)"
+    fi
+    rule=(-o "$BRIDGE" -m conntrack --ctstate NEW -j "$INBOUND_CHAIN")
+    ensure_rule iptables "$(forward_chain iptables)"
 fi
 
 if [ "$CHECK" = 1 ] && [ "$missing" = 1 ]; then

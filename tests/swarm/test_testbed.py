@@ -1,6 +1,6 @@
 """The swarm testbed does what cellblock's Swarm backend will rely on.
 
-Run: sudo /usr/bin/python3 -m pytest -v tests/swarm/test_testbed.py   (about 40 s)
+Run: sudo /usr/bin/python3 -m pytest -v tests/swarm/test_testbed.py   (about 50 s)
 """
 
 import json
@@ -30,7 +30,11 @@ PROBE = ("import json, socket, sys\n"
          "        s.settimeout(1.5)\n"
          "        if s.connect_ex((host, port)) == 0:\n"
          "            reached.append([host, port])\n"
-         "print(json.dumps(reached))\n")
+         "print(json.dumps(reached))\n"
+         "try:\n"
+         "    socket.getaddrinfo('exfiltrate.example', 80)\n"
+         "except OSError:\n"
+         "    pass\n")
 
 
 def _up(workers):
@@ -90,20 +94,24 @@ def test_three_nodes_manager_drained_workers_ready(bed):
     assert ranges[0][1] < ranges[1][0], "workers' port ranges overlap"
 
 
-def test_node_setup_check_passes_on_every_worker(bed):
-    with open(testbed.NODE_SETUP, "rb") as script:
-        text = script.read()
+def test_node_setup_check_passes_on_every_worker_and_rerun_changes_nothing(bed):
     for name in bed.workers:
-        out = bed.docker("exec", "-i", "-e", f"DOCKER={testbed.DOCKER}", bed.worker(name)["container"],
-                         "/usr/bin/bash", "-s", "--", "-H", testbed.WORKER_SOCKET, "--check", input=text)
-        assert "node-setup: ready" in out, out
-        assert "missing" not in out
+        out = bed.node_setup(name, "--check")
+        assert "node-setup: ready" in out and "missing" not in out, out
+        rerun = bed.node_setup(name)
+        assert all(line.split()[1] in ("present", "ready") for line in rerun.splitlines()), rerun
 
 
 def test_session_like_service_reachable_from_host_and_fenced(bed):
+    # A resolver on the manager's address: Docker's DNS forwards a session's queries to it
+    # from the session's own namespace, which the node's firewall must stop.
+    resolver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    resolver.bind((bed.manager_addr, 53))
+    resolver.setblocking(False)
     created = time.monotonic()
     bed.docker("service", "create", "-d", "--name", "echo", "--no-resolve-image",
                "--network", testbed.SESSION_NETWORK, "--endpoint-mode", "dnsrr",
+               "--dns", bed.manager_addr, "--dns-option", "timeout:1", "--dns-option", "attempts:1",
                "--publish", "mode=host,target=5555", "--stop-grace-period", "0s",
                "--mount", "type=bind,src=/usr,dst=/usr,ro",
                testbed.NODE_IMAGE, "/usr/bin/python3", "-c", ECHO)
@@ -150,6 +158,19 @@ def test_session_like_service_reachable_from_host_and_fenced(bed):
     reached = json.loads(bed.worker_exec(worker, ["exec", container, "/usr/bin/python3", "-c",
                                                   PROBE, json.dumps(targets)]))
     assert reached == [["127.0.0.1", 5555]], reached
+    try:
+        query = resolver.recvfrom(512)
+    except BlockingIOError:
+        query = None
+    resolver.close()
+    assert query is None, f"a DNS query left the session: {query}"
+
+    # --allow-from: the other worker, not being the front, cannot open the session's port.
+    other_probe = testbed.run([testbed.DOCKER, "-H", "unix://" + bed.manager_socket, "exec",
+                               other["container"], "/usr/bin/python3", "-c", PROBE,
+                               json.dumps([[w["addr"], port]])])
+    assert json.loads(other_probe) == [], "a non-front source reached the session's port"
+    assert _read_line(port).split()[0], "the front lost the session after the probe"
 
 
 def test_killed_worker_is_down_within_60s(bed):

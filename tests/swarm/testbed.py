@@ -175,6 +175,16 @@ class Testbed:
                 self.worker_exec(name, ["load", "-q"], input=image, timeout=300)
         return self.docker("image", "inspect", "--format", "{{.Id}}", tag).strip()
 
+    def node_setup(self, name: str, *extra) -> str:
+        """Runs deploy/swarm/node-setup.sh inside the worker, as an operator runs it on a node:
+        only the manager's end of the bridge (where the host's 127.0.0.1 ports come from)
+        may connect to sessions."""
+        with open(NODE_SETUP, "rb") as script:
+            return self.docker("exec", "-i", "-e", f"DOCKER={DOCKER}", self.worker(name)["container"],
+                               "/usr/bin/bash", "-s", "--", "-H", WORKER_SOCKET,
+                               "--allow-from", f"{self.manager_addr}/32", *extra,
+                               input=script.read())
+
     def worker_running(self, name: str) -> bool:
         out = self.docker("inspect", "--format", "{{.State.Running}}",
                           self.worker(name)["container"], check=False)
@@ -471,10 +481,7 @@ def _join_worker(bed: Testbed, w: dict, token: str) -> None:
             logs = bed.docker("logs", "--tail", "15", w["container"], check=False)
             raise TestbedError(f"worker {w['name']}: its dockerd did not answer: {logs}")
         time.sleep(0.2)
-    with open(NODE_SETUP, "rb") as script:
-        out = bed.docker("exec", "-i", "-e", f"DOCKER={DOCKER}", w["container"], "/usr/bin/bash",
-                         "-s", "--", "-H", WORKER_SOCKET, input=script.read())
-    w["node_setup"] = out.splitlines()
+    w["node_setup"] = bed.node_setup(w["name"]).splitlines()
     bed.worker_exec(w["name"], ["swarm", "join", "--token", token,
                                 "--advertise-addr", w["addr"], "--listen-addr", f"{w['addr']}:2377",
                                 f"{bed.manager_addr}:2377"])
