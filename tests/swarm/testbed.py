@@ -79,7 +79,8 @@ def run(argv, *, input=None, check=True, timeout=120, env=None):
     except subprocess.TimeoutExpired:
         raise TestbedError(f"{' '.join(argv)}: no answer in {timeout} s") from None
     if check and done.returncode != 0:
-        raise TestbedError(f"{' '.join(argv)}: exit {done.returncode}: "
+        shown = " ".join(argv[:10]) + (" …" if len(argv) > 10 else "")
+        raise TestbedError(f"{shown}: exit {done.returncode}: "
                            f"{done.stderr.decode(errors='replace').strip()}")
     return done.stdout.decode(errors="replace") if isinstance(done.stdout, bytes) else done.stdout
 
@@ -176,9 +177,9 @@ class Testbed:
         return self.docker("image", "inspect", "--format", "{{.Id}}", tag).strip()
 
     def node_setup(self, name: str, *extra) -> str:
-        """Runs deploy/swarm/node-setup.sh inside the worker, as an operator runs it on a node:
-        only the manager's end of the bridge (where the host's 127.0.0.1 ports come from)
-        may connect to sessions."""
+        """Runs deploy/swarm/node-setup.sh inside the worker as an operator runs it on a node,
+        with the front's address being the manager's end of the bridge: every connection
+        from the host's 127.0.0.1 ports comes from there."""
         with open(NODE_SETUP, "rb") as script:
             return self.docker("exec", "-i", "-e", f"DOCKER={DOCKER}", self.worker(name)["container"],
                                "/usr/bin/bash", "-s", "--", "-H", WORKER_SOCKET,
@@ -248,6 +249,9 @@ def up(directory: str, workers: int = 2, ports_per_worker: int = PORTS_PER_WORKE
     directory = os.path.realpath(directory)
     if os.path.exists(os.path.join(directory, "state.json")):
         raise AlreadyUp(f"{directory} already holds a testbed: run down first")
+    if os.path.isdir(directory) and os.listdir(directory):
+        # down removes the whole directory: it must hold nothing but the instance.
+        raise AlreadyUp(f"{directory} is not empty: give a new or empty directory")
     outer = os.path.join(directory, "outer")
     longest = os.path.join(outer, "exec", "containerd", "containerd.sock.ttrpc")
     if len(longest) > SOCKET_PATH_MAX:
@@ -519,6 +523,9 @@ def down(directory: str, log=print) -> list:
     except TestbedError:
         bed = None
     if bed is None:
+        if os.path.isdir(directory) and not _only_instance_files(directory):
+            log(f"down: {directory} holds no testbed and other files: left as it is")
+            return []
         if os.path.isdir(directory):
             left = residue.unmount_under(directory)
             if left:
@@ -561,6 +568,12 @@ def down(directory: str, log=print) -> list:
     log(f"down: {directory} in {time.monotonic() - started:.1f} s; "
         + ("nothing left" if not left else "LEFT: " + "; ".join(left)))
     return left
+
+
+def _only_instance_files(directory: str) -> bool:
+    """What `up` makes before its state file: outer/, wK/, state.json.new."""
+    return all(name in ("outer", "state.json.new") or (name[0] == "w" and name[1:].isdigit())
+               for name in os.listdir(directory))
 
 
 def _daemon_pid(bed: Testbed):
