@@ -49,9 +49,8 @@ async function validate() {
     problems.push(...read.problems);
     const replaced = new Set(read.objects.map((e) => identity(e.object)));
     entries = [...entries.filter((e) => !replaced.has(identity(e.object))), ...read.objects];
-  } else {
-    problems.push(...checkKustomization(entries, files, TEMPLATE_DIR));
   }
+  problems.push(...checkKustomization(entries, files, TEMPLATE_DIR));
 
   // The schema first; cellblock's rules judge only what the schema accepts.
   const valid = [];
