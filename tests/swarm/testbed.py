@@ -31,6 +31,7 @@ import skeleton  # noqa: E402
 
 DOCKER = "/usr/bin/docker"
 DOCKERD = "/usr/sbin/dockerd"
+DOCKER_INIT = "/usr/bin/docker-init"  # tini, which docker.io depends on
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NODE_SETUP = os.path.join(REPO, "deploy", "swarm", "node-setup.sh")
 
@@ -475,7 +476,10 @@ def _run_worker(bed: Testbed, w: dict, caps: list, var_lib: str) -> None:
         "--sysctl", f"net.ipv4.ip_local_port_range={lo} {hi}",
         "-p", f"{CONNECT_HOST}:{lo}-{hi}:{lo}-{hi}",
         "-e", "DOCKER_SERVICE_PREFER_OFFLINE_IMAGE=1",
-        NODE_IMAGE, DOCKERD, "--cgroup-parent", f"{bed.tag}-{w['name']}", "-H", WORKER_SOCKET)
+        # Docker's init as PID 1: dockerd there would not reap the shims' orphans (zombies).
+        # (`--init` cannot bind it: /sbin is a link into the read-only /usr.)
+        NODE_IMAGE, DOCKER_INIT, "--", DOCKERD, "--cgroup-parent", f"{bed.tag}-{w['name']}",
+        "-H", WORKER_SOCKET)
 
 
 def _join_worker(bed: Testbed, w: dict, token: str) -> None:
