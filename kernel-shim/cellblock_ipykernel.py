@@ -28,6 +28,25 @@ def _make_package_dir():
             pass
 
 
+def _writable_connection_file(argv):
+    # A container engine (the Swarm backend, docs/scale-out.md) hands the
+    # connection file over as a read-only secret, and ipykernel writes the
+    # file back as it starts: it gets a private copy in /tmp instead.
+    if "-f" not in argv[:-1]:
+        return
+    at = argv.index("-f") + 1
+    path = argv[at]
+    if not os.path.exists(path) or os.access(path, os.W_OK):
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    copy = os.path.join(os.environ.get("TMPDIR", "/tmp"), "cellblock-kernel.json")
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    argv[at] = copy
+
+
 _make_package_dir()
 
 from ipykernel.ipkernel import IPythonKernel  # noqa: E402
@@ -58,4 +77,7 @@ class SandboxKernel(IPythonKernel):
 
 
 if __name__ == "__main__":
+    import sys
+
+    _writable_connection_file(sys.argv)
     IPKernelApp.launch_instance(kernel_class=SandboxKernel)

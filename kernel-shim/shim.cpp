@@ -336,11 +336,22 @@ bool enter_engine_sandbox(uid_t uid) {
             return false;
         }
     }
-    // The engine mounts the home tmpfs as root's; the kernel runs as `uid`.
-    if (const char* home = getenv("HOME")) {
-        make_dir(home);
-        if (chown(home, uid, uid) != 0) {
-            say("--engine: chown %s failed", home);
+    // The engine mounts its tmpfs as root's 0755 (Swarm drops the mode it
+    // is given): the kernel's own dirs become its uid's, the shared ones
+    // sticky and world-writable, as under runc (oci_bundle.cpp).
+    const char* home = getenv("HOME");
+    if (home) make_dir(home);
+    struct Dir {
+        const char* path;
+        mode_t mode;
+        bool own;
+    };
+    for (const Dir& dir : {Dir{home, 0700, true}, Dir{"/data/output", 0755, true},
+                           Dir{"/tmp", 01777, false}, Dir{"/dev/shm", 01777, false}}) {
+        if (!dir.path || access(dir.path, F_OK) != 0) continue;
+        // chmod while root still owns it: no CAP_FOWNER here.
+        if (chmod(dir.path, dir.mode) != 0 || (dir.own && chown(dir.path, uid, uid) != 0)) {
+            say("--engine: cannot prepare %s", dir.path);
             return false;
         }
     }

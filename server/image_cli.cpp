@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/swarm_backend.hpp"
 #include "kernel_mode.hpp"
 #include "manager_paths.hpp"
 
@@ -77,6 +78,14 @@ ImageCommands::ImageCommands(CLI::App& app) {
     import_->add_option("rootfs", tarball_, "root filesystem tarball (tar, tar.gz, ...)")
         ->required()
         ->check(CLI::ExistingFile);
+    export_ = add("export",
+                  "write image NAME as a tarball for `docker import` (the Swarm backend's "
+                  "images; docs/scale-out.md)");
+    export_->add_option("name", name_, "image name")->required();
+    export_->add_option("-o,--output", output_, "the tarball (default cellblock-NAME.tar)");
+    libexec_dir_ = ServerPaths::defaults().libexec_dir;
+    export_->add_option("--libexec-dir", libexec_dir_, "directory of cellblock-shim")
+        ->capture_default_str();
 }
 
 bool ImageCommands::parsed() const { return image_->parsed(); }
@@ -112,6 +121,18 @@ int ImageCommands::run() {
             const Image definition =
                 it != defined.end() ? it->second : default_import_definition(name_);
             import_image(definition, tarball_, store, std::cout);
+            return 0;
+        }
+        if (export_->parsed()) {
+            const auto defined = defined_images();
+            auto it = defined.find(name_);
+            if (it == defined.end()) throw std::runtime_error("no image definition '" + name_ + "'");
+            const Image image = resolve_image(it->second, store);
+            const fs::path out = output_.empty() ? fs::path("cellblock-" + name_ + ".tar") : output_;
+            const std::string tag = export_engine_image(image, libexec_dir_, out);
+            std::cout << "image " << name_ << " written to " << out.string() << "\n"
+                      << "load it on every node (or push it to your registry) as " << tag
+                      << ":\n  docker import " << out.string() << " " << tag << "\n";
             return 0;
         }
         if (rm_->parsed()) {

@@ -1,4 +1,4 @@
-// `cellblock image build | ls | rm | import`: the image store from the command line.
+// `cellblock image build | ls | rm | import | export`: the image store from the command line.
 #pragma once
 
 #include <filesystem>
@@ -23,6 +23,9 @@ class ImageCommands {
     CLI::App* ls_ = nullptr;
     CLI::App* rm_ = nullptr;
     CLI::App* import_ = nullptr;
+    CLI::App* export_ = nullptr;
+    std::filesystem::path output_;
+    std::filesystem::path libexec_dir_;
     std::filesystem::path state_dir_;
     std::string name_;
     std::filesystem::path tarball_;

@@ -20,11 +20,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 std::string log_tail(const Sandbox& sandbox) {
-    if (sandbox.dir().empty()) return {};  // not on this host (a Swarm service)
-    std::ifstream in(sandbox.dir() / "log" / "shim.log");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    std::string text = ss.str();
+    std::string text = sandbox.log_tail();
     if (text.size() > 1500) text = text.substr(text.size() - 1500);
     return text;
 }

@@ -342,7 +342,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     ::close(log_fd);
     if (result.exit_code != 0) {
         if (listener >= 0) ::close(listener);
-        throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " + log_tail(log));
+        throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " + sandbox_detail::log_tail(log));
     }
     if (box->init_pid_ <= 0) {
         if (listener >= 0) ::close(listener);
@@ -357,7 +357,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         ::unlink(lifeline_socket.c_str());
         if (!box->lifeline_) {
             throw SandboxError(settings.runtime + " run " + box->container_id_ +
-                               ": the shim never connected to its lifeline; log: " + log_tail(log));
+                               ": the shim never connected to its lifeline; log: " + sandbox_detail::log_tail(log));
         }
     }
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
@@ -380,6 +380,8 @@ bool RuncSandbox::read_lifeline() {
     exited_ = true;
     return false;
 }
+
+std::string RuncSandbox::log_tail() const { return sandbox_detail::log_tail(dir_ / "log" / "shim.log"); }
 
 bool RuncSandbox::memory_limit_hit() const {
     const auto u = usage();

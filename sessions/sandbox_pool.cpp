@@ -51,6 +51,7 @@ SandboxPool::~SandboxPool() {
         stopping_ = true;
     }
     changed_.notify_all();
+    backend_->abandon_starts();
     for (auto& t : workers_) t.join();
     // Whatever is still held is destroyed here, on this thread.
     for (auto& job : jobs_) {

@@ -61,6 +61,30 @@ json bind_ro(const std::string& path) {
     return {{"Type", "bind"}, {"Source", path}, {"Target", path}, {"ReadOnly", true}};
 }
 
+// The end of a service's stdout and stderr, from the engine's log stream
+// (8-byte frame headers: stream, 0, 0, 0, big-endian length).
+std::string service_log_tail(const DockerApi& api, const std::string& service_id) {
+    try {
+        const DockerResponse r =
+            api.call("GET", "/services/" + service_id + "/logs?stdout=1&stderr=1&tail=40");
+        if (r.status != 200) return {};
+        std::string out;
+        std::string_view in(r.text);
+        while (in.size() >= 8) {
+            const std::size_t size = (static_cast<unsigned char>(in[4]) << 24) |
+                                     (static_cast<unsigned char>(in[5]) << 16) |
+                                     (static_cast<unsigned char>(in[6]) << 8) |
+                                     static_cast<unsigned char>(in[7]);
+            in.remove_prefix(8);
+            out.append(in.substr(0, size));
+            in.remove_prefix(std::min(size, in.size()));
+        }
+        return out.size() > 2000 ? out.substr(out.size() - 2000) : out;
+    } catch (const std::exception& e) {
+        return std::string("(its log could not be read: ") + e.what() + ")";
+    }
+}
+
 std::string read_or_create_server_id(const fs::path& state_dir) {
     const fs::path dir = state_dir / "swarm";
     fs::create_directories(dir);
@@ -142,6 +166,7 @@ class SwarmSandbox final : public Sandbox {
         std::lock_guard lock(mutex_);
         return lost_.empty() ? "the service was removed" : lost_;
     }
+    std::string log_tail() const override { return service_log_tail(state_->api, container_id_); }
     bool node_lost() const override {
         std::lock_guard lock(mutex_);
         return node_lost_;
@@ -366,6 +391,7 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         const auto deadline = Clock::now() + settings_.start_timeout;
         json task;
         for (;;) {
+            task = nullptr;  // the newest task as the engine sees it now
             for (const auto& t : api.expect("GET", query)) {
                 if (task.is_null() || t.value("CreatedAt", "") > task.value("CreatedAt", "")) task = t;
             }
@@ -378,7 +404,12 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
             if (state == "failed" || state == "rejected" || state == "shutdown" ||
                 state == "complete" || state == "orphaned" || state == "remove") {
                 throw SandboxError("swarm service cb-" + session_id + ": task " + state + ": " +
-                                   status.value("Err", status.value("Message", "")));
+                                   status.value("Err", status.value("Message", "")) +
+                                   "; log: " + service_log_tail(api, service_id));
+            }
+            if (abandoned_) {
+                throw SandboxError("swarm service cb-" + session_id +
+                                   ": its start was abandoned (the server is stopping)");
             }
             if (Clock::now() > deadline) {
                 throw SandboxError("swarm service cb-" + session_id + " not running within " +
@@ -464,6 +495,8 @@ void SwarmBackend::watch() {
         wake_lock.lock();
     }
 }
+
+void SwarmBackend::abandon_starts() { abandoned_ = true; }
 
 json SwarmBackend::extras() {
     json out = json::array();

@@ -15,6 +15,8 @@
 #     connections made *to* a session's published port still pass.
 #  3. With --allow-from: new connections to the sessions (their published ports)
 #     only from those sources, the hosts of cellblock's front.
+#  4. Inbound connections enter a session from the node's own address on its
+#     bridge (masquerade into the bridge), since a session has no default route.
 set -euo pipefail
 
 DOCKER=${DOCKER:-docker}
@@ -136,6 +138,22 @@ if [ -n "$ALLOW_FROM" ]; then
     fi
     rule=(-o "$BRIDGE" -m conntrack --ctstate NEW -j "$INBOUND_CHAIN")
     ensure_rule iptables "$(forward_chain iptables)"
+fi
+
+# --- 4. inbound from the node's own address -----------------------------------
+# cellblock's shim deletes a session's default route (no packet can leave it for
+# anywhere but its own subnet), so a connection to a published port must reach
+# the session from an address on that subnet: the node's end of the bridge.
+# Masquerading what goes *into* the bridge does that; the sources were already
+# judged in DOCKER-USER above (filtering runs before POSTROUTING).
+nat_rule=(-o "$BRIDGE" -m addrtype ! --src-type LOCAL -j MASQUERADE)
+if iptables -w -t nat -C POSTROUTING "${nat_rule[@]}" 2>/dev/null; then
+    report present "iptables nat POSTROUTING ${nat_rule[*]}"
+elif [ "$CHECK" = 1 ]; then
+    report missing "iptables nat POSTROUTING ${nat_rule[*]}"
+else
+    iptables -w -t nat -I POSTROUTING "${nat_rule[@]}"
+    report added "iptables nat POSTROUTING ${nat_rule[*]}"
 fi
 
 if [ "$CHECK" = 1 ] && [ "$missing" = 1 ]; then

@@ -48,6 +48,7 @@ class RuncSandbox final : public Sandbox {
     bool exited() const override { return exited_; }
     std::string exit_description() const override;
     bool memory_limit_hit() const override;
+    std::string log_tail() const override;  // log/shim.log
 
     // SIGINT to the kernel (through the shim: a signal, or a lifeline line).
     bool interrupt() override;

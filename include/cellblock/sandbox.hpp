@@ -105,6 +105,8 @@ class Sandbox {
     // "node worker-2 is down".
     virtual std::string exit_description() const = 0;
     virtual bool memory_limit_hit() const { return false; }
+    // The end of what the shim and the kernel wrote to stderr (for errors).
+    virtual std::string log_tail() const { return {}; }
     // Ended because the machine it ran on was lost, with all its state.
     virtual bool node_lost() const { return false; }
 

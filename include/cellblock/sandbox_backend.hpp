@@ -39,6 +39,10 @@ class SandboxBackend {
     // holds: [{kind, image, container_id, ...}] (`cellblock ls`).
     virtual nlohmann::json extras() { return nlohmann::json::array(); }
 
+    // The pool is stopping: starts under way give up (SandboxError) as soon
+    // as they can, rather than wait for a placement nobody will take.
+    virtual void abandon_starts() {}
+
     // The pool now holds `image` (a rebuilt version), or the image is
     // `removed`: whatever the backend keeps for an older version (a zygote)
     // is let go.

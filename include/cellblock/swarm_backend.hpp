@@ -5,6 +5,7 @@
 // (a Swarm secret) and publishes its five kernel ports on its node.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
@@ -69,6 +70,7 @@ class SwarmBackend final : public SandboxBackend {
                    const SandboxLimits& wanted) const override;
     // The nodes: [{kind: node, hostname, state, availability, sessions}].
     nlohmann::json extras() override;
+    void abandon_starts() override;
 
     const std::string& server_id() const { return server_id_; }
     // The services found and removed at start.
@@ -84,7 +86,20 @@ class SwarmBackend final : public SandboxBackend {
     std::mutex wake_mutex_;
     std::condition_variable wake_;
     bool stopping_ = false;
+    std::atomic<bool> abandoned_{false};
     std::thread watcher_;
 };
+
+}  // namespace cellblock
+
+namespace cellblock {
+
+// Writes `output`, a tarball `docker import` takes, of `image` (resolved:
+// a stored root, or for a host image a skeleton root whose /usr the node
+// binds) with cellblock's shim and kernel launcher from `libexec_dir` at
+// /opt/cellblock. Returns the tag swarm_image_ref gives it. Throws
+// SandboxError. `cellblock image export`.
+std::string export_engine_image(const Image& image, const std::filesystem::path& libexec_dir,
+                                const std::filesystem::path& output);
 
 }  // namespace cellblock

@@ -49,6 +49,10 @@ PORT_SEARCH = (30000, 32760)
 DATA_PATH_PORTS = (47890, 47990)
 MANAGER_NETS = ("10.213", "10.214")  # the workers' bridge, the manager's docker_gwbridge
 SOCKET_PATH_MAX = 107
+# What a host image's sessions bind from their node besides /usr (images/host
+# host_binds): a worker binds the host's, as a node with Python installed has them.
+with open(os.path.join(REPO, "images", "host", "image.json")) as _f:
+    HOST_IMAGE_BINDS = [p for p in json.load(_f).get("host_binds", []) if os.path.exists(p)]
 ALLOCATION_LOCK = "\0cellblock-swarm-testbed-allocation"  # abstract: vanishes with its holder
 
 CAPABILITIES = (
@@ -469,6 +473,8 @@ def _run_worker(bed: Testbed, w: dict, caps: list, var_lib: str) -> None:
         "--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
         "--security-opt", "systempaths=unconfined", "--device-cgroup-rule", "a *:* rwm",
         "-v", "/usr:/usr:ro", "-v", "/etc/alternatives:/etc/alternatives:ro",
+        *[arg for path in HOST_IMAGE_BINDS if path != "/etc/alternatives"
+          for arg in ("-v", f"{path}:{path}:ro")],
         "-v", "/lib/modules:/lib/modules:ro", "-v", "/sys/fs/cgroup:/sys/fs/cgroup",
         "-v", f"{var_lib}:/var/lib/docker", "--tmpfs", "/run", "--tmpfs", "/tmp",
         # The worker's dockerd picks dynamic host ports from this range, all of which
