@@ -1,0 +1,306 @@
+"""cellblock serve --backend swarm on a real three-node Docker Swarm (issue 16).
+
+The swarm is tests/swarm/testbed.py's: a private manager daemon on this host
+(drained: its network namespace is the host's) and two docker-in-docker
+workers, each set up by deploy/swarm/node-setup.sh, every published session
+port reachable at 127.0.0.1. The host image is exported with `cellblock image
+export` and loaded into every node. The module skips, saying why, only when
+dockerd cannot start here.
+
+What is checked from outside cellblock: where the engine placed each session
+(the engine's own task list), what a session's process sees of itself (uid,
+capabilities, routes, interfaces, its root), the engine's services after a
+close, a killed worker and a kill -9 of the server.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+import test_kernel_conformance as conformance
+from conftest import CELLBLOCK_BIN
+from server_helpers import (ServerProcess, execute, new_state_dir, run_ok, stream_text,
+                            wait_for)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "swarm"))
+import testbed  # noqa: E402
+
+IMAGE_TAG = "cellblock/host:host"
+
+
+def error_of(reply):
+    content = reply["content"]
+    return content.get("ename"), content.get("evalue", "")
+
+
+@pytest.fixture(scope="module")
+def bed():
+    directory = tempfile.mkdtemp(prefix="cellblock-swarm-", dir="/var/tmp")
+    try:
+        instance = testbed.up(directory)
+    except testbed.DaemonStartFailed as e:
+        pytest.skip(f"dockerd cannot start on this host: {e}")
+    try:
+        tar = os.path.join(directory, "host-image.tar")
+        out = subprocess.run([CELLBLOCK_BIN, "image", "export", "host", "-o", tar],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert IMAGE_TAG in out.stdout, out.stdout
+        instance.load_image(tar, IMAGE_TAG)
+        os.unlink(tar)
+        yield instance
+    finally:
+        residue = testbed.down(directory)
+        assert not residue, f"the swarm testbed left: {residue}"
+
+
+def swarm_args(bed, pool=2):
+    return ["--backend", "swarm", "--swarm-docker-host", bed.describe()["docker_host"],
+            "--swarm-connect-host", "127.0.0.1", "--pool", f"host={pool}"]
+
+
+def services_of(bed, server_id):
+    """The engine's services labelled with this server's id: {name: service id}."""
+    out = bed.docker("service", "ls", "--filter", f"label=cellblock.server={server_id}",
+                     "--format", "{{.Name}} {{.ID}}")
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
+def server_id_of(server):
+    with open(os.path.join(server.state_dir, "swarm", "server-id")) as f:
+        return f.read().strip()
+
+
+def node_of(bed, sid):
+    """The hostname of the node the engine runs session `sid`'s task on."""
+    tasks = json.loads(bed.docker("service", "ps", "--no-trunc", "--format", "{{json .}}",
+                                  f"cb-{sid}").splitlines()[0])
+    return tasks["Node"]
+
+
+@pytest.fixture(scope="module")
+def swarm_server(bed, request):
+    failed_before = request.session.testsfailed
+    srv = ServerProcess(new_state_dir(), swarm_args(bed)).start()
+    yield srv
+    server_id = server_id_of(srv)
+    problems = srv.shutdown(keep_log=request.session.testsfailed > failed_before)
+    assert not problems, "\n".join(problems)
+    # A stopped server leaves no service or secret of its own in the engine.
+    assert services_of(bed, server_id) == {}
+    secrets = bed.docker("secret", "ls", "--filter", f"label=cellblock.server={server_id}",
+                         "-q")
+    assert secrets.strip() == ""
+
+
+@pytest.fixture
+def swarm(swarm_server):
+    yield swarm_server
+    swarm_server.close_clients()
+
+
+def test_sessions_spread_over_the_workers_never_the_manager(bed, swarm):
+    workers = {w["container"] for w in bed.describe()["workers"]}
+    nodes = set()
+    for _ in range(4):
+        sid, kc, _ = swarm.open_session()
+        assert run_ok(kc, "print(6 * 7)") == "42\n"
+        nodes.add(node_of(bed, sid))
+        swarm.ok("session_close_request", {"session_id": sid})
+    assert nodes <= workers, nodes
+    assert len(nodes) == 2, f"4 sessions all went to {nodes}"
+
+
+def test_a_swarm_session_is_contained(bed, swarm):
+    sid, kc, reply = swarm.open_session()
+    # The server reaches it only through a port its node publishes on the loopback.
+    assert reply["connection"]["ip"] == "127.0.0.1"
+    facts = json.loads(run_ok(kc, (
+        "import json, os, socket\n"
+        "status = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines()"
+        " if ':\\t' in l)\n"
+        "def writable(path):\n"
+        "    try:\n"
+        "        open(path, 'w').close(); return True\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "routes = [l.split() for l in open('/proc/net/route').read().splitlines()[1:]]\n"
+        "v6 = [l.split() for l in open('/proc/net/ipv6_route').read().splitlines()] "
+        "if os.path.exists('/proc/net/ipv6_route') else []\n"
+        "print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(),\n"
+        "  'cap_eff': status['CapEff'].strip(), 'cap_bnd': status['CapBnd'].strip(),\n"
+        "  'no_new_privs': status['NoNewPrivs'].strip(),\n"
+        "  'default_v4': [r for r in routes if r[1] == '00000000'],\n"
+        "  'default_v6': [r for r in v6 if r[0] == '0' * 32 and r[1] == '00' and r[9] != 'lo'],\n"
+        "  'interfaces': sorted(os.listdir('/sys/class/net')),\n"
+        "  'root_writable': writable('/cellblock-probe'), 'usr_writable': writable('/usr/probe'),\n"
+        "  'tmp_writable': writable('/tmp/probe'), 'home_writable': writable(os.path.expanduser('~/p')),\n"
+        "  'secret_mode': oct(os.stat('/run/secrets/cellblock-connection.json').st_mode & 0o777)}))")))
+    assert facts["uid"] == 1000 and facts["gid"] == 1000, facts
+    assert int(facts["cap_eff"], 16) == 0, facts
+    assert facts["no_new_privs"] == "1", facts
+    assert facts["default_v4"] == [] and facts["default_v6"] == [], facts
+    assert facts["interfaces"] == ["eth0", "lo"], facts
+    assert not facts["root_writable"] and not facts["usr_writable"], facts
+    assert facts["tmp_writable"] and facts["home_writable"], facts
+    assert facts["secret_mode"] == "0o400", facts
+
+    # A listener on the host's loopback stays out of reach: the session's
+    # 127.0.0.1 is its own, and it has no route anywhere else.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    try:
+        out = run_ok(kc, (
+            "import socket\n"
+            "s = socket.socket(); s.settimeout(3)\n"
+            f"print(s.connect_ex(('127.0.0.1', {port})))"))
+        assert int(out) != 0, out
+        listener.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+
+    # Files live on a node the server has no directory on: a clear refusal.
+    reply = swarm.call("file_get_request", {"session_id": sid, "path": "result.csv"})
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "FileError"
+    assert "swarm backend" in reply["content"]["evalue"]
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
+def test_png_analysis_through_a_swarm_session(swarm):
+    sid, kc, _ = swarm.open_session()
+    rep, iopub = execute(kc, conformance.PLOT_CODE)
+    assert rep["content"]["status"] == "ok", rep["content"]
+    pngs = [m["content"]["data"]["image/png"] for m in iopub
+            if m["msg_type"] == "display_data" and "image/png" in m["content"]["data"]]
+    assert len(pngs) == 1
+    import base64
+    assert base64.b64decode(pngs[0]).startswith(conformance.PNG_MAGIC)
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
+def test_caps_timeouts_and_close_as_with_runc(bed, swarm):
+    sid, kc, _ = swarm.open_session(limits={"max_executions": 2})
+    assert run_ok(kc, "x = 1") == ""
+    assert run_ok(kc, "print(x + 1)") == "2\n"
+    rep, _ = execute(kc, "print(3)")
+    assert error_of(rep)[0] == "ExecutionLimitExceeded", rep["content"]
+    swarm.ok("session_close_request", {"session_id": sid})
+    # Closed: its service is gone from the engine, and the session answers SessionClosed.
+    wait_for(lambda: f"cb-{sid}" not in services_of(bed, server_id_of(swarm)), timeout=30)
+    rep, _ = execute(kc, "print(4)")
+    assert error_of(rep)[0] == "SessionClosed", rep["content"]
+
+    # An interrupt reaches a kernel on another node as a message on its
+    # control channel: the timed-out cell ends, the session lives on.
+    sid, kc, _ = swarm.open_session(limits={"exec_timeout_s": 2})
+    # As with runc (test_server.py), the kernel's own KeyboardInterrupt answers.
+    rep, iopub = execute(kc, "while True: pass", timeout=60)
+    assert error_of(rep)[0] == "KeyboardInterrupt", rep["content"]
+    assert rep["metadata"]["cellblock"]["timeout_s"] == 2
+    assert run_ok(kc, "print('still here')") == "still here\n"
+
+    # One that ignores the interrupt is killed: its service is removed.
+    rep, _ = execute(kc, "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                         "while True: pass", timeout=90)
+    assert error_of(rep)[0] == "ExecutionTimeout", rep["content"]
+    info = wait_for(lambda: (lambda i: i if i["state"] == "closed" else None)(swarm.info_of(sid)),
+                    timeout=30)
+    assert info["close_reason"] == "exec_timeout", info
+    wait_for(lambda: f"cb-{sid}" not in services_of(bed, server_id_of(swarm)), timeout=30)
+
+
+class SwarmKernelTests(conformance.CellblockKernelTests):
+    """jupyter_kernel_test's suite, and cellblock's own conformance checks,
+    against a session the swarm placed."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = SwarmKernelTests.server_for_class
+        cls.sid, cls.kc, _ = cls.server.open_session()
+        cls.km = None
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.kc.stop_channels()
+        cls.server.ok("session_close_request", {"session_id": cls.sid})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_tests_server(swarm_server):
+    SwarmKernelTests.server_for_class = swarm_server
+    yield
+
+
+def test_kill9_of_the_server_then_restart_removes_every_service_it_had(bed):
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1)).start()
+    try:
+        for _ in range(2):
+            sid, kc, _ = srv.open_session()
+            assert run_ok(kc, "print(1)") == "1\n"
+        server_id = server_id_of(srv)
+        wait_for(lambda: len(services_of(bed, server_id)) == 3, timeout=60)
+        before = services_of(bed, server_id)
+        srv.close_clients()
+        srv.kill9()
+        # Nothing removed them: they run on, unowned, until the server is back.
+        assert services_of(bed, server_id) == before
+        srv.start()
+        assert server_id_of(srv) == server_id
+        for name in before:
+            assert f"removed service {name}" in srv.log(), srv.log()
+        remaining = services_of(bed, server_id)
+        assert not set(remaining) & set(before), remaining
+        sid, kc, _ = srv.open_session()
+        assert run_ok(kc, "print(2)") == "2\n"
+    finally:
+        server_id = server_id_of(srv)
+        problems = srv.shutdown()
+        assert not problems, "\n".join(problems)
+    assert services_of(bed, server_id) == {}
+
+
+def test_a_killed_worker_closes_its_sessions_as_node_lost(bed, swarm):
+    # Runs last: it takes a worker away for good.
+    opened = []
+    for _ in range(4):
+        sid, kc, _ = swarm.open_session()
+        assert run_ok(kc, "y = 7") == ""
+        opened.append((sid, kc, node_of(bed, sid)))
+    victim = opened[0][2]
+    worker = next(w["name"] for w in bed.describe()["workers"] if w["container"] == victim)
+    lost = [(sid, kc) for sid, kc, node in opened if node == victim]
+    kept = [(sid, kc) for sid, kc, node in opened if node != victim]
+    bed.kill_worker(worker)
+
+    def closed(sid):
+        info = swarm.info_of(sid)
+        return info if info["state"] == "closed" else None
+
+    for sid, kc in lost:
+        info = wait_for(lambda: closed(sid), timeout=90)
+        assert info and info["close_reason"].startswith("node_lost: "), info
+        assert victim in info["close_reason"], info
+        rep, _ = execute(kc, "print(y)")
+        ename, evalue = error_of(rep)
+        assert ename == "SessionClosed" and "node_lost" in evalue, rep["content"]
+        # Its service is removed from the engine, not left to be re-placed.
+        wait_for(lambda: f"cb-{sid}" not in services_of(bed, server_id_of(swarm)), timeout=30)
+    for sid, kc in kept:
+        assert run_ok(kc, "print(y)") == "7\n"
+        assert swarm.info_of(sid)["state"] != "closed"
+    # New sessions go to the live worker.
+    for _ in range(2):
+        sid, kc, _ = swarm.open_session()
+        assert run_ok(kc, "print('fresh')") == "fresh\n"
+        assert node_of(bed, sid) != victim
