@@ -28,6 +28,8 @@ PACKAGES=(
   # real frontends (tests/python/test_frontends.py): classic Notebook 6, nbconvert,
   # and headless Chromium driven by playwright-core (tests/frontend/install.sh)
   jupyter-notebook jupyter-nbconvert python3-nbconvert chromium nodejs
+  # the Swarm backend's tests (tests/swarm: a private three-node swarm on this host)
+  docker.io
 )
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -52,3 +54,5 @@ fi
 
 # playwright-core from the npm registry (pinned; no browser download).
 bash "$(dirname "$0")/../tests/frontend/install.sh"
+# kubernetes-models and yaml from the npm registry (pinned): offline checks of deploy/kubernetes.
+bash "$(dirname "$0")/../deploy/kubernetes/validate/install.sh"
