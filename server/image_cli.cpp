@@ -126,9 +126,11 @@ int ImageCommands::run() {
         if (export_->parsed()) {
             const auto defined = defined_images();
             auto it = defined.find(name_);
-            if (it == defined.end()) throw std::runtime_error("no image definition '" + name_ + "'");
+            if (it == defined.end())
+                throw std::runtime_error("no image definition '" + name_ + "'");
             const Image image = resolve_image(it->second, store);
-            const fs::path out = output_.empty() ? fs::path("cellblock-" + name_ + ".tar") : output_;
+            const fs::path out =
+                output_.empty() ? fs::path("cellblock-" + name_ + ".tar") : output_;
             const std::string tag = export_engine_image(image, libexec_dir_, out);
             std::cout << "image " << name_ << " written to " << out.string() << "\n"
                       << "load it on every node (or push it to your registry) as " << tag

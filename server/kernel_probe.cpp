@@ -116,7 +116,8 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     // a backend's tcp ports (a Swarm node's) are the engine's, not the sandbox's.
     const auto deadline = Clock::now() + timeout;
     ConnectionInfo linked = inner;
-    if (inner.transport == "ipc") linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
+    if (inner.transport == "ipc")
+        linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
     ch->shell.connect(linked.endpoint(Channel::shell));
     ch->control.connect(linked.endpoint(Channel::control));
     ch->stdin_.connect(linked.endpoint(Channel::stdin_));

@@ -94,8 +94,9 @@ DockerResponse DockerApi::call(const std::string& method, const std::string& pat
                           " HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n"
                           "User-Agent: cellblock\r\n";
     if (body) {
-        request += "Content-Type: application/json\r\nContent-Length: " +
-                   std::to_string(payload.size()) + "\r\n";
+        request +=
+            "Content-Type: application/json\r\nContent-Length: " + std::to_string(payload.size()) +
+            "\r\n";
     }
     request += "\r\n" + payload;
     for (std::size_t sent = 0; sent < request.size();) {
@@ -149,8 +150,8 @@ nlohmann::json DockerApi::expect(const std::string& method, const std::string& p
     }
     std::string message = r.body.is_object() ? r.body.value("message", "") : r.text;
     if (message.size() > 500) message.resize(500);
-    throw SandboxError("docker API " + method + " " + path + ": " + std::to_string(r.status) +
-                       " " + message);
+    throw SandboxError("docker API " + method + " " + path + ": " + std::to_string(r.status) + " " +
+                       message);
 }
 
 }  // namespace cellblock

@@ -24,11 +24,11 @@ void write_skeleton(const fs::path& root) {
         fs::create_symlink(std::string("usr/") + link, root / link);
     }
     const std::string uid = std::to_string(kSandboxUid);
-    std::ofstream(root / "etc/passwd") << "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                       << "sandbox:x:" << uid << ":" << uid
-                                       << ":sandbox:/home/sandbox:/bin/sh\n"
-                                       << "nobody:x:65534:65534:nobody:/nonexistent:"
-                                          "/usr/sbin/nologin\n";
+    std::ofstream(root / "etc/passwd")
+        << "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        << "sandbox:x:" << uid << ":" << uid << ":sandbox:/home/sandbox:/bin/sh\n"
+        << "nobody:x:65534:65534:nobody:/nonexistent:"
+           "/usr/sbin/nologin\n";
     std::ofstream(root / "etc/group") << "root:x:0:\nsandbox:x:" << uid << ":\nnogroup:x:65534:\n";
     std::ofstream(root / "etc/hosts") << "127.0.0.1 localhost sandbox\n::1 localhost\n";
     std::ofstream(root / "etc/nsswitch.conf") << "passwd: files\ngroup: files\nhosts: files\n";
@@ -79,8 +79,8 @@ std::string export_engine_image(const Image& image, const fs::path& libexec_dir,
         // The shim and the launcher at /opt/cellblock, root's and read-only.
         argv = common;
         argv.insert(argv.end(), {"--owner=0", "--group=0", "--mode=a+rX,go-w",
-                                 "--transform=s,^\\.,./opt/cellblock,", "-C",
-                                 libexec_dir.string(), "-rf", partial.string(), "."});
+                                 "--transform=s,^\\.,./opt/cellblock,", "-C", libexec_dir.string(),
+                                 "-rf", partial.string(), "."});
         run_tar(argv);
         fs::rename(partial, out);
     } catch (...) {

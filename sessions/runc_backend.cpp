@@ -29,7 +29,8 @@ std::unique_ptr<Sandbox> RuncBackend::start(const std::string& session_id, const
 
 bool RuncBackend::can_serve(const Image& image, const SandboxLimits& a,
                             const SandboxLimits& b) const {
-    const RuntimeKind kind = runtime_kind(image.runtime.empty() ? settings_.runtime : image.runtime);
+    const RuntimeKind kind =
+        runtime_kind(image.runtime.empty() ? settings_.runtime : image.runtime);
     return a.disk_mb == b.disk_mb && a.shm_mb == b.shm_mb && a.output_mb == b.output_mb &&
            a.nofile == b.nofile && (kind != RuntimeKind::runsc || a.pids == b.pids);
 }

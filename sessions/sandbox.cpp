@@ -149,8 +149,8 @@ bool runtime_installed(const std::string& runtime) {
 }
 
 std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id, const Image& image,
-                                          const SandboxLimits& limits,
-                                          const RuntimeSettings& settings) {
+                                                  const SandboxLimits& limits,
+                                                  const RuntimeSettings& settings) {
     std::unique_ptr<RuncSandbox> box(new RuncSandbox());
     box->session_id_ = session_id;
     box->container_id_ = container_id_for(session_id);
@@ -241,8 +241,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
 }
 
 std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, const Image& image,
-                                        const SandboxLimits& limits,
-                                        const RuntimeSettings& settings, SandboxRole role) {
+                                                const SandboxLimits& limits,
+                                                const RuntimeSettings& settings, SandboxRole role) {
     std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
     const fs::path& dir = box->dir_;
     const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
@@ -342,7 +342,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     ::close(log_fd);
     if (result.exit_code != 0) {
         if (listener >= 0) ::close(listener);
-        throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " + sandbox_detail::log_tail(log));
+        throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " +
+                           sandbox_detail::log_tail(log));
     }
     if (box->init_pid_ <= 0) {
         if (listener >= 0) ::close(listener);
@@ -357,7 +358,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         ::unlink(lifeline_socket.c_str());
         if (!box->lifeline_) {
             throw SandboxError(settings.runtime + " run " + box->container_id_ +
-                               ": the shim never connected to its lifeline; log: " + sandbox_detail::log_tail(log));
+                               ": the shim never connected to its lifeline; log: " +
+                               sandbox_detail::log_tail(log));
         }
     }
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
@@ -381,7 +383,9 @@ bool RuncSandbox::read_lifeline() {
     return false;
 }
 
-std::string RuncSandbox::log_tail() const { return sandbox_detail::log_tail(dir_ / "log" / "shim.log"); }
+std::string RuncSandbox::log_tail() const {
+    return sandbox_detail::log_tail(dir_ / "log" / "shim.log");
+}
 
 bool RuncSandbox::memory_limit_hit() const {
     const auto u = usage();

@@ -124,7 +124,8 @@ struct SwarmState {
                 api.expect("DELETE", "/secrets/" + secret_id, nullptr, 404);
                 return;
             } catch (const std::exception& e) {
-                if (attempt == 19) spdlog::warn("swarm: removing secret {}: {}", secret_id, e.what());
+                if (attempt == 19)
+                    spdlog::warn("swarm: removing secret {}: {}", secret_id, e.what());
                 ::usleep(100000);
             }
         }
@@ -301,11 +302,10 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
              {"Mode", 0400}}}}}},
         {"Ulimits", {{{"Name", "nofile"}, {"Soft", limits.nofile}, {"Hard", limits.nofile}}}},
     };
-    json resources = {
-        {"Limits",
-         {{"MemoryBytes", static_cast<std::int64_t>(limits.memory_mb) << 20},
-          {"NanoCPUs", static_cast<std::int64_t>(limits.cpus * kNanoPerCore)},
-          {"Pids", limits.pids}}}};
+    json resources = {{"Limits",
+                       {{"MemoryBytes", static_cast<std::int64_t>(limits.memory_mb) << 20},
+                        {"NanoCPUs", static_cast<std::int64_t>(limits.cpus * kNanoPerCore)},
+                        {"Pids", limits.pids}}}};
     return {{"Name", "cb-" + session_id},
             {"Labels", labels},
             {"TaskTemplate",
@@ -386,19 +386,21 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         service_id = api.expect("POST", "/services/create", &spec).value("ID", "");
         if (service_id.empty()) throw SandboxError("swarm: the engine gave the service no id");
         // Placed and running, with its five ports published on its node.
-        const std::string query =
-            "/tasks?filters=" + docker_filters({{"service", {service_id}}});
+        const std::string query = "/tasks?filters=" + docker_filters({{"service", {service_id}}});
         const auto deadline = Clock::now() + settings_.start_timeout;
         json task;
         for (;;) {
             task = nullptr;  // the newest task as the engine sees it now
             for (const auto& t : api.expect("GET", query)) {
-                if (task.is_null() || t.value("CreatedAt", "") > task.value("CreatedAt", "")) task = t;
+                if (task.is_null() || t.value("CreatedAt", "") > task.value("CreatedAt", ""))
+                    task = t;
             }
-            const json status = task.is_null() ? json::object() : task.value("Status", json::object());
+            const json status =
+                task.is_null() ? json::object() : task.value("Status", json::object());
             const std::string state = status.value("State", "");
             if (state == "running" &&
-                status.value("PortStatus", json::object()).value("Ports", json::array()).size() == 5) {
+                status.value("PortStatus", json::object()).value("Ports", json::array()).size() ==
+                    5) {
                 break;
             }
             if (state == "failed" || state == "rejected" || state == "shutdown" ||
@@ -423,12 +425,23 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         for (const auto& port : task["Status"]["PortStatus"]["Ports"]) {
             const int published = port.value("PublishedPort", 0);
             switch (port.value("TargetPort", 0) - kFirstKernelPort) {
-                case 0: inner.shell_port = published; break;
-                case 1: inner.iopub_port = published; break;
-                case 2: inner.stdin_port = published; break;
-                case 3: inner.control_port = published; break;
-                case 4: inner.hb_port = published; break;
-                default: break;
+                case 0:
+                    inner.shell_port = published;
+                    break;
+                case 1:
+                    inner.iopub_port = published;
+                    break;
+                case 2:
+                    inner.stdin_port = published;
+                    break;
+                case 3:
+                    inner.control_port = published;
+                    break;
+                case 4:
+                    inner.hb_port = published;
+                    break;
+                default:
+                    break;
             }
         }
         const std::string node_id = task.value("NodeID", "");
@@ -480,8 +493,9 @@ void SwarmBackend::watch() {
                     continue;
                 }
                 auto task = tasks.find(box->task_id());
-                const json status =
-                    task == tasks.end() ? json::object() : task->second.value("Status", json::object());
+                const json status = task == tasks.end()
+                                        ? json::object()
+                                        : task->second.value("Status", json::object());
                 const std::string state = status.value("State", "gone");
                 if (state != "running") {
                     box->lost("the kernel's task on node " + box->node_name() + " is " + state +

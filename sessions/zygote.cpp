@@ -264,7 +264,8 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     zygote->image_ = image;
     SandboxLimits limits = image.limits;
     limits.nofile = std::max(limits.nofile, zygote_nofile());
-    zygote->box_ = RuncSandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
+    zygote->box_ =
+        RuncSandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
     RuncSandbox& box = *zygote->box_;
     const fs::path socket_path = box.dir() / "ipc" / "zygote.sock";
     const fs::path log = box.dir() / "log" / "shim.log";
@@ -327,8 +328,9 @@ bool Zygote::alive() {
     return box_ && box_->read_lifeline() && control_;
 }
 
-std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id, const SandboxLimits& limits,
-                                      const RuntimeSettings& settings) {
+std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
+                                          const SandboxLimits& limits,
+                                          const RuntimeSettings& settings) {
     std::lock_guard lock(mutex_);
     if (!control_) throw SandboxError("zygote of image " + image_.name + " is gone");
     const auto t0 = std::chrono::steady_clock::now();

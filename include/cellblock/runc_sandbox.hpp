@@ -81,8 +81,8 @@ class RuncSandbox final : public Sandbox {
     RuncSandbox() = default;
     // The session directory with its lock, host id lease, mounts and inner
     // connection file: everything before the sandbox's processes exist.
-    static std::unique_ptr<RuncSandbox> prepare(const std::string& session_id,
-                                                const Image& image, const SandboxLimits& limits,
+    static std::unique_ptr<RuncSandbox> prepare(const std::string& session_id, const Image& image,
+                                                const SandboxLimits& limits,
                                                 const RuntimeSettings& settings);
     bool forked_ = false;
     // A forked session's zygote, kept (with the root it runs on) until the

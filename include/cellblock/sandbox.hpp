@@ -113,8 +113,8 @@ class Sandbox {
     // SIGINT to the kernel. False where the backend cannot signal it: the
     // relay then sends the kernel an interrupt_request on its control channel.
     virtual bool interrupt() = 0;
-    virtual void kill() = 0;       // ends every process of the sandbox
-    virtual void reap_init() {}    // waits for a killed init, where it is our child
+    virtual void kill() = 0;     // ends every process of the sandbox
+    virtual void reap_init() {}  // waits for a killed init, where it is our child
     // Kills and removes every trace of the session. Idempotent; never throws.
     virtual void destroy() = 0;
     // Memory, pids and CPU limits for a sandbox handed over from the pool.

@@ -39,7 +39,7 @@ class Zygote : public std::enable_shared_from_this<Zygote> {
     // Serialised per zygote. Throws SandboxError; the zygote is then
     // alive() or not, which the caller checks before the next fork.
     std::unique_ptr<RuncSandbox> fork(const std::string& session_id, const SandboxLimits& limits,
-                                  const RuntimeSettings& settings);
+                                      const RuntimeSettings& settings);
 
     bool alive();
     // Ends the zygote's processes: it forks no more (its image has a new

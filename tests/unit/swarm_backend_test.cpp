@@ -1,0 +1,263 @@
+// The Swarm backend's pure parts and its engine client: the service spec a
+// session gets (its hardening is security code), image references, the
+// filters encoding, and the Docker API client against a fake engine on a
+// unix socket (status, chunked bodies, errors, a silent engine).
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "../../sessions/docker_api.hpp"
+#include "cellblock/oci_bundle.hpp"
+#include "cellblock/swarm_backend.hpp"
+
+using namespace cellblock;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+Image host_image() {
+    Image image;
+    image.name = "host";
+    image.rootfs = "host";
+    image.host_binds = {"/etc/python3.11", "/etc/fonts"};
+    image.kernel_argv = {"/usr/bin/python3", "/opt/cellblock/cellblock_ipykernel.py", "-f",
+                         "{connection_file}"};
+    image.preload = {"numpy"};
+    return image;
+}
+
+json spec_for(const Image& image, const SandboxLimits& limits = {}) {
+    SwarmSettings settings;
+    settings.network = "sessions-net";
+    return swarm_service_spec(settings, "server-1", "abcdef0123456789", image, limits, "secret-id",
+                              "secret-name");
+}
+
+}  // namespace
+
+TEST(SwarmServiceSpec, RunsTheShimAsRootOnlyToDropToTheSandboxUid) {
+    const json c = spec_for(host_image())["TaskTemplate"]["ContainerSpec"];
+    const json command = c["Command"];
+    ASSERT_GE(command.size(), 5u);
+    EXPECT_EQ(command[0], kSandboxShim);
+    EXPECT_EQ(command[1], "--engine");
+    EXPECT_EQ(command[2], std::to_string(kSandboxUid));
+    EXPECT_EQ(command[3], "--");
+    // The connection file is the session's secret, never a path of the image.
+    EXPECT_EQ(command.back(), "/run/secrets/cellblock-connection.json");
+    EXPECT_EQ(c["User"], "0:0");
+}
+
+TEST(SwarmServiceSpec, HasEveryHardeningDockerAllows) {
+    const json spec = spec_for(host_image());
+    const json c = spec["TaskTemplate"]["ContainerSpec"];
+    EXPECT_EQ(c["ReadOnly"], true);
+    EXPECT_EQ(c["CapabilityDrop"], json::array({"ALL"}));
+    // Only what the shim needs before it drops to the sandbox uid (and with it every capability).
+    EXPECT_EQ(c["CapabilityAdd"],
+              json::array({"CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"}));
+    EXPECT_EQ(c["StopGracePeriod"], 0);
+    EXPECT_FALSE(c.contains("Privileges"));
+    EXPECT_FALSE(c.contains("Sysctls"));
+    // Never restarted: a new kernel would silently lose the session's state.
+    EXPECT_EQ(spec["TaskTemplate"]["RestartPolicy"]["Condition"], "none");
+    // Only the sessions' network, never the host's or the ingress mesh.
+    EXPECT_EQ(spec["TaskTemplate"]["Networks"], json::array({{{"Target", "sessions-net"}}}));
+    EXPECT_EQ(spec["EndpointSpec"]["Mode"], "dnsrr");
+    const json ports = spec["EndpointSpec"]["Ports"];
+    ASSERT_EQ(ports.size(), 5u);
+    for (int i = 0; i < 5; ++i) {
+        EXPECT_EQ(ports[i]["TargetPort"], 5555 + i);
+        EXPECT_EQ(ports[i]["PublishMode"], "host");
+        EXPECT_FALSE(ports[i].contains("PublishedPort")) << "a fixed port would collide on a node";
+    }
+    // The secret: readable by the sandbox's uid only.
+    const json secret = c["Secrets"][0];
+    EXPECT_EQ(secret["SecretID"], "secret-id");
+    EXPECT_EQ(secret["File"]["Mode"], 0400);
+    EXPECT_EQ(secret["File"]["UID"], std::to_string(kSandboxUid));
+    EXPECT_EQ(spec["Labels"]["cellblock.server"], "server-1");
+    EXPECT_EQ(spec["Labels"]["cellblock.session"], "abcdef0123456789");
+    EXPECT_EQ(spec["Name"], "cb-abcdef0123456789");
+}
+
+TEST(SwarmServiceSpec, CarriesTheSessionsLimits) {
+    SandboxLimits limits;
+    limits.memory_mb = 768;
+    limits.pids = 99;
+    limits.cpus = 1.5;
+    limits.disk_mb = 100;
+    limits.shm_mb = 32;
+    limits.output_mb = 50;
+    limits.nofile = 512;
+    const json spec = spec_for(host_image(), limits);
+    const json l = spec["TaskTemplate"]["Resources"]["Limits"];
+    EXPECT_EQ(l["MemoryBytes"], 768ll << 20);
+    EXPECT_EQ(l["Pids"], 99);
+    EXPECT_EQ(l["NanoCPUs"], 1500000000ll);
+    const json c = spec["TaskTemplate"]["ContainerSpec"];
+    EXPECT_EQ(c["Ulimits"][0]["Soft"], 512);
+    std::map<std::string, std::int64_t> tmpfs;
+    for (const auto& m : c["Mounts"]) {
+        if (m["Type"] == "tmpfs") tmpfs[m["Target"]] = m["TmpfsOptions"]["SizeBytes"];
+    }
+    EXPECT_EQ(tmpfs["/tmp"], 100ll << 20);
+    EXPECT_EQ(tmpfs[kSandboxHome], 100ll << 20);
+    EXPECT_EQ(tmpfs["/dev/shm"], 32ll << 20);
+    EXPECT_EQ(tmpfs[kSandboxOutputDir], 50ll << 20);
+}
+
+TEST(SwarmServiceSpec, BindsOnlyTheNodesUsrAndTheHostImagesEntriesReadOnly) {
+    std::vector<std::string> binds;
+    const json spec =
+        spec_for(host_image());  // kept: a range-for over a temporary's member dangles
+    for (const auto& m : spec["TaskTemplate"]["ContainerSpec"]["Mounts"]) {
+        if (m["Type"] != "bind") continue;
+        EXPECT_EQ(m["ReadOnly"], true) << m.dump();
+        EXPECT_EQ(m["Source"], m["Target"]);
+        binds.push_back(m["Source"]);
+    }
+    EXPECT_EQ(binds, (std::vector<std::string>{"/usr", "/etc/python3.11", "/etc/fonts"}));
+
+    Image stored = host_image();
+    stored.rootfs = "/var/lib/cellblock/images/x/rootfs";
+    stored.content_id = "0123456789abcdef0123";
+    const json stored_spec = spec_for(stored);
+    for (const auto& m : stored_spec["TaskTemplate"]["ContainerSpec"]["Mounts"]) {
+        EXPECT_NE(m["Type"], "bind") << "a stored image brings its own root: " << m.dump();
+    }
+}
+
+TEST(SwarmImageRef, ExportTagsOrTheOperatorsMapping) {
+    SwarmSettings settings;
+    Image image = host_image();
+    EXPECT_EQ(swarm_image_ref(settings, image), "cellblock/host:host");
+    image.name = "python-minimal";
+    image.rootfs = "/store/rootfs";
+    image.content_id = "0123456789abcdef0123";
+    EXPECT_EQ(swarm_image_ref(settings, image), "cellblock/python-minimal:0123456789ab");
+    settings.images["python-minimal"] = "registry.local/pm@sha256:feed";
+    EXPECT_EQ(swarm_image_ref(settings, image), "registry.local/pm@sha256:feed");
+}
+
+TEST(DockerFilters, AreUrlEncodedJson) {
+    EXPECT_EQ(docker_filters({{"label", {"cellblock.server=ab"}}}),
+              "%7B%22label%22%3A%5B%22cellblock.server%3Dab%22%5D%7D");
+}
+
+// A fake engine: answers each connection with `reply`, once per request.
+class FakeEngine {
+  public:
+    explicit FakeEngine(std::string reply, bool silent = false)
+        : reply_(std::move(reply)), silent_(silent) {
+        path_ = fs::temp_directory_path() / ("cellblock-fake-docker-" + std::to_string(::getpid()) +
+                                             "-" + std::to_string(counter_++) + ".sock");
+        fs::remove(path_);
+        fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_un addr{};
+        addr.sun_family = AF_UNIX;
+        std::strncpy(addr.sun_path, path_.c_str(), sizeof addr.sun_path - 1);
+        EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+        EXPECT_EQ(::listen(fd_, 8), 0);
+        thread_ = std::thread([this] { serve(); });
+    }
+    ~FakeEngine() {
+        stop_ = true;
+        ::shutdown(fd_, SHUT_RDWR);
+        thread_.join();
+        ::close(fd_);
+        fs::remove(path_);
+    }
+    std::string host() const { return "unix://" + path_.string(); }
+    std::string last_request() const { return last_; }
+
+  private:
+    void serve() {
+        while (!stop_) {
+            const int c = ::accept(fd_, nullptr, nullptr);
+            if (c < 0) return;
+            char buf[8192];
+            const ssize_t n = ::recv(c, buf, sizeof buf, 0);
+            if (n > 0) last_.assign(buf, static_cast<std::size_t>(n));
+            if (silent_) {
+                while (!stop_) ::usleep(10000);
+            } else {
+                [[maybe_unused]] auto w = ::send(c, reply_.data(), reply_.size(), MSG_NOSIGNAL);
+            }
+            ::close(c);
+        }
+    }
+    static inline int counter_ = 0;
+    std::string reply_;
+    bool silent_;
+    fs::path path_;
+    int fd_ = -1;
+    std::atomic<bool> stop_{false};
+    std::string last_;
+    std::thread thread_;
+};
+
+TEST(DockerApi, ReadsAChunkedJsonAnswer) {
+    FakeEngine engine(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        "5\r\n{\"ID\"\r\n9\r\n:\"svc-1\"}\r\n0\r\n\r\n");
+    DockerApi api(engine.host());
+    const json body = {{"Name", "x"}};
+    EXPECT_EQ(api.expect("POST", "/services/create", &body)["ID"], "svc-1");
+    const std::string request = engine.last_request();
+    EXPECT_EQ(request.rfind("POST /services/create HTTP/1.1\r\n", 0), 0u) << request;
+    EXPECT_NE(request.find("Content-Length: 12\r\n"), std::string::npos) << request;
+}
+
+TEST(DockerApi, AnErrorCarriesTheEnginesMessageUnlessAllowed) {
+    FakeEngine engine(
+        "HTTP/1.1 404 Not Found\r\nContent-Length: 33\r\n\r\n{\"message\":\"service x not "
+        "found\"}");
+    DockerApi api(engine.host());
+    try {
+        api.expect("DELETE", "/services/x");
+        FAIL() << "a 404 must throw";
+    } catch (const SandboxError& e) {
+        EXPECT_NE(std::string(e.what()).find("404 service x not found"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_NO_THROW(api.expect("DELETE", "/services/x", nullptr, 404));
+}
+
+TEST(DockerApi, ASilentEngineTimesOutAndAMissingOneSaysSo) {
+    FakeEngine engine("", /*silent=*/true);
+    DockerApi api(engine.host(), std::chrono::milliseconds(200));
+    EXPECT_THROW(api.call("GET", "/info"), SandboxError);
+    DockerApi nowhere("unix:///nonexistent/docker.sock");
+    try {
+        nowhere.call("GET", "/info");
+        FAIL() << "no engine must throw";
+    } catch (const SandboxError& e) {
+        EXPECT_NE(std::string(e.what()).find("cannot connect"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(DockerApi("tcp://127.0.0.1:2375"), SandboxError);
+}
+
+TEST(SwarmBackend, RefusesAnEngineThatIsNotASwarmManager) {
+    FakeEngine engine(
+        "HTTP/1.1 200 OK\r\nContent-Length: "
+        "44\r\n\r\n{\"Swarm\":{\"LocalNodeState\":\"inactive\"}}    ");
+    SwarmSettings settings;
+    settings.docker_host = engine.host();
+    settings.state_dir = fs::temp_directory_path() / "cellblock-swarm-unit";
+    try {
+        SwarmBackend backend(settings);
+        FAIL() << "an engine outside a swarm must be refused";
+    } catch (const SandboxError& e) {
+        EXPECT_NE(std::string(e.what()).find("not a Swarm manager"), std::string::npos) << e.what();
+    }
+    fs::remove_all(settings.state_dir);
+}
