@@ -1015,6 +1015,7 @@ from files import file_transfer  # noqa: E402  (figure 8 lives in its own file)
 from kernel_start import kernel_start  # noqa: E402  (figure 10 lives in its own file)
 from zygote import zygote_figure  # noqa: E402  (figure 11 lives in its own file)
 from egress import egress_figure  # noqa: E402  (figure 12 lives in its own file)
+from swarm import swarm_figure  # noqa: E402  (figure 13 lives in its own file)
 
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
@@ -1029,6 +1030,7 @@ FIGURES = {
     "kernel": ("10. Frontend kernel start", kernel_start),
     "zygote": ("11. Zygote sessions", zygote_figure),
     "egress": ("12. Egress gateway", egress_figure),
+    "swarm": ("13. Swarm backend", swarm_figure),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress"]
+         "kernel", "zygote", "egress", "swarm"]

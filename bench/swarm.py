@@ -1,0 +1,125 @@
+"""Figure 13: the Swarm backend (docs/scale-out.md), on a private three-node
+swarm on this host (tests/swarm/testbed.py: a drained manager and two
+docker-in-docker workers), in the same run as its baselines.
+
+- session ready: create → first `1+1` result through a swarm session taken
+  from the pool (pre-placed services), against a cold swarm placement (a
+  server with no pool: the engine creates the service, picks a node, starts
+  the container, the kernel boots).
+- step: the round trip of `1+1` through a swarm-placed session, against a
+  runc session on this host. Both go through the same front; the swarm
+  session's inner hop crosses the worker's published port (the manager's
+  docker-proxy to the worker's network namespace, the worker's DNAT to the
+  session's bridge).
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from client import BenchError
+from figures import ONE_PLUS_ONE, MANY_STEPS, ab_blocks
+from servers import CellblockServer, wait_ready
+import servers
+from stats import Row, ms, summary
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests", "swarm"))
+import testbed  # noqa: E402
+
+IMAGE_TAG = "cellblock/host:host"
+
+
+def swarm_args(bed):
+    return ["--backend", "swarm", "--swarm-docker-host", bed.describe()["docker_host"],
+            "--swarm-connect-host", "127.0.0.1"]
+
+
+def ready_once(srv, wait_pool):
+    """create → first 1+1 result, in seconds; the session is closed after."""
+    if wait_pool:
+        srv.wait_pool()
+    t0 = time.monotonic()
+    reply = srv.create({"limits": MANY_STEPS})
+    ch = srv.open_channels(reply["connection"])
+    try:
+        wait_ready(ch, time.monotonic() + 120)
+        ex = ch.execute(ONE_PLUS_ONE)
+        took = time.monotonic() - t0
+        if ex.status() != "ok":
+            raise BenchError(f"1+1 failed in a swarm session: {ex.reply}")
+        return took
+    finally:
+        ch.close()
+        srv.close_session(reply["session_id"])
+
+
+def swarm_figure(bench):
+    work = tempfile.mkdtemp(prefix="cellblock-bench-swarm-", dir="/var/tmp")
+    try:
+        bed = testbed.up(work)
+    except testbed.DaemonStartFailed as e:
+        raise BenchError(f"dockerd cannot start here: {e}")
+    rows = []
+    try:
+        tar = os.path.join(work, "host.tar")
+        subprocess.run([servers.CELLBLOCK, "image", "export", "host", "-o", tar], check=True,
+                       capture_output=True, timeout=300)
+        bed.load_image(tar, IMAGE_TAG)
+        os.unlink(tar)
+
+        reps = bench.n(15, 4)
+        pooled, cold = [], []
+        with CellblockServer("swarm-pool", {"host": 2}, extra_args=swarm_args(bed)) as srv:
+            bench.log(f"swarm: {reps} sessions ready from the pool")
+            for _ in range(reps):
+                pooled.append(ready_once(srv, wait_pool=True))
+        with CellblockServer("swarm-cold", {"host": 0}, extra_args=swarm_args(bed)) as srv:
+            bench.log(f"swarm: {reps} cold placements")
+            for _ in range(reps):
+                cold.append(ready_once(srv, wait_pool=False))
+        p, c = summary(ms(pooled)), summary(ms(cold))
+        rows.append(Row("13", "Swarm: session ready (create → first 1+1) from the pool", "ms",
+                        p, c, "a cold swarm placement (no pool)",
+                        note=f"{c['median'] / p['median']:.1f}× faster at the median"))
+        bench.raw["swarm_ready"] = {"pooled_ms": ms(pooled), "cold_ms": ms(cold)}
+
+        steps = bench.n(200, 40)
+        warmup = bench.n(30, 10)
+        with CellblockServer("swarm-step", {"host": 1}, extra_args=swarm_args(bed)) as ssrv, \
+                CellblockServer("swarm-step-runc", {"host": 1}) as rsrv:
+            ssrv.wait_pool()
+            rsrv.wait_pool()
+            sreply = ssrv.create({"limits": MANY_STEPS})
+            rreply = rsrv.create({"limits": MANY_STEPS})
+            sch = ssrv.open_channels(sreply["connection"])
+            rch = rsrv.open_channels(rreply["connection"])
+            try:
+                wait_ready(sch, time.monotonic() + 120)
+                wait_ready(rch, time.monotonic() + 120)
+                ssrv.wait_pool()
+                rsrv.wait_pool()
+                bench.log(f"swarm: step 1+1, {warmup} warm-up + {steps} reps each side")
+                for _ in range(warmup):
+                    sch.execute(ONE_PLUS_ONE)
+                    rch.execute(ONE_PLUS_ONE)
+                sx, rx, _, _ = ab_blocks(lambda: sch.execute(ONE_PLUS_ONE),
+                                         lambda: rch.execute(ONE_PLUS_ONE), steps)
+                s = summary(ms([e.round_trip for e in sx]))
+                r = summary(ms([e.round_trip for e in rx]))
+                rows.append(Row("13", "Swarm: execute round trip of 1+1", "ms", s, r,
+                                "a runc session on this host, same run",
+                                note=f"{s['median'] - r['median']:+.2f} ms at the median"))
+                bench.raw["swarm_step"] = {"swarm_ms": ms([e.round_trip for e in sx]),
+                                           "runc_ms": ms([e.round_trip for e in rx])}
+            finally:
+                sch.close()
+                rch.close()
+                ssrv.close_session(sreply["session_id"])
+                rsrv.close_session(rreply["session_id"])
+    finally:
+        residue = testbed.down(work)
+        if residue:
+            bench.log(f"swarm: the testbed left {residue}")
+    return rows
