@@ -451,7 +451,22 @@ int main(int argc, char** argv) {
                             z["image"].get<std::string>().c_str(), "zygote", "-", "-",
                             pid_list(z).c_str(), z["container_id"].get<std::string>().c_str());
             }
-            if (reply.contains("runtime_root")) {
+            if (reply.value("backend", "runc") == "swarm") {
+                // Sandboxes are Swarm services on the nodes: the engine lists them.
+                std::printf("\n%-28s %-8s %-12s %s\n", "NODE", "STATE", "AVAILABILITY",
+                            "SANDBOXES");
+                for (const auto& n : reply.value("nodes", json::array())) {
+                    if (n.value("kind", "") != "node") {
+                        std::printf("(the engine did not answer: %s)\n",
+                                    n.value("message", "").c_str());
+                        continue;
+                    }
+                    std::printf("%-28s %-8s %-12s %d\n", n.value("hostname", "").c_str(),
+                                n.value("state", "").c_str(), n.value("availability", "").c_str(),
+                                n.value("sandboxes", 0));
+                }
+                std::printf("\nsandboxes: docker service ls --filter label=cellblock.server\n");
+            } else if (reply.contains("runtime_root")) {
                 std::printf("\nsandboxes: runc --root %s list\n",
                             reply["runtime_root"].get<std::string>().c_str());
             }

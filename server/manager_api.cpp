@@ -186,14 +186,25 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
     // and the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
     json warm = pool_->warm_sandboxes();
     for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
-    // And the zygotes sessions are forked from (docs/zygote.md).
-    json zygotes = pool_->zygotes();
-    for (auto& z : zygotes) z["pids"] = sandbox_pids(z["container_id"].get<std::string>());
-    return {{"status", "ok"},
-            {"sessions", list},
-            {"warm_sandboxes", warm},
-            {"zygotes", zygotes},
-            {"runtime_root", settings_.runtime_root().string()}};
+    // And what the backend runs besides: the zygotes sessions are forked
+    // from (docs/zygote.md), or the Swarm's nodes (docs/scale-out.md).
+    json zygotes = json::array(), nodes = json::array();
+    for (auto& extra : pool_->zygotes()) {
+        if (extra.value("kind", "") == "zygote") {
+            extra["pids"] = sandbox_pids(extra.value("container_id", ""));
+            zygotes.push_back(std::move(extra));
+        } else {
+            nodes.push_back(std::move(extra));
+        }
+    }
+    json reply = {{"status", "ok"},
+                  {"sessions", list},
+                  {"warm_sandboxes", warm},
+                  {"zygotes", zygotes},
+                  {"backend", pool_->backend().name()},
+                  {"runtime_root", settings_.runtime_root().string()}};
+    if (!nodes.empty()) reply["nodes"] = nodes;
+    return reply;
 }
 
 json Server::session_info(Request& r, std::vector<std::string>&) {
