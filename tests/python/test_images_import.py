@@ -243,3 +243,55 @@ def test_an_imported_roots_symlinks_never_lead_the_import_to_the_host(minimal):
     finally:
         shutil.rmtree(state, ignore_errors=True)
         shutil.rmtree(decoys, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- zygotes of removed images
+
+def test_removing_a_zygote_image_retires_its_zygote(minimal, server_factory, monkeypatch):
+    """A zygote holds its image's root until it ends: once the image's name is
+    removed (`image rm`, while the server runs), the zygote is retired at
+    once, not kept until the server stops (the runc backend's image_changed).
+    A forked session still running keeps its own root and goes on."""
+    state = tempfile.mkdtemp(prefix="cb-images-zygote-", dir=ih.BUILD_DIR)
+    os.chmod(state, 0o755)
+    definition = ih.definition("python-minimal")
+    definition.update({"name": "cb-zygote", "zygote": True})
+    definition.pop("build", None)
+    definition["rootfs"] = "store"
+    images_dir = ih.images_dir_with("cb-zygote", definition)
+    monkeypatch.setenv("CELLBLOCK_IMAGES_DIR", images_dir)
+    tarball = os.path.join(state, "rootfs.tar")
+    try:
+        tar_of_stored_root(minimal, tarball)
+        result = ih.cellblock("image", "import", "cb-zygote", tarball, "--state-dir", state)
+        assert result.returncode == 0, result.stdout + result.stderr
+        os.unlink(tarball)
+        store = os.path.join(state, "images")
+        srv = server_factory(["--image-store", store])
+        sid, kc, created = srv.open_session(image="cb-zygote")
+        assert value(kc, "6 * 7") == 42
+
+        def zygotes():
+            listed = srv.ok("session_list_request", {})["content"]["zygotes"]
+            return [z for z in listed if z["image"] == "cb-zygote"]
+
+        found = zygotes()
+        assert len(found) == 1, found
+        zygote_pids = set(found[0]["pids"])
+        assert zygote_pids and sh.alive(zygote_pids), found
+        assert sh.is_forked(srv.state_dir, sid)
+
+        result = ih.cellblock("image", "rm", "cb-zygote", "--state-dir", state)
+        assert result.returncode == 0, result.stderr
+        # The server notices the name is gone and retires the zygote.
+        assert sh.wait_for(lambda: not zygotes(), timeout=60, interval=0.5), zygotes()
+        assert sh.wait_for(lambda: not sh.alive(zygote_pids), timeout=30), \
+            f"the zygote's processes {zygote_pids} still run"
+        assert "the image is gone; retired" in srv.log()
+        # The session forked from it runs on.
+        assert value(kc, "6 * 7") == 42
+        srv.ok("session_close_request", {"session_id": sid})
+        sh.assert_session_gone(srv.state_dir, sid)
+    finally:
+        shutil.rmtree(images_dir, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)

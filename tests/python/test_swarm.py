@@ -115,6 +115,15 @@ def test_sessions_spread_over_the_workers_never_the_manager(bed, swarm):
         swarm.ok("session_close_request", {"session_id": sid})
     assert nodes <= workers, nodes
     assert len(nodes) == 2, f"4 sessions all went to {nodes}"
+    # `cellblock ls` shows the nodes as the engine sees them.
+    listed = swarm.ok("session_list_request", {})["content"]
+    assert listed["backend"] == "swarm"
+    states = {n["hostname"]: (n["state"], n["availability"]) for n in listed["nodes"]}
+    for worker in workers:
+        assert states[worker] == ("ready", "active"), states
+    assert [s for s in states.values() if s[1] == "drain"], states  # the manager
+    out = swarm.cli("ls").stdout
+    assert all(worker in out for worker in workers), out
 
 
 def test_a_swarm_session_is_contained(bed, swarm):
