@@ -106,14 +106,25 @@ class SwarmSandbox;
 // the register of live services. Sandboxes hold it, so that one destroyed
 // after the backend still removes its service.
 struct SwarmState {
-    explicit SwarmState(const std::string& host) : api(host) {}
+    explicit SwarmState(const std::string& host)
+        : api(host), quick_api(host, std::chrono::seconds(2)) {}
     DockerApi api;
+    // For what runs on the server's loop (a kill): a hung engine must not
+    // hold the loop for long. What fails there is done again by destroy().
+    DockerApi quick_api;
+    // The nodes as the watcher last saw them (`cellblock ls` reads this,
+    // never the engine, from the loop), and why the last look failed.
+    json nodes = json::array();
+    std::string watch_error;
     std::mutex mutex;
     std::map<std::string, SwarmSandbox*> live;  // service id → sandbox
 
-    void remove(const std::string& service_id, const std::string& secret_id) noexcept {
+    void remove(const std::string& service_id, const std::string& secret_id,
+                bool quick = false) noexcept {
         try {
-            if (!service_id.empty()) api.expect("DELETE", "/services/" + service_id, nullptr, 404);
+            if (!service_id.empty()) {
+                (quick ? quick_api : api).expect("DELETE", "/services/" + service_id, nullptr, 404);
+            }
         } catch (const std::exception& e) {
             spdlog::warn("swarm: removing service {}: {}", service_id, e.what());
         }
@@ -181,7 +192,7 @@ class SwarmSandbox final : public Sandbox {
             if (killed_) return;
             killed_ = true;
         }
-        state_->remove(container_id_, "");
+        state_->remove(container_id_, "", /*quick=*/true);
     }
     void destroy() override {
         {
@@ -327,6 +338,7 @@ SwarmBackend::SwarmBackend(SwarmSettings settings)
                            " is not a Swarm manager (docker swarm init, or a manager's socket)");
     }
     server_id_ = read_or_create_server_id(settings_.state_dir);
+    state_->nodes = state_->api.expect("GET", "/nodes");
     // What an earlier run of this server left: its clients and their keys
     // went with it, so nothing can be re-adopted; every service goes.
     const std::string mine =
@@ -473,16 +485,31 @@ void SwarmBackend::watch() {
         if (stopping_) break;
         wake_lock.unlock();
         try {
+            const json listed = state_->api.expect("GET", "/nodes");
             std::map<std::string, json> nodes;
-            for (const auto& node : state_->api.expect("GET", "/nodes")) {
-                nodes[node.value("ID", "")] = node;
+            for (const auto& node : listed) nodes[node.value("ID", "")] = node;
+            // Judged below: only sessions registered before the tasks are
+            // listed (a session registers once its task runs, so its task
+            // is in the list; one registered after could be missing from it).
+            std::set<std::string> judged;
+            {
+                std::lock_guard lock(state_->mutex);
+                state_->nodes = listed;
+                for (const auto& [service_id, box] : state_->live) judged.insert(service_id);
+                if (!state_->watch_error.empty()) {
+                    spdlog::info("swarm: the engine answers again");
+                    state_->watch_error.clear();
+                }
             }
             std::map<std::string, json> tasks;
-            for (const auto& task : state_->api.expect("GET", "/tasks")) {
-                tasks[task.value("ID", "")] = task;
+            if (!judged.empty()) {
+                for (const auto& task : state_->api.expect("GET", "/tasks")) {
+                    tasks[task.value("ID", "")] = task;
+                }
             }
             std::lock_guard lock(state_->mutex);
             for (auto& [service_id, box] : state_->live) {
+                if (!judged.count(service_id)) continue;
                 auto node = nodes.find(box->node_id());
                 const std::string node_state =
                     node == nodes.end() ? "gone" : node->second["Status"].value("State", "");
@@ -504,7 +531,12 @@ void SwarmBackend::watch() {
                 }
             }
         } catch (const std::exception& e) {
-            spdlog::warn("swarm: watching the services: {}", e.what());
+            // Said once per change, not every second while the engine is away.
+            std::lock_guard lock(state_->mutex);
+            if (state_->watch_error != e.what()) {
+                spdlog::warn("swarm: watching the services: {}", e.what());
+                state_->watch_error = e.what();
+            }
         }
         wake_lock.lock();
     }
@@ -514,23 +546,21 @@ void SwarmBackend::abandon_starts() { abandoned_ = true; }
 
 json SwarmBackend::extras() {
     json out = json::array();
-    try {
-        std::map<std::string, int> per_node;
-        {
-            std::lock_guard lock(state_->mutex);
-            for (const auto& [id, box] : state_->live) ++per_node[box->node_id()];
-        }
-        for (const auto& node : state_->api.expect("GET", "/nodes")) {
-            const std::string id = node.value("ID", "");
-            out.push_back({{"kind", "node"},
-                           {"node_id", id},
-                           {"hostname", node["Description"].value("Hostname", "")},
-                           {"state", node["Status"].value("State", "")},
-                           {"availability", node["Spec"].value("Availability", "")},
-                           {"sandboxes", per_node[id]}});
-        }
-    } catch (const std::exception& e) {
-        out.push_back({{"kind", "error"}, {"message", e.what()}});
+    std::lock_guard lock(state_->mutex);
+    std::map<std::string, int> per_node;
+    for (const auto& [id, box] : state_->live) ++per_node[box->node_id()];
+    for (const auto& node : state_->nodes) {
+        const std::string id = node.value("ID", "");
+        out.push_back(
+            {{"kind", "node"},
+             {"node_id", id},
+             {"hostname", node.value("Description", json::object()).value("Hostname", "")},
+             {"state", node.value("Status", json::object()).value("State", "")},
+             {"availability", node.value("Spec", json::object()).value("Availability", "")},
+             {"sandboxes", per_node[id]}});
+    }
+    if (!state_->watch_error.empty()) {
+        out.push_back({{"kind", "error"}, {"message", state_->watch_error}});
     }
     return out;
 }
