@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests", "swarm"))
 import testbed  # noqa: E402
 
-IMAGE_TAG = "cellblock/host:host"
 
 
 def swarm_args(bed):
@@ -64,9 +63,13 @@ def swarm_figure(bench):
     rows = []
     try:
         tar = os.path.join(work, "host.tar")
-        subprocess.run([servers.CELLBLOCK, "image", "export", "host", "-o", tar], check=True,
-                       capture_output=True, timeout=300)
-        bed.load_image(tar, IMAGE_TAG)
+        out = subprocess.run([servers.CELLBLOCK, "image", "export", "host", "-o", tar],
+                             check=True, capture_output=True, text=True, timeout=300)
+        # The tag it prints ends with the shim's digest.
+        tag = [l for l in out.stdout.splitlines() if l.strip().startswith("docker import ")]
+        if not tag:
+            raise BenchError(f"cellblock image export printed no tag: {out.stdout}")
+        bed.load_image(tar, tag[0].split()[-1])
         os.unlink(tar)
 
         reps = bench.n(15, 4)

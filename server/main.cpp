@@ -245,7 +245,8 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     serve_cmd->add_option("--swarm-image", swarm_images,
                           "IMAGE=REF: the engine image of a cellblock image (repeatable; default "
-                          "cellblock/IMAGE:CONTENT12, as `cellblock image export` tags it)");
+                          "cellblock/IMAGE:CONTENT12-SHIM12, as `cellblock image export` tags "
+                          "it)");
     serve_cmd
         ->add_option("--closed-window", serve.policy.closed_channels_s,
                      "seconds a closed session's channels still answer SessionClosed")

@@ -232,9 +232,13 @@ Server::Server(const ServeOptions& options)
     if (options_.backend == "swarm") {
         SwarmSettings swarm = options_.swarm;
         swarm.state_dir = options_.paths.state_dir;
+        swarm.libexec_dir = settings_.libexec_dir;
         auto placed = std::make_shared<SwarmBackend>(swarm);
-        spdlog::info("backend swarm: manager {}, server id {}, network {}", swarm.docker_host,
-                     placed->server_id(), swarm.network);
+        spdlog::info(
+            "backend swarm: manager {}, server id {}, network {}, images tagged "
+            "for shim {}",
+            swarm.docker_host, placed->server_id(), swarm.network,
+            libexec_digest(swarm.libexec_dir));
         backend = std::move(placed);
     } else {
         backend = std::make_shared<RuncBackend>(settings_);

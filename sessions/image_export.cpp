@@ -90,7 +90,9 @@ std::string export_engine_image(const Image& image, const fs::path& libexec_dir,
         throw;
     }
     if (!skeleton.empty()) fs::remove_all(skeleton);
-    return swarm_image_ref(SwarmSettings{}, image);
+    SwarmSettings tagged;
+    tagged.libexec_tag = libexec_digest(libexec_dir);
+    return swarm_image_ref(tagged, image);
 }
 
 }  // namespace cellblock

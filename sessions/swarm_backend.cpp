@@ -6,9 +6,11 @@
 
 #include <fstream>
 #include <set>
+#include <sstream>
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/image_builder.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
@@ -253,10 +255,23 @@ class SwarmSandbox final : public Sandbox {
 
 std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
     if (auto it = settings.images.find(image.name); it != settings.images.end()) return it->second;
-    const std::string tag = image.rootfs == "host" || image.content_id.empty()
-                                ? std::string("host")
-                                : image.content_id.substr(0, 12);
+    std::string tag = image.rootfs == "host" || image.content_id.empty()
+                          ? std::string("host")
+                          : image.content_id.substr(0, 12);
+    if (!settings.libexec_tag.empty()) tag += "-" + settings.libexec_tag;
     return "cellblock/" + image.name + ":" + tag;
+}
+
+std::string libexec_digest(const fs::path& libexec_dir) {
+    std::string all;
+    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py"}) {
+        std::ifstream in(libexec_dir / name, std::ios::binary);
+        if (!in) throw SandboxError("no " + (libexec_dir / name).string());
+        std::stringstream bytes;
+        bytes << in.rdbuf();
+        all += std::string(name) + '\0' + std::to_string(bytes.str().size()) + '\0' + bytes.str();
+    }
+    return sha256_hex(all).substr(0, 12);
 }
 
 json swarm_service_spec(const SwarmSettings& settings, const std::string& server_id,
@@ -331,6 +346,9 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
 
 SwarmBackend::SwarmBackend(SwarmSettings settings)
     : settings_(std::move(settings)), state_(std::make_shared<SwarmState>(settings_.docker_host)) {
+    if (settings_.libexec_tag.empty() && !settings_.libexec_dir.empty()) {
+        settings_.libexec_tag = libexec_digest(settings_.libexec_dir);
+    }
     const json info = state_->api.expect("GET", "/info");
     const json swarm = info.value("Swarm", json::object());
     if (swarm.value("LocalNodeState", "") != "active" || !swarm.value("ControlAvailable", false)) {
@@ -424,6 +442,25 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
             if (abandoned_) {
                 throw SandboxError("swarm service cb-" + session_id +
                                    ": its start was abandoned (the server is stopping)");
+            }
+            // Assigned to a node that has since gone down (the engine places
+            // on a node until it is marked down): it would wait there until
+            // the timeout, and the pool's workers with it. Fail now; the next
+            // start goes to a live node.
+            if (const std::string node_id = task.is_null() ? "" : task.value("NodeID", "");
+                !node_id.empty()) {
+                std::lock_guard lock(state_->mutex);
+                for (const auto& node : state_->nodes) {
+                    const json node_status = node.value("Status", json::object());
+                    if (node.value("ID", "") == node_id &&
+                        node_status.value("State", "ready") != "ready") {
+                        throw SandboxError(
+                            "swarm service cb-" + session_id + ": placed on node " +
+                            node.value("Description", json::object()).value("Hostname", node_id) +
+                            ", which is " + node_status.value("State", "") + " (task state " +
+                            (state.empty() ? "none" : state) + ")");
+                    }
+                }
             }
             if (Clock::now() > deadline) {
                 throw SandboxError("swarm service cb-" + session_id + " not running within " +

@@ -33,8 +33,14 @@ struct SwarmSettings {
     // it on any node. The shim also deletes the default route.
     std::string network = "cellblock-sessions";
     // Engine image references per cellblock image name; an image not named
-    // here is "cellblock/NAME:CONTENT12" (`cellblock image export`).
+    // here is "cellblock/NAME:CONTENT12-LIBEXEC12" (`cellblock image export`).
     std::map<std::string, std::string> images;
+    // cellblock's shim and launcher, which an exported image carries: their
+    // digest (libexec_digest) ends the default tags, so that a server never
+    // places sessions on an image with another build's shim. Filled by
+    // SwarmBackend from libexec_dir when empty.
+    std::filesystem::path libexec_dir;
+    std::string libexec_tag;
     // The server's own directory: its Swarm identity (server-id) lives there.
     std::filesystem::path state_dir;
     std::chrono::milliseconds watch_interval{1000};
@@ -42,8 +48,14 @@ struct SwarmSettings {
 };
 
 // The engine image reference of an image (SwarmSettings::images, or the
-// export tag "cellblock/NAME:CONTENT12"; "cellblock/NAME:host" for a host image).
+// export tag "cellblock/NAME:CONTENT12-LIBEXEC12"; "host-LIBEXEC12" for a
+// host image; without a libexec_tag, no suffix).
 std::string swarm_image_ref(const SwarmSettings& settings, const Image& image);
+
+// The first 12 hex digits of a SHA-256 over cellblock's files in
+// `libexec_dir` (the shim, the kernel launcher, the zygote), names and bytes.
+// Throws SandboxError when one is missing.
+std::string libexec_digest(const std::filesystem::path& libexec_dir);
 
 // The service spec of a session: what the engine is asked to run. Pure, so
 // that its hardening is checked by a unit test.

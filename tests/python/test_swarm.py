@@ -31,7 +31,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "swarm"))
 import testbed  # noqa: E402
 
-IMAGE_TAG = "cellblock/host:host"
+
+
+def export_host_image(tar):
+    """`cellblock image export host`; returns the tag it printed (the shim's
+    digest ends it: cellblock/host:host-SHIM12)."""
+    out = subprocess.run([CELLBLOCK_BIN, "image", "export", "host", "-o", tar],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = [l for l in out.stdout.splitlines() if l.strip().startswith("docker import ")]
+    assert line, out.stdout
+    tag = line[0].split()[-1]
+    assert tag.startswith("cellblock/host:host-") and len(tag.rsplit("-", 1)[1]) == 12, tag
+    return tag
 
 
 def error_of(reply):
@@ -48,11 +60,7 @@ def bed():
         pytest.skip(f"dockerd cannot start on this host: {e}")
     try:
         tar = os.path.join(directory, "host-image.tar")
-        out = subprocess.run([CELLBLOCK_BIN, "image", "export", "host", "-o", tar],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert IMAGE_TAG in out.stdout, out.stdout
-        instance.load_image(tar, IMAGE_TAG)
+        instance.load_image(tar, export_host_image(tar))
         os.unlink(tar)
         yield instance
     finally:

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -146,6 +147,32 @@ TEST(SwarmImageRef, ExportTagsOrTheOperatorsMapping) {
     EXPECT_EQ(swarm_image_ref(settings, image), "cellblock/python-minimal:0123456789ab");
     settings.images["python-minimal"] = "registry.local/pm@sha256:feed";
     EXPECT_EQ(swarm_image_ref(settings, image), "registry.local/pm@sha256:feed");
+    // With the shim's digest: an image exported with another build's shim is another tag.
+    settings.images.clear();
+    settings.libexec_tag = "feedfacecafe";
+    EXPECT_EQ(swarm_image_ref(settings, image),
+              "cellblock/python-minimal:0123456789ab-feedfacecafe");
+    EXPECT_EQ(swarm_image_ref(settings, host_image()), "cellblock/host:host-feedfacecafe");
+}
+
+TEST(SwarmImageRef, TheShimsDigestCoversItsFilesAndTheirNames) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-libexec-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    auto write = [&](const char* name, const std::string& text) {
+        std::ofstream(dir / name, std::ios::binary) << text;
+    };
+    write("cellblock-shim", "shim v1");
+    write("cellblock_ipykernel.py", "launcher");
+    write("cellblock_zygote.py", "zygote");
+    const std::string first = libexec_digest(dir);
+    EXPECT_EQ(first.size(), 12u);
+    EXPECT_EQ(libexec_digest(dir), first);
+    write("cellblock-shim", "shim v2");
+    EXPECT_NE(libexec_digest(dir), first);
+    fs::remove(dir / "cellblock_zygote.py");
+    EXPECT_THROW(libexec_digest(dir), SandboxError);
+    fs::remove_all(dir);
 }
 
 TEST(DockerFilters, AreUrlEncodedJson) {
