@@ -81,6 +81,15 @@ class SessionProxy::Io final : public SessionIo {
         send_multipart(p_.outer_socket(channel), out);
     }
 
+    // A message the server makes itself, signed with `signer`.
+    static void send_message(zmq::socket_t& socket, const WireMessage& msg, const Signer& signer) {
+        auto frames = encode(msg, signer);
+        std::vector<zmq::message_t> out;
+        out.reserve(frames.size());
+        for (auto& f : frames) out.push_back(to_frame(f));
+        send_multipart(socket, out);
+    }
+
     void send_to_client(Channel channel, const std::vector<std::string>& identities,
                         const json& parent, const std::string& msg_type, json content) override {
         WireMessage msg;
@@ -91,11 +100,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.header = make_header(msg_type, p_.server_session_);
         msg.parent_header = parent;
         msg.content = std::move(content);
-        auto frames = encode(msg, p_.outer_signer_);
-        std::vector<zmq::message_t> out;
-        out.reserve(frames.size());
-        for (auto& f : frames) out.push_back(to_frame(f));
-        send_multipart(p_.outer_socket(channel), out);
+        send_message(p_.outer_socket(channel), msg, p_.outer_signer_);
     }
 
     bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
@@ -122,11 +127,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.header = make_header("interrupt_request", p_.server_session_);
         msg.parent_header = json::object();
         msg.content = json::object();
-        auto frames = encode(msg, p_.inner_signer_);
-        std::vector<zmq::message_t> out;
-        out.reserve(frames.size());
-        for (auto& f : frames) out.push_back(to_frame(f));
-        send_multipart(p_.inner_socket(Channel::control), out);
+        send_message(p_.inner_socket(Channel::control), msg, p_.inner_signer_);
     }
     void kill_kernel() override {
         if (p_.sandbox_) p_.sandbox_->kill();
