@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
 
@@ -30,6 +31,21 @@ constexpr int kFirstKernelPort = 5555;
 constexpr const char* kSecretFile = "cellblock-connection.json";
 constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
 constexpr std::int64_t kNanoPerCore = 1000000000;
+// The connection file's ports, in the order of the container's ports from kFirstKernelPort.
+constexpr int ConnectionInfo::*kKernelPorts[] = {
+    &ConnectionInfo::shell_port, &ConnectionInfo::iopub_port, &ConnectionInfo::stdin_port,
+    &ConnectionInfo::control_port, &ConnectionInfo::hb_port};
+constexpr int kKernelPortCount = std::size(kKernelPorts);
+
+// A field of the engine's node JSON, e.g. ("Status", "State"), ("Description",
+// "Hostname"), ("Spec", "Availability"); `fallback` where it is absent.
+std::string node_field(const json& node, const char* object, const char* field,
+                       const std::string& fallback = "") {
+    auto it = node.find(object);
+    if (it == node.end() || !it->is_object()) return fallback;
+    auto value = it->find(field);
+    return value != it->end() && value->is_string() ? value->get<std::string>() : fallback;
+}
 
 std::string base64(const std::string& in) {
     static const char* table = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -295,7 +311,7 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
     mounts.push_back(tmpfs("/dev/shm", limits.shm_mb, 01777));
     mounts.push_back(tmpfs(kSandboxOutputDir, limits.output_mb, 0755));
     json ports = json::array();
-    for (int i = 0; i < 5; ++i) {
+    for (int i = 0; i < kKernelPortCount; ++i) {
         ports.push_back(
             {{"Protocol", "tcp"}, {"TargetPort", kFirstKernelPort + i}, {"PublishMode", "host"}});
     }
@@ -396,11 +412,7 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
     ConnectionInfo kernel;
     kernel.transport = "tcp";
     kernel.ip = "0.0.0.0";
-    kernel.shell_port = kFirstKernelPort;
-    kernel.iopub_port = kFirstKernelPort + 1;
-    kernel.stdin_port = kFirstKernelPort + 2;
-    kernel.control_port = kFirstKernelPort + 3;
-    kernel.hb_port = kFirstKernelPort + 4;
+    for (int i = 0; i < kKernelPortCount; ++i) kernel.*kKernelPorts[i] = kFirstKernelPort + i;
     kernel.key = make_random_key();
     kernel.kernel_name = image.name;
     const json labels = {{"cellblock.server", server_id_}, {"cellblock.session", session_id}};
@@ -430,7 +442,7 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
             const std::string state = status.value("State", "");
             if (state == "running" &&
                 status.value("PortStatus", json::object()).value("Ports", json::array()).size() ==
-                    5) {
+                    kKernelPortCount) {
                 break;
             }
             if (state == "failed" || state == "rejected" || state == "shutdown" ||
@@ -451,14 +463,12 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
                 !node_id.empty()) {
                 std::lock_guard lock(state_->mutex);
                 for (const auto& node : state_->nodes) {
-                    const json node_status = node.value("Status", json::object());
-                    if (node.value("ID", "") == node_id &&
-                        node_status.value("State", "ready") != "ready") {
-                        throw SandboxError(
-                            "swarm service cb-" + session_id + ": placed on node " +
-                            node.value("Description", json::object()).value("Hostname", node_id) +
-                            ", which is " + node_status.value("State", "") + " (task state " +
-                            (state.empty() ? "none" : state) + ")");
+                    const std::string node_state = node_field(node, "Status", "State", "ready");
+                    if (node.value("ID", "") == node_id && node_state != "ready") {
+                        throw SandboxError("swarm service cb-" + session_id + ": placed on node " +
+                                           node_field(node, "Description", "Hostname", node_id) +
+                                           ", which is " + node_state + " (task state " +
+                                           (state.empty() ? "none" : state) + ")");
                     }
                 }
             }
@@ -472,31 +482,14 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         }
         ConnectionInfo inner = kernel;
         for (const auto& port : task["Status"]["PortStatus"]["Ports"]) {
-            const int published = port.value("PublishedPort", 0);
-            switch (port.value("TargetPort", 0) - kFirstKernelPort) {
-                case 0:
-                    inner.shell_port = published;
-                    break;
-                case 1:
-                    inner.iopub_port = published;
-                    break;
-                case 2:
-                    inner.stdin_port = published;
-                    break;
-                case 3:
-                    inner.control_port = published;
-                    break;
-                case 4:
-                    inner.hb_port = published;
-                    break;
-                default:
-                    break;
-            }
+            const int i = port.value("TargetPort", 0) - kFirstKernelPort;
+            if (i >= 0 && i < kKernelPortCount)
+                inner.*kKernelPorts[i] = port.value("PublishedPort", 0);
         }
         const std::string node_id = task.value("NodeID", "");
         const json node = api.expect("GET", "/nodes/" + node_id);
-        const std::string node_name = node["Description"].value("Hostname", node_id);
-        inner.ip = settings_.connect_host.empty() ? node["Status"].value("Addr", "")
+        const std::string node_name = node_field(node, "Description", "Hostname", node_id);
+        inner.ip = settings_.connect_host.empty() ? node_field(node, "Status", "Addr")
                                                   : settings_.connect_host;
         if (inner.ip.empty()) throw SandboxError("swarm node " + node_name + " has no address");
         auto box = std::make_unique<SwarmSandbox>(state_, service_id, secret_id,
@@ -549,7 +542,7 @@ void SwarmBackend::watch() {
                 if (!judged.count(service_id)) continue;
                 auto node = nodes.find(box->node_id());
                 const std::string node_state =
-                    node == nodes.end() ? "gone" : node->second["Status"].value("State", "");
+                    node == nodes.end() ? "gone" : node_field(node->second, "Status", "State");
                 if (node_state != "ready") {
                     box->lost("node " + box->node_name() + " is " + node_state +
                                   " (the session's kernel and its state went with it)",
@@ -588,13 +581,12 @@ json SwarmBackend::extras() {
     for (const auto& [id, box] : state_->live) ++per_node[box->node_id()];
     for (const auto& node : state_->nodes) {
         const std::string id = node.value("ID", "");
-        out.push_back(
-            {{"kind", "node"},
-             {"node_id", id},
-             {"hostname", node.value("Description", json::object()).value("Hostname", "")},
-             {"state", node.value("Status", json::object()).value("State", "")},
-             {"availability", node.value("Spec", json::object()).value("Availability", "")},
-             {"sandboxes", per_node[id]}});
+        out.push_back({{"kind", "node"},
+                       {"node_id", id},
+                       {"hostname", node_field(node, "Description", "Hostname")},
+                       {"state", node_field(node, "Status", "State")},
+                       {"availability", node_field(node, "Spec", "Availability")},
+                       {"sandboxes", per_node[id]}});
     }
     if (!state_->watch_error.empty()) {
         out.push_back({{"kind", "error"}, {"message", state_->watch_error}});
