@@ -237,8 +237,7 @@ Server::Server(const ServeOptions& options)
         spdlog::info(
             "backend swarm: manager {}, server id {}, network {}, images tagged "
             "for shim {}",
-            swarm.docker_host, placed->server_id(), swarm.network,
-            libexec_digest(swarm.libexec_dir));
+            swarm.docker_host, placed->server_id(), swarm.network, placed->settings().libexec_tag);
         backend = std::move(placed);
     } else {
         backend = std::make_shared<RuncBackend>(settings_);

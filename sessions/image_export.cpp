@@ -47,11 +47,13 @@ void run_tar(const std::vector<std::string>& argv) {
 
 std::string export_engine_image(const Image& image, const fs::path& libexec_dir,
                                 const fs::path& output) {
-    for (const char* file : {"cellblock-shim", "cellblock_ipykernel.py"}) {
-        if (!fs::exists(libexec_dir / file)) {
-            throw SandboxError("image export: no " + (libexec_dir / file).string() +
-                               " (--libexec-dir names the build's libexec/cellblock)");
-        }
+    // The tag names the shim the image carries; this also finds a libexec dir without it.
+    SwarmSettings tagged;
+    try {
+        tagged.libexec_tag = libexec_digest(libexec_dir);
+    } catch (const SandboxError& e) {
+        throw SandboxError(std::string("image export: ") + e.what() +
+                           " (--libexec-dir names the build's libexec/cellblock)");
     }
     const fs::path out = fs::absolute(output);
     const fs::path partial = out.string() + ".partial";
@@ -90,8 +92,6 @@ std::string export_engine_image(const Image& image, const fs::path& libexec_dir,
         throw;
     }
     if (!skeleton.empty()) fs::remove_all(skeleton);
-    SwarmSettings tagged;
-    tagged.libexec_tag = libexec_digest(libexec_dir);
     return swarm_image_ref(tagged, image);
 }
 

@@ -85,6 +85,8 @@ class SwarmBackend final : public SandboxBackend {
     void abandon_starts() override;
 
     const std::string& server_id() const { return server_id_; }
+    // The settings in use (libexec_tag filled in).
+    const SwarmSettings& settings() const { return settings_; }
     // The services found and removed at start.
     const std::vector<std::string>& reaped() const { return reaped_; }
 
