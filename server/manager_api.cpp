@@ -189,7 +189,7 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
     // And what the backend runs besides: the zygotes sessions are forked
     // from (docs/zygote.md), or the Swarm's nodes (docs/scale-out.md).
     json zygotes = json::array(), nodes = json::array();
-    for (auto& extra : pool_->zygotes()) {
+    for (auto& extra : pool_->extras()) {
         if (extra.value("kind", "") == "zygote") {
             extra["pids"] = sandbox_pids(extra.value("container_id", ""));
             zygotes.push_back(std::move(extra));

@@ -196,7 +196,7 @@ WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Im
     return warm;
 }
 
-nlohmann::json SandboxPool::zygotes() { return backend_->extras(); }
+nlohmann::json SandboxPool::extras() { return backend_->extras(); }
 
 void SandboxPool::work() {
     for (;;) {

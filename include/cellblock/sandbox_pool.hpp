@@ -91,8 +91,8 @@ class SandboxPool {
     // The warm sandboxes held: [{image, container_id, init_pid}] (`cellblock ls`).
     nlohmann::json warm_sandboxes() const;
     // What the backend runs besides sessions (SandboxBackend::extras: the
-    // runc backend's zygotes).
-    nlohmann::json zygotes();
+    // runc backend's zygotes, the Swarm's nodes).
+    nlohmann::json extras();
     SandboxBackend& backend() { return *backend_; }
     std::size_t ready(const std::string& image) const;
     // Blocks until every image has `target` ready sandboxes or the timeout passes (tests,
