@@ -44,18 +44,31 @@ EventLoop::WatchId EventLoop::watch(zmq::socket_t& socket, Handler on_readable) 
     const WatchId id = next_id_++;
     const int fd = socket.get(zmq::sockopt::fd);
     epoll_add(epoll_.get(), fd, id);
-    watches_.emplace(id, Watch{socket.handle(), fd, std::move(on_readable)});
+    watches_.emplace(id, Watch{socket.handle(), fd, std::move(on_readable), {}});
     by_socket_[socket.handle()] = id;
     // Messages may be waiting already (a probe's sockets, handed over).
     ready_.push_back(id);
     return id;
 }
 
-EventLoop::WatchId EventLoop::watch_fd(int fd, Handler on_ready) {
+EventLoop::WatchId EventLoop::watch_fd(int fd, Handler on_ready, std::function<bool()> pending) {
     const WatchId id = next_id_++;
     epoll_add(epoll_.get(), fd, id);
-    watches_.emplace(id, Watch{nullptr, fd, std::move(on_ready)});
+    // Messages may be buffered already (a probe's connections, handed over).
+    if (pending && pending()) ready_.push_back(id);
+    watches_.emplace(id, Watch{nullptr, fd, std::move(on_ready), std::move(pending)});
     return id;
+}
+
+void EventLoop::want_writable(WatchId id, bool writable) {
+    auto it = watches_.find(id);
+    if (it == watches_.end()) return;
+    epoll_event ev{};
+    ev.events = EPOLLIN | (writable ? EPOLLOUT : 0u);
+    ev.data.u64 = id;
+    if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, it->second.fd, &ev) != 0) {
+        throw std::runtime_error(std::string("event loop: epoll_ctl MOD: ") + std::strerror(errno));
+    }
 }
 
 void EventLoop::unwatch(WatchId id) {
@@ -150,8 +163,9 @@ void EventLoop::run_once(std::optional<std::chrono::milliseconds> max_wait) {
         const Handler handler = it->second.handler;
         handler();
         // Receiving consumed the socket's signal: read its readiness again.
-        if (auto again = watches_.find(id); again != watches_.end() && again->second.socket) {
-            touched_.push_back(again->second.socket);
+        if (auto again = watches_.find(id); again != watches_.end()) {
+            if (again->second.socket) touched_.push_back(again->second.socket);
+            if (again->second.pending && again->second.pending()) ready_.push_back(id);
         }
     }
     run_deadlines();

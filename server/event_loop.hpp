@@ -47,8 +47,13 @@ class EventLoop {
     // sockets before its lifeline, so a kernel's last replies are read before
     // its exit is seen).
     WatchId watch(zmq::socket_t& socket, Handler on_readable);
-    // Calls `on_ready` while `fd` is readable or in error.
-    WatchId watch_fd(int fd, Handler on_ready);
+    // Calls `on_ready` while `fd` is readable or in error, and (given
+    // `pending`, for a source that buffers in user space, such as a ZMTP
+    // connection) while pending() says whole messages wait already.
+    WatchId watch_fd(int fd, Handler on_ready, std::function<bool()> pending = {});
+    // Also calls the fd's handler while it is writable (a transport with
+    // bytes left to write), or no longer.
+    void want_writable(WatchId id, bool writable);
     // Call before closing what is watched. Safe from inside any handler: a
     // watch removed during a turn is not called later in that turn.
     void unwatch(WatchId id);
@@ -80,6 +85,7 @@ class EventLoop {
         void* socket;  // nullptr: an fd
         int fd;
         Handler handler;
+        std::function<bool()> pending;
     };
     struct Deadline {
         std::function<std::optional<Clock::time_point>()> next;

@@ -11,11 +11,12 @@
 #include <zmq.hpp>
 
 #include "cellblock/sandbox.hpp"
+#include "kernel_socket.hpp"
 
 namespace cellblock {
 
 struct InnerChannels {
-    zmq::socket_t shell, control, stdin_, iopub, hb;
+    std::unique_ptr<KernelSocket> shell, control, stdin_, iopub, hb;
     std::vector<std::string>
         probe_msg_ids;  // the probe's own requests (late replies are dropped quietly)
 };
@@ -24,10 +25,14 @@ struct InnerChannels {
 // shell and its iopub reaches us (so no later output is lost to a slow
 // subscription). Throws SandboxError naming why: timeout, or the kernel
 // exiting, or `abandoned` turning true (a stopping server does not wait out
-// a slow kernel's start), with the end of the sandbox's log.
+// a slow kernel's start), with the end of the sandbox's log. `transport`
+// says how the server's side speaks to the kernel's sockets; ZMTP in the
+// server's loop needs ipc endpoints, so a backend's tcp ports (a Swarm
+// node's) always go through libzmq.
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout,
                                             int max_frame_bytes = 64 << 20,
-                                            const std::atomic<bool>* abandoned = nullptr);
+                                            const std::atomic<bool>* abandoned = nullptr,
+                                            KernelTransport transport = KernelTransport::libzmq);
 
 }  // namespace cellblock

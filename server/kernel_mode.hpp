@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cellblock/image.hpp"
+#include "kernel_socket.hpp"
 
 namespace cellblock {
 
@@ -34,6 +35,8 @@ struct KernelModeOptions {
     ServerPaths paths;
     // The nice value of the relay's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
+    // How the relay speaks to the kernel's sockets (kernel_socket.hpp).
+    KernelTransport kernel_transport = KernelTransport::zmtp;
 };
 
 // Returns the process exit code: 0 after a requested shutdown, a signal, or

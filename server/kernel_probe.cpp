@@ -86,26 +86,59 @@ std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline,
     return (server_dir / "k").string();
 }
 
+// The five sockets through libzmq, connected.
+void connect_libzmq(InnerChannels& ch, zmq::context_t& context, const ConnectionInfo& linked,
+                    const std::string& identity, int max_frame_bytes) {
+    auto dealer = [&](Channel channel, int max_bytes, const std::string& id) {
+        zmq::socket_t s = inner_socket(context, zmq::socket_type::dealer, max_bytes);
+        if (!id.empty()) s.set(zmq::sockopt::routing_id, id);
+        s.connect(linked.endpoint(channel));
+        return make_zmq_kernel_socket(std::move(s));
+    };
+    ch.shell = dealer(Channel::shell, max_frame_bytes, identity);
+    ch.control = dealer(Channel::control, max_frame_bytes, "");
+    ch.stdin_ = dealer(Channel::stdin_, max_frame_bytes, identity);
+    zmq::socket_t iopub = inner_socket(context, zmq::socket_type::sub, max_frame_bytes);
+    iopub.set(zmq::sockopt::subscribe, "");
+    iopub.connect(linked.endpoint(Channel::iopub));
+    ch.iopub = make_zmq_kernel_socket(std::move(iopub));
+    ch.hb = dealer(Channel::hb, 1024, "");
+}
+
+// The five connections spoken in ZMTP by whichever thread holds them.
+void connect_zmtp(InnerChannels& ch, const ConnectionInfo& linked, const std::string& identity,
+                  int max_frame_bytes, const std::string& session_id, Clock::time_point deadline) {
+    auto open = [&](Channel channel, const char* type, std::size_t max_bytes,
+                    const std::string& id) {
+        const std::string path = linked.ip + "-" + std::to_string(linked.port(channel));
+        try {
+            return connect_zmtp_kernel_socket(
+                path, type, id, zmtp::Limits{max_bytes, 4096},
+                "session " + session_id + " kernel " + channel_name(channel), deadline);
+        } catch (const std::runtime_error& e) {
+            throw SandboxError(e.what());
+        }
+    };
+    const auto frame_cap = static_cast<std::size_t>(max_frame_bytes);
+    ch.shell = open(Channel::shell, "DEALER", frame_cap, identity);
+    ch.control = open(Channel::control, "DEALER", frame_cap, "");
+    ch.stdin_ = open(Channel::stdin_, "DEALER", frame_cap, identity);
+    ch.iopub = open(Channel::iopub, "SUB", frame_cap, "");
+    ch.hb = open(Channel::hb, "DEALER", 1024, "");
+}
+
 }  // namespace
 
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout, int max_frame_bytes,
-                                            const std::atomic<bool>* abandoned) {
+                                            const std::atomic<bool>* abandoned,
+                                            KernelTransport transport) {
     const ConnectionInfo& inner = sandbox.inner_connection();
     const Signer signer(inner.key, inner.signature_scheme);
-    auto ch = std::make_unique<InnerChannels>(
-        InnerChannels{inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
-                      inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
-                      inner_socket(context, zmq::socket_type::dealer, max_frame_bytes),
-                      inner_socket(context, zmq::socket_type::sub, max_frame_bytes),
-                      inner_socket(context, zmq::socket_type::dealer, 1024),
-                      {}});
+    auto ch = std::make_unique<InnerChannels>();
     // The kernel routes input_request to the shell sender's identity, so the
     // stdin socket shares the shell socket's identity.
     const std::string identity = "cellblock-" + sandbox.session_id();
-    ch->shell.set(zmq::sockopt::routing_id, identity);
-    ch->stdin_.set(zmq::sockopt::routing_id, identity);
-    ch->iopub.set(zmq::sockopt::subscribe, "");
     const auto check_abandoned = [&] {
         if (abandoned && abandoned->load()) {
             throw SandboxError("kernel of session " + sandbox.session_id() +
@@ -116,13 +149,14 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     // a backend's tcp ports (a Swarm node's) are the engine's, not the sandbox's.
     const auto deadline = Clock::now() + timeout;
     ConnectionInfo linked = inner;
-    if (inner.transport == "ipc")
+    if (inner.transport == "ipc") {
         linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
-    ch->shell.connect(linked.endpoint(Channel::shell));
-    ch->control.connect(linked.endpoint(Channel::control));
-    ch->stdin_.connect(linked.endpoint(Channel::stdin_));
-    ch->iopub.connect(linked.endpoint(Channel::iopub));
-    ch->hb.connect(linked.endpoint(Channel::hb));
+    }
+    if (inner.transport == "ipc" && transport == KernelTransport::zmtp) {
+        connect_zmtp(*ch, linked, identity, max_frame_bytes, sandbox.session_id(), deadline);
+    } else {
+        connect_libzmq(*ch, context, linked, identity, max_frame_bytes);
+    }
 
     const std::string probe_session = make_uuid();
     auto send = [&](std::string_view msg_type, nlohmann::json content) {
@@ -132,7 +166,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
         ch->probe_msg_ids.push_back(msg.msg_id());
         std::vector<zmq::message_t> frames;
         for (auto& f : encode(msg, signer)) frames.push_back(to_frame(f));
-        send_multipart(ch->shell, frames);
+        ch->shell->send(frames);
         return msg.msg_id();
     };
     auto fail = [&](const std::string& why) {
@@ -148,7 +182,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
         bool replied = false, idle = false;
         nlohmann::json reply;
         auto resend_at = Clock::now() + std::chrono::milliseconds(250);
-        while (!(replied && idle)) {
+        while (true) {
             check_abandoned();
             const auto now = Clock::now();
             if (now >= deadline)
@@ -159,20 +193,8 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                 request_id = resend();
                 resend_at = now + std::chrono::milliseconds(250);
             }
-            zmq::pollitem_t items[] = {{ch->shell.handle(), 0, ZMQ_POLLIN, 0},
-                                       {ch->iopub.handle(), 0, ZMQ_POLLIN, 0},
-                                       {nullptr, sandbox.lifeline_fd(), ZMQ_POLLIN, 0}};
-            // At most 100 ms at a time, so an abandoned start is noticed soon.
-            const auto wait =
-                std::min<Clock::duration>((resend ? std::min(deadline, resend_at) : deadline) - now,
-                                          std::chrono::milliseconds(100));
-            zmq::poll(items, 3,
-                      std::chrono::duration_cast<std::chrono::milliseconds>(wait) +
-                          std::chrono::milliseconds(1));
-            if ((items[2].revents & ZMQ_POLLIN) && !sandbox.read_lifeline())
-                throw fail("exited while starting: " + sandbox.exit_description());
-            if (items[0].revents & ZMQ_POLLIN) {
-                while (recv_multipart(ch->shell, scratch, 64)) {
+            {
+                while (ch->shell->receive(scratch, 64)) {
                     const auto views = scratch.views();
                     auto decoded = decode(views, signer, nullptr);
                     if (decoded.message && decoded.message->parent_msg_id() == request_id &&
@@ -183,8 +205,8 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                     }
                 }
             }
-            if (items[1].revents & ZMQ_POLLIN) {
-                while (recv_multipart(ch->iopub, scratch, 64)) {
+            {
+                while (ch->iopub->receive(scratch, 64)) {
                     const auto views = scratch.views();
                     auto decoded = decode(views, signer, nullptr);
                     if (!decoded.message || decoded.message->parent_msg_id() != request_id)
@@ -194,6 +216,22 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                                    decoded.message->content.value("execution_state", "") == "idle"))
                         idle = true;
                 }
+            }
+            if (replied && idle) break;
+            {
+                // Every waiting message was read above (a ZMQ_FD signals only
+                // a change), so this waits for something new.
+                pollfd items[] = {ch->shell->poll_item(), ch->iopub->poll_item(),
+                                  {sandbox.lifeline_fd(), POLLIN, 0}};
+                // At most 100 ms at a time, so an abandoned start is noticed soon.
+                const auto wait = std::min<Clock::duration>(
+                    (resend ? std::min(deadline, resend_at) : deadline) - now,
+                    std::chrono::milliseconds(100));
+                const auto wait_ms =
+                    std::chrono::duration_cast<std::chrono::milliseconds>(wait).count();
+                ::poll(items, 3, static_cast<int>(std::max<long long>(0, wait_ms) + 1));
+                if ((items[2].revents & POLLIN) && !sandbox.read_lifeline())
+                    throw fail("exited while starting: " + sandbox.exit_description());
             }
         }
         return reply;

@@ -7,6 +7,7 @@
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <map>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -129,6 +130,14 @@ int main(int argc, char** argv) {
         ->add_option("--relay-nice", kernel.relay_nice,
                      "nice value of the relay's threads, above the sandbox's (0: leave it)")
         ->capture_default_str();
+    const std::map<std::string, cellblock::KernelTransport> transports{
+        {"zmtp", cellblock::KernelTransport::zmtp}, {"libzmq", cellblock::KernelTransport::libzmq}};
+    const char* const transport_help =
+        "how the relay speaks to the kernel's sockets: zmtp (in the relay's own thread) or "
+        "libzmq (through its I/O thread)";
+    kernel_cmd->add_option("--kernel-transport", kernel.kernel_transport, transport_help)
+        ->transform(CLI::CheckedTransformer(transports))
+        ->default_str("zmtp");
     kernel_cmd->add_option("--image-store", kernel.paths.image_store,
                            "built images (default /var/lib/cellblock/images)");
     kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")
@@ -194,6 +203,9 @@ int main(int argc, char** argv) {
                      "nice value of the server's loop and I/O threads, above the sandboxes' (0: "
                      "leave it)")
         ->capture_default_str();
+    serve_cmd->add_option("--kernel-transport", serve.kernel_transport, transport_help)
+        ->transform(CLI::CheckedTransformer(transports))
+        ->default_str("zmtp");
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
                         "keep only a SHA-256 of each execution's code");
     serve_cmd

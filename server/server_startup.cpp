@@ -244,9 +244,10 @@ Server::Server(const ServeOptions& options)
     }
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
-        [ctx, stopping = &stopping_](Sandbox& box) -> std::shared_ptr<void> {
+        [ctx, stopping = &stopping_,
+         transport = options_.kernel_transport](Sandbox& box) -> std::shared_ptr<void> {
             return std::shared_ptr<InnerChannels>(
-                probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping));
+                probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping, transport));
         },
         std::move(pool_images),
         [wake] {

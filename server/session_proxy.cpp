@@ -82,12 +82,12 @@ class SessionProxy::Io final : public SessionIo {
     }
 
     // A message the server makes itself, signed with `signer`.
-    static void send_message(zmq::socket_t& socket, const WireMessage& msg, const Signer& signer) {
+    static std::vector<zmq::message_t> frames_of(const WireMessage& msg, const Signer& signer) {
         auto frames = encode(msg, signer);
         std::vector<zmq::message_t> out;
         out.reserve(frames.size());
         for (auto& f : frames) out.push_back(to_frame(f));
-        send_multipart(socket, out);
+        return out;
     }
 
     void send_to_client(Channel channel, const std::vector<std::string>& identities,
@@ -100,7 +100,8 @@ class SessionProxy::Io final : public SessionIo {
         msg.header = make_header(msg_type, p_.server_session_);
         msg.parent_header = parent;
         msg.content = std::move(content);
-        send_message(p_.outer_socket(channel), msg, p_.outer_signer_);
+        auto frames = frames_of(msg, p_.outer_signer_);
+        send_multipart(p_.outer_socket(channel), frames);
     }
 
     bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
@@ -114,7 +115,8 @@ class SessionProxy::Io final : public SessionIo {
         for (std::size_t i = at.header(); i < msg.frames.size(); ++i) {
             out.push_back(std::move(msg.frames[i]));
         }
-        return send_multipart(p_.inner_socket(channel), out);
+        KernelSocket* socket = p_.inner_socket(channel);
+        return socket && socket->send(out);
     }
 
     void interrupt_kernel() override {
@@ -127,7 +129,8 @@ class SessionProxy::Io final : public SessionIo {
         msg.header = make_header("interrupt_request", p_.server_session_);
         msg.parent_header = json::object();
         msg.content = json::object();
-        send_message(p_.inner_socket(Channel::control), msg, p_.inner_signer_);
+        auto frames = frames_of(msg, p_.inner_signer_);
+        if (KernelSocket* control = p_.inner_socket(Channel::control)) control->send(frames);
     }
     void kill_kernel() override {
         if (p_.sandbox_) p_.sandbox_->kill();
@@ -159,9 +162,10 @@ class SessionProxy::Io final : public SessionIo {
         // control) and the iopub its busy/idle statuses go out on; no
         // heartbeat answers.
         for (auto* s : {&p_.inner_shell_, &p_.inner_control_, &p_.inner_stdin_, &p_.inner_iopub_,
-                        &p_.inner_hb_, &p_.outer_stdin_, &p_.outer_hb_}) {
-            p_.close_socket(*s);
+                        &p_.inner_hb_}) {
+            if (*s) (*s)->close();
         }
+        for (auto* s : {&p_.outer_stdin_, &p_.outer_hb_}) p_.close_socket(*s);
         spdlog::info("session {}: closed ({})", p_.session_id_, p_.core_->close_reason());
     }
 
@@ -272,11 +276,11 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     inner_hb_ = std::move(channels.hb);
     // A kernel's sockets before its lifeline: its last replies are read
     // before its exit is seen.
-    watch(inner_shell_, [this] { on_kernel(Channel::shell); });
-    watch(inner_control_, [this] { on_kernel(Channel::control); });
-    watch(inner_stdin_, [this] { on_kernel(Channel::stdin_); });
-    watch(inner_iopub_, [this] { on_kernel(Channel::iopub); });
-    watch(inner_hb_, [this] { on_kernel_heartbeat(); });
+    inner_shell_->watch(loop_, [this] { on_kernel(Channel::shell); });
+    inner_control_->watch(loop_, [this] { on_kernel(Channel::control); });
+    inner_stdin_->watch(loop_, [this] { on_kernel(Channel::stdin_); });
+    inner_iopub_->watch(loop_, [this] { on_kernel(Channel::iopub); });
+    inner_hb_->watch(loop_, [this] { on_kernel_heartbeat(); });
     if (!sandbox_->exited()) {
         lifeline_watch_ = loop_.watch_fd(sandbox_->lifeline_fd(), [this] { on_lifeline(); });
     }
@@ -301,20 +305,20 @@ zmq::socket_t& SessionProxy::outer_socket(Channel channel) {
     return outer_shell_;
 }
 
-zmq::socket_t& SessionProxy::inner_socket(Channel channel) {
+KernelSocket* SessionProxy::inner_socket(Channel channel) {
     switch (channel) {
         case Channel::shell:
-            return inner_shell_;
+            return inner_shell_.get();
         case Channel::control:
-            return inner_control_;
+            return inner_control_.get();
         case Channel::stdin_:
-            return inner_stdin_;
+            return inner_stdin_.get();
         case Channel::iopub:
-            return inner_iopub_;
+            return inner_iopub_.get();
         case Channel::hb:
-            return inner_hb_;
+            return inner_hb_.get();
     }
-    return inner_shell_;
+    return nullptr;
 }
 
 void SessionProxy::on_client(Channel channel) {
@@ -381,7 +385,8 @@ void SessionProxy::on_kernel(Channel channel) {
     InboundMessage msg;
     std::string why;
     const std::string where = std::string("kernel ") + channel_name(channel);
-    if (!recv_multipart(inner_socket(channel), scratch_, kernel_rules_.limits.max_frames)) return;
+    KernelSocket* socket = inner_socket(channel);
+    if (!socket || !socket->receive(scratch_, kernel_rules_.limits.max_frames)) return;
     if (channel == Channel::iopub) sign_early();
     // Whatever the core does, the worker is joined before this returns.
     struct Join {
@@ -416,12 +421,12 @@ void SessionProxy::on_client_heartbeat() {
     if (!outer_hb_) return;  // closed with the session in this same turn
     if (!recv_multipart(outer_hb_, scratch_, kMaxHeartbeatFrames)) return;
     if (scratch_.dropped_frames > 0 || scratch_.total_bytes > kMaxHeartbeatBytes) return;
-    if (!core_->kernel_live()) return;  // no kernel, no heartbeat
-    send_multipart(inner_hb_, scratch_.frames);
+    if (!core_->kernel_live() || !inner_hb_) return;  // no kernel, no heartbeat
+    inner_hb_->send(scratch_.frames);
 }
 
 void SessionProxy::on_kernel_heartbeat() {
-    if (!recv_multipart(inner_hb_, scratch_, kMaxHeartbeatFrames)) return;
+    if (!inner_hb_ || !inner_hb_->receive(scratch_, kMaxHeartbeatFrames)) return;
     if (scratch_.dropped_frames > 0 || scratch_.total_bytes > kMaxHeartbeatBytes ||
         scratch_.frames.size() < 2) {
         return;

@@ -107,7 +107,8 @@ class SessionProxy {
     // Stops watching and closes `socket`.
     void close_socket(zmq::socket_t& socket);
     zmq::socket_t& outer_socket(Channel channel);
-    zmq::socket_t& inner_socket(Channel channel);
+    // Null before attach().
+    KernelSocket* inner_socket(Channel channel);
 
     std::string session_id_;
     std::string server_session_;  // the "session" field of headers the server writes
@@ -119,7 +120,8 @@ class SessionProxy {
     ReceiveRules client_rules_, kernel_rules_;
 
     zmq::socket_t outer_shell_, outer_control_, outer_stdin_, outer_iopub_, outer_hb_;
-    zmq::socket_t inner_shell_, inner_control_, inner_stdin_, inner_iopub_, inner_hb_;
+    std::unique_ptr<KernelSocket> inner_shell_, inner_control_, inner_stdin_, inner_iopub_,
+        inner_hb_;
     std::unique_ptr<Sandbox> sandbox_;
     std::unique_ptr<Io> io_;
     std::unique_ptr<SessionCore> core_;

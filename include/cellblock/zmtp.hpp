@@ -1,0 +1,105 @@
+// ZMTP 3.0 (rfc.zeromq.org/spec/23), the connecting side of one connection
+// with the NULL mechanism, as a pure codec: bytes in, messages out, messages
+// in, bytes out. No sockets, no clock; server/zmtp_socket.cpp does the I/O.
+//
+// It speaks what the server needs towards a kernel's libzmq sockets: DEALER
+// (to a ROUTER) and SUB (to a PUB or XPUB). The peer is the sandbox, so every
+// byte it sends is untrusted: the greeting and READY are checked field by
+// field, frame sizes are bounded, and a message with a frame over the cap or
+// more frames than the cap is skipped (its bytes read and discarded, the
+// stream stays in step) and counted, never held.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cellblock::zmtp {
+
+struct Limits {
+    std::size_t max_frame_bytes = 64 << 20;
+    std::size_t max_frames = 64;
+};
+
+struct Message {
+    std::vector<std::string> frames;
+    std::size_t total_bytes = 0;
+};
+
+class Connection {
+  public:
+    // `socket_type` is ours ("DEALER" or "SUB"); `identity` the routing id a
+    // DEALER announces (empty: the peer picks one). The greeting is queued
+    // at once: write output() as soon as the transport is connected.
+    Connection(std::string socket_type, std::string identity, Limits limits = {});
+
+    // Where the next read should put bytes (at most `size` of them): inside
+    // a large frame's own storage, so its body is copied once.
+    struct Span {
+        char* data;
+        std::size_t size;
+    };
+    Span read_buffer();
+    // `n` bytes were read into read_buffer(). Parses what is complete. False
+    // once the peer broke the protocol: error() says how; nothing more is
+    // parsed and the connection must be closed.
+    bool commit(std::size_t n);
+    // The same for bytes held elsewhere (tests, the fuzzer).
+    bool feed(std::string_view bytes);
+
+    bool ready() const { return state_ == State::ready; }
+    bool failed() const { return state_ == State::failed; }
+    const std::string& error() const { return error_; }
+    const std::string& peer_socket_type() const { return peer_type_; }
+
+    // Whole messages received, oldest first.
+    bool has_message() const { return !inbox_.empty(); }
+    std::size_t queued_messages() const { return inbox_.size(); }
+    Message pop();
+    // Messages skipped for a frame or frame count over the limits.
+    std::uint64_t skipped_messages() const { return skipped_; }
+
+    // Queues a message (sent once the handshake is done). For SUB, a
+    // subscription is the message "\x01" + prefix (ZMTP 3.0).
+    void send(const std::vector<std::string_view>& frames);
+    // Bytes waiting to be written, and how many were written.
+    std::string_view output() const { return std::string_view(out_).substr(out_sent_); }
+    void consumed(std::size_t n);
+
+  private:
+    enum class State { greeting, handshake, ready, failed };
+    bool fail(std::string why);
+    bool parse();
+    bool parse_greeting();
+    bool on_command(std::string_view body);
+    void encode(const std::vector<std::string_view>& frames);
+    void encode_frame(unsigned char flags, std::string_view body);
+
+    std::string socket_type_, identity_, peer_type_;
+    Limits limits_;
+    State state_ = State::greeting;
+    std::string error_;
+
+    // Input: staged bytes not yet parsed, or the body of one large frame.
+    std::string in_;
+    std::size_t in_pos_ = 0, in_end_ = 0;
+    // A frame whose body is read straight into `body_` (or skipped).
+    bool in_body_ = false;
+    bool body_command_ = false, body_more_ = false, body_skip_ = false;
+    std::string body_;
+    std::size_t body_have_ = 0, body_size_ = 0;
+    // The message being assembled.
+    Message partial_;
+    bool partial_skip_ = false;
+    std::deque<Message> inbox_;
+    std::uint64_t skipped_ = 0;
+
+    std::string out_;
+    std::size_t out_sent_ = 0;
+    std::vector<std::string> queued_;  // encoded messages waiting for the handshake
+};
+
+}  // namespace cellblock::zmtp
