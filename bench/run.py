@@ -130,7 +130,11 @@ def main():
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the perf profile of the server after the step figure")
     parser.add_argument("--out", default=RESULTS, help="where results are written")
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="an argument for every `cellblock serve` of the run (repeatable), "
+                             "e.g. --server-arg=--kernel-transport=libzmq")
     args = parser.parse_args()
+    servers.SERVER_ARGS[:] = args.server_arg
     if os.geteuid() != 0:
         sys.exit("bench/run.py: run as root (cellblock serve needs it)")
     if not os.access(CELLBLOCK, os.X_OK):
@@ -147,7 +151,7 @@ def main():
                   file_mb=args.file_mb)
     started = datetime.datetime.now(datetime.timezone.utc)
     run = {"started_utc": started.isoformat(timespec="seconds"), "quick": args.quick,
-           "only": names, "environment": env, "figures": {}}
+           "only": names, "environment": env, "server_args": args.server_arg, "figures": {}}
     print(f"cellblock benchmark, {started:%Y-%m-%d %H:%M:%S} UTC, load {loadavg()}, "
           f"{other_sandboxes()} sandboxes of other servers on the host", flush=True)
     rows = []

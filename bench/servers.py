@@ -93,6 +93,11 @@ def process_cpu_ns(pid):
     return process_sched([pid])[0]
 
 
+# Arguments every `cellblock serve` of the run gets (bench/run.py --server-arg),
+# e.g. --kernel-transport libzmq to measure the other transport.
+SERVER_ARGS = []
+
+
 class CellblockServer:
     """`cellblock serve` with its own state dir under /run, stopped and removed on exit."""
 
@@ -103,7 +108,7 @@ class CellblockServer:
                      "--pool-workers", str(workers)]
         for image, n in pool.items():
             self.args += ["--pool", f"{image}={n}"]
-        self.args += list(extra_args)
+        self.args += list(extra_args) + list(SERVER_ARGS)
         self.images_dir = images_dir
         self.proc = None
         self.manager = None

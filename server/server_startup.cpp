@@ -242,6 +242,7 @@ Server::Server(const ServeOptions& options)
     } else {
         backend = std::make_shared<RuncBackend>(settings_);
     }
+    spdlog::info("kernel transport: {}", kernel_transport_name(options_.kernel_transport));
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
         [ctx, stopping = &stopping_,
