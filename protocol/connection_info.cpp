@@ -80,6 +80,26 @@ const char* channel_name(Channel c) {
     return "unknown";
 }
 
+void ConnectionInfo::set_port(Channel c, int port) {
+    switch (c) {
+        case Channel::shell:
+            shell_port = port;
+            break;
+        case Channel::iopub:
+            iopub_port = port;
+            break;
+        case Channel::stdin_:
+            stdin_port = port;
+            break;
+        case Channel::control:
+            control_port = port;
+            break;
+        case Channel::hb:
+            hb_port = port;
+            break;
+    }
+}
+
 int ConnectionInfo::port(Channel c) const {
     switch (c) {
         case Channel::shell:

@@ -12,10 +12,12 @@ constexpr std::size_t kGreetingBytes = 64;
 constexpr unsigned char kMore = 0x01, kLong = 0x02, kCommand = 0x04;
 // Staging for frame headers and small frames; larger bodies are read into
 // their own string.
-constexpr std::size_t kStageBytes = 256 << 10;
-constexpr std::size_t kStagedFrameBytes = 64 << 10;
+// Small, because every connection has one (five per session, one per client
+// of a session): 16 KiB holds a whole ordinary Jupyter message.
+constexpr std::size_t kStageBytes = 16 << 10;
+constexpr std::size_t kStagedFrameBytes = 4 << 10;
 // READY, ERROR and anything else a peer says outside messages.
-constexpr std::size_t kMaxCommandBytes = 64 << 10;
+constexpr std::size_t kMaxCommandBytes = kStageBytes - 16;
 
 std::string greeting() {
     std::string g(kGreetingBytes, '\0');
@@ -45,10 +47,20 @@ void put_property(std::string& out, std::string_view name, std::string_view valu
     out += value;
 }
 
+// RFC 23's table of valid socket combinations, for the types spoken here.
 bool compatible(std::string_view ours, std::string_view peer) {
     if (ours == "DEALER") return peer == "ROUTER" || peer == "DEALER" || peer == "REP";
+    if (ours == "ROUTER") return peer == "DEALER" || peer == "REQ" || peer == "ROUTER";
     if (ours == "SUB") return peer == "PUB" || peer == "XPUB";
+    if (ours == "PUB") return peer == "SUB" || peer == "XSUB";
     return false;
+}
+
+bool same_name(std::string_view a, std::string_view b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+               return std::tolower(static_cast<unsigned char>(x)) ==
+                      std::tolower(static_cast<unsigned char>(y));
+           });
 }
 
 std::string printable(std::string_view bytes) {
@@ -166,12 +178,11 @@ bool Connection::on_command(std::string_view body) {
         const std::uint64_t value_len = get_be(data.substr(1 + name_len, 4));
         if (data.size() - 1 - name_len - 4 < value_len) return fail("malformed READY property");
         const std::string_view value = data.substr(1 + name_len + 4, value_len);
-        if (prop.size() == 11 && std::equal(prop.begin(), prop.end(), "Socket-Type",
-                                            [](char a, char b) {
-                                                return std::tolower(static_cast<unsigned char>(a)) ==
-                                                       std::tolower(static_cast<unsigned char>(b));
-                                            })) {
+        if (same_name(prop, "Socket-Type")) {
             peer_type_ = std::string(value);
+        } else if (same_name(prop, "Identity")) {
+            if (value.size() > 255) return fail("peer's Identity is longer than 255 bytes");
+            peer_identity_ = std::string(value);
         }
         data.remove_prefix(1 + name_len + 4 + value_len);
     }

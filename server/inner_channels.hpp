@@ -16,7 +16,7 @@
 namespace cellblock {
 
 struct InnerChannels {
-    std::unique_ptr<KernelSocket> shell, control, stdin_, iopub, hb;
+    std::unique_ptr<RelaySocket> shell, control, stdin_, iopub, hb;
     std::vector<std::string>
         probe_msg_ids;  // the probe's own requests (late replies are dropped quietly)
 };
@@ -33,6 +33,6 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                                             std::chrono::milliseconds timeout,
                                             int max_frame_bytes = 64 << 20,
                                             const std::atomic<bool>* abandoned = nullptr,
-                                            KernelTransport transport = KernelTransport::libzmq);
+                                            RelayTransport transport = RelayTransport::libzmq);
 
 }  // namespace cellblock

@@ -126,6 +126,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
     ProxyOptions proxy_options;
     proxy_options.policy = &policy;
     proxy_options.limits = limits;
+    proxy_options.client_transport = options.client_transport;
     EventLoop loop;
     auto proxy = std::make_unique<SessionProxy>(context, loop, session_id, outer, proxy_options);
     try {

@@ -36,7 +36,8 @@ struct KernelModeOptions {
     // The nice value of the relay's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
     // How the relay speaks to the kernel's sockets (kernel_socket.hpp).
-    KernelTransport kernel_transport = KernelTransport::zmtp;
+    RelayTransport kernel_transport = RelayTransport::zmtp;
+    RelayTransport client_transport = RelayTransport::zmtp;
 };
 
 // Returns the process exit code: 0 after a requested shutdown, a signal, or

@@ -93,7 +93,7 @@ void connect_libzmq(InnerChannels& ch, zmq::context_t& context, const Connection
         zmq::socket_t s = inner_socket(context, zmq::socket_type::dealer, max_bytes);
         if (!id.empty()) s.set(zmq::sockopt::routing_id, id);
         s.connect(linked.endpoint(channel));
-        return make_zmq_kernel_socket(std::move(s));
+        return make_zmq_relay_socket(std::move(s));
     };
     ch.shell = dealer(Channel::shell, max_frame_bytes, identity);
     ch.control = dealer(Channel::control, max_frame_bytes, "");
@@ -101,7 +101,7 @@ void connect_libzmq(InnerChannels& ch, zmq::context_t& context, const Connection
     zmq::socket_t iopub = inner_socket(context, zmq::socket_type::sub, max_frame_bytes);
     iopub.set(zmq::sockopt::subscribe, "");
     iopub.connect(linked.endpoint(Channel::iopub));
-    ch.iopub = make_zmq_kernel_socket(std::move(iopub));
+    ch.iopub = make_zmq_relay_socket(std::move(iopub));
     ch.hb = dealer(Channel::hb, 1024, "");
 }
 
@@ -132,7 +132,7 @@ void connect_zmtp(InnerChannels& ch, const ConnectionInfo& linked, const std::st
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout, int max_frame_bytes,
                                             const std::atomic<bool>* abandoned,
-                                            KernelTransport transport) {
+                                            RelayTransport transport) {
     const ConnectionInfo& inner = sandbox.inner_connection();
     const Signer signer(inner.key, inner.signature_scheme);
     auto ch = std::make_unique<InnerChannels>();
@@ -152,7 +152,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     if (inner.transport == "ipc") {
         linked.ip = link_kernel_sockets(sandbox, deadline, check_abandoned);
     }
-    if (inner.transport == "ipc" && transport == KernelTransport::zmtp) {
+    if (inner.transport == "ipc" && transport == RelayTransport::zmtp) {
         connect_zmtp(*ch, linked, identity, max_frame_bytes, sandbox.session_id(), deadline);
     } else {
         connect_libzmq(*ch, context, linked, identity, max_frame_bytes);

@@ -130,12 +130,18 @@ int main(int argc, char** argv) {
         ->add_option("--relay-nice", kernel.relay_nice,
                      "nice value of the relay's threads, above the sandbox's (0: leave it)")
         ->capture_default_str();
-    const std::map<std::string, cellblock::KernelTransport> transports{
-        {"zmtp", cellblock::KernelTransport::zmtp}, {"libzmq", cellblock::KernelTransport::libzmq}};
-    const char* const transport_help =
+    const std::map<std::string, cellblock::RelayTransport> transports{
+        {"zmtp", cellblock::RelayTransport::zmtp}, {"libzmq", cellblock::RelayTransport::libzmq}};
+    const char* const kernel_transport_help =
         "how the relay speaks to the kernel's sockets: zmtp (in the relay's own thread) or "
         "libzmq (through its I/O thread)";
-    kernel_cmd->add_option("--kernel-transport", kernel.kernel_transport, transport_help)
+    const char* const client_transport_help =
+        "how the relay speaks to the clients' connections: zmtp (in the relay's own thread) or "
+        "libzmq (through its I/O thread)";
+    kernel_cmd->add_option("--kernel-transport", kernel.kernel_transport, kernel_transport_help)
+        ->transform(CLI::CheckedTransformer(transports))
+        ->default_str("zmtp");
+    kernel_cmd->add_option("--client-transport", kernel.client_transport, client_transport_help)
         ->transform(CLI::CheckedTransformer(transports))
         ->default_str("zmtp");
     kernel_cmd->add_option("--image-store", kernel.paths.image_store,
@@ -203,7 +209,10 @@ int main(int argc, char** argv) {
                      "nice value of the server's loop and I/O threads, above the sandboxes' (0: "
                      "leave it)")
         ->capture_default_str();
-    serve_cmd->add_option("--kernel-transport", serve.kernel_transport, transport_help)
+    serve_cmd->add_option("--kernel-transport", serve.kernel_transport, kernel_transport_help)
+        ->transform(CLI::CheckedTransformer(transports))
+        ->default_str("zmtp");
+    serve_cmd->add_option("--client-transport", serve.client_transport, client_transport_help)
         ->transform(CLI::CheckedTransformer(transports))
         ->default_str("zmtp");
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,

@@ -23,7 +23,8 @@ struct ServeOptions {
     // The nice value of the server's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
     // How the relay speaks to the kernels' sockets (kernel_socket.hpp).
-    KernelTransport kernel_transport = KernelTransport::zmtp;
+    RelayTransport kernel_transport = RelayTransport::zmtp;
+    RelayTransport client_transport = RelayTransport::zmtp;
     ServerPolicy policy;
     // Where sessions' sandboxes are placed (docs/scale-out.md): "runc" on
     // this host, or "swarm" (one Swarm service per session, `swarm` below).

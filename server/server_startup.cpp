@@ -242,7 +242,9 @@ Server::Server(const ServeOptions& options)
     } else {
         backend = std::make_shared<RuncBackend>(settings_);
     }
-    spdlog::info("kernel transport: {}", kernel_transport_name(options_.kernel_transport));
+    spdlog::info("kernel transport: {}, client transport: {}",
+                 relay_transport_name(options_.kernel_transport),
+                 relay_transport_name(options_.client_transport));
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
         [ctx, stopping = &stopping_,

@@ -234,6 +234,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     opts.limits = pending.limits;
     opts.observer = this;
     opts.audit_code_hash_only = options_.audit_code_hash_only;
+    opts.client_transport = options_.client_transport;
     SandboxPool* pool = pool_.get();
     opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
     auto channels = std::static_pointer_cast<InnerChannels>(warm.channels);

@@ -10,25 +10,6 @@ namespace {
 constexpr std::size_t kMaxHeartbeatFrames = 4;
 constexpr std::size_t kMaxHeartbeatBytes = 4096;
 
-zmq::socket_t make_socket(zmq::context_t& ctx, zmq::socket_type type, int max_frame_bytes,
-                          int linger_ms) {
-    zmq::socket_t s(ctx, type);
-    s.set(zmq::sockopt::linger, linger_ms);
-    s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(max_frame_bytes));
-    return s;
-}
-
-// Binds a channel; port 0 means any free port, read back from the socket.
-int bind_channel(zmq::socket_t& socket, const ConnectionInfo& info, Channel channel) {
-    if (info.transport == "tcp" && info.port(channel) == 0) {
-        socket.bind("tcp://" + info.ip + ":*");
-        const std::string endpoint = socket.get(zmq::sockopt::last_endpoint);
-        return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
-    }
-    socket.bind(info.endpoint(channel));
-    return info.port(channel);
-}
-
 double unix_minus_steady() {
     using namespace std::chrono;
     return duration<double>(system_clock::now().time_since_epoch()).count() -
@@ -78,7 +59,7 @@ class SessionProxy::Io final : public SessionIo {
         for (std::size_t i = at.first_buffer(); i < frames.size(); ++i) {
             out.push_back(std::move(frames[i]));
         }
-        send_multipart(p_.outer_socket(channel), out);
+        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(out);
     }
 
     // A message the server makes itself, signed with `signer`.
@@ -101,7 +82,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.parent_header = parent;
         msg.content = std::move(content);
         auto frames = frames_of(msg, p_.outer_signer_);
-        send_multipart(p_.outer_socket(channel), frames);
+        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(frames);
     }
 
     bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
@@ -115,7 +96,7 @@ class SessionProxy::Io final : public SessionIo {
         for (std::size_t i = at.header(); i < msg.frames.size(); ++i) {
             out.push_back(std::move(msg.frames[i]));
         }
-        KernelSocket* socket = p_.inner_socket(channel);
+        RelaySocket* socket = p_.inner_socket(channel);
         return socket && socket->send(out);
     }
 
@@ -130,7 +111,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.parent_header = json::object();
         msg.content = json::object();
         auto frames = frames_of(msg, p_.inner_signer_);
-        if (KernelSocket* control = p_.inner_socket(Channel::control)) control->send(frames);
+        if (RelaySocket* control = p_.inner_socket(Channel::control)) control->send(frames);
     }
     void kill_kernel() override {
         if (p_.sandbox_) p_.sandbox_->kill();
@@ -165,7 +146,9 @@ class SessionProxy::Io final : public SessionIo {
                         &p_.inner_hb_}) {
             if (*s) (*s)->close();
         }
-        for (auto* s : {&p_.outer_stdin_, &p_.outer_hb_}) p_.close_socket(*s);
+        for (auto* s : {&p_.outer_stdin_, &p_.outer_hb_}) {
+            if (*s) (*s)->close();
+        }
         spdlog::info("session {}: closed ({})", p_.session_id_, p_.core_->close_reason());
     }
 
@@ -189,18 +172,6 @@ SessionProxy::SessionProxy(zmq::context_t& context, EventLoop& loop, std::string
       options_(std::move(options)),
       outer_(outer),
       outer_signer_(outer.key, outer.signature_scheme),
-      // libzmq hands over a multipart only once all its frames arrived and caps
-      // frames, not messages: a small frame cap on the client's side bounds
-      // what one frame from a peer without the key can make the server hold.
-      outer_shell_(
-          make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
-      outer_control_(
-          make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
-      outer_stdin_(
-          make_socket(context, zmq::socket_type::router, options_.max_client_frame_bytes, 1000)),
-      outer_iopub_(
-          make_socket(context, zmq::socket_type::pub, options_.max_client_frame_bytes, 1000)),
-      outer_hb_(make_socket(context, zmq::socket_type::router, 1024, 0)),
       loop_(loop) {
     // A kernel's single large output (a 50 MB print) must reach output shaping
     // to be cut with a marker, not be dropped whole: the JSON frame cap for the
@@ -211,14 +182,25 @@ SessionProxy::SessionProxy(zmq::context_t& context, EventLoop& loop, std::string
     options_.outer_limits.max_json_frame_bytes =
         std::min<std::size_t>(options_.outer_limits.max_json_frame_bytes,
                               static_cast<std::size_t>(options_.max_client_frame_bytes) / 2);
-    for (auto* s : {&outer_shell_, &outer_control_, &outer_stdin_, &outer_hb_}) {
-        s->set(zmq::sockopt::router_handover, 1);
-    }
-    outer_.shell_port = bind_channel(outer_shell_, outer_, Channel::shell);
-    outer_.control_port = bind_channel(outer_control_, outer_, Channel::control);
-    outer_.stdin_port = bind_channel(outer_stdin_, outer_, Channel::stdin_);
-    outer_.iopub_port = bind_channel(outer_iopub_, outer_, Channel::iopub);
-    outer_.hb_port = bind_channel(outer_hb_, outer_, Channel::hb);
+    // A whole message is held only once all its frames arrived, and frames
+    // are capped, not messages: a small frame cap on the client's side bounds
+    // what one frame from a peer without the key can make the server hold.
+    const auto bind = [&](Channel channel, bool pub, int max_frame_bytes, int linger_ms) {
+        ClientSocketOptions socket_options;
+        socket_options.transport = options_.client_transport;
+        socket_options.max_frame_bytes = max_frame_bytes;
+        socket_options.max_frames = options_.outer_limits.max_frames + 1;
+        socket_options.linger_ms = linger_ms;
+        socket_options.label = "session " + session_id_ + " client " + channel_name(channel);
+        BoundSocket bound = bind_client_socket(context, pub, outer_, channel, socket_options);
+        outer_.set_port(channel, bound.port);
+        return std::move(bound.socket);
+    };
+    outer_shell_ = bind(Channel::shell, false, options_.max_client_frame_bytes, 1000);
+    outer_control_ = bind(Channel::control, false, options_.max_client_frame_bytes, 1000);
+    outer_stdin_ = bind(Channel::stdin_, false, options_.max_client_frame_bytes, 1000);
+    outer_iopub_ = bind(Channel::iopub, true, options_.max_client_frame_bytes, 1000);
+    outer_hb_ = bind(Channel::hb, false, 1024, 0);
     client_rules_ = {&outer_signer_, &replay_, options_.outer_limits, true};
     kernel_rules_ = {&inner_signer_, nullptr, options_.inner_limits, false};
     CoreOptions core;
@@ -232,10 +214,13 @@ SessionProxy::SessionProxy(zmq::context_t& context, EventLoop& loop, std::string
     core.unix_minus_steady_s = unix_minus_steady();
     io_ = std::make_unique<Io>(*this);
     core_ = std::make_unique<SessionCore>(std::move(core), *io_, Clock::now());
-    watch(outer_shell_, [this] { on_client(Channel::shell); });
-    watch(outer_control_, [this] { on_client(Channel::control); });
-    watch(outer_stdin_, [this] { on_client(Channel::stdin_); });
-    watch(outer_hb_, [this] { on_client_heartbeat(); });
+    outer_shell_->watch(loop_, [this] { on_client(Channel::shell); });
+    outer_control_->watch(loop_, [this] { on_client(Channel::control); });
+    outer_stdin_->watch(loop_, [this] { on_client(Channel::stdin_); });
+    outer_hb_->watch(loop_, [this] { on_client_heartbeat(); });
+    // Nothing to read on a PUB, but a ZMTP one accepts its subscribers and
+    // reads their subscriptions in the loop.
+    outer_iopub_->watch(loop_, [] {});
     deadline_ = loop_.add_deadline([this] { return core_->next_deadline(Clock::now()); },
                                    [this](Clock::time_point now) {
                                        core_->on_tick(now);
@@ -247,22 +232,8 @@ SessionProxy::SessionProxy(zmq::context_t& context, EventLoop& loop, std::string
 
 SessionProxy::~SessionProxy() {
     loop_.remove_deadline(deadline_);
-    for (const auto& [socket, id] : watches_) loop_.unwatch(id);
     if (lifeline_watch_) loop_.unwatch(*lifeline_watch_);
     if (sandbox_) sandbox_->destroy();
-}
-
-void SessionProxy::watch(zmq::socket_t& socket, EventLoop::Handler handler) {
-    watches_[socket.handle()] = loop_.watch(socket, std::move(handler));
-}
-
-void SessionProxy::close_socket(zmq::socket_t& socket) {
-    if (!socket) return;
-    if (auto it = watches_.find(socket.handle()); it != watches_.end()) {
-        loop_.unwatch(it->second);
-        watches_.erase(it);
-    }
-    socket.close();
 }
 
 void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channels) {
@@ -289,23 +260,29 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
 
 void SessionProxy::close(const std::string& reason) { core_->close(Clock::now(), reason); }
 
-zmq::socket_t& SessionProxy::outer_socket(Channel channel) {
+RelaySocket* SessionProxy::outer_socket(Channel channel) {
+    RelaySocket* socket = nullptr;
     switch (channel) {
         case Channel::shell:
-            return outer_shell_;
+            socket = outer_shell_.get();
+            break;
         case Channel::control:
-            return outer_control_;
+            socket = outer_control_.get();
+            break;
         case Channel::stdin_:
-            return outer_stdin_;
+            socket = outer_stdin_.get();
+            break;
         case Channel::iopub:
-            return outer_iopub_;
+            socket = outer_iopub_.get();
+            break;
         case Channel::hb:
-            return outer_hb_;
+            socket = outer_hb_.get();
+            break;
     }
-    return outer_shell_;
+    return socket && socket->is_open() ? socket : nullptr;
 }
 
-KernelSocket* SessionProxy::inner_socket(Channel channel) {
+RelaySocket* SessionProxy::inner_socket(Channel channel) {
     switch (channel) {
         case Channel::shell:
             return inner_shell_.get();
@@ -322,11 +299,11 @@ KernelSocket* SessionProxy::inner_socket(Channel channel) {
 }
 
 void SessionProxy::on_client(Channel channel) {
-    zmq::socket_t& socket = outer_socket(channel);
+    RelaySocket* socket = outer_socket(channel);
     if (!socket) return;  // closed with the session in this same turn
     InboundMessage msg;
     std::string why, sender;
-    switch (receive_verified(socket, scratch_, client_rules_, msg, why, sender)) {
+    switch (receive_verified(*socket, scratch_, client_rules_, msg, why, sender)) {
         case Received::nothing:
             return;
         case Received::rejected:
@@ -385,7 +362,7 @@ void SessionProxy::on_kernel(Channel channel) {
     InboundMessage msg;
     std::string why;
     const std::string where = std::string("kernel ") + channel_name(channel);
-    KernelSocket* socket = inner_socket(channel);
+    RelaySocket* socket = inner_socket(channel);
     if (!socket || !socket->receive(scratch_, kernel_rules_.limits.max_frames)) return;
     if (channel == Channel::iopub) sign_early();
     // Whatever the core does, the worker is joined before this returns.
@@ -418,8 +395,8 @@ void SessionProxy::on_kernel(Channel channel) {
 }
 
 void SessionProxy::on_client_heartbeat() {
-    if (!outer_hb_) return;  // closed with the session in this same turn
-    if (!recv_multipart(outer_hb_, scratch_, kMaxHeartbeatFrames)) return;
+    // Closed with the session in this same turn, or not.
+    if (!outer_hb_ || !outer_hb_->receive(scratch_, kMaxHeartbeatFrames)) return;
     if (scratch_.dropped_frames > 0 || scratch_.total_bytes > kMaxHeartbeatBytes) return;
     if (!core_->kernel_live() || !inner_hb_) return;  // no kernel, no heartbeat
     inner_hb_->send(scratch_.frames);
@@ -431,7 +408,7 @@ void SessionProxy::on_kernel_heartbeat() {
         scratch_.frames.size() < 2) {
         return;
     }
-    send_multipart(outer_hb_, scratch_.frames);
+    outer_hb_->send(scratch_.frames);
 }
 
 void SessionProxy::on_lifeline() {

@@ -29,6 +29,7 @@
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
 #include "event_loop.hpp"
+#include "client_socket.hpp"
 #include "inner_channels.hpp"
 #include "multipart.hpp"
 #include "session_core.hpp"
@@ -42,6 +43,8 @@ struct ProxyOptions {
     std::chrono::milliseconds shutdown_grace{3000};
     int max_frame_bytes = 64 << 20;         // ZMQ_MAXMSGSIZE on the kernel's sockets
     int max_client_frame_bytes = 16 << 20;  // and on the client's: code and comms are small
+    // How the client's sockets are spoken (relay_socket.hpp).
+    RelayTransport client_transport = RelayTransport::zmtp;
     // Server mode: the policy to enforce (none in kernel mode).
     const ServerPolicy* policy = nullptr;
     std::optional<SessionLimits> limits;
@@ -58,7 +61,7 @@ class SessionProxy {
   public:
     // Binds the outer channels of `outer`; a port of 0 binds a free port
     // (see outer_connection()), and watches them on `loop`, with a deadline
-    // for the session's clock. Throws zmq::error_t.
+    // for the session's clock. Throws zmq::error_t or std::runtime_error.
     SessionProxy(zmq::context_t& context, EventLoop& loop, std::string session_id,
                  const ConnectionInfo& outer, ProxyOptions options = {});
     ~SessionProxy();
@@ -103,12 +106,10 @@ class SessionProxy {
     // Starts the client's signature of a large kernel message (scratch_) on
     // another thread; Io uses it if the core forwards the message unchanged.
     void sign_early();
-    void watch(zmq::socket_t& socket, EventLoop::Handler handler);
-    // Stops watching and closes `socket`.
-    void close_socket(zmq::socket_t& socket);
-    zmq::socket_t& outer_socket(Channel channel);
+    // Null once closed.
+    RelaySocket* outer_socket(Channel channel);
     // Null before attach().
-    KernelSocket* inner_socket(Channel channel);
+    RelaySocket* inner_socket(Channel channel);
 
     std::string session_id_;
     std::string server_session_;  // the "session" field of headers the server writes
@@ -119,8 +120,9 @@ class SessionProxy {
     ReplayGuard replay_;
     ReceiveRules client_rules_, kernel_rules_;
 
-    zmq::socket_t outer_shell_, outer_control_, outer_stdin_, outer_iopub_, outer_hb_;
-    std::unique_ptr<KernelSocket> inner_shell_, inner_control_, inner_stdin_, inner_iopub_,
+    std::unique_ptr<RelaySocket> outer_shell_, outer_control_, outer_stdin_, outer_iopub_,
+        outer_hb_;
+    std::unique_ptr<RelaySocket> inner_shell_, inner_control_, inner_stdin_, inner_iopub_,
         inner_hb_;
     std::unique_ptr<Sandbox> sandbox_;
     std::unique_ptr<Io> io_;
@@ -135,7 +137,6 @@ class SessionProxy {
     static constexpr std::size_t kEarlySignBytes = 256 << 10;
     std::optional<EarlySignature> early_;
     EventLoop& loop_;
-    std::unordered_map<void*, EventLoop::WatchId> watches_;  // by socket handle
     std::optional<EventLoop::WatchId> lifeline_watch_;
     EventLoop::WatchId deadline_ = 0;
 };

@@ -68,9 +68,9 @@ bool verify_frames(Multipart& in, const ReceiveRules& rules, InboundMessage& out
     return true;
 }
 
-Received receive_verified(zmq::socket_t& socket, Multipart& scratch, const ReceiveRules& rules,
+Received receive_verified(RelaySocket& socket, Multipart& scratch, const ReceiveRules& rules,
                           InboundMessage& out, std::string& why, std::string& sender) {
-    if (!recv_multipart(socket, scratch, rules.limits.max_frames)) return Received::nothing;
+    if (!socket.receive(scratch, rules.limits.max_frames)) return Received::nothing;
     // A ROUTER's first frame is the identity libzmq put there.
     sender = scratch.frames.empty() ? std::string() : std::string(scratch.view(0));
     return verify_frames(scratch, rules, out, why) ? Received::message : Received::rejected;

@@ -18,6 +18,7 @@
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
 #include "multipart.hpp"
+#include "relay_socket.hpp"
 
 namespace cellblock {
 
@@ -71,7 +72,7 @@ enum class Received { nothing, message, rejected };
 // and `sender` who sent it (the routing identity). The kernel's side calls
 // recv_multipart and verify_frames itself, to start the client's signature
 // of a large message in between (SessionProxy::sign_early).
-Received receive_verified(zmq::socket_t& socket, Multipart& scratch, const ReceiveRules& rules,
+Received receive_verified(RelaySocket& socket, Multipart& scratch, const ReceiveRules& rules,
                           InboundMessage& out, std::string& why, std::string& sender);
 
 }  // namespace cellblock

@@ -24,6 +24,7 @@ struct ConnectionInfo {
     std::string kernel_name;
 
     int port(Channel c) const;
+    void set_port(Channel c, int port);
     // "tcp://127.0.0.1:5555" or, for ipc, "ipc://<ip>-<port>" as jupyter_client does.
     std::string endpoint(Channel c) const;
 

@@ -1,10 +1,13 @@
-// ZMTP 3.0 (rfc.zeromq.org/spec/23), the connecting side of one connection
-// with the NULL mechanism, as a pure codec: bytes in, messages out, messages
+// ZMTP 3.0 (rfc.zeromq.org/spec/23), one side of one connection with the
+// NULL mechanism (symmetric: either side may have connected), as a pure codec: bytes in, messages out, messages
 // in, bytes out. No sockets, no clock; server/zmtp_socket.cpp does the I/O.
 //
-// It speaks what the server needs towards a kernel's libzmq sockets: DEALER
-// (to a ROUTER) and SUB (to a PUB or XPUB). The peer is the sandbox, so every
-// byte it sends is untrusted: the greeting and READY are checked field by
+// It speaks what the server needs: towards a kernel's libzmq sockets, DEALER
+// (to a ROUTER) and SUB (to a PUB or XPUB); towards clients, ROUTER (to
+// DEALER, REQ, ROUTER) and PUB (to SUB, XSUB; a subscription arrives as a
+// message "\x01" + prefix, a cancel as "\x00" + prefix, ZMTP 3.0's form,
+// which libzmq uses with a 3.0 peer). The peer is a sandbox or any local
+// process, so every byte it sends is untrusted: the greeting and READY are checked field by
 // field, frame sizes are bounded, and a message with a frame over the cap or
 // more frames than the cap is skipped (its bytes read and discarded, the
 // stream stays in step) and counted, never held.
@@ -31,8 +34,8 @@ struct Message {
 
 class Connection {
   public:
-    // `socket_type` is ours ("DEALER" or "SUB"); `identity` the routing id a
-    // DEALER announces (empty: the peer picks one). The greeting is queued
+    // `socket_type` is ours ("DEALER", "SUB", "ROUTER" or "PUB"); `identity`
+    // the routing id a DEALER announces (empty: the peer picks one). The greeting is queued
     // at once: write output() as soon as the transport is connected.
     Connection(std::string socket_type, std::string identity, Limits limits = {});
 
@@ -54,6 +57,8 @@ class Connection {
     bool failed() const { return state_ == State::failed; }
     const std::string& error() const { return error_; }
     const std::string& peer_socket_type() const { return peer_type_; }
+    // The Identity the peer's READY announced (empty if none).
+    const std::string& peer_identity() const { return peer_identity_; }
 
     // Whole messages received, oldest first.
     bool has_message() const { return !inbox_.empty(); }
@@ -78,7 +83,7 @@ class Connection {
     void encode(const std::vector<std::string_view>& frames);
     void encode_frame(unsigned char flags, std::string_view body);
 
-    std::string socket_type_, identity_, peer_type_;
+    std::string socket_type_, identity_, peer_type_, peer_identity_;
     Limits limits_;
     State state_ = State::greeting;
     std::string error_;

@@ -17,7 +17,8 @@ TRANSPORTS = ("zmtp", "libzmq")
 
 
 def served(server_factory, transport):
-    srv = server_factory(["--kernel-transport", transport, "--pool", "host=1"])
+    srv = server_factory(["--kernel-transport", transport, "--client-transport", transport,
+                          "--pool", "host=1"])
     return srv
 
 
@@ -65,7 +66,7 @@ def test_every_channel_works(server_factory, transport):
     # heartbeat: beats come back through the sandbox.
     wait_for(kc.hb_channel.is_beating, timeout=10)
     assert kc.hb_channel.is_beating()
-    assert f"kernel transport: {transport}" in srv.log()
+    assert f"kernel transport: {transport}, client transport: {transport}" in srv.log()
 
 
 def test_a_message_over_the_frame_cap_is_dropped_and_the_session_goes_on(server_factory):

@@ -1,0 +1,341 @@
+#include "client_socket.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <unordered_map>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/unique_fd.hpp"
+#include "zmtp_stream.hpp"
+
+namespace cellblock {
+
+namespace {
+
+// A client that does not read (its iopub, say) is not queued for without
+// end: past this, messages to it are dropped, as libzmq's high-water mark
+// drops them for the other transport.
+constexpr std::size_t kMaxBacklogBytes = 64 << 20;
+// Connections one channel keeps at once; more are accepted and closed.
+constexpr std::size_t kMaxPeers = 1024;
+
+class ZmtpListener final : public RelaySocket {
+  public:
+    ZmtpListener(UniqueFd listen_fd, bool pub, bool tcp, std::string unix_path,
+                 zmtp::Limits limits, std::string label)
+        : listen_(std::move(listen_fd)),
+          pub_(pub),
+          tcp_(tcp),
+          unix_path_(std::move(unix_path)),
+          limits_(limits),
+          label_(std::move(label)),
+          next_identity_(std::random_device{}()) {}
+    ~ZmtpListener() override { close(); }
+
+    bool send(std::vector<zmq::message_t>& frames) override {
+        if (closed_ || frames.empty()) return false;
+        std::vector<std::string_view> views;
+        views.reserve(frames.size());
+        for (const auto& f : frames) views.emplace_back(static_cast<const char*>(f.data()), f.size());
+        if (!pub_) {
+            auto it = by_identity_.find(std::string(views[0]));
+            if (it == by_identity_.end()) return false;  // no such client (any more)
+            views.erase(views.begin());
+            return it->second->stream.send(views, kMaxBacklogBytes);
+        }
+        const std::string_view topic = views[0];
+        for (auto& [id, peer] : peers_) {
+            if (!peer->registered || !peer->subscribed(topic)) continue;
+            const bool sent = peer->stream.send(views, kMaxBacklogBytes);
+            if (!sent && !peer->dropping) {
+                spdlog::warn("{}: client {} is not reading; dropping its messages", label_, id);
+            }
+            peer->dropping = !sent;
+        }
+        return true;
+    }
+
+    bool receive(Multipart& out, std::size_t max_frames) override {
+        if (closed_ || pub_ || peers_.empty()) return false;
+        // Round robin from the peer after the last one served.
+        auto it = peers_.lower_bound(next_turn_);
+        for (std::size_t n = 0; n < peers_.size(); ++n, ++it) {
+            if (it == peers_.end()) it = peers_.begin();
+            Peer& peer = *it->second;
+            if (!peer.registered || !peer.stream.zmtp().has_message()) continue;
+            next_turn_ = it->first + 1;
+            return peer.stream.receive(out, max_frames, &peer.identity);
+        }
+        return false;
+    }
+
+    pollfd poll_item() override { return {listen_.get(), POLLIN, 0}; }
+
+    void watch(EventLoop& loop, EventLoop::Handler on_readable) override {
+        loop_ = &loop;
+        on_readable_ = std::move(on_readable);
+        listen_watch_ = loop.watch_fd(listen_.get(), [this] { accept_all(); });
+    }
+
+    void close() override {
+        if (closed_) return;
+        closed_ = true;
+        if (loop_ && listen_watch_) loop_->unwatch(*listen_watch_);
+        listen_watch_.reset();
+        listen_.reset();
+        if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+        // Possibly inside one of the peers' handlers: closed now, freed with
+        // the listener.
+        for (auto& [id, peer] : peers_) {
+            peer->stream.close();
+            graveyard_.push_back(std::move(peer));
+        }
+        peers_.clear();
+        by_identity_.clear();
+    }
+
+    bool is_open() const override { return !closed_; }
+
+  private:
+    struct Peer {
+        Peer(std::uint64_t id, UniqueFd fd, zmtp::Connection c, std::string label)
+            : id(id), stream(std::move(fd), std::move(c), std::move(label)) {}
+        bool subscribed(std::string_view topic) const {
+            for (const auto& prefix : subscriptions) {
+                if (topic.substr(0, prefix.size()) == prefix) return true;
+            }
+            return false;
+        }
+        std::uint64_t id;
+        ZmtpStream stream;
+        bool registered = false;
+        bool dropping = false;
+        std::string identity;
+        std::vector<std::string> subscriptions;  // PUB: one entry per SUBSCRIBE
+    };
+
+    void accept_all() {
+        while (!closed_) {
+            UniqueFd fd(::accept4(listen_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+            if (!fd) {
+                if (errno == EINTR || errno == ECONNABORTED) continue;
+                if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                    spdlog::warn("{}: accept: {}", label_, std::strerror(errno));
+                }
+                return;
+            }
+            if (peers_.size() >= kMaxPeers) {
+                spdlog::warn("{}: {} clients connected already; refusing another", label_,
+                             peers_.size());
+                continue;
+            }
+            if (tcp_) {
+                const int one = 1;
+                ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+            }
+            const std::uint64_t id = next_peer_++;
+            auto peer = std::make_unique<Peer>(
+                id, std::move(fd), zmtp::Connection(pub_ ? "PUB" : "ROUTER", "", limits_),
+                label_ + " client " + std::to_string(id));
+            Peer* raw = peer.get();
+            peers_.emplace(id, std::move(peer));
+            raw->stream.watch(*loop_, [this, raw] { on_peer(raw); });
+        }
+    }
+
+    void on_peer(Peer* peer) {
+        if (!peer->registered && peer->stream.zmtp().ready()) register_peer(*peer);
+        if (pub_) {
+            // What a subscriber sends is its subscriptions (ZMTP 3.0 form).
+            while (peer->stream.zmtp().has_message()) {
+                const zmtp::Message m = peer->stream.zmtp().pop();
+                if (m.frames.size() != 1 || m.frames[0].empty()) continue;
+                const std::string& f = m.frames[0];
+                if (f[0] == 1) {
+                    if (peer->subscriptions.size() < 1024) peer->subscriptions.push_back(f.substr(1));
+                } else if (f[0] == 0) {
+                    auto& subs = peer->subscriptions;
+                    for (auto it = subs.begin(); it != subs.end(); ++it) {
+                        if (*it == std::string_view(f).substr(1)) {
+                            subs.erase(it);
+                            break;
+                        }
+                    }
+                }
+            }
+        } else if (peer->stream.zmtp().has_message() && on_readable_) {
+            on_readable_();
+            if (closed_) return;  // the handler closed this socket: peer is in the graveyard
+        }
+        if (peer->stream.broken() && !peer->stream.zmtp().has_message()) drop(peer);
+    }
+
+    void register_peer(Peer& peer) {
+        peer.registered = true;
+        if (pub_) return;
+        std::string identity = peer.stream.zmtp().peer_identity();
+        if (identity.empty() || identity[0] == '\0') {
+            // libzmq's form for a peer without one: a zero byte, then four.
+            identity.assign(1, '\0');
+            const std::uint32_t n = next_identity_++;
+            for (int shift = 24; shift >= 0; shift -= 8) identity += static_cast<char>(n >> shift);
+        }
+        peer.identity = identity;
+        auto [it, inserted] = by_identity_.emplace(identity, &peer);
+        if (!inserted) {
+            // Handover: the newest connection with an identity takes it.
+            Peer* old = it->second;
+            it->second = &peer;
+            old->identity.clear();
+            old->stream.close();
+            retire(old);
+        }
+    }
+
+    // A peer that left (or was displaced): forgotten now. Safe from its own
+    // handler (the loop called a copy of it, and nothing here touches the
+    // peer after this).
+    void drop(Peer* peer) {
+        if (auto it = by_identity_.find(peer->identity);
+            it != by_identity_.end() && it->second == peer) {
+            by_identity_.erase(it);
+        }
+        peer->stream.close();
+        peers_.erase(peer->id);
+    }
+
+    // A displaced peer: closed now, freed later (this may run inside a
+    // handler of any peer).
+    void retire(Peer* peer) {
+        auto it = peers_.find(peer->id);
+        if (it == peers_.end()) return;
+        graveyard_.push_back(std::move(it->second));
+        peers_.erase(it);
+    }
+
+    UniqueFd listen_;
+    bool pub_, tcp_;
+    std::string unix_path_;
+    zmtp::Limits limits_;
+    std::string label_;
+    EventLoop* loop_ = nullptr;
+    std::optional<EventLoop::WatchId> listen_watch_;
+    EventLoop::Handler on_readable_;
+    std::map<std::uint64_t, std::unique_ptr<Peer>> peers_;
+    std::unordered_map<std::string, Peer*> by_identity_;
+    std::vector<std::unique_ptr<Peer>> graveyard_;
+    std::uint64_t next_peer_ = 1, next_turn_ = 0;
+    std::uint32_t next_identity_;
+    bool closed_ = false;
+};
+
+std::string errno_text(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// A listening socket on tcp ip:port (numeric ip, or * for every address);
+// nullopt if `ip` is not numeric.
+std::optional<std::pair<UniqueFd, int>> listen_tcp(const std::string& ip, int port) {
+    sockaddr_storage addr{};
+    socklen_t len = 0;
+    if (ip == "*" || ip == "0.0.0.0") {
+        auto* in = reinterpret_cast<sockaddr_in*>(&addr);
+        in->sin_family = AF_INET;
+        in->sin_addr.s_addr = htonl(INADDR_ANY);
+        in->sin_port = htons(static_cast<std::uint16_t>(port));
+        len = sizeof *in;
+    } else if (auto* in = reinterpret_cast<sockaddr_in*>(&addr);
+               ::inet_pton(AF_INET, ip.c_str(), &in->sin_addr) == 1) {
+        in->sin_family = AF_INET;
+        in->sin_port = htons(static_cast<std::uint16_t>(port));
+        len = sizeof *in;
+    } else if (auto* in6 = reinterpret_cast<sockaddr_in6*>(&addr);
+               ::inet_pton(AF_INET6, ip.c_str(), &in6->sin6_addr) == 1) {
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(static_cast<std::uint16_t>(port));
+        len = sizeof *in6;
+    } else {
+        return std::nullopt;
+    }
+    UniqueFd fd(::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!fd) throw std::runtime_error(errno_text("socket"));
+    const int one = 1;
+    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+        throw std::runtime_error(errno_text("bind tcp://" + ip + ":" + std::to_string(port)));
+    }
+    if (::listen(fd.get(), 128) != 0) throw std::runtime_error(errno_text("listen"));
+    len = sizeof addr;
+    ::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+    const int bound = addr.ss_family == AF_INET
+                          ? ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port)
+                          : ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+    return std::make_pair(std::move(fd), bound);
+}
+
+UniqueFd listen_unix(const std::string& path) {
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    if (path.size() >= sizeof addr.sun_path) {
+        throw std::runtime_error("ipc path too long: " + path);
+    }
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+    if (!fd) throw std::runtime_error(errno_text("socket"));
+    ::unlink(path.c_str());  // a stale socket of an earlier run, as libzmq does
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        throw std::runtime_error(errno_text("bind ipc://" + path));
+    }
+    if (::listen(fd.get(), 128) != 0) throw std::runtime_error(errno_text("listen"));
+    return fd;
+}
+
+BoundSocket bind_libzmq(zmq::context_t& context, bool pub, const ConnectionInfo& info,
+                        Channel channel, const ClientSocketOptions& options) {
+    zmq::socket_t s(context, pub ? zmq::socket_type::pub : zmq::socket_type::router);
+    s.set(zmq::sockopt::linger, options.linger_ms);
+    s.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options.max_frame_bytes));
+    if (!pub) s.set(zmq::sockopt::router_handover, 1);
+    int port = info.port(channel);
+    if (info.transport == "tcp" && port == 0) {
+        s.bind("tcp://" + info.ip + ":*");
+        const std::string endpoint = s.get(zmq::sockopt::last_endpoint);
+        port = std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+    } else {
+        s.bind(info.endpoint(channel));
+    }
+    return {make_zmq_relay_socket(std::move(s)), port};
+}
+
+}  // namespace
+
+BoundSocket bind_client_socket(zmq::context_t& context, bool pub, const ConnectionInfo& info,
+                               Channel channel, const ClientSocketOptions& options) {
+    if (options.transport == RelayTransport::libzmq) {
+        return bind_libzmq(context, pub, info, channel, options);
+    }
+    const zmtp::Limits limits{static_cast<std::size_t>(options.max_frame_bytes),
+                              options.max_frames};
+    if (info.transport == "ipc") {
+        const std::string path = info.ip + "-" + std::to_string(info.port(channel));
+        return {std::make_unique<ZmtpListener>(listen_unix(path), pub, false, path, limits,
+                                               options.label),
+                info.port(channel)};
+    }
+    auto listening = listen_tcp(info.ip, info.port(channel));
+    if (!listening) return bind_libzmq(context, pub, info, channel, options);
+    return {std::make_unique<ZmtpListener>(std::move(listening->first), pub, true, "", limits,
+                                           options.label),
+            listening->second};
+}
+
+}  // namespace cellblock

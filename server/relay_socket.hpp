@@ -1,0 +1,58 @@
+// A socket of the relay, on either side of a session: towards the kernel
+// (DEALER, SUB: kernel_socket.hpp) or towards clients (ROUTER, PUB:
+// client_socket.hpp), in one of two transports behind one interface:
+// - libzmq (RelayTransport::libzmq): every message crosses libzmq's I/O
+//   thread on its way to or from the server's thread;
+// - ZMTP in the server's own loop (RelayTransport::zmtp): stream sockets
+//   spoken by zmtp::Connection, read and written by the thread that relays,
+//   so a message costs no thread hand-off.
+// The peers (kernels, jupyter_client) are libzmq either way.
+#pragma once
+
+#include <poll.h>
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "event_loop.hpp"
+#include "multipart.hpp"
+
+namespace cellblock {
+
+enum class RelayTransport { libzmq, zmtp };
+// "libzmq" or "zmtp"; nullopt for anything else.
+std::optional<RelayTransport> parse_relay_transport(std::string_view name);
+const char* relay_transport_name(RelayTransport transport);
+
+class RelaySocket {
+  public:
+    virtual ~RelaySocket() = default;
+    // Sends one message without blocking; false: dropped (no such peer, the
+    // connection is gone, or the peer is not reading and its queue is full).
+    // A ROUTER's first frame names the peer; a PUB's first frame is the
+    // topic its subscribers' prefixes are matched against.
+    virtual bool send(std::vector<zmq::message_t>& frames) = 0;
+    // Receives one whole message if one waits (a ROUTER's begins with the
+    // sender's identity); frames past `max_frames` are not kept
+    // (out.dropped_frames counts them).
+    virtual bool receive(Multipart& out, std::size_t max_frames) = 0;
+    // What poll() should wait for while no loop watches it (the probe).
+    // Receive until nothing waits before waiting on it.
+    virtual pollfd poll_item() = 0;
+    // Calls `on_readable` on `loop`'s thread while a message waits.
+    virtual void watch(EventLoop& loop, EventLoop::Handler on_readable) = 0;
+    // Stops watching and closes; safe from inside its own handler. Sends
+    // and receives do nothing afterwards.
+    virtual void close() = 0;
+    virtual bool is_open() const = 0;
+};
+
+// A libzmq socket, already configured and connected or bound.
+std::unique_ptr<RelaySocket> make_zmq_relay_socket(zmq::socket_t socket);
+
+}  // namespace cellblock

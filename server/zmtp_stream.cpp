@@ -1,0 +1,165 @@
+#include "zmtp_stream.hpp"
+
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+namespace cellblock {
+
+namespace {
+
+// Frames past this size are handed to the relay without a copy: the
+// zmq::message_t owns the string the codec read the body into.
+constexpr std::size_t kAdoptBytes = 4096;
+// Whole messages decoded ahead of the relay: past this, reading pauses and
+// the peer's own queue (its high-water mark) takes the backlog.
+constexpr std::size_t kMaxInbox = 64;
+
+zmq::message_t adopt(std::string&& bytes) {
+    if (bytes.size() < kAdoptBytes) return zmq::message_t(bytes.data(), bytes.size());
+    auto* owned = new std::string(std::move(bytes));
+    return zmq::message_t(
+        owned->data(), owned->size(),
+        [](void*, void* hint) { delete static_cast<std::string*>(hint); }, owned);
+}
+
+}  // namespace
+
+ZmtpStream::ZmtpStream(UniqueFd fd, zmtp::Connection connection, std::string label)
+    : fd_(std::move(fd)), zmtp_(std::move(connection)), label_(std::move(label)) {
+    flush();  // the greeting
+}
+
+bool ZmtpStream::send(const std::vector<std::string_view>& frames, std::size_t max_backlog) {
+    if (!fd_ || broken_) return false;
+    if (zmtp_.output().size() > max_backlog) return false;
+    zmtp_.send(frames);
+    flush();
+    return true;
+}
+
+bool ZmtpStream::send(const std::vector<zmq::message_t>& frames, std::size_t max_backlog) {
+    std::vector<std::string_view> views;
+    views.reserve(frames.size());
+    for (const auto& f : frames) views.emplace_back(static_cast<const char*>(f.data()), f.size());
+    return send(views, max_backlog);
+}
+
+bool ZmtpStream::receive(Multipart& out, std::size_t max_frames, const std::string* prefix) {
+    if (!fd_) return false;
+    if (!zmtp_.has_message()) pump();
+    if (!zmtp_.has_message()) return false;
+    zmtp::Message m = zmtp_.pop();
+    out.frames.clear();
+    out.dropped_frames = 0;
+    out.total_bytes = m.total_bytes;
+    if (prefix) {
+        out.frames.push_back(zmq::message_t(prefix->data(), prefix->size()));
+        out.total_bytes += prefix->size();
+    }
+    for (auto& frame : m.frames) {
+        if (out.frames.size() < max_frames) {
+            out.frames.push_back(adopt(std::move(frame)));
+        } else {
+            ++out.dropped_frames;
+        }
+    }
+    return true;
+}
+
+pollfd ZmtpStream::poll_item() const {
+    const short events = static_cast<short>((broken_ ? 0 : POLLIN) |
+                                            (!broken_ && !zmtp_.output().empty() ? POLLOUT : 0));
+    return {fd_.get(), events, 0};
+}
+
+void ZmtpStream::watch(EventLoop& loop, EventLoop::Handler on_ready) {
+    loop_ = &loop;
+    watch_ = loop.watch_fd(
+        fd_.get(),
+        [this, on_ready = std::move(on_ready)] {
+            pump();
+            on_ready();
+        },
+        [this] { return fd_ && zmtp_.has_message(); });
+    if (!zmtp_.output().empty()) set_writable(true);
+}
+
+void ZmtpStream::stop_watching() {
+    if (loop_ && watch_) loop_->unwatch(*watch_);
+    watch_.reset();
+    writable_ = false;
+}
+
+void ZmtpStream::close() {
+    stop_watching();
+    fd_.reset();
+}
+
+void ZmtpStream::set_writable(bool writable) {
+    if (writable == writable_ || !loop_ || !watch_) return;
+    loop_->want_writable(*watch_, writable);
+    writable_ = writable;
+}
+
+void ZmtpStream::broke(const std::string& why) {
+    if (broken_) return;
+    broken_ = true;
+    // A kernel that exits, or a client that leaves, closes its sockets: not
+    // worth more than a debug line.
+    spdlog::debug("{}: connection ended: {}", label_, why);
+    set_writable(false);
+}
+
+void ZmtpStream::flush() {
+    while (fd_ && !broken_ && !zmtp_.output().empty()) {
+        const auto out = zmtp_.output();
+        const ssize_t n = ::send(fd_.get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            zmtp_.consumed(static_cast<std::size_t>(n));
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            set_writable(true);
+            return;
+        }
+        broke(std::string("send: ") + std::strerror(errno));
+        return;
+    }
+    set_writable(false);
+}
+
+void ZmtpStream::pump() {
+    flush();
+    for (int reads = 0; fd_ && !broken_ && reads < 16 && zmtp_.queued_messages() < kMaxInbox;
+         ++reads) {
+        const auto span = zmtp_.read_buffer();
+        if (span.size == 0) break;
+        const ssize_t n = ::recv(fd_.get(), span.data, span.size, MSG_DONTWAIT);
+        if (n > 0) {
+            const auto skipped = zmtp_.skipped_messages();
+            if (!zmtp_.commit(static_cast<std::size_t>(n))) {
+                spdlog::warn("{}: {}; closing the connection", label_, zmtp_.error());
+                broke(zmtp_.error());
+                break;
+            }
+            if (zmtp_.skipped_messages() != skipped) {
+                spdlog::warn("{}: dropped a message over the frame limits", label_);
+            }
+            // A short read took all there was: no need to hear EAGAIN.
+            if (static_cast<std::size_t>(n) < span.size) break;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        broke(n == 0 ? std::string("end of file") : std::string("recv: ") + std::strerror(errno));
+    }
+    // A handshake step (READY) may have queued output while reading.
+    if (!zmtp_.output().empty()) flush();
+}
+
+}  // namespace cellblock

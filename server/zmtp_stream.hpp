@@ -1,0 +1,71 @@
+// One ZMTP connection on a stream socket, read and written by the thread
+// that holds it, without blocking: the I/O half of the relay's ZMTP
+// transport (the protocol is zmtp::Connection's). The kernel's connections
+// (kernel_socket.cpp) and each client's (client_socket.cpp) are one each.
+#pragma once
+
+#include <poll.h>
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <zmq.hpp>
+
+#include "cellblock/unique_fd.hpp"
+#include "cellblock/zmtp.hpp"
+#include "event_loop.hpp"
+#include "multipart.hpp"
+
+namespace cellblock {
+
+class ZmtpStream {
+  public:
+    // Writes the greeting at once.
+    ZmtpStream(UniqueFd fd, zmtp::Connection connection, std::string label);
+    ~ZmtpStream() { close(); }
+    ZmtpStream(const ZmtpStream&) = delete;
+    ZmtpStream& operator=(const ZmtpStream&) = delete;
+
+    // Queues one message and writes what the socket takes; false: dropped
+    // (the connection is gone, or more than `max_backlog` bytes wait).
+    bool send(const std::vector<std::string_view>& frames, std::size_t max_backlog);
+    bool send(const std::vector<zmq::message_t>& frames, std::size_t max_backlog);
+    // Moves one decoded message into `out` (reading first if none is
+    // decoded), with `prefix` (a ROUTER's sender identity) as its first frame
+    // if given.
+    bool receive(Multipart& out, std::size_t max_frames,
+                 const std::string* prefix = nullptr);
+    // Writes what is queued and reads what has arrived, without blocking.
+    void pump();
+
+    pollfd poll_item() const;
+    // Calls `on_ready` on `loop` after each pump the fd caused, and while
+    // decoded messages wait; flushes on writability by itself.
+    void watch(EventLoop& loop, EventLoop::Handler on_ready);
+    void stop_watching();
+    void close();
+
+    bool is_open() const { return static_cast<bool>(fd_); }
+    // The peer left or broke the protocol: nothing more is read or written.
+    bool broken() const { return broken_; }
+    zmtp::Connection& zmtp() { return zmtp_; }
+    const std::string& label() const { return label_; }
+
+  private:
+    void flush();
+    void set_writable(bool writable);
+    void broke(const std::string& why);
+
+    UniqueFd fd_;
+    zmtp::Connection zmtp_;
+    std::string label_;
+    bool broken_ = false;
+    EventLoop* loop_ = nullptr;
+    std::optional<EventLoop::WatchId> watch_;
+    bool writable_ = false;
+};
+
+}  // namespace cellblock
