@@ -6,7 +6,9 @@ jupyter_client_vectors.json), in the wire target's input format, plus
 hand-made edge cases. connection_file: the connection files jupyter_client
 wrote, plus edge cases. limits and image: the documented examples, the repo's
 image.json files, plus edge cases. http_head: proxy requests as curl and
-Python send them, plus edge cases.
+Python send them, plus edge cases. zmtp: a ZMTP 3.0 peer's bytes (handshakes
+and traffic as libzmq ROUTER, PUB and XPUB sockets send them, long and oversize
+frames, broken handshakes) in fuzz_zmtp's input format.
 
     /usr/bin/python3 tests/fuzz/make_seed_corpus.py [TARGET...]
 
@@ -283,8 +285,140 @@ def http_head_seeds():
     return seeds
 
 
+# fuzz_zmtp's input (fuzz_zmtp.cpp): a 5-byte header (flags, u16, byte, the
+# number of op bytes), the peer's bytes, then the ops that cut them into reads.
+ZMTP_SUB, ZMTP_ROUTER, ZMTP_PUB, ZMTP_IDENTITY = 0x01, 0x10, 0x11, 0x08
+ZMTP_SMALL, ZMTP_MEDIUM, ZMTP_LARGE, ZMTP_HUGE = 0 << 1, 1 << 1, 2 << 1, 3 << 1
+ZMTP_COMMIT = 0x80  # an op's bit 7: read_buffer()/commit() rather than feed()
+
+
+def zmtp_greeting(major=3, minor=0, mechanism=b"NULL"):
+    return b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([major, minor]) + mechanism.ljust(20, b"\x00") + \
+        b"\x00" * 32
+
+
+def zmtp_frame(flags, body, force_long=False):
+    if len(body) > 255 or force_long:
+        return bytes([flags | 0x02]) + struct.pack(">Q", len(body)) + body
+    return bytes([flags, len(body)]) + body
+
+
+def zmtp_command(name, data=b""):
+    return zmtp_frame(0x04, bytes([len(name)]) + name + data)
+
+
+def zmtp_ready(*props):
+    return zmtp_command(b"READY", b"".join(bytes([len(k)]) + k + struct.pack(">I", len(v)) + v
+                                          for k, v in props))
+
+
+def zmtp_message(*frames):
+    return b"".join(zmtp_frame(0x01 if i + 1 < len(frames) else 0x00, f)
+                    for i, f in enumerate(frames))
+
+
+def zmtp_reads(n, commit=False):
+    """Ops that read exactly n peer bytes."""
+    ops = b""
+    while n > 0:
+        if n >= 512:
+            k = min(n // 512, 30)
+            ops += bytes([(95 + k) | (ZMTP_COMMIT if commit else 0)])
+            n -= k * 512
+        else:
+            k = min(n, 96)
+            ops += bytes([(k - 1) | (ZMTP_COMMIT if commit else 0)])
+            n -= k
+    return ops
+
+
+def zmtp_zeros(count, commit=True):
+    """An op feeding 2 * count + 1 zero bytes that are not in the input."""
+    return bytes([127 | (ZMTP_COMMIT if commit else 0)]) + struct.pack("<H", count)
+
+
+def zmtp_input(peer, flags=0, u16=0, byte3=0, ops=b""):
+    assert len(ops) < 256
+    return bytes([flags]) + struct.pack("<H", u16) + bytes([byte3, len(ops)]) + peer + ops
+
+
+def zmtp_seeds():
+    router = zmtp_greeting() + zmtp_ready((b"Socket-Type", b"ROUTER"), (b"Identity", b""))
+    pub = zmtp_greeting(3, 1) + zmtp_ready((b"Socket-Type", b"PUB"))
+    xpub = zmtp_greeting(3, 1) + zmtp_ready((b"Socket-Type", b"XPUB"))
+    traffic = (zmtp_message(b"hello") + zmtp_message(b"a", b"", b"ccc") + zmtp_message(b"") +
+               zmtp_message(b"L" * 300) + zmtp_frame(0x00, b"short, long form", True) +
+               zmtp_command(b"PING", b"\x00\x00") + zmtp_message(b"after ping"))
+    seeds = {
+        "router-whole": zmtp_input(router + traffic, ZMTP_HUGE | ZMTP_IDENTITY),
+        "router-small-limits": zmtp_input(router + traffic, ZMTP_SMALL, 100, 3),
+        "pub": zmtp_input(pub + zmtp_message(b"topic", b"{}"), ZMTP_SUB | ZMTP_HUGE),
+        "xpub": zmtp_input(xpub + zmtp_message(b"kernel.iopub", b"x" * 1000), ZMTP_SUB | ZMTP_LARGE,
+                           0, 5),
+        "oversize-then-small": zmtp_input(
+            router + zmtp_message(b"y" * 200) + zmtp_message(b"a", b"y" * 200, b"b") +
+            zmtp_message(b"small"), ZMTP_SMALL, 100, 7),
+        "too-many-frames": zmtp_input(
+            router + zmtp_message(b"1", b"2", b"3", b"4") + zmtp_message(b"1", b"2", b"3"),
+            ZMTP_SMALL, 1000, 3),
+        "too-many-frames-then-more": zmtp_input(
+            router + zmtp_message(b"a", b"bb", b"ccc", b"", b"e") + zmtp_message(b"next"),
+            ZMTP_SMALL, 1000, 1),
+        "zero-max-frames": zmtp_input(router + zmtp_message(b"x"), ZMTP_SMALL, 1000, 0),
+        # Our ROUTER and PUB, towards clients: a DEALER that names itself, a SUB
+        # that subscribes and cancels.
+        "router-from-dealer": zmtp_input(
+            zmtp_greeting(3, 1) + zmtp_ready((b"Socket-Type", b"DEALER"), (b"Identity", b"client-1")) +
+            zmtp_message(b"", b"request"), ZMTP_ROUTER | ZMTP_HUGE),
+        "router-long-identity": zmtp_input(
+            zmtp_greeting() + zmtp_ready((b"Socket-Type", b"DEALER"), (b"Identity", b"i" * 256)),
+            ZMTP_ROUTER | ZMTP_HUGE),
+        "pub-from-sub": zmtp_input(
+            zmtp_greeting(3, 1) + zmtp_ready((b"Socket-Type", b"SUB")) + zmtp_message(b"\x01") +
+            zmtp_message(b"\x01topic") + zmtp_message(b"\x00topic"), ZMTP_PUB | ZMTP_MEDIUM, 4096, 2),
+    }
+    # Byte-wise and in odd pieces, both ways of reading.
+    chunks = zmtp_reads(1) + zmtp_reads(7, True) + zmtp_reads(63) + zmtp_reads(2, True) + \
+        zmtp_reads(90) + zmtp_reads(1, True)
+    seeds["router-pieces"] = zmtp_input(router + traffic, ZMTP_HUGE | ZMTP_IDENTITY,
+                                        ops=chunks)
+    # Frames over 64 KiB (read into their own storage), their bodies zeros the
+    # target adds: one of 65801 bytes (kept), one of 120001 (over the medium
+    # limits' cap of 66036, skipped; kept under the large ones), then a small message.
+    head = router + zmtp_frame(0x01, b"head")
+    big = bytes([0x03]) + struct.pack(">Q", 2 * 32900 + 1)  # MORE, LONG, 65801 bytes
+    bigger = bytes([0x02]) + struct.pack(">Q", 2 * 60000 + 1)  # LONG, 120001 bytes
+    peer = head + big + zmtp_frame(0x00, b"tail") + bigger + zmtp_message(b"next")
+    ops = (zmtp_reads(len(head) + len(big), True) + zmtp_zeros(32900) +
+           zmtp_reads(len(zmtp_frame(0x00, b"tail")) + len(bigger)) + zmtp_zeros(60000, False) +
+           zmtp_reads(30, True))
+    seeds["long-frames-kept-and-skipped"] = zmtp_input(peer, ZMTP_MEDIUM | ZMTP_IDENTITY,
+                                                       66036 - 65536, 0x80 | 3, ops)
+    seeds["long-frame-in-large-limits"] = zmtp_input(peer, ZMTP_LARGE, 20000, 5, ops)
+    seeds["huge-frame-header"] = zmtp_input(router + bytes([0x02]) + struct.pack(">Q", 60 << 20) +
+                                            b"partial body", ZMTP_HUGE)
+    # The handshake failing, one way each (under the largest limits).
+    def zmtp_fails(peer, flags=0):
+        return zmtp_input(peer, flags | ZMTP_HUGE)
+
+    bad_signature = bytearray(zmtp_greeting())
+    bad_signature[9] = 0x7e
+    seeds["bad-signature"] = zmtp_fails(bytes(bad_signature) + router[64:])
+    seeds["zmtp-2"] = zmtp_fails(zmtp_greeting(1, 0) + b"\x00\x00")
+    seeds["mechanism-plain"] = zmtp_fails(zmtp_greeting(3, 0, b"PLAIN"))
+    seeds["ready-without-socket-type"] = zmtp_fails(
+        zmtp_greeting() + zmtp_ready((b"Identity", b"x")))
+    seeds["sub-to-router"] = zmtp_fails(router, ZMTP_SUB)
+    seeds["error-command"] = zmtp_fails(zmtp_greeting() + zmtp_command(b"ERROR", b"\x04nope"))
+    seeds["reserved-flags"] = zmtp_fails(router + b"\x08\x01x" + zmtp_message(b"never"))
+    seeds["message-before-ready"] = zmtp_fails(zmtp_greeting() + zmtp_message(b"early"))
+    seeds["command-with-more"] = zmtp_fails(zmtp_greeting() + b"\x05" +
+                                            zmtp_ready((b"Socket-Type", b"ROUTER"))[1:])
+    return seeds
+
+
 TARGETS = {"wire": wire_seeds, "connection_file": connection_seeds, "limits": limits_seeds,
-           "image": image_seeds, "http_head": http_head_seeds}
+           "image": image_seeds, "http_head": http_head_seeds, "zmtp": zmtp_seeds}
 
 
 def main():
