@@ -1,9 +1,13 @@
 #include "event_loop.hpp"
 
+#include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
+#include <string>
 #include <thread>
 
 #include "cellblock/unique_fd.hpp"
@@ -164,6 +168,159 @@ TEST(EventLoop, ADeadlineThatSaysNowFromItsOwnClockRuns) {
                       [&](EventLoop::Clock::time_point) { ran = true; });
     loop.run_once(std::chrono::milliseconds(0));
     EXPECT_TRUE(ran);
+}
+
+// A source that buffers in user space (a ZMTP connection holding decoded
+// messages) is handled again on the following turns while pending() says
+// so, though its fd has nothing more to read, and without waiting.
+TEST(EventLoop, AWatchedFdIsHandledAgainWhilePendingSaysSo) {
+    int fds[2];
+    ASSERT_EQ(::pipe2(fds, O_NONBLOCK), 0);
+    UniqueFd read_end(fds[0]), write_end(fds[1]);
+    EventLoop loop;
+    int calls = 0, left = 0, bytes_read = 0;
+    loop.watch_fd(
+        read_end.get(),
+        [&] {
+            char c;
+            while (::read(read_end.get(), &c, 1) == 1) ++bytes_read;
+            ++calls;
+            if (left > 0) --left;
+        },
+        [&] { return left > 0; });
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 0) << "neither readable nor pending";
+
+    left = 3;  // three "messages" buffered once the byte is read
+    ASSERT_EQ(::write(write_end.get(), "x", 1), 1);
+    const auto start = EventLoop::Clock::now();
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 1) << "once per turn";
+    EXPECT_EQ(bytes_read, 1);
+    // The fd is no longer readable: only pending() brings the handler back,
+    // and a turn with a pending handler does not wait.
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 2);
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 3);
+    EXPECT_LT(EventLoop::Clock::now() - start, std::chrono::milliseconds(900))
+        << "a turn waited although the handler was pending";
+    ASSERT_EQ(left, 0);
+    // pending() now says false: no more calls.
+    loop.run_once(std::chrono::milliseconds(20));
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 3);
+    EXPECT_EQ(bytes_read, 1);
+    // Readability still calls it.
+    ASSERT_EQ(::write(write_end.get(), "y", 1), 1);
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 4);
+    EXPECT_EQ(bytes_read, 2);
+}
+
+// A watch whose source has messages buffered already when it is registered
+// (a probe's connection, handed over) is handled on the first turn.
+TEST(EventLoop, PendingAtRegistrationIsHandledOnTheFirstTurn) {
+    int fds[2];
+    ASSERT_EQ(::pipe2(fds, O_NONBLOCK), 0);
+    UniqueFd read_end(fds[0]), write_end(fds[1]);
+    EventLoop loop;
+    int calls = 0;
+    bool pending = true;
+    loop.watch_fd(
+        read_end.get(),
+        [&] {
+            ++calls;
+            pending = false;
+        },
+        [&] { return pending; });
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 1);
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 1);
+}
+
+TEST(EventLoop, PendingFalseAtRegistrationDoesNotCallTheHandler) {
+    int fds[2];
+    ASSERT_EQ(::pipe2(fds, O_NONBLOCK), 0);
+    UniqueFd read_end(fds[0]), write_end(fds[1]);
+    EventLoop loop;
+    int calls = 0;
+    loop.watch_fd(
+        read_end.get(), [&] { ++calls; }, [] { return false; });
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 0);
+}
+
+// want_writable: the handler also runs while the fd is writable (a
+// transport with bytes left to write), and no longer once asked not to;
+// readability keeps calling it either way.
+TEST(EventLoop, WantWritableCallsTheHandlerWhileTheFdIsWritable) {
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
+    UniqueFd ours(sv[0]), theirs(sv[1]);
+    EventLoop loop;
+    int calls = 0;
+    const auto id = loop.watch_fd(ours.get(), [&] {
+        char buf[16];
+        while (::read(ours.get(), buf, sizeof buf) > 0) {
+        }
+        ++calls;
+    });
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 0) << "writable, but nobody asked for writability";
+
+    loop.want_writable(id, true);
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 1);
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 2) << "still writable: called again";
+
+    loop.want_writable(id, false);
+    loop.run_once(std::chrono::milliseconds(20));
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 2);
+
+    // Readability is still watched after want_writable(false).
+    ASSERT_EQ(::write(theirs.get(), "x", 1), 1);
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 3);
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 3);
+
+    // And asking twice is harmless; an unknown id is ignored.
+    loop.want_writable(id, true);
+    loop.want_writable(id, true);
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 4);
+    loop.want_writable(id, false);
+    loop.want_writable(id + 1000, true);
+    loop.run_once(std::chrono::milliseconds(0));
+    EXPECT_EQ(calls, 4);
+}
+
+// A full socket is not writable: asking for writability does not call the
+// handler until the peer reads.
+TEST(EventLoop, WantWritableWaitsForRoomInAFullSocket) {
+    int sv[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
+    UniqueFd ours(sv[0]), theirs(sv[1]);
+    std::string chunk(65536, 'z');
+    while (::write(ours.get(), chunk.data(), chunk.size()) > 0) {
+    }
+    ASSERT_TRUE(errno == EAGAIN || errno == EWOULDBLOCK);
+    EventLoop loop;
+    int calls = 0;
+    const auto id = loop.watch_fd(ours.get(), [&] { ++calls; });
+    loop.want_writable(id, true);
+    loop.run_once(std::chrono::milliseconds(20));
+    EXPECT_EQ(calls, 0) << "the socket is full";
+    // Drain the other end: room again.
+    std::string sink(1 << 20, '\0');
+    while (::read(theirs.get(), sink.data(), sink.size()) > 0) {
+    }
+    loop.run_once(std::chrono::milliseconds(1000));
+    EXPECT_EQ(calls, 1);
 }
 
 }  // namespace
