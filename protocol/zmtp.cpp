@@ -16,6 +16,8 @@ constexpr unsigned char kMore = 0x01, kLong = 0x02, kCommand = 0x04;
 // of a session): 16 KiB holds a whole ordinary Jupyter message.
 constexpr std::size_t kStageBytes = 16 << 10;
 constexpr std::size_t kStagedFrameBytes = 4 << 10;
+// A large frame's storage at first; it doubles as bytes arrive.
+constexpr std::size_t kEagerBodyBytes = 1 << 20;
 // READY, ERROR and anything else a peer says outside messages.
 constexpr std::size_t kMaxCommandBytes = kStageBytes - 16;
 
@@ -88,7 +90,10 @@ bool Connection::fail(std::string why) {
 
 Connection::Span Connection::read_buffer() {
     if (state_ == State::failed) return {nullptr, 0};
-    if (in_body_ && !body_skip_) return {body_.data() + body_have_, body_size_ - body_have_};
+    if (in_body_ && !body_skip_) {
+        if (body_have_ == body_.size()) body_.resize(std::min(body_size_, 2 * body_.size()));
+        return {body_.data() + body_have_, body_.size() - body_have_};
+    }
     if (in_pos_ == in_end_) {
         in_pos_ = in_end_ = 0;
     } else if (in_pos_ > 0 && in_.size() - in_end_ < kStagedFrameBytes + 16) {
@@ -108,10 +113,7 @@ bool Connection::commit(std::size_t n) {
         partial_.total_bytes += body_.size();
         partial_.frames.push_back(std::move(body_));
         body_.clear();
-        if (!body_more_) {
-            inbox_.push_back(std::move(partial_));
-            partial_ = {};
-        }
+        if (!body_more_) finish_message();
         return parse();
     }
     in_end_ += n;
@@ -133,6 +135,7 @@ bool Connection::feed(std::string_view bytes) {
 Message Connection::pop() {
     Message m = std::move(inbox_.front());
     inbox_.pop_front();
+    inbox_bytes_ -= m.total_bytes;
     return m;
 }
 
@@ -200,17 +203,13 @@ bool Connection::parse() {
     if (state_ == State::greeting && !parse_greeting()) return false;
     if (state_ == State::greeting) return true;
     while (state_ != State::failed) {
-        if (in_body_) {  // skipping a frame over the cap
+        if (in_body_) {  // skipping a frame (over a cap, or past max_frames)
             const std::size_t take = std::min(in_end_ - in_pos_, body_size_ - body_have_);
             in_pos_ += take;
             body_have_ += take;
             if (body_have_ < body_size_) return true;
             in_body_ = false;
-            if (!body_more_) {
-                ++skipped_;
-                partial_ = {};
-                partial_skip_ = false;
-            }
+            if (!body_more_) finish_message();
             continue;
         }
         const std::size_t avail = in_end_ - in_pos_;
@@ -232,24 +231,26 @@ bool Connection::parse() {
         }
         if (state_ != State::ready) return fail("message before the handshake ended");
         const bool more = flags & kMore;
-        if (partial_.frames.size() >= limits_.max_frames) {
+        // Frames past max_frames are read past and counted: the message is
+        // still delivered, so its receiver can say why it refuses it.
+        const bool drop_frame = !partial_skip_ && partial_.frames.size() >= limits_.max_frames;
+        if (drop_frame) ++partial_.dropped_frames;
+        if (!drop_frame && (size > limits_.max_frame_bytes ||
+                            partial_.total_bytes + size > limits_.max_message_bytes)) {
             partial_skip_ = true;
             partial_.frames.clear();
         }
-        if (size > limits_.max_frame_bytes) {
-            partial_skip_ = true;
-            partial_.frames.clear();
-        }
-        if (partial_skip_ || size > kStagedFrameBytes) {
+        if (partial_skip_ || drop_frame || size > kStagedFrameBytes) {
             // Read straight into the frame's own storage, or past it.
             in_pos_ += header;
             in_body_ = true;
-            body_skip_ = partial_skip_;
+            body_skip_ = partial_skip_ || drop_frame;
             body_more_ = more;
             body_size_ = size;
             const std::size_t take = std::min<std::size_t>(in_end_ - in_pos_, size);
             if (!body_skip_) {
-                body_.resize(size);
+                body_.resize(
+                    std::max<std::size_t>(take, std::min<std::size_t>(size, kEagerBodyBytes)));
                 std::memcpy(body_.data(), in_.data() + in_pos_, take);
             }
             body_have_ = take;
@@ -266,12 +267,20 @@ bool Connection::parse() {
             partial_.total_bytes += size;
             in_pos_ += header + size;
         }
-        if (!more) {
-            inbox_.push_back(std::move(partial_));
-            partial_ = {};
-        }
+        if (!more) finish_message();
     }
     return false;
+}
+
+void Connection::finish_message() {
+    if (partial_skip_) {
+        ++skipped_;
+    } else {
+        inbox_bytes_ += partial_.total_bytes;
+        inbox_.push_back(std::move(partial_));
+    }
+    partial_ = {};
+    partial_skip_ = false;
 }
 
 void Connection::encode_frame(unsigned char flags, std::string_view body) {
@@ -279,7 +288,8 @@ void Connection::encode_frame(unsigned char flags, std::string_view body) {
     out_ += static_cast<char>(flags);
     if (flags & kLong) {
         const std::uint64_t size = body.size();
-        for (int shift = 56; shift >= 0; shift -= 8) out_ += static_cast<char>((size >> shift) & 0xff);
+        for (int shift = 56; shift >= 0; shift -= 8)
+            out_ += static_cast<char>((size >> shift) & 0xff);
     } else {
         out_ += static_cast<char>(body.size());
     }

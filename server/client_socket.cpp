@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <random>
@@ -28,12 +29,18 @@ namespace {
 // drops them for the other transport.
 constexpr std::size_t kMaxBacklogBytes = 64 << 20;
 // Connections one channel keeps at once; more are accepted and closed.
-constexpr std::size_t kMaxPeers = 1024;
+// Each may hold a partial message up to its caps, so this bounds what
+// processes on this host without the key can make the server hold.
+constexpr std::size_t kMaxPeers = 256;
+// A connection that has not finished its greeting and READY by then is
+// closed (libzmq's ZMQ_HANDSHAKE_IVL default), so idle connections cannot
+// hold the slots above.
+constexpr std::chrono::seconds kHandshakeTimeout{30};
 
 class ZmtpListener final : public RelaySocket {
   public:
-    ZmtpListener(UniqueFd listen_fd, bool pub, bool tcp, std::string unix_path,
-                 zmtp::Limits limits, std::string label)
+    ZmtpListener(UniqueFd listen_fd, bool pub, bool tcp, std::string unix_path, zmtp::Limits limits,
+                 std::string label)
         : listen_(std::move(listen_fd)),
           pub_(pub),
           tcp_(tcp),
@@ -47,7 +54,8 @@ class ZmtpListener final : public RelaySocket {
         if (closed_ || frames.empty()) return false;
         std::vector<std::string_view> views;
         views.reserve(frames.size());
-        for (const auto& f : frames) views.emplace_back(static_cast<const char*>(f.data()), f.size());
+        for (const auto& f : frames)
+            views.emplace_back(static_cast<const char*>(f.data()), f.size());
         if (!pub_) {
             auto it = by_identity_.find(std::string(views[0]));
             if (it == by_identity_.end()) return false;  // no such client (any more)
@@ -86,6 +94,20 @@ class ZmtpListener final : public RelaySocket {
         loop_ = &loop;
         on_readable_ = std::move(on_readable);
         listen_watch_ = loop.watch_fd(listen_.get(), [this] { accept_all(); });
+        // Asked every turn: costs nothing while every client is past its
+        // handshake (the usual case).
+        handshake_deadline_ = loop.add_deadline(
+            [this]() -> std::optional<EventLoop::Clock::time_point> {
+                if (handshaking_ == 0) return std::nullopt;
+                std::optional<EventLoop::Clock::time_point> first;
+                for (const auto& [id, peer] : peers_) {
+                    if (!peer->registered &&
+                        (!first || peer->accepted + kHandshakeTimeout < *first))
+                        first = peer->accepted + kHandshakeTimeout;
+                }
+                return first;
+            },
+            [this](EventLoop::Clock::time_point now) { drop_slow_handshakes(now); });
     }
 
     void close() override {
@@ -93,6 +115,9 @@ class ZmtpListener final : public RelaySocket {
         closed_ = true;
         if (loop_ && listen_watch_) loop_->unwatch(*listen_watch_);
         listen_watch_.reset();
+        if (loop_ && handshake_deadline_) loop_->remove_deadline(*handshake_deadline_);
+        handshake_deadline_.reset();
+        handshaking_ = 0;
         listen_.reset();
         if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
         // Possibly inside one of the peers' handlers: closed now, freed with
@@ -119,6 +144,7 @@ class ZmtpListener final : public RelaySocket {
         }
         std::uint64_t id;
         ZmtpStream stream;
+        EventLoop::Clock::time_point accepted = EventLoop::Clock::now();
         bool registered = false;
         bool dropping = false;
         std::string identity;
@@ -150,6 +176,7 @@ class ZmtpListener final : public RelaySocket {
                 label_ + " client " + std::to_string(id));
             Peer* raw = peer.get();
             peers_.emplace(id, std::move(peer));
+            ++handshaking_;
             raw->stream.watch(*loop_, [this, raw] { on_peer(raw); });
         }
     }
@@ -160,10 +187,11 @@ class ZmtpListener final : public RelaySocket {
             // What a subscriber sends is its subscriptions (ZMTP 3.0 form).
             while (peer->stream.zmtp().has_message()) {
                 const zmtp::Message m = peer->stream.zmtp().pop();
-                if (m.frames.size() != 1 || m.frames[0].empty()) continue;
+                if (m.frames.size() != 1 || m.dropped_frames > 0 || m.frames[0].empty()) continue;
                 const std::string& f = m.frames[0];
                 if (f[0] == 1) {
-                    if (peer->subscriptions.size() < 1024) peer->subscriptions.push_back(f.substr(1));
+                    if (peer->subscriptions.size() < 1024)
+                        peer->subscriptions.push_back(f.substr(1));
                 } else if (f[0] == 0) {
                     auto& subs = peer->subscriptions;
                     for (auto it = subs.begin(); it != subs.end(); ++it) {
@@ -183,6 +211,7 @@ class ZmtpListener final : public RelaySocket {
 
     void register_peer(Peer& peer) {
         peer.registered = true;
+        --handshaking_;
         if (pub_) return;
         std::string identity = peer.stream.zmtp().peer_identity();
         if (identity.empty() || identity[0] == '\0') {
@@ -198,30 +227,35 @@ class ZmtpListener final : public RelaySocket {
             Peer* old = it->second;
             it->second = &peer;
             old->identity.clear();
-            old->stream.close();
-            retire(old);
+            drop(old);
         }
     }
 
-    // A peer that left (or was displaced): forgotten now. Safe from its own
-    // handler (the loop called a copy of it, and nothing here touches the
-    // peer after this).
+    void drop_slow_handshakes(EventLoop::Clock::time_point now) {
+        std::vector<Peer*> slow;
+        for (const auto& [id, peer] : peers_) {
+            if (!peer->registered && now - peer->accepted >= kHandshakeTimeout)
+                slow.push_back(peer.get());
+        }
+        for (Peer* peer : slow) {
+            spdlog::warn("{}: client {} did not finish its ZMTP handshake in {} s; closing it",
+                         label_, peer->id, kHandshakeTimeout.count());
+            drop(peer);
+        }
+    }
+
+    // A peer that left, was displaced or was too slow: closed and freed now.
+    // Safe from its own handler (the loop called a copy of it, and nothing
+    // touches the peer after this) and from another's (its watch is gone, so
+    // the loop will not call it later in this turn).
     void drop(Peer* peer) {
         if (auto it = by_identity_.find(peer->identity);
             it != by_identity_.end() && it->second == peer) {
             by_identity_.erase(it);
         }
+        if (!peer->registered) --handshaking_;
         peer->stream.close();
         peers_.erase(peer->id);
-    }
-
-    // A displaced peer: closed now, freed later (this may run inside a
-    // handler of any peer).
-    void retire(Peer* peer) {
-        auto it = peers_.find(peer->id);
-        if (it == peers_.end()) return;
-        graveyard_.push_back(std::move(it->second));
-        peers_.erase(it);
     }
 
     UniqueFd listen_;
@@ -230,11 +264,12 @@ class ZmtpListener final : public RelaySocket {
     zmtp::Limits limits_;
     std::string label_;
     EventLoop* loop_ = nullptr;
-    std::optional<EventLoop::WatchId> listen_watch_;
+    std::optional<EventLoop::WatchId> listen_watch_, handshake_deadline_;
+    std::size_t handshaking_ = 0;  // accepted peers not yet registered
     EventLoop::Handler on_readable_;
     std::map<std::uint64_t, std::unique_ptr<Peer>> peers_;
     std::unordered_map<std::string, Peer*> by_identity_;
-    std::vector<std::unique_ptr<Peer>> graveyard_;
+    std::vector<std::unique_ptr<Peer>> graveyard_;  // closed by close(), freed with the listener
     std::uint64_t next_peer_ = 1, next_turn_ = 0;
     std::uint32_t next_identity_;
     bool closed_ = false;
@@ -323,8 +358,11 @@ BoundSocket bind_client_socket(zmq::context_t& context, bool pub, const Connecti
     if (options.transport == RelayTransport::libzmq) {
         return bind_libzmq(context, pub, info, channel, options);
     }
-    const zmtp::Limits limits{static_cast<std::size_t>(options.max_frame_bytes),
-                              options.max_frames};
+    // A PUB's clients send only subscriptions: short single frames.
+    const zmtp::Limits limits =
+        pub ? zmtp::Limits{4096, 1, 4096}
+            : zmtp::Limits{static_cast<std::size_t>(options.max_frame_bytes), options.max_frames,
+                           4 * static_cast<std::size_t>(options.max_frame_bytes)};
     if (info.transport == "ipc") {
         const std::string path = info.ip + "-" + std::to_string(info.port(channel));
         return {std::make_unique<ZmtpListener>(listen_unix(path), pub, false, path, limits,

@@ -133,8 +133,8 @@ int run_kernel_mode(const KernelModeOptions& options) {
         // One kernel per process: a zygote image's kernel boots here too
         // (docs/zygote.md, "Kernel mode").
         auto sandbox = RuncSandbox::start(session_id, image, limits.sandbox, settings);
-        auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60), 64 << 20,
-                                     nullptr, options.kernel_transport);
+        auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60), 64 << 20, nullptr,
+                                     options.kernel_transport);
         proxy->attach(std::move(sandbox), std::move(*channels));
     } catch (const std::exception& e) {
         spdlog::error("session {}: the sandbox did not start: {}", session_id, e.what());

@@ -221,7 +221,8 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
             {
                 // Every waiting message was read above (a ZMQ_FD signals only
                 // a change), so this waits for something new.
-                pollfd items[] = {ch->shell->poll_item(), ch->iopub->poll_item(),
+                pollfd items[] = {ch->shell->poll_item(),
+                                  ch->iopub->poll_item(),
                                   {sandbox.lifeline_fd(), POLLIN, 0}};
                 // At most 100 ms at a time, so an abandoned start is noticed soon.
                 const auto wait = std::min<Clock::duration>(

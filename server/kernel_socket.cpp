@@ -50,11 +50,9 @@ class ZmtpKernelSocket final : public RelaySocket {
 
 }  // namespace
 
-std::unique_ptr<RelaySocket> connect_zmtp_kernel_socket(const std::string& path,
-                                                         const std::string& socket_type,
-                                                         const std::string& identity,
-                                                         zmtp::Limits limits, std::string label,
-                                                         std::chrono::steady_clock::time_point deadline) {
+std::unique_ptr<RelaySocket> connect_zmtp_kernel_socket(
+    const std::string& path, const std::string& socket_type, const std::string& identity,
+    zmtp::Limits limits, std::string label, std::chrono::steady_clock::time_point deadline) {
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     if (path.size() >= sizeof addr.sun_path) {

@@ -15,10 +15,8 @@ namespace cellblock {
 // ("DEALER" or "SUB"; a SUB subscribes to everything). Retries a refused or
 // full listener until `deadline`; throws std::runtime_error naming why.
 // `label` names the connection in log lines ("session X kernel shell").
-std::unique_ptr<RelaySocket> connect_zmtp_kernel_socket(const std::string& path,
-                                                         const std::string& socket_type,
-                                                         const std::string& identity,
-                                                         zmtp::Limits limits, std::string label,
-                                                         std::chrono::steady_clock::time_point deadline);
+std::unique_ptr<RelaySocket> connect_zmtp_kernel_socket(
+    const std::string& path, const std::string& socket_type, const std::string& identity,
+    zmtp::Limits limits, std::string label, std::chrono::steady_clock::time_point deadline);
 
 }  // namespace cellblock

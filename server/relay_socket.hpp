@@ -33,7 +33,8 @@ class RelaySocket {
   public:
     virtual ~RelaySocket() = default;
     // Sends one message without blocking; false: dropped (no such peer, the
-    // connection is gone, or the peer is not reading and its queue is full).
+    // connection is gone, or the peer is not reading and its queue is full;
+    // libzmq's ROUTER drops a message to an unknown peer and still says true).
     // A ROUTER's first frame names the peer; a PUB's first frame is the
     // topic its subscribers' prefixes are matched against.
     virtual bool send(std::vector<zmq::message_t>& frames) = 0;

@@ -99,6 +99,17 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
             return;
         }
         case IopubKind::stream: {
+            if (governor_->truncated()) {
+                // Cut already: this message is dropped whatever it says, so
+                // only its text's size is read (a flood costs a scan per
+                // message, not a parse, and the relay keeps up with it).
+                const auto size = json_string_member_size(msg.frame(msg.layout.content()), "text",
+                                                          options_.max_json_depth);
+                if (size) {
+                    governor_->on_stream(*size);
+                    return;
+                }
+            }
             auto content = msg.parsed_content(options_.max_json_depth);
             if (!content || !(*content)["text"].is_string()) {
                 io_.rejected("kernel iopub", "", "stream without text");

@@ -51,6 +51,16 @@ struct InboundMessage {
     std::optional<nlohmann::json> parsed_content(std::size_t max_depth) const;
 };
 
+// The decoded size in bytes (UTF-8) of the string member `key` of the JSON
+// object `json`, found without building the document: what output shaping
+// needs of a stream message it will drop whole (a flood past its cap costs a
+// scan, not a parse). nullopt if `json` is not an object of this shape (no
+// such member, not a string, malformed, a lone surrogate escape): the caller
+// parses it then, and the parser says what is wrong. Nesting is bounded by
+// `max_depth`.
+std::optional<std::size_t> json_string_member_size(std::string_view json, std::string_view key,
+                                                   std::size_t max_depth = 64);
+
 struct ReceiveRules {
     const Signer* signer = nullptr;
     ReplayGuard* replay = nullptr;  // the client's channels: replays are refused

@@ -14,9 +14,13 @@ namespace {
 // Frames past this size are handed to the relay without a copy: the
 // zmq::message_t owns the string the codec read the body into.
 constexpr std::size_t kAdoptBytes = 4096;
-// Whole messages decoded ahead of the relay: past this, reading pauses and
-// the peer's own queue (its high-water mark) takes the backlog.
-constexpr std::size_t kMaxInbox = 64;
+// Whole messages decoded ahead of the relay: past either bound, reading
+// pauses and the peer's own queue (its high-water mark, in its own memory)
+// takes the backlog. libzmq's receive high-water mark is 1000 messages of
+// any size (up to 64 GiB here); this keeps bursts smooth and the server's
+// memory bounded.
+constexpr std::size_t kMaxInbox = 1000;
+constexpr std::size_t kMaxInboxBytes = 32 << 20;
 
 zmq::message_t adopt(std::string&& bytes) {
     if (bytes.size() < kAdoptBytes) return zmq::message_t(bytes.data(), bytes.size());
@@ -54,7 +58,7 @@ bool ZmtpStream::receive(Multipart& out, std::size_t max_frames, const std::stri
     if (!zmtp_.has_message()) return false;
     zmtp::Message m = zmtp_.pop();
     out.frames.clear();
-    out.dropped_frames = 0;
+    out.dropped_frames = m.dropped_frames;
     out.total_bytes = m.total_bytes;
     if (prefix) {
         out.frames.push_back(zmq::message_t(prefix->data(), prefix->size()));
@@ -135,7 +139,8 @@ void ZmtpStream::flush() {
 
 void ZmtpStream::pump() {
     flush();
-    for (int reads = 0; fd_ && !broken_ && reads < 16 && zmtp_.queued_messages() < kMaxInbox;
+    for (int reads = 0; fd_ && !broken_ && reads < 64 && zmtp_.queued_messages() < kMaxInbox &&
+                        zmtp_.queued_bytes() < kMaxInboxBytes;
          ++reads) {
         const auto span = zmtp_.read_buffer();
         if (span.size == 0) break;
@@ -150,8 +155,6 @@ void ZmtpStream::pump() {
             if (zmtp_.skipped_messages() != skipped) {
                 spdlog::warn("{}: dropped a message over the frame limits", label_);
             }
-            // A short read took all there was: no need to hear EAGAIN.
-            if (static_cast<std::size_t>(n) < span.size) break;
             continue;
         }
         if (n < 0 && errno == EINTR) continue;

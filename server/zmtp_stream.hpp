@@ -36,8 +36,7 @@ class ZmtpStream {
     // Moves one decoded message into `out` (reading first if none is
     // decoded), with `prefix` (a ROUTER's sender identity) as its first frame
     // if given.
-    bool receive(Multipart& out, std::size_t max_frames,
-                 const std::string* prefix = nullptr);
+    bool receive(Multipart& out, std::size_t max_frames, const std::string* prefix = nullptr);
     // Writes what is queued and reads what has arrived, without blocking.
     void pump();
 

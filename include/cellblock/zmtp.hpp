@@ -1,16 +1,18 @@
 // ZMTP 3.0 (rfc.zeromq.org/spec/23), one side of one connection with the
-// NULL mechanism (symmetric: either side may have connected), as a pure codec: bytes in, messages out, messages
-// in, bytes out. No sockets, no clock; server/zmtp_socket.cpp does the I/O.
+// NULL mechanism (symmetric: either side may have connected), as a pure codec: bytes in, messages
+// out, messages in, bytes out. No sockets, no clock; server/zmtp_socket.cpp does the I/O.
 //
 // It speaks what the server needs: towards a kernel's libzmq sockets, DEALER
 // (to a ROUTER) and SUB (to a PUB or XPUB); towards clients, ROUTER (to
 // DEALER, REQ, ROUTER) and PUB (to SUB, XSUB; a subscription arrives as a
 // message "\x01" + prefix, a cancel as "\x00" + prefix, ZMTP 3.0's form,
 // which libzmq uses with a 3.0 peer). The peer is a sandbox or any local
-// process, so every byte it sends is untrusted: the greeting and READY are checked field by
-// field, frame sizes are bounded, and a message with a frame over the cap or
-// more frames than the cap is skipped (its bytes read and discarded, the
-// stream stays in step) and counted, never held.
+// process, so every byte it sends is untrusted: the greeting and READY are
+// checked field by field; a message with a frame over the frame cap, or more
+// bytes than the message cap, is skipped (its bytes read and discarded, the
+// stream stays in step) and counted, never held; frames past the frame-count
+// cap are read past and counted in the message delivered
+// (Message::dropped_frames), so its receiver can say why it refuses it.
 #pragma once
 
 #include <cstddef>
@@ -25,11 +27,14 @@ namespace cellblock::zmtp {
 struct Limits {
     std::size_t max_frame_bytes = 64 << 20;
     std::size_t max_frames = 64;
+    // The frames of one message together.
+    std::size_t max_message_bytes = std::size_t{128} << 20;
 };
 
 struct Message {
     std::vector<std::string> frames;
-    std::size_t total_bytes = 0;
+    std::size_t total_bytes = 0;     // of the frames kept
+    std::size_t dropped_frames = 0;  // past Limits::max_frames, read and not kept
 };
 
 class Connection {
@@ -40,7 +45,9 @@ class Connection {
     Connection(std::string socket_type, std::string identity, Limits limits = {});
 
     // Where the next read should put bytes (at most `size` of them): inside
-    // a large frame's own storage, so its body is copied once.
+    // a large frame's own storage, so its body is copied once. That storage
+    // grows with the bytes that arrive (past 1 MiB, doubling), so a peer that
+    // announces a large frame and sends little makes the server hold little.
     struct Span {
         char* data;
         std::size_t size;
@@ -63,8 +70,9 @@ class Connection {
     // Whole messages received, oldest first.
     bool has_message() const { return !inbox_.empty(); }
     std::size_t queued_messages() const { return inbox_.size(); }
+    std::size_t queued_bytes() const { return inbox_bytes_; }
     Message pop();
-    // Messages skipped for a frame or frame count over the limits.
+    // Messages skipped for a frame or the message over the byte caps.
     std::uint64_t skipped_messages() const { return skipped_; }
 
     // Queues a message (sent once the handshake is done). For SUB, a
@@ -79,6 +87,7 @@ class Connection {
     bool fail(std::string why);
     bool parse();
     bool parse_greeting();
+    void finish_message();
     bool on_command(std::string_view body);
     void encode(const std::vector<std::string_view>& frames);
     void encode_frame(unsigned char flags, std::string_view body);
@@ -100,6 +109,7 @@ class Connection {
     Message partial_;
     bool partial_skip_ = false;
     std::deque<Message> inbox_;
+    std::size_t inbox_bytes_ = 0;
     std::uint64_t skipped_ = 0;
 
     std::string out_;

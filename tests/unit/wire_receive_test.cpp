@@ -97,5 +97,46 @@ TEST(WireReceive, AKernelMessageNeedsOnlyHeaderAndParent) {
     EXPECT_EQ(why, "frame 5 is not a JSON object");
 }
 
+// The scan agrees with the parser on every object it answers for, and
+// answers nullopt (so the caller parses) where the parser would refuse.
+TEST(JsonStringMemberSize, AgreesWithTheParser) {
+    const std::vector<std::string> objects = {
+        R"({"name": "stdout", "text": "hello\n"})",
+        R"({"text": "", "name": "stderr"})",
+        R"({"name":"stdout","text":"tab\there \"quoted\" back\\slash \/ \b\f\r"})",
+        R"({"text": "\u00e9\u4e2d\ud83d\ude00 and raw é中😀"})",
+        R"({"a": {"b": [1, 2.5e3, true, false, null, {"c": "}"}], "d": "\"text\""}, "text": "x"})",
+        R"(  { "text" : "spaced" }  )",
+        R"({"name": "stdout", "text": ")" + std::string(70000, 'y') + R"("})",
+    };
+    for (const auto& text : objects) {
+        const auto parsed = json::parse(text);
+        const auto size = json_string_member_size(text, "text");
+        ASSERT_TRUE(size.has_value()) << text.substr(0, 80);
+        EXPECT_EQ(*size, parsed["text"].get<std::string>().size()) << text.substr(0, 80);
+    }
+}
+
+TEST(JsonStringMemberSize, DeclinesWhatItCannotVouchFor) {
+    const std::vector<std::string> declined = {
+        R"({"name": "stdout"})",                         // no such member
+        R"({"text": 5})",                                // not a string
+        R"({"text": "a", "text": "bb"})",                // a duplicate
+        R"({"text": "\ud83d"})",                         // a lone high surrogate
+        R"({"text": "\ude00"})",                         // a lone low surrogate
+        R"({"text": "\q"})",                             // an unknown escape
+        "{\"text\": \"raw\ncontrol\"}",                  // a raw control character
+        R"({"text": "open)",                             // unterminated
+        R"({"text": "a"} trailing)",                     // bytes after the object
+        R"(["text", "a"])",                              // not an object
+        R"({"a": [[[[[[[[[[1]]]]]]]]]], "text": "x"})",  // deeper than allowed (depth 4)
+        R"({"\u0074ext": "escaped key"})",               // a key spelled with escapes
+        "",
+    };
+    for (const auto& text : declined) {
+        EXPECT_FALSE(json_string_member_size(text, "text", 4).has_value()) << text;
+    }
+}
+
 }  // namespace
 }  // namespace cellblock

@@ -369,7 +369,7 @@ TEST(ZmtpCodec, ByteAtATimeGivesWhatAllAtOnceGives) {
     script += message({"x", pattern(500 * 1024, 9)});  // a frame over the cap: skipped
     script += message({bigger});
     script += message({""});
-    script += message({"1", "2", "3", "4", "5"});  // too many frames: skipped
+    script += message({"1", "2", "3", "4", "5"});  // too many frames: the fifth is dropped
     script += message({"after"});
     const zmtp::Limits limits{400 * 1024, 4};
     for (const bool with_tail_error : {false, true}) {
@@ -394,13 +394,14 @@ TEST(ZmtpCodec, ByteAtATimeGivesWhatAllAtOnceGives) {
             }
         });
         EXPECT_EQ(whole.failed, with_tail_error) << whole.error;
-        EXPECT_EQ(whole.skipped, 2u);
+        EXPECT_EQ(whole.skipped, 1u);
         const std::vector<Frames> want = {{"a", "bb"},
                                           {pattern(300, 7)},
                                           {"head", big, "tail"},
                                           {std::string(2000, 'o')},
                                           {bigger},
                                           {""},
+                                          {"1", "2", "3", "4"},
                                           {"after"}};
         EXPECT_EQ(whole.messages, want);
         for (const Outcome* r : {&bytewise, &pieces}) {
@@ -469,17 +470,40 @@ TEST(ZmtpCodec, AnOversizeFrameIsSkippedAndTheNextMessageIsIntact) {
     }
 }
 
-TEST(ZmtpCodec, TooManyFramesIsSkippedAndTheNextMessageIsIntact) {
+// Frames past max_frames are read past and counted, and the message is
+// delivered with the ones kept, so the relay can refuse it with a reason
+// ("too many frames") instead of losing it without a word.
+TEST(ZmtpCodec, FramesPastTheCountCapAreDroppedAndCounted) {
     zmtp::Connection c("DEALER", "", zmtp::Limits{1024, 3});
     ASSERT_TRUE(c.feed(handshake()));
     std::string in;
     in += message({"1", "2", "3"});
     in += message({"1", "2", "3", "4"});
-    in += message({"", "", "", "", "", "", "", "", "", ""});
+    in += message({"", "", "", "", "", "", "", "", "", pattern(5000, 3)});
     in += message({"x", "y"});
     ASSERT_TRUE(c.feed(in)) << c.error();
-    EXPECT_EQ(c.skipped_messages(), 2u);
-    EXPECT_EQ(drain(c), (std::vector<Frames>{{"1", "2", "3"}, {"x", "y"}}));
+    EXPECT_EQ(c.skipped_messages(), 0u);
+    const std::vector<std::pair<Frames, std::size_t>> want = {
+        {{"1", "2", "3"}, 0}, {{"1", "2", "3"}, 1}, {{"", "", ""}, 7}, {{"x", "y"}, 0}};
+    for (const auto& [frames, dropped] : want) {
+        ASSERT_TRUE(c.has_message());
+        const zmtp::Message m = c.pop();
+        EXPECT_EQ(m.frames, frames);
+        EXPECT_EQ(m.dropped_frames, dropped);
+    }
+    EXPECT_FALSE(c.has_message());
+}
+
+TEST(ZmtpCodec, AMessageOverTheByteCapIsSkipped) {
+    zmtp::Connection c("DEALER", "", zmtp::Limits{1024, 8, 2048});
+    ASSERT_TRUE(c.feed(handshake()));
+    ASSERT_TRUE(c.feed(message({std::string(1000, 'a'), std::string(1000, 'b'), "c"}) +
+                       message({std::string(1024, 'd'), std::string(1024, 'e'), "f"}) +
+                       message({"after"})))
+        << c.error();
+    EXPECT_EQ(c.skipped_messages(), 1u);
+    EXPECT_EQ(drain(c), (std::vector<Frames>{{std::string(1000, 'a'), std::string(1000, 'b'), "c"},
+                                             {"after"}}));
 }
 
 TEST(ZmtpCodec, CommandsAfterTheHandshakeAreIgnoredButErrorFails) {
