@@ -154,15 +154,27 @@ std::map<std::string, std::string> ready_properties(std::string_view body) {
     return props;
 }
 
-std::vector<Frames> drain(zmtp::Connection& c) {
+// The messages waiting, oldest first; their counts of frames dropped past
+// max_frames go to `dropped` if given, else there must be none.
+std::vector<Frames> drain(zmtp::Connection& c, std::vector<std::size_t>* dropped = nullptr) {
     std::vector<Frames> out;
+    const std::size_t queued_bytes = c.queued_bytes();
+    std::size_t popped_bytes = 0;
     while (c.has_message()) {
         zmtp::Message m = c.pop();
         std::size_t sum = 0;
         for (const auto& f : m.frames) sum += f.size();
         EXPECT_EQ(m.total_bytes, sum);
+        popped_bytes += sum;
+        if (dropped) {
+            dropped->push_back(m.dropped_frames);
+        } else {
+            EXPECT_EQ(m.dropped_frames, 0u);
+        }
         out.push_back(std::move(m.frames));
     }
+    EXPECT_EQ(queued_bytes, popped_bytes) << "queued_bytes() before popping";
+    EXPECT_EQ(c.queued_bytes(), 0u);
     return out;
 }
 
@@ -338,6 +350,7 @@ TEST(ZmtpCodec, WhatWeSendIsEncodedShortLongAndWithMore) {
 
 struct Outcome {
     std::vector<Frames> messages;
+    std::vector<std::size_t> dropped;
     bool failed = false;
     std::string error;
     std::uint64_t skipped = 0;
@@ -350,7 +363,7 @@ Outcome run_script(const std::string& script, zmtp::Limits limits,
     c.send({"queued", "early"});
     feeder(c, script);
     Outcome r;
-    r.messages = drain(c);
+    r.messages = drain(c, &r.dropped);
     r.failed = c.failed();
     r.error = c.error();
     r.skipped = c.skipped_messages();
@@ -404,8 +417,10 @@ TEST(ZmtpCodec, ByteAtATimeGivesWhatAllAtOnceGives) {
                                           {"1", "2", "3", "4"},
                                           {"after"}};
         EXPECT_EQ(whole.messages, want);
+        EXPECT_EQ(whole.dropped, (std::vector<std::size_t>{0, 0, 0, 0, 0, 0, 1, 0}));
         for (const Outcome* r : {&bytewise, &pieces}) {
             EXPECT_EQ(r->messages, whole.messages);
+            EXPECT_EQ(r->dropped, whole.dropped);
             EXPECT_EQ(r->failed, whole.failed);
             EXPECT_EQ(r->error, whole.error);
             EXPECT_EQ(r->skipped, whole.skipped);
@@ -504,6 +519,42 @@ TEST(ZmtpCodec, AMessageOverTheByteCapIsSkipped) {
     EXPECT_EQ(c.skipped_messages(), 1u);
     EXPECT_EQ(drain(c), (std::vector<Frames>{{std::string(1000, 'a'), std::string(1000, 'b'), "c"},
                                              {"after"}}));
+}
+
+TEST(ZmtpCodec, TheByteCapCountsExactly) {
+    zmtp::Connection c("DEALER", "", zmtp::Limits{1000, 8, 2500});
+    ASSERT_TRUE(c.feed(handshake()));
+    std::string in;
+    in += message({std::string(1000, 'a'), std::string(1000, 'b'), std::string(500, 'c')});
+    in += message({std::string(1000, 'a'), std::string(1000, 'b'), std::string(501, 'c'), "d"});
+    in += message({"after"});
+    ASSERT_TRUE(commit_in_pieces(c, in, 300)) << c.error();
+    EXPECT_EQ(c.skipped_messages(), 1u);
+    EXPECT_EQ(drain(c), (std::vector<Frames>{
+                            {std::string(1000, 'a'), std::string(1000, 'b'), std::string(500, 'c')},
+                            {"after"}}));
+}
+
+TEST(ZmtpCodec, ALargeFramesStorageGrowsWithWhatArrives) {
+    // A peer that announces 60 MiB and sends little makes us hold little:
+    // the room offered is at most 1 MiB, or twice what has arrived.
+    zmtp::Connection c("DEALER", "");
+    ASSERT_TRUE(c.feed(handshake()));
+    const std::size_t size = 60u << 20;
+    ASSERT_TRUE(c.feed("\x02" + size_field(size, true) + "some"));
+    std::size_t have = 4;
+    const std::string chunk(256 << 10, 'z');
+    while (have < (5u << 20)) {  // far enough to see it double
+        const auto span = c.read_buffer();
+        ASSERT_GT(span.size, 0u);
+        ASSERT_LE(span.size + have, std::max<std::size_t>(1u << 20, 2 * have)) << "at " << have;
+        const std::size_t n = std::min(span.size, chunk.size());
+        std::memcpy(span.data, chunk.data(), n);
+        have += n;
+        ASSERT_TRUE(c.commit(n)) << c.error();
+    }
+    EXPECT_FALSE(c.has_message());
+    EXPECT_FALSE(c.failed());
 }
 
 TEST(ZmtpCodec, CommandsAfterTheHandshakeAreIgnoredButErrorFails) {
@@ -891,6 +942,18 @@ TEST_F(ZmtpLibzmq, OurFrameLimitSkipsTheRoutersOversizeMessage) {
     EXPECT_TRUE(got[0] == Frames{std::string(1 << 20, 'k')});
     EXPECT_EQ(got[1], Frames{"small"});
     EXPECT_FALSE(link.conn.failed());
+
+    // Ten frames to our cap of eight: the first eight arrive, two dropped.
+    ASSERT_TRUE(try_send(router, {"limited", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9"}));
+    ASSERT_TRUE(try_send(router, {"limited", "then"}));
+    got.clear();
+    std::vector<std::size_t> dropped;
+    ASSERT_TRUE(link.drive([&] {
+        for (auto& m : drain(link.conn, &dropped)) got.push_back(std::move(m));
+        return got.size() >= 2;
+    })) << link.why();
+    EXPECT_EQ(got, (std::vector<Frames>{{"0", "1", "2", "3", "4", "5", "6", "7"}, {"then"}}));
+    EXPECT_EQ(dropped, (std::vector<std::size_t>{2, 0}));
 }
 
 TEST_F(ZmtpLibzmq, SubReceivesWhatAPubPublishesUnderItsSubscription) {
