@@ -11,9 +11,9 @@
 //                         value up to 128 KiB (around the codec's staging
 //                         sizes, whatever they are), max_frames = 1 + byte 3 % 16
 //               2 large:  max_frame_bytes = 70000 + 4 * u16, max_frames = 1 + byte 3 % 64
-//               3 large caps: max_frame_bytes = 1 MiB + 16 * u16, max_frames = 64
-//                 (not Limits{}' 64 MiB: a claimed size is allocated when
-//                 its header arrives, and 64 MiB twice an input is slow)
+//               3 the defaults, Limits{}
+//             and, but for the defaults, max_message_bytes = max_frame_bytes *
+//             (1 + bits 4-6 of byte 3)
 //             bit 3: we announce an Identity
 //   bytes 1-2 u16 little-endian, byte 3: see the limits
 //   byte 4    how many bytes at the end of the input are ops (not peer bytes)
@@ -25,15 +25,16 @@
 // reference run feeds every byte on its own. Peer bytes left after the ops
 // are fed whole.
 //
-// Checks: no message has more frames than max_frames or a frame over
-// max_frame_bytes, or is empty, and its total_bytes is the sum of its frames;
-// failed() is sticky, with a non-empty error(), and after it nothing is
-// parsed; the skip count never goes down; ready() implies a compatible peer;
-// the output is our greeting, then our READY, then the message sent before the
-// handshake (once, only after ready); the same bytes fed one at a time give
-// the same messages, failure, error, skip count and output; and a model
-// parsing the whole stream at once (below) gives the same messages, skip
-// count, failure and readiness.
+// Checks: no message keeps more frames than max_frames (it drops frames only
+// once it has max_frames), a frame over max_frame_bytes or more bytes than
+// max_message_bytes, or is empty, and its total_bytes is the sum of its frames;
+// queued_bytes() is what the queued messages hold; failed() is sticky, with a
+// non-empty error(), and after it nothing is parsed; the skip count never goes
+// down; ready() implies a compatible peer; the output is our greeting, then our
+// READY, then the message sent before the handshake (once, only after ready);
+// the same bytes fed one at a time give the same messages, failure, error, skip
+// count and output; and a model parsing the whole stream at once (below) gives
+// the same messages, dropped frames, skip count, failure and readiness.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -70,9 +71,11 @@ Config config_of(const std::uint8_t* h) {
             c.limits = {70000 + 4 * u16, 1 + h[3] % 64u};
             break;
         default:
-            c.limits = {(1u << 20) + 16 * u16, 64};
-            break;
+            c.limits = {};
+            return c;
     }
+    // The message cap: 1 to 8 times the frame cap (bits 4-6 of byte 3).
+    c.limits.max_message_bytes = c.limits.max_frame_bytes * (1 + ((h[3] >> 4) & 7));
     return c;
 }
 
@@ -147,7 +150,7 @@ constexpr std::size_t kSureCommandBytes = 1024;
 struct Model {
     bool failed = false, ready = false, open = false;
     std::string peer_type;
-    std::vector<std::vector<std::string>> messages;
+    std::vector<zmtp::Message> messages;
     std::uint64_t skipped = 0;
 };
 
@@ -176,8 +179,8 @@ Model model(const Config& config, std::string_view in) {
         return m;
     }
     in.remove_prefix(64);
-    std::vector<std::string> partial;  // the message being read
-    bool oversize = false;             // ... has a frame over a cap
+    zmtp::Message partial;  // the message being read
+    bool oversize = false;  // ... has a frame over the frame cap or is over the message cap
     while (in.size() >= 2) {
         const unsigned flags = u(in[0]);
         if (flags & 0xf8) return m.failed = true, m;
@@ -217,11 +220,21 @@ Model model(const Config& config, std::string_view in) {
             continue;
         }
         if (!m.ready) return m.failed = true, m;
-        if (partial.size() >= config.limits.max_frames || size > config.limits.max_frame_bytes) {
+        // Frames past max_frames are dropped (counted, not kept, not
+        // weighed); a kept frame over the frame cap, or one taking the kept
+        // bytes over the message cap, skips the whole message.
+        const bool drop = !oversize && partial.frames.size() >= config.limits.max_frames;
+        if (!drop && (size > config.limits.max_frame_bytes ||
+                      partial.total_bytes + size > config.limits.max_message_bytes)) {
             oversize = true;
         }
         if (in.size() - header < size) break;
-        partial.emplace_back(in.substr(header, size));
+        if (drop) {
+            ++partial.dropped_frames;
+        } else {
+            partial.frames.emplace_back(in.substr(header, size));
+            partial.total_bytes += size;
+        }
         in.remove_prefix(header + size);
         if (!more) {
             if (oversize) {
@@ -229,7 +242,7 @@ Model model(const Config& config, std::string_view in) {
             } else {
                 m.messages.push_back(std::move(partial));
             }
-            partial.clear();
+            partial = {};
             oversize = false;
         }
     }
@@ -312,9 +325,14 @@ class Checked {
     }
 
     void drain() {
+        const std::size_t queued_bytes = conn_.queued_bytes();
+        std::size_t popped_bytes = 0;
         while (conn_.has_message()) {
             zmtp::Message m = conn_.pop();
-            FUZZ_CHECK(!m.frames.empty(), "a message without frames");
+            popped_bytes += m.total_bytes;
+            FUZZ_CHECK(!m.frames.empty() || m.dropped_frames > 0, "a message without frames");
+            FUZZ_CHECK(m.dropped_frames == 0 || m.frames.size() == config_.limits.max_frames,
+                       "%zu frames dropped with only %zu kept", m.dropped_frames, m.frames.size());
             FUZZ_CHECK(m.frames.size() <= config_.limits.max_frames,
                        "a message of %zu frames (max_frames %zu)", m.frames.size(),
                        config_.limits.max_frames);
@@ -327,8 +345,15 @@ class Checked {
             }
             FUZZ_CHECK(m.total_bytes == sum, "total_bytes %zu, frames hold %zu", m.total_bytes,
                        sum);
+            FUZZ_CHECK(sum <= config_.limits.max_message_bytes,
+                       "a message of %zu bytes (max_message_bytes %zu)", sum,
+                       config_.limits.max_message_bytes);
             messages_.push_back(std::move(m));
         }
+        FUZZ_CHECK(queued_bytes == popped_bytes, "queued_bytes() %zu, the messages hold %zu",
+                   queued_bytes, popped_bytes);
+        FUZZ_CHECK(conn_.queued_bytes() == 0, "queued_bytes() %zu with nothing queued",
+                   conn_.queued_bytes());
     }
 
     Config config_;
@@ -428,8 +453,9 @@ void fuzz(const std::uint8_t* data, std::size_t size) {
                "chunked gave %zu messages, byte at a time %zu", chunked_messages.size(),
                bytewise_messages.size());
     for (std::size_t i = 0; i < chunked_messages.size(); ++i) {
-        FUZZ_CHECK(chunked_messages[i].frames == bytewise_messages[i].frames, "message %zu differs",
-                   i);
+        FUZZ_CHECK(chunked_messages[i].frames == bytewise_messages[i].frames &&
+                       chunked_messages[i].dropped_frames == bytewise_messages[i].dropped_frames,
+                   "message %zu differs", i);
     }
 
     const Model want = model(config, stream);
@@ -439,7 +465,8 @@ void fuzz(const std::uint8_t* data, std::size_t size) {
                    "%zu messages, the model says at least %zu", chunked_messages.size(),
                    want.messages.size());
         for (std::size_t i = 0; i < want.messages.size(); ++i) {
-            FUZZ_CHECK(chunked_messages[i].frames == want.messages[i],
+            FUZZ_CHECK(chunked_messages[i].frames == want.messages[i].frames &&
+                           chunked_messages[i].dropped_frames == want.messages[i].dropped_frames,
                        "message %zu differs from the model's", i);
         }
         FUZZ_CHECK(a.skipped_messages() >= want.skipped, "skipped %llu, the model at least %llu",
@@ -459,7 +486,8 @@ void fuzz(const std::uint8_t* data, std::size_t size) {
     FUZZ_CHECK(chunked_messages.size() == want.messages.size(), "%zu messages, the model says %zu",
                chunked_messages.size(), want.messages.size());
     for (std::size_t i = 0; i < chunked_messages.size(); ++i) {
-        FUZZ_CHECK(chunked_messages[i].frames == want.messages[i],
+        FUZZ_CHECK(chunked_messages[i].frames == want.messages[i].frames &&
+                       chunked_messages[i].dropped_frames == want.messages[i].dropped_frames,
                    "message %zu differs from the model's", i);
     }
 }

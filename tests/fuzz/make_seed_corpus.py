@@ -288,13 +288,13 @@ def http_head_seeds():
 # fuzz_zmtp's input (fuzz_zmtp.cpp): a 5-byte header (flags, u16, byte, the
 # number of op bytes), the peer's bytes, then the ops that cut them into reads.
 ZMTP_SUB, ZMTP_ROUTER, ZMTP_PUB, ZMTP_IDENTITY = 0x01, 0x10, 0x11, 0x08
-ZMTP_SMALL, ZMTP_MEDIUM, ZMTP_LARGE, ZMTP_HUGE = 0 << 1, 1 << 1, 2 << 1, 3 << 1
+ZMTP_SMALL, ZMTP_MEDIUM, ZMTP_LARGE, ZMTP_DEFAULTS = 0 << 1, 1 << 1, 2 << 1, 3 << 1
 ZMTP_COMMIT = 0x80  # an op's bit 7: read_buffer()/commit() rather than feed()
 
 
 def zmtp_greeting(major=3, minor=0, mechanism=b"NULL"):
-    return b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([major, minor]) + mechanism.ljust(20, b"\x00") + \
-        b"\x00" * 32
+    return (b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([major, minor]) +
+            mechanism.ljust(20, b"\x00") + b"\x00" * 32)
 
 
 def zmtp_frame(flags, body, force_long=False):
@@ -350,9 +350,9 @@ def zmtp_seeds():
                zmtp_message(b"L" * 300) + zmtp_frame(0x00, b"short, long form", True) +
                zmtp_command(b"PING", b"\x00\x00") + zmtp_message(b"after ping"))
     seeds = {
-        "router-whole": zmtp_input(router + traffic, ZMTP_HUGE | ZMTP_IDENTITY),
+        "router-whole": zmtp_input(router + traffic, ZMTP_DEFAULTS | ZMTP_IDENTITY),
         "router-small-limits": zmtp_input(router + traffic, ZMTP_SMALL, 100, 3),
-        "pub": zmtp_input(pub + zmtp_message(b"topic", b"{}"), ZMTP_SUB | ZMTP_HUGE),
+        "pub": zmtp_input(pub + zmtp_message(b"topic", b"{}"), ZMTP_SUB | ZMTP_DEFAULTS),
         "xpub": zmtp_input(xpub + zmtp_message(b"kernel.iopub", b"x" * 1000), ZMTP_SUB | ZMTP_LARGE,
                            0, 5),
         "oversize-then-small": zmtp_input(
@@ -361,6 +361,11 @@ def zmtp_seeds():
         "too-many-frames": zmtp_input(
             router + zmtp_message(b"1", b"2", b"3", b"4") + zmtp_message(b"1", b"2", b"3"),
             ZMTP_SMALL, 1000, 3),
+        # Byte 3: max_frames 3, and a message cap of twice the frame cap.
+        "message-over-byte-cap": zmtp_input(
+            router + zmtp_message(b"a" * 100, b"b" * 100, b"c") +
+            zmtp_message(b"a" * 100, b"b" * 100) + zmtp_message(b"after"),
+            ZMTP_SMALL, 100, 3 | 1 << 4),
         "too-many-frames-then-more": zmtp_input(
             router + zmtp_message(b"a", b"bb", b"ccc", b"", b"e") + zmtp_message(b"next"),
             ZMTP_SMALL, 1000, 1),
@@ -368,19 +373,21 @@ def zmtp_seeds():
         # Our ROUTER and PUB, towards clients: a DEALER that names itself, a SUB
         # that subscribes and cancels.
         "router-from-dealer": zmtp_input(
-            zmtp_greeting(3, 1) + zmtp_ready((b"Socket-Type", b"DEALER"), (b"Identity", b"client-1")) +
-            zmtp_message(b"", b"request"), ZMTP_ROUTER | ZMTP_HUGE),
+            zmtp_greeting(3, 1) +
+            zmtp_ready((b"Socket-Type", b"DEALER"), (b"Identity", b"client-1")) +
+            zmtp_message(b"", b"request"), ZMTP_ROUTER | ZMTP_DEFAULTS),
         "router-long-identity": zmtp_input(
             zmtp_greeting() + zmtp_ready((b"Socket-Type", b"DEALER"), (b"Identity", b"i" * 256)),
-            ZMTP_ROUTER | ZMTP_HUGE),
+            ZMTP_ROUTER | ZMTP_DEFAULTS),
         "pub-from-sub": zmtp_input(
             zmtp_greeting(3, 1) + zmtp_ready((b"Socket-Type", b"SUB")) + zmtp_message(b"\x01") +
-            zmtp_message(b"\x01topic") + zmtp_message(b"\x00topic"), ZMTP_PUB | ZMTP_MEDIUM, 4096, 2),
+            zmtp_message(b"\x01topic") + zmtp_message(b"\x00topic"),
+            ZMTP_PUB | ZMTP_MEDIUM, 4096, 2),
     }
     # Byte-wise and in odd pieces, both ways of reading.
     chunks = zmtp_reads(1) + zmtp_reads(7, True) + zmtp_reads(63) + zmtp_reads(2, True) + \
         zmtp_reads(90) + zmtp_reads(1, True)
-    seeds["router-pieces"] = zmtp_input(router + traffic, ZMTP_HUGE | ZMTP_IDENTITY,
+    seeds["router-pieces"] = zmtp_input(router + traffic, ZMTP_DEFAULTS | ZMTP_IDENTITY,
                                         ops=chunks)
     # Frames over 64 KiB (read into their own storage), their bodies zeros the
     # target adds: one of 65801 bytes (kept), one of 120001 (over the medium
@@ -396,10 +403,10 @@ def zmtp_seeds():
                                                        66036 - 65536, 0x80 | 3, ops)
     seeds["long-frame-in-large-limits"] = zmtp_input(peer, ZMTP_LARGE, 20000, 5, ops)
     seeds["huge-frame-header"] = zmtp_input(router + bytes([0x02]) + struct.pack(">Q", 60 << 20) +
-                                            b"partial body", ZMTP_HUGE)
-    # The handshake failing, one way each (under the largest limits).
+                                            b"partial body", ZMTP_DEFAULTS)
+    # The handshake failing, one way each (under the default limits).
     def zmtp_fails(peer, flags=0):
-        return zmtp_input(peer, flags | ZMTP_HUGE)
+        return zmtp_input(peer, flags | ZMTP_DEFAULTS)
 
     bad_signature = bytearray(zmtp_greeting())
     bad_signature[9] = 0x7e
