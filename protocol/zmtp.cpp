@@ -235,9 +235,12 @@ bool Connection::parse() {
         // still delivered, so its receiver can say why it refuses it.
         const bool drop_frame = !partial_skip_ && partial_.frames.size() >= limits_.max_frames;
         if (drop_frame) ++partial_.dropped_frames;
-        if (!drop_frame && (size > limits_.max_frame_bytes ||
-                            partial_.total_bytes + size > limits_.max_message_bytes)) {
+        if (!drop_frame && !partial_skip_ &&
+            (size > limits_.max_frame_bytes ||
+             partial_.total_bytes + size > limits_.max_message_bytes)) {
             partial_skip_ = true;
+            skip_reason_ =
+                size > limits_.max_frame_bytes ? "frame too large" : "message too large";
             partial_.frames.clear();
         }
         if (partial_skip_ || drop_frame || size > kStagedFrameBytes) {

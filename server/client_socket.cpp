@@ -147,6 +147,7 @@ class ZmtpListener final : public RelaySocket {
         EventLoop::Clock::time_point accepted = EventLoop::Clock::now();
         bool registered = false;
         bool dropping = false;
+        bool cut_off = false;
         std::string identity;
         std::vector<std::string> subscriptions;  // PUB: one entry per SUBSCRIBE
     };
@@ -177,11 +178,27 @@ class ZmtpListener final : public RelaySocket {
             Peer* raw = peer.get();
             peers_.emplace(id, std::move(peer));
             ++handshaking_;
+            raw->stream.on_skipped([this, raw](const char* why) {
+                if (std::string_view(why) == "frame too large") {
+                    // As libzmq does past ZMQ_MAXMSGSIZE: the client is cut off.
+                    spdlog::warn("{}: client {} sent a frame over {} bytes; closing its connection",
+                                 label_, identity_text(raw->identity), limits_.max_frame_bytes);
+                    raw->cut_off = true;
+                } else {
+                    // Read past and dropped whole: the server held none of it.
+                    spdlog::warn("{}: rejected message from {}: {}", label_,
+                                 identity_text(raw->identity), why);
+                }
+            });
             raw->stream.watch(*loop_, [this, raw] { on_peer(raw); });
         }
     }
 
     void on_peer(Peer* peer) {
+        if (peer->cut_off) {
+            drop(peer);  // nothing it sent is relayed any more
+            return;
+        }
         if (!peer->registered && peer->stream.zmtp().ready()) register_peer(*peer);
         if (pub_) {
             // What a subscriber sends is its subscriptions (ZMTP 3.0 form).
@@ -206,7 +223,10 @@ class ZmtpListener final : public RelaySocket {
             on_readable_();
             if (closed_) return;  // the handler closed this socket: peer is in the graveyard
         }
-        if (peer->stream.broken() && !peer->stream.zmtp().has_message()) drop(peer);
+        if (peer->cut_off ||
+            (peer->stream.broken() && !peer->stream.zmtp().has_message())) {
+            drop(peer);
+        }
     }
 
     void register_peer(Peer& peer) {

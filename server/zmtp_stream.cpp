@@ -153,7 +153,12 @@ void ZmtpStream::pump() {
                 break;
             }
             if (zmtp_.skipped_messages() != skipped) {
-                spdlog::warn("{}: dropped a message over the frame limits", label_);
+                if (on_skipped_) {
+                    on_skipped_(zmtp_.last_skip_reason());
+                } else {
+                    spdlog::warn("{}: dropped a message over the frame limits ({})", label_,
+                                 zmtp_.last_skip_reason());
+                }
             }
             continue;
         }

@@ -7,6 +7,7 @@
 #include <poll.h>
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -46,6 +47,11 @@ class ZmtpStream {
     void watch(EventLoop& loop, EventLoop::Handler on_ready);
     void stop_watching();
     void close();
+    // Called with the codec's reason when a message over its caps was read
+    // past and dropped (default: one warning line naming the connection).
+    void on_skipped(std::function<void(const char* why)> handler) {
+        on_skipped_ = std::move(handler);
+    }
 
     bool is_open() const { return static_cast<bool>(fd_); }
     // The peer left or broke the protocol: nothing more is read or written.
@@ -65,6 +71,7 @@ class ZmtpStream {
     EventLoop* loop_ = nullptr;
     std::optional<EventLoop::WatchId> watch_;
     bool writable_ = false;
+    std::function<void(const char*)> on_skipped_;
 };
 
 }  // namespace cellblock

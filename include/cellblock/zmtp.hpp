@@ -74,6 +74,8 @@ class Connection {
     Message pop();
     // Messages skipped for a frame or the message over the byte caps.
     std::uint64_t skipped_messages() const { return skipped_; }
+    // Why the last one was: "frame too large" or "message too large".
+    const char* last_skip_reason() const { return skip_reason_; }
 
     // Queues a message (sent once the handshake is done). For SUB, a
     // subscription is the message "\x01" + prefix (ZMTP 3.0).
@@ -108,6 +110,7 @@ class Connection {
     // The message being assembled.
     Message partial_;
     bool partial_skip_ = false;
+    const char* skip_reason_ = "";
     std::deque<Message> inbox_;
     std::size_t inbox_bytes_ = 0;
     std::uint64_t skipped_ = 0;

@@ -573,26 +573,49 @@ TEST_P(ClientRouterZmtp, SendToAnUnknownIdentityReturnsFalse) {
     })) << "sends to a disconnected client still succeed";
 }
 
-TEST_P(ClientRouterZmtp, AFrameOverTheCapIsDroppedWholeAndTheNextMessageArrives) {
+// A frame over the cap cuts the client off, as libzmq does past
+// ZMQ_MAXMSGSIZE (the server never holds the frame); a client that
+// reconnects is served again. A frame exactly at the cap passes.
+TEST_P(ClientRouterZmtp, AFrameOverTheCapCutsTheClientOff) {
+    ClientSocketOptions options;
+    options.max_frame_bytes = 64 << 10;
+    Listener& router = bind(false, options);
+    {
+        auto mallory = client(zmq::socket_type::dealer, router.endpoint, "mallory");
+        client_send(mallory, {"exact", std::string(64 << 10, 'e')});
+        auto got = await(router);
+        ASSERT_TRUE(got);
+        ASSERT_EQ(got->size(), 3u) << show(*got);
+        EXPECT_EQ((*got)[1], "exact") << show(*got);
+        client_send(mallory, {"over", std::string((64 << 10) + 1, 'o'), "x"});
+        client_send(mallory, {"never"});
+        settle(std::chrono::milliseconds(300));
+        // Cut off: nothing it sent after the frame reached the relay (libzmq
+        // may reconnect it later; that new connection starts clean).
+        EXPECT_TRUE(router.received.empty()) << show(router.received.front());
+    }
+    auto alice = client(zmq::socket_type::dealer, router.endpoint, "alice");
+    client_send(alice, {"after"});
+    auto got = await(router);
+    ASSERT_TRUE(got);
+    EXPECT_EQ(*got, (Frames{"alice", "after"})) << show(*got);
+}
+
+// Frames each under the cap that add up past the message cap (4 frame caps)
+// are read past without being held: the message is refused, and the
+// client's connection and next message are fine.
+TEST_P(ClientRouterZmtp, AMessageOverTheByteCapIsDroppedAndTheClientStays) {
     ClientSocketOptions options;
     options.max_frame_bytes = 64 << 10;
     Listener& router = bind(false, options);
     auto alice = client(zmq::socket_type::dealer, router.endpoint, "alice");
-    client_send(alice, {"over", std::string((64 << 10) + 1, 'o'), "x"});
-    client_send(alice, {"way-over", "y", pattern(1 << 20, 3)});
-    client_send(alice, {"exact", std::string(64 << 10, 'e')});
+    std::vector<std::string> big(6, std::string(60 << 10, 'b'));
+    big.insert(big.begin(), "big");
+    client_send(alice, big);
     client_send(alice, {"after"});
     auto got = await(router);
     ASSERT_TRUE(got);
-    ASSERT_EQ(got->size(), 3u) << show(*got);
-    EXPECT_EQ((*got)[1], "exact") << show(*got);
-    EXPECT_EQ((*got)[2].size(), std::size_t{64 << 10});
-    got = await(router);
-    ASSERT_TRUE(got);
     EXPECT_EQ(*got, (Frames{"alice", "after"})) << show(*got);
-    settle(std::chrono::milliseconds(50));
-    EXPECT_TRUE(router.received.empty()) << show(router.received.front());
-    // The client's connection stayed up.
     ASSERT_TRUE(router.send({"alice", "still here"}));
     auto reply = await(alice);
     ASSERT_TRUE(reply);
