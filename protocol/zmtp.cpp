@@ -239,8 +239,7 @@ bool Connection::parse() {
             (size > limits_.max_frame_bytes ||
              partial_.total_bytes + size > limits_.max_message_bytes)) {
             partial_skip_ = true;
-            skip_reason_ =
-                size > limits_.max_frame_bytes ? "frame too large" : "message too large";
+            skip_reason_ = size > limits_.max_frame_bytes ? "frame too large" : "message too large";
             partial_.frames.clear();
         }
         if (partial_skip_ || drop_frame || size > kStagedFrameBytes) {

@@ -223,8 +223,7 @@ class ZmtpListener final : public RelaySocket {
             on_readable_();
             if (closed_) return;  // the handler closed this socket: peer is in the graveyard
         }
-        if (peer->cut_off ||
-            (peer->stream.broken() && !peer->stream.zmtp().has_message())) {
+        if (peer->cut_off || (peer->stream.broken() && !peer->stream.zmtp().has_message())) {
             drop(peer);
         }
     }
