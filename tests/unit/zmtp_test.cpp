@@ -475,6 +475,7 @@ TEST(ZmtpCodec, AnOversizeFrameIsSkippedAndTheNextMessageIsIntact) {
         in += message({"after"});
         ASSERT_TRUE(commit_in_pieces(c, in, 4096)) << c.error();
         EXPECT_EQ(c.skipped_messages(), 2u);
+        EXPECT_STREQ(c.last_skip_reason(), "frame too large");
         EXPECT_EQ(drain(c), (std::vector<Frames>{{std::string(limit, 'x')}, {"after"}}));
         EXPECT_FALSE(c.failed());
         // And fed whole.
@@ -530,9 +531,29 @@ TEST(ZmtpCodec, TheByteCapCountsExactly) {
     in += message({"after"});
     ASSERT_TRUE(commit_in_pieces(c, in, 300)) << c.error();
     EXPECT_EQ(c.skipped_messages(), 1u);
+    EXPECT_STREQ(c.last_skip_reason(), "message too large");
     EXPECT_EQ(drain(c), (std::vector<Frames>{
                             {std::string(1000, 'a'), std::string(1000, 'b'), std::string(500, 'c')},
                             {"after"}}));
+}
+
+// Known bug, disabled until the codec is fixed (run it with
+// --gtest_also_run_disabled_tests): last_skip_reason() is set when a skip
+// starts, not when the skipped message is counted, so after one read that
+// ends a message skipped for its frame and starts one skipped for its bytes,
+// skipped_messages() counts the first and last_skip_reason() names the
+// second. server/zmtp_stream.cpp reads the reason when the count moves, so a
+// client's frame over the cap (which cuts it off) passes as "message too
+// large" (which does not) when a message over the byte cap follows at once.
+TEST(ZmtpCodec, DISABLED_TheSkipReasonIsThatOfTheMessageCounted) {
+    zmtp::Connection c("DEALER", "", zmtp::Limits{100, 8, 150});
+    ASSERT_TRUE(c.feed(handshake()));
+    const std::string a = message({std::string(200, 'a')});  // a frame over 100
+    const std::string b = raw_frame(0x01, std::string(100, 'b')) +
+                          raw_frame(0x01, std::string(100, 'b'));  // 200 bytes, not ended
+    ASSERT_TRUE(c.feed(a + b));
+    EXPECT_EQ(c.skipped_messages(), 1u);
+    EXPECT_STREQ(c.last_skip_reason(), "frame too large");
 }
 
 TEST(ZmtpCodec, ALargeFramesStorageGrowsWithWhatArrives) {
