@@ -277,6 +277,8 @@ bool Connection::parse() {
 void Connection::finish_message() {
     if (partial_skip_) {
         ++skipped_;
+        if (std::string_view(skip_reason_) == "frame too large") ++skipped_frame_size_;
+        last_skip_reason_ = skip_reason_;
     } else {
         inbox_bytes_ += partial_.total_bytes;
         inbox_.push_back(std::move(partial_));

@@ -147,17 +147,23 @@ void ZmtpStream::pump() {
         const ssize_t n = ::recv(fd_.get(), span.data, span.size, MSG_DONTWAIT);
         if (n > 0) {
             const auto skipped = zmtp_.skipped_messages();
+            const auto for_frames = zmtp_.skipped_for_frame_size();
             if (!zmtp_.commit(static_cast<std::size_t>(n))) {
                 spdlog::warn("{}: {}; closing the connection", label_, zmtp_.error());
                 broke(zmtp_.error());
                 break;
             }
-            if (zmtp_.skipped_messages() != skipped) {
+            // Each kind of skip this read counted, reported once.
+            const auto frames_now = zmtp_.skipped_for_frame_size() - for_frames;
+            const auto messages_now = zmtp_.skipped_messages() - skipped - frames_now;
+            for (const auto& [count, why] : {std::pair{frames_now, "frame too large"},
+                                             std::pair{messages_now, "message too large"}}) {
+                if (count == 0) continue;
                 if (on_skipped_) {
-                    on_skipped_(zmtp_.last_skip_reason());
+                    on_skipped_(why);
                 } else {
-                    spdlog::warn("{}: dropped a message over the frame limits ({})", label_,
-                                 zmtp_.last_skip_reason());
+                    spdlog::warn("{}: dropped a message over the frame limits ({}; {} this read)",
+                                 label_, why, count);
                 }
             }
             continue;

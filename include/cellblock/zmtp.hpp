@@ -74,8 +74,11 @@ class Connection {
     Message pop();
     // Messages skipped for a frame or the message over the byte caps.
     std::uint64_t skipped_messages() const { return skipped_; }
-    // Why the last one was: "frame too large" or "message too large".
-    const char* last_skip_reason() const { return skip_reason_; }
+    // Of those, for a frame over the frame cap ("frame too large"); the rest
+    // were for the message over the byte cap ("message too large").
+    std::uint64_t skipped_for_frame_size() const { return skipped_frame_size_; }
+    // Why the last one counted was skipped.
+    const char* last_skip_reason() const { return last_skip_reason_; }
 
     // Queues a message (sent once the handshake is done). For SUB, a
     // subscription is the message "\x01" + prefix (ZMTP 3.0).
@@ -104,13 +107,15 @@ class Connection {
     std::size_t in_pos_ = 0, in_end_ = 0;
     // A frame whose body is read straight into `body_` (or skipped).
     bool in_body_ = false;
-    bool body_command_ = false, body_more_ = false, body_skip_ = false;
+    bool body_more_ = false, body_skip_ = false;
     std::string body_;
     std::size_t body_have_ = 0, body_size_ = 0;
     // The message being assembled.
     Message partial_;
     bool partial_skip_ = false;
-    const char* skip_reason_ = "";
+    const char* skip_reason_ = "";  // of the message being skipped
+    const char* last_skip_reason_ = "";
+    std::uint64_t skipped_frame_size_ = 0;
     std::deque<Message> inbox_;
     std::size_t inbox_bytes_ = 0;
     std::uint64_t skipped_ = 0;

@@ -537,15 +537,13 @@ TEST(ZmtpCodec, TheByteCapCountsExactly) {
                             {"after"}}));
 }
 
-// Known bug, disabled until the codec is fixed (run it with
-// --gtest_also_run_disabled_tests): last_skip_reason() is set when a skip
-// starts, not when the skipped message is counted, so after one read that
-// ends a message skipped for its frame and starts one skipped for its bytes,
-// skipped_messages() counts the first and last_skip_reason() names the
-// second. server/zmtp_stream.cpp reads the reason when the count moves, so a
-// client's frame over the cap (which cuts it off) passes as "message too
-// large" (which does not) when a message over the byte cap follows at once.
-TEST(ZmtpCodec, DISABLED_TheSkipReasonIsThatOfTheMessageCounted) {
+// The reason is that of the message counted, not of one still being
+// skipped: after one read that ends a message skipped for its frame and
+// starts one skipped for its bytes, the frame is what is reported (a client's
+// frame over the cap cuts it off; it must not pass as "message too large"
+// because a message over the byte cap follows at once). Found by this test
+// while it was disabled; fixed with skipped_for_frame_size().
+TEST(ZmtpCodec, TheSkipReasonIsThatOfTheMessageCounted) {
     zmtp::Connection c("DEALER", "", zmtp::Limits{100, 8, 150});
     ASSERT_TRUE(c.feed(handshake()));
     const std::string a = message({std::string(200, 'a')});  // a frame over 100
@@ -553,7 +551,12 @@ TEST(ZmtpCodec, DISABLED_TheSkipReasonIsThatOfTheMessageCounted) {
                           raw_frame(0x01, std::string(100, 'b'));  // 200 bytes, not ended
     ASSERT_TRUE(c.feed(a + b));
     EXPECT_EQ(c.skipped_messages(), 1u);
+    EXPECT_EQ(c.skipped_for_frame_size(), 1u);
     EXPECT_STREQ(c.last_skip_reason(), "frame too large");
+    ASSERT_TRUE(c.feed(raw_frame(0x00, "end") + message({"after"})));
+    EXPECT_EQ(c.skipped_messages(), 2u);
+    EXPECT_EQ(c.skipped_for_frame_size(), 1u);
+    EXPECT_STREQ(c.last_skip_reason(), "message too large");
 }
 
 TEST(ZmtpCodec, ALargeFramesStorageGrowsWithWhatArrives) {
