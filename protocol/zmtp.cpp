@@ -146,8 +146,9 @@ bool Connection::parse_greeting() {
         return fail("not a ZMTP peer (bad greeting signature)");
     }
     if (static_cast<unsigned char>(g[10]) < 3) {
-        return fail("peer speaks ZMTP " + std::to_string(static_cast<unsigned char>(g[10])) +
-                    ".x, not 3");
+        // Revision 1 is ZMTP 2.0 (RFC 15), 0 is 1.0 with a version byte.
+        return fail("peer speaks an older ZMTP (revision " +
+                    std::to_string(static_cast<unsigned char>(g[10])) + "), not 3.x");
     }
     const std::string_view mechanism = g.substr(12, 20);
     if (mechanism != std::string_view("NULL\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 20)) {
