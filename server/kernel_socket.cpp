@@ -17,12 +17,18 @@ namespace {
 // A kernel that does not read its shell is not queued for without end (what
 // libzmq's send high-water mark does for the other transport).
 constexpr std::size_t kMaxBacklogBytes = 96 << 20;
+// What the relay reads ahead of a kernel. A kernel's iopub PUB drops what
+// its reader cannot take at its high-water mark (1000 messages), the final
+// idle status included, and a busy host can slow the relay for a moment: a
+// read-ahead of this size (libzmq's I/O thread read up to 1000 messages of
+// any size) lets a 1 GiB flood of 1 MiB writes pass with nothing dropped.
+constexpr std::size_t kKernelReadAheadBytes = 256 << 20;
 
 // A kernel's socket, one connection.
 class ZmtpKernelSocket final : public RelaySocket {
   public:
     ZmtpKernelSocket(UniqueFd fd, zmtp::Connection connection, std::string label)
-        : stream_(std::move(fd), std::move(connection), std::move(label)) {}
+        : stream_(std::move(fd), std::move(connection), std::move(label), kKernelReadAheadBytes) {}
 
     bool send(std::vector<zmq::message_t>& frames) override {
         return stream_.send(frames, kMaxBacklogBytes);

@@ -14,13 +14,10 @@ namespace {
 // Frames past this size are handed to the relay without a copy: the
 // zmq::message_t owns the string the codec read the body into.
 constexpr std::size_t kAdoptBytes = 4096;
-// Whole messages decoded ahead of the relay: past either bound, reading
-// pauses and the peer's own queue (its high-water mark, in its own memory)
-// takes the backlog. libzmq's receive high-water mark is 1000 messages of
-// any size (up to 64 GiB here); this keeps bursts smooth and the server's
-// memory bounded.
+// Whole messages decoded ahead of the relay: past this (or the stream's byte
+// bound), reading pauses. libzmq's receive high-water mark is 1000 messages
+// of any size (up to 64 GiB here).
 constexpr std::size_t kMaxInbox = 1000;
-constexpr std::size_t kMaxInboxBytes = 32 << 20;
 
 zmq::message_t adopt(std::string&& bytes) {
     if (bytes.size() < kAdoptBytes) return zmq::message_t(bytes.data(), bytes.size());
@@ -32,8 +29,12 @@ zmq::message_t adopt(std::string&& bytes) {
 
 }  // namespace
 
-ZmtpStream::ZmtpStream(UniqueFd fd, zmtp::Connection connection, std::string label)
-    : fd_(std::move(fd)), zmtp_(std::move(connection)), label_(std::move(label)) {
+ZmtpStream::ZmtpStream(UniqueFd fd, zmtp::Connection connection, std::string label,
+                       std::size_t max_inbox_bytes)
+    : fd_(std::move(fd)),
+      zmtp_(std::move(connection)),
+      label_(std::move(label)),
+      max_inbox_bytes_(max_inbox_bytes) {
     flush();  // the greeting
 }
 
@@ -140,7 +141,7 @@ void ZmtpStream::flush() {
 void ZmtpStream::pump() {
     flush();
     for (int reads = 0; fd_ && !broken_ && reads < 64 && zmtp_.queued_messages() < kMaxInbox &&
-                        zmtp_.queued_bytes() < kMaxInboxBytes;
+                        zmtp_.queued_bytes() < max_inbox_bytes_;
          ++reads) {
         const auto span = zmtp_.read_buffer();
         if (span.size == 0) break;

@@ -24,8 +24,11 @@ namespace cellblock {
 
 class ZmtpStream {
   public:
-    // Writes the greeting at once.
-    ZmtpStream(UniqueFd fd, zmtp::Connection connection, std::string label);
+    // Writes the greeting at once. Reading pauses while 1000 decoded
+    // messages or `max_inbox_bytes` wait for the relay; the peer's own queue
+    // (its high-water mark, in its memory) takes the rest.
+    ZmtpStream(UniqueFd fd, zmtp::Connection connection, std::string label,
+               std::size_t max_inbox_bytes = 32 << 20);
     ~ZmtpStream() { close(); }
     ZmtpStream(const ZmtpStream&) = delete;
     ZmtpStream& operator=(const ZmtpStream&) = delete;
@@ -67,6 +70,7 @@ class ZmtpStream {
     UniqueFd fd_;
     zmtp::Connection zmtp_;
     std::string label_;
+    std::size_t max_inbox_bytes_;
     bool broken_ = false;
     EventLoop* loop_ = nullptr;
     std::optional<EventLoop::WatchId> watch_;
