@@ -364,7 +364,11 @@ void SessionProxy::on_kernel(Channel channel) {
     const std::string where = std::string("kernel ") + channel_name(channel);
     RelaySocket* socket = inner_socket(channel);
     if (!socket || !socket->receive(scratch_, kernel_rules_.limits.max_frames)) return;
-    if (channel == Channel::iopub) sign_early();
+    // Not once the execution's output is cut: then a large message is most
+    // likely stream output to drop, and a thread per message would be spent
+    // for nothing (a flood of 1 MiB writes is a thousand of them).
+    const SessionGovernor* governor = core_->governor();
+    if (channel == Channel::iopub && !(governor && governor->truncated())) sign_early();
     // Whatever the core does, the worker is joined before this returns.
     struct Join {
         std::optional<EarlySignature>& early;
