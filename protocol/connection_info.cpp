@@ -80,41 +80,30 @@ const char* channel_name(Channel c) {
     return "unknown";
 }
 
-void ConnectionInfo::set_port(Channel c, int port) {
+namespace {
+
+// The field of a channel's port.
+int ConnectionInfo::*port_member(Channel c) {
     switch (c) {
         case Channel::shell:
-            shell_port = port;
-            break;
+            return &ConnectionInfo::shell_port;
         case Channel::iopub:
-            iopub_port = port;
-            break;
+            return &ConnectionInfo::iopub_port;
         case Channel::stdin_:
-            stdin_port = port;
-            break;
+            return &ConnectionInfo::stdin_port;
         case Channel::control:
-            control_port = port;
-            break;
+            return &ConnectionInfo::control_port;
         case Channel::hb:
-            hb_port = port;
-            break;
+            return &ConnectionInfo::hb_port;
     }
+    return &ConnectionInfo::shell_port;
 }
 
-int ConnectionInfo::port(Channel c) const {
-    switch (c) {
-        case Channel::shell:
-            return shell_port;
-        case Channel::iopub:
-            return iopub_port;
-        case Channel::stdin_:
-            return stdin_port;
-        case Channel::control:
-            return control_port;
-        case Channel::hb:
-            return hb_port;
-    }
-    return 0;
-}
+}  // namespace
+
+void ConnectionInfo::set_port(Channel c, int port) { this->*port_member(c) = port; }
+
+int ConnectionInfo::port(Channel c) const { return this->*port_member(c); }
 
 // jupyter_client's _make_url: "tcp://ip:port", otherwise "transport://ip-port".
 std::string ConnectionInfo::endpoint(Channel c) const {

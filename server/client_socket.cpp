@@ -18,6 +18,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/unique_fd.hpp"
+#include "unix_address.hpp"
 #include "zmtp_stream.hpp"
 
 namespace cellblock {
@@ -337,16 +338,12 @@ std::optional<std::pair<UniqueFd, int>> listen_tcp(const std::string& ip, int po
 }
 
 UniqueFd listen_unix(const std::string& path) {
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    if (path.size() >= sizeof addr.sun_path) {
-        throw std::runtime_error("ipc path too long: " + path);
-    }
-    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const auto addr = unix_address(path);
+    if (!addr) throw std::runtime_error("ipc path too long: " + path);
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     if (!fd) throw std::runtime_error(errno_text("socket"));
     ::unlink(path.c_str());  // a stale socket of an earlier run, as libzmq does
-    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0) {
         throw std::runtime_error(errno_text("bind ipc://" + path));
     }
     if (::listen(fd.get(), 128) != 0) throw std::runtime_error(errno_text("listen"));

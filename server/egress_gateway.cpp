@@ -1,5 +1,7 @@
 #include "egress_gateway.hpp"
 
+#include "unix_address.hpp"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -203,16 +205,12 @@ void EgressGateway::add_session(const std::string& session_id, const std::filesy
     }
     write_new_file(ipc_dir / kEgressCaBundleName, bundle);
     const std::filesystem::path path = ipc_dir / kEgressSocketName;
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    if (path.string().size() >= sizeof addr.sun_path) {
-        throw std::runtime_error("egress socket path too long: " + path.string());
-    }
-    std::strcpy(addr.sun_path, path.c_str());
+    const auto addr = unix_address(path.native());
+    if (!addr) throw std::runtime_error("egress socket path too long: " + path.string());
     UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!listener) throw std::runtime_error(std::string("egress socket: ") + std::strerror(errno));
     ::unlink(path.c_str());
-    if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+    if (::bind(listener.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0 ||
         ::chmod(path.c_str(), 0666) != 0 || ::listen(listener.get(), 64) != 0) {
         throw std::runtime_error("egress socket " + path.string() + ": " + std::strerror(errno));
     }

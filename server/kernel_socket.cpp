@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "unix_address.hpp"
 #include "zmtp_stream.hpp"
 
 namespace cellblock {
@@ -59,16 +60,12 @@ class ZmtpKernelSocket final : public RelaySocket {
 std::unique_ptr<RelaySocket> connect_zmtp_kernel_socket(
     const std::string& path, const std::string& socket_type, const std::string& identity,
     zmtp::Limits limits, std::string label, std::chrono::steady_clock::time_point deadline) {
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    if (path.size() >= sizeof addr.sun_path) {
-        throw std::runtime_error(label + ": socket path too long: " + path);
-    }
-    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const auto addr = unix_address(path);
+    if (!addr) throw std::runtime_error(label + ": socket path too long: " + path);
     while (true) {
         UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
         if (!fd) throw std::runtime_error(label + ": socket: " + std::strerror(errno));
-        if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
+        if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) == 0) {
             zmtp::Connection connection(socket_type, identity, limits);
             if (socket_type == "SUB") connection.send({std::string_view("\x01", 1)});
             return std::make_unique<ZmtpKernelSocket>(std::move(fd), std::move(connection),

@@ -138,12 +138,17 @@ int main(int argc, char** argv) {
     const char* const client_transport_help =
         "how the relay speaks to the clients' connections: zmtp (in the relay's own thread) or "
         "libzmq (through its I/O thread)";
-    kernel_cmd->add_option("--kernel-transport", kernel.kernel_transport, kernel_transport_help)
-        ->transform(CLI::CheckedTransformer(transports))
-        ->default_str("zmtp");
-    kernel_cmd->add_option("--client-transport", kernel.client_transport, client_transport_help)
-        ->transform(CLI::CheckedTransformer(transports))
-        ->default_str("zmtp");
+    // --kernel-transport and --client-transport, the same for both modes.
+    const auto add_transports = [&](CLI::App* cmd, cellblock::RelayTransport& kernel_side,
+                                    cellblock::RelayTransport& client_side) {
+        cmd->add_option("--kernel-transport", kernel_side, kernel_transport_help)
+            ->transform(CLI::CheckedTransformer(transports))
+            ->default_str("zmtp");
+        cmd->add_option("--client-transport", client_side, client_transport_help)
+            ->transform(CLI::CheckedTransformer(transports))
+            ->default_str("zmtp");
+    };
+    add_transports(kernel_cmd, kernel.kernel_transport, kernel.client_transport);
     kernel_cmd->add_option("--image-store", kernel.paths.image_store,
                            "built images (default /var/lib/cellblock/images)");
     kernel_cmd->add_option("--state-dir", kernel.paths.state_dir, "where sandboxes live")
@@ -209,12 +214,7 @@ int main(int argc, char** argv) {
                      "nice value of the server's loop and I/O threads, above the sandboxes' (0: "
                      "leave it)")
         ->capture_default_str();
-    serve_cmd->add_option("--kernel-transport", serve.kernel_transport, kernel_transport_help)
-        ->transform(CLI::CheckedTransformer(transports))
-        ->default_str("zmtp");
-    serve_cmd->add_option("--client-transport", serve.client_transport, client_transport_help)
-        ->transform(CLI::CheckedTransformer(transports))
-        ->default_str("zmtp");
+    add_transports(serve_cmd, serve.kernel_transport, serve.client_transport);
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
                         "keep only a SHA-256 of each execution's code");
     serve_cmd

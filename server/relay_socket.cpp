@@ -2,12 +2,6 @@
 
 namespace cellblock {
 
-std::optional<RelayTransport> parse_relay_transport(std::string_view name) {
-    if (name == "libzmq") return RelayTransport::libzmq;
-    if (name == "zmtp") return RelayTransport::zmtp;
-    return std::nullopt;
-}
-
 const char* relay_transport_name(RelayTransport transport) {
     return transport == RelayTransport::zmtp ? "zmtp" : "libzmq";
 }

@@ -25,8 +25,6 @@
 namespace cellblock {
 
 enum class RelayTransport { libzmq, zmtp };
-// "libzmq" or "zmtp"; nullopt for anything else.
-std::optional<RelayTransport> parse_relay_transport(std::string_view name);
 const char* relay_transport_name(RelayTransport transport);
 
 class RelaySocket {
