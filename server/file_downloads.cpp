@@ -46,6 +46,7 @@ FileTransfers::Reply FileTransfers::get_whole(const json& c, const SessionFiles&
     Reply reply{
         {{"status", "ok"}, {"path", std::string(kSandboxOutputDir) + "/" + path}, {"size", got}},
         {},
+        {},
         {}};
     reply.buffers.push_back(std::move(data));
     return reply;
@@ -86,7 +87,7 @@ json FileTransfers::get_begin(const json& c, const SessionFiles& s, Clock::time_
 FileTransfers::Download& FileTransfers::download_of(const json& c, const SessionFiles& s) {
     const std::string id = string_field(c, "download_id");
     const auto it = downloads_.find(id);
-    if (it == downloads_.end() || it->second->session_id != s.session_id) {
+    if (it == downloads_.end() || it->second->session_id != s.session_id || it->second->local) {
         throw FileRequestError(
             ename::TransferNotFound,
             "no download " + id + " in this session (finished, ended, or idle for " +
@@ -150,6 +151,7 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
                  {"length", bytes.size()},
                  {"size", d.size}},
                 {},
+                {},
                 {}};
     if (d.hashed == d.size) {
         reply.content["sha256"] = d.hash.hex();
@@ -158,4 +160,65 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
     reply.buffers.push_back(std::move(bytes));
     return reply;
 }
+FileTransfers::LocalCopy FileTransfers::begin_local_get(const json& c, int client_file,
+                                                        const SessionFiles& s,
+                                                        Clock::time_point now) {
+    const std::string path = checked_relative_path(path_field(c), kSandboxOutputDir);
+    passed_file_size(client_file, O_RDWR);
+    OpenedOutput file = open_output(s, path);
+    const auto size = static_cast<std::uint64_t>(file.st.st_size);
+    if (size > limits_.max_file_bytes) {
+        throw FileRequestError(ename::FileTooLarge, path + " is " + bytes_text(size) +
+                                                        ", over the server's maximum of " +
+                                                        bytes_text(limits_.max_file_bytes));
+    }
+    check_capacity(s.session_id);
+    if (::ftruncate(client_file, 0) != 0)
+        throw FileRequestError(ename::FileError,
+                               "cut the passed file to length 0: " + errno_text());
+    // Its blocks at once, as for a put: the copy then only fills them (best
+    // effort; a file system without fallocate just allocates as it goes).
+    if (size > 0) ::fallocate(client_file, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size));
+    auto d = std::make_unique<Download>();
+    d->id = new_transfer_id();
+    d->session_id = s.session_id;
+    d->path = path;
+    d->size = size;
+    d->mtime = file.st.st_mtim;
+    d->inode = file.st.st_ino;
+    d->local = true;
+    d->touched = now;
+    LocalCopy copy{d->id, std::string(kSandboxOutputDir) + "/" + path, size,
+                   UniqueFd(::fcntl(file.fd.get(), F_DUPFD_CLOEXEC, 0)),
+                   UniqueFd(::fcntl(client_file, F_DUPFD_CLOEXEC, 0))};
+    if (!copy.src || !copy.dst) throw FileRequestError(ename::FileError, "dup: " + errno_text());
+    d->fd = std::move(file.fd);
+    downloads_.emplace(d->id, std::move(d));
+    return copy;
+}
+
+FileTransfers::Reply FileTransfers::finish_local_get(Download& d, const std::string& sha256) {
+    const std::string id = d.id;
+    // The code may have rewritten the file during the copy: one version, or none.
+    struct stat st {};
+    const bool same = ::fstat(d.fd.get(), &st) == 0 &&
+                      static_cast<std::uint64_t>(st.st_size) == d.size &&
+                      st.st_mtim.tv_sec == d.mtime.tv_sec && st.st_mtim.tv_nsec == d.mtime.tv_nsec;
+    Reply reply{{{"status", "ok"},
+                 {"path", std::string(kSandboxOutputDir) + "/" + d.path},
+                 {"size", d.size},
+                 {"sha256", sha256},
+                 {"local", true}},
+                {},
+                {},
+                {}};
+    const std::string evalue = std::string(kSandboxOutputDir) + "/" + d.path +
+                               " changed while it was copied (" + bytes_text(d.size) + ", now " +
+                               bytes_text(static_cast<std::uint64_t>(st.st_size)) +
+                               "); get it again";
+    downloads_.erase(id);
+    if (!same) throw FileRequestError(ename::FileChanged, evalue);
+    return reply;
+}
+
 }  // namespace cellblock

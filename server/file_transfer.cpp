@@ -54,19 +54,19 @@ FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
     if (!c.is_object()) throw FileRequestError(ename::InvalidRequest, "content must be an object");
     if (t == "file_put_request") return put_whole(c, buffers, s);
     if (t == "file_get_request") return get_whole(c, s);
-    if (t == "file_put_begin_request") return {put_begin(c, s, now), {}, {}};
-    if (t == "file_put_chunk_request") return {put_chunk(c, buffers, s, now), {}, {}};
+    if (t == "file_put_begin_request") return {put_begin(c, s, now), {}, {}, {}};
+    if (t == "file_put_chunk_request") return {put_chunk(c, buffers, s, now), {}, {}, {}};
     if (t == "file_put_commit_request") return put_commit(c, s);
     if (t == "file_put_abort_request") {
         drop_upload(upload_of(c, s).id);
-        return {{{"status", "ok"}}, {}, {}};
+        return {{{"status", "ok"}}, {}, {}, {}};
     }
-    if (t == "file_get_begin_request") return {get_begin(c, s, now), {}, {}};
+    if (t == "file_get_begin_request") return {get_begin(c, s, now), {}, {}, {}};
     if (t == "file_get_chunk_request") return get_chunk(c, s, now);
     if (t == "file_get_end_request") {
         const std::string id = download_of(c, s).id;  // a copy: the key dies with the node
         downloads_.erase(id);
-        return {{{"status", "ok"}}, {}, {}};
+        return {{{"status", "ok"}}, {}, {}, {}};
     }
     throw FileRequestError(ename::UnknownRequest, "not a file request: " + std::string(t));
 }
@@ -75,12 +75,13 @@ FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
 
 void FileTransfers::expire(Clock::time_point now) {
     std::vector<std::string> stale;
+    // A local copy is not idle while its thread runs: it ends with finish_local or abort_local.
     for (const auto& [id, u] : uploads_) {
-        if (now - u->touched >= limits_.idle_timeout) stale.push_back(id);
+        if (!u->local && now - u->touched >= limits_.idle_timeout) stale.push_back(id);
     }
     for (const auto& id : stale) drop_upload(id);
     std::erase_if(downloads_, [&](const auto& entry) {
-        return now - entry.second->touched >= limits_.idle_timeout;
+        return !entry.second->local && now - entry.second->touched >= limits_.idle_timeout;
     });
 }
 
@@ -93,6 +94,20 @@ void FileTransfers::session_closed(const std::string& session_id) {
     std::erase_if(downloads_,
                   [&](const auto& entry) { return entry.second->session_id == session_id; });
     input_bytes_.erase(session_id);
+}
+
+FileTransfers::Reply FileTransfers::finish_local(const std::string& id, const std::string& sha256,
+                                                 const SessionFiles& s) {
+    if (const auto up = uploads_.find(id); up != uploads_.end() && up->second->local)
+        return finish_local_put(*up->second, sha256, s);
+    if (const auto down = downloads_.find(id); down != downloads_.end() && down->second->local)
+        return finish_local_get(*down->second, sha256);
+    throw FileRequestError(ename::TransferNotFound, "the copy " + id + " ended with its session");
+}
+
+void FileTransfers::abort_local(const std::string& id) {
+    drop_upload(id);
+    downloads_.erase(id);
 }
 
 std::size_t FileTransfers::open_transfers() const { return uploads_.size() + downloads_.size(); }

@@ -18,6 +18,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cellblock/unique_fd.hpp"
+
 namespace cellblock {
 
 // A refused file request: a stable ename and an evalue with the numbers.
@@ -70,6 +72,8 @@ class FileTransfers {
         nlohmann::json content;
         std::vector<std::string> buffers;
         std::optional<std::pair<std::string, std::string>> event;
+        // A file the put replaced, to unlink once the reply is out (local copies).
+        std::filesystem::path discard;
     };
     // The msg_types handled here (file_put_request, file_put_begin_request, ...).
     static const std::vector<std::string>& request_types();
@@ -81,6 +85,34 @@ class FileTransfers {
     Reply handle(std::string_view msg_type, const nlohmann::json& content,
                  const std::vector<std::string>& buffers, const SessionFiles& session,
                  Clock::time_point now);
+
+    // A copy the local file socket makes (local_files.cpp) from or into a
+    // descriptor a client on this host passed: checked and counted against
+    // the caps like a streamed transfer, and its bytes moved by another
+    // thread with these descriptors (its own duplicates).
+    struct LocalCopy {
+        std::string id;
+        std::string sandbox_path;  // /data/input/... or /data/output/...
+        std::uint64_t size = 0;
+        UniqueFd src, dst;
+        bool dst_is_private = false;  // the server's own partial (a put), not the client's file
+    };
+    // file_put_local_request: `client_file` is read from offset 0 to its
+    // current end into a new partial file beneath the session's input.
+    LocalCopy begin_local_put(const nlohmann::json& content, int client_file,
+                              const SessionFiles& session, Clock::time_point now);
+    // file_get_local_request: the session's output file is written into
+    // `client_file` (cut to length 0 first), which must be open read-write:
+    // the digest is read back from it.
+    LocalCopy begin_local_get(const nlohmann::json& content, int client_file,
+                              const SessionFiles& session, Clock::time_point now);
+    // The copy `id` landed and its bytes hash to `sha256`: an upload is
+    // checked against the digest the client declared, if any, and renamed
+    // into place; a download is checked to be one version of its file.
+    // Throws FileRequestError; the transfer is gone either way.
+    Reply finish_local(const std::string& id, const std::string& sha256, const SessionFiles& s);
+    // The copy failed or was cancelled: its reservation (and partial) goes.
+    void abort_local(const std::string& id);
 
     // Drops transfers untouched for idle_timeout (an upload's partial is removed).
     void expire(Clock::time_point now);
@@ -110,9 +142,14 @@ class FileTransfers {
     void check_capacity(const std::string& session_id) const;
     Upload& upload_of(const nlohmann::json& c, const SessionFiles& s);
     Download& download_of(const nlohmann::json& c, const SessionFiles& s);
-    // Moves a complete partial into place beneath the input dir.
-    void install(const SessionFiles& s, Upload& upload);
+    // Moves a complete partial into place beneath the input dir. A file it
+    // replaces is swapped out whole (RENAME_EXCHANGE) to the partial's path,
+    // which is returned (empty when nothing was replaced) for the caller to
+    // unlink: freeing a GiB file takes ~65 ms, better paid after the reply.
+    std::filesystem::path install(const SessionFiles& s, Upload& upload);
     void drop_upload(const std::string& id);
+    Reply finish_local_put(Upload& upload, const std::string& sha256, const SessionFiles& s);
+    Reply finish_local_get(Download& download, const std::string& sha256);
 
     FileTransferLimits limits_;
     std::map<std::string, std::unique_ptr<Upload>> uploads_;

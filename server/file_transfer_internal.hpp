@@ -1,5 +1,5 @@
-// What file_transfer.cpp, file_uploads.cpp and file_downloads.cpp share: an
-// owned descriptor, the one-pass sha256, the request field readers and the
+// What file_transfer.cpp, file_uploads.cpp, file_downloads.cpp and
+// file_copy.cpp share: an owned descriptor, the one-pass sha256, the request field readers and the
 // transfers' own records. Private to server/.
 #pragma once
 
@@ -20,38 +20,15 @@
 
 #include "cellblock/error_names.hpp"
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/unique_fd.hpp"
 #include "cellblock/wire_message.hpp"
 
 namespace cellblock::transfer_detail {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// An owned descriptor.
-class FileDescriptor {
-  public:
-    FileDescriptor() = default;
-    explicit FileDescriptor(int fd) : fd_(fd) {}
-    FileDescriptor(FileDescriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-    FileDescriptor& operator=(FileDescriptor&& other) noexcept {
-        if (this != &other) {
-            reset();
-            fd_ = std::exchange(other.fd_, -1);
-        }
-        return *this;
-    }
-    FileDescriptor(const FileDescriptor&) = delete;
-    FileDescriptor& operator=(const FileDescriptor&) = delete;
-    ~FileDescriptor() { reset(); }
-    int get() const { return fd_; }
-    explicit operator bool() const { return fd_ >= 0; }
-    void reset() {
-        if (fd_ >= 0) ::close(fd_);
-        fd_ = -1;
-    }
-
-  private:
-    int fd_ = -1;
-};
+// An owned descriptor (the server's one type for it).
+using FileDescriptor = UniqueFd;
 
 // A running SHA-256.
 class Sha256 {
@@ -172,6 +149,24 @@ inline std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
     return data;
 }
 
+// The size of a descriptor a client passed, which must be a regular file
+// open for `access` (O_RDONLY: readable; O_RDWR: both). Throws FileError.
+inline std::uint64_t passed_file_size(int fd, int access) {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
+        throw FileRequestError(ename::FileError, "the descriptor passed is not a regular file");
+    const int flags = ::fcntl(fd, F_GETFL);
+    const int mode = flags & O_ACCMODE;
+    const bool ok = flags >= 0 && !(flags & O_PATH) &&
+                    (access == O_RDWR ? mode == O_RDWR : (mode == O_RDONLY || mode == O_RDWR));
+    if (!ok)
+        throw FileRequestError(ename::FileError,
+                               access == O_RDWR ? "the descriptor passed must be open for reading "
+                                                  "and writing (the digest is read back from it)"
+                                                : "the descriptor passed is not open for reading");
+    return static_cast<std::uint64_t>(st.st_size);
+}
+
 inline std::uint64_t free_bytes(const fs::path& dir) {
     struct statvfs vfs {};
     if (::statvfs(dir.c_str(), &vfs) != 0) return UINT64_MAX;
@@ -185,6 +180,7 @@ namespace cellblock {
 struct FileTransfers::Upload {
     std::string id, session_id, path, sha256;
     std::uint64_t size = 0, received = 0;
+    bool local = false;  // a copy by the local file socket: no chunks, no idle expiry
     std::filesystem::path partial;
     transfer_detail::FileDescriptor fd;
     transfer_detail::Sha256 hash;
@@ -194,6 +190,7 @@ struct FileTransfers::Upload {
 struct FileTransfers::Download {
     std::string id, session_id, path;
     std::uint64_t size = 0, hashed = 0;
+    bool local = false;  // as Upload::local
     struct timespec mtime {};
     ino_t inode = 0;
     transfer_detail::FileDescriptor fd;

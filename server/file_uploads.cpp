@@ -62,6 +62,32 @@ static std::uint64_t size_of_existing(const SessionFiles& s, const std::string& 
     return static_cast<std::uint64_t>(st.st_size);
 }
 
+// A new partial file for upload `id`, read-write (a local copy hashes it
+// back), with the declared size reserved: a full disk is found here, not at 90 %.
+static FileDescriptor create_partial(const SessionFiles& s, const std::string& id,
+                                     std::uint64_t size, fs::path& partial) {
+    if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
+        throw FileRequestError(ename::FileError, "mkdir for uploads: " + errno_text());
+    partial = s.partial_dir / id;
+    FileDescriptor fd(::open(partial.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
+    if (!fd) throw FileRequestError(ename::FileError, "create the upload: " + errno_text());
+    if (size > 0 && ::fallocate(fd.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size)) != 0) {
+        const int err = errno;
+        ::unlink(partial.c_str());
+        if (err == ENOSPC || err == EDQUOT) {
+            throw FileRequestError(ename::FileTooLarge, "the file is " + bytes_text(size) +
+                                                            " and the disk holding the session's "
+                                                            "input has " +
+                                                            bytes_text(free_bytes(s.input_dir)) +
+                                                            " free");
+        }
+        if (err != EOPNOTSUPP)
+            throw FileRequestError(ename::FileError,
+                                   "reserve " + bytes_text(size) + ": " + errno_text(err));
+    }
+    return fd;
+}
+
 json FileTransfers::put_begin(const json& c, const SessionFiles& s, Clock::time_point now) {
     const std::string path = checked_relative_path(path_field(c), kSandboxInputDir);
     const std::uint64_t size = count_field(c, "size");
@@ -101,28 +127,7 @@ json FileTransfers::put_begin(const json& c, const SessionFiles& s, Clock::time_
     upload->size = size;
     upload->sha256 = sha256;
     upload->touched = now;
-    if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
-        throw FileRequestError(ename::FileError, "mkdir for uploads: " + errno_text());
-    upload->partial = s.partial_dir / upload->id;
-    upload->fd = FileDescriptor(
-        ::open(upload->partial.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-    if (!upload->fd) throw FileRequestError(ename::FileError, "create the upload: " + errno_text());
-    // Reserve the declared size now: a full disk is found here, not at 90 %.
-    if (size > 0 &&
-        ::fallocate(upload->fd.get(), FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size)) != 0) {
-        const int err = errno;
-        ::unlink(upload->partial.c_str());
-        if (err == ENOSPC || err == EDQUOT) {
-            throw FileRequestError(ename::FileTooLarge, "the file is " + bytes_text(size) +
-                                                            " and the disk holding the session's "
-                                                            "input has " +
-                                                            bytes_text(free_bytes(s.input_dir)) +
-                                                            " free");
-        }
-        if (err != EOPNOTSUPP)
-            throw FileRequestError(ename::FileError,
-                                   "reserve " + bytes_text(size) + ": " + errno_text(err));
-    }
+    upload->fd = create_partial(s, upload->id, size, upload->partial);
     const std::string id = upload->id;
     uploads_.emplace(id, std::move(upload));
     return {{"status", "ok"},
@@ -135,7 +140,7 @@ json FileTransfers::put_begin(const json& c, const SessionFiles& s, Clock::time_
 FileTransfers::Upload& FileTransfers::upload_of(const json& c, const SessionFiles& s) {
     const std::string id = string_field(c, "upload_id");
     const auto it = uploads_.find(id);
-    if (it == uploads_.end() || it->second->session_id != s.session_id) {
+    if (it == uploads_.end() || it->second->session_id != s.session_id || it->second->local) {
         throw FileRequestError(
             ename::TransferNotFound,
             "no upload " + id + " in this session (finished, aborted, or idle for " +
@@ -204,7 +209,7 @@ json FileTransfers::put_chunk(const json& c, std::span<const std::string_view> b
     return {{"status", "ok"}, {"upload_id", u.id}, {"received", u.received}};
 }
 
-void FileTransfers::install(const SessionFiles& s, Upload& u) {
+fs::path FileTransfers::install(const SessionFiles& s, Upload& u) {
     // No fsync: the rename makes the file visible whole or not at all to the
     // sandbox, and nothing of a session outlives a server crash (the next start
     // reaps its directory), so durability would only cost the disk's write time
@@ -234,11 +239,14 @@ void FileTransfers::install(const SessionFiles& s, Upload& u) {
         throw FileRequestError(ename::FileError,
                                std::string(kSandboxInputDir) + "/" + u.path + " is a directory");
     }
-    if (::renameat(AT_FDCWD, u.partial.c_str(), parent_fd.get(), name.c_str()) != 0)
+    const bool exchange = replaces && S_ISREG(old.st_mode);
+    if (::renameat2(AT_FDCWD, u.partial.c_str(), parent_fd.get(), name.c_str(),
+                    exchange ? RENAME_EXCHANGE : 0) != 0)
         throw FileRequestError(ename::FileError, "rename into " + u.path + ": " + errno_text());
     std::uint64_t& held = input_bytes_[s.session_id];
-    if (replaces && S_ISREG(old.st_mode)) held -= std::min<std::uint64_t>(held, old.st_size);
+    if (exchange) held -= std::min<std::uint64_t>(held, old.st_size);
     held += u.size;
+    return exchange ? u.partial : fs::path();
 }
 
 FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles& s) {
@@ -269,7 +277,7 @@ FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles
         throw FileRequestError(ename::ChecksumMismatch, evalue);
     }
     try {
-        install(s, u);
+        if (const fs::path old = install(s, u); !old.empty()) ::unlink(old.c_str());
     } catch (...) {
         drop_upload(id);
         throw;
@@ -280,7 +288,8 @@ FileTransfers::Reply FileTransfers::put_commit(const json& c, const SessionFiles
                  {"sha256", got}},
                 {},
                 std::make_pair(std::string("file_put"), u.path + " (" + bytes_text(u.size) +
-                                                            ", sha256 " + got.substr(0, 12) + ")")};
+                                                            ", sha256 " + got.substr(0, 12) + ")"),
+                {}};
     u.fd.reset();
     uploads_.erase(id);
     return reply;
@@ -308,11 +317,7 @@ FileTransfers::Reply FileTransfers::put_whole(const json& c,
     u.session_id = s.session_id;
     u.path = path;
     u.size = u.received = data.size();
-    if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
-        throw FileRequestError(ename::FileError, "mkdir for uploads: " + errno_text());
-    u.partial = s.partial_dir / u.id;
-    u.fd = FileDescriptor(::open(u.partial.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
-    if (!u.fd) throw FileRequestError(ename::FileError, "create " + path + ": " + errno_text());
+    u.fd = create_partial(s, u.id, data.size(), u.partial);
     try {
         if (::write(u.fd.get(), data.data(), data.size()) != static_cast<ssize_t>(data.size())) {
             const int err = errno;
@@ -320,7 +325,7 @@ FileTransfers::Reply FileTransfers::put_whole(const json& c,
                 err == ENOSPC || err == EDQUOT ? ename::FileTooLarge : ename::FileError,
                 "write " + path + ": " + errno_text(err));
         }
-        install(s, u);
+        if (const fs::path old = install(s, u); !old.empty()) ::unlink(old.c_str());
     } catch (...) {
         ::unlink(u.partial.c_str());
         throw;
@@ -329,7 +334,73 @@ FileTransfers::Reply FileTransfers::put_whole(const json& c,
              {"path", std::string(kSandboxInputDir) + "/" + path},
              {"size", data.size()}},
             {},
-            std::make_pair(std::string("file_put"), path + " (" + bytes_text(data.size()) + ")")};
+            std::make_pair(std::string("file_put"), path + " (" + bytes_text(data.size()) + ")"),
+            {}};
+}
+
+FileTransfers::LocalCopy FileTransfers::begin_local_put(const json& c, int client_file,
+                                                        const SessionFiles& s,
+                                                        Clock::time_point now) {
+    const std::string path = checked_relative_path(path_field(c), kSandboxInputDir);
+    const std::string sha256 = c.contains("sha256") ? sha256_field(c) : std::string();
+    const std::uint64_t size = passed_file_size(client_file, O_RDONLY);
+    check_capacity(s.session_id);
+    check_room(s, size, size_of_existing(s, path), nullptr);
+    auto upload = std::make_unique<Upload>();
+    upload->id = new_transfer_id();
+    upload->session_id = s.session_id;
+    upload->path = path;
+    upload->size = size;
+    upload->sha256 = sha256;
+    upload->local = true;
+    upload->touched = now;
+    upload->fd = create_partial(s, upload->id, size, upload->partial);
+    LocalCopy copy{upload->id,
+                   std::string(kSandboxInputDir) + "/" + path,
+                   size,
+                   UniqueFd(::fcntl(client_file, F_DUPFD_CLOEXEC, 0)),
+                   UniqueFd(::fcntl(upload->fd.get(), F_DUPFD_CLOEXEC, 0)),
+                   true};
+    const std::string id = upload->id;
+    uploads_.emplace(id, std::move(upload));
+    if (!copy.src || !copy.dst) {
+        drop_upload(id);
+        throw FileRequestError(ename::FileError, "dup: " + errno_text());
+    }
+    return copy;
+}
+
+FileTransfers::Reply FileTransfers::finish_local_put(Upload& u, const std::string& sha256,
+                                                     const SessionFiles& s) {
+    const std::string id = u.id;
+    if (!u.sha256.empty() && sha256 != u.sha256) {
+        const std::string evalue = "the " + bytes_text(u.size) + " copied hash to sha256 " +
+                                   sha256 + ", not the declared " + u.sha256 +
+                                   "; the upload is discarded";
+        drop_upload(id);
+        throw FileRequestError(ename::ChecksumMismatch, evalue);
+    }
+    u.received = u.size;
+    fs::path displaced;
+    try {
+        displaced = install(s, u);
+    } catch (...) {
+        drop_upload(id);
+        throw;
+    }
+    Reply reply{
+        {{"status", "ok"},
+         {"path", std::string(kSandboxInputDir) + "/" + u.path},
+         {"size", u.size},
+         {"sha256", sha256},
+         {"local", true}},
+        {},
+        std::make_pair(std::string("file_put"), u.path + " (" + bytes_text(u.size) + ", sha256 " +
+                                                    sha256.substr(0, 12) + ", local copy)"),
+        displaced};
+    u.fd.reset();
+    uploads_.erase(id);
+    return reply;
 }
 
 void FileTransfers::drop_upload(const std::string& id) {

@@ -285,20 +285,22 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
             {"events", events}};
 }
 
-json Server::file_request(Request& r, std::vector<std::string>& buffers) {
-    SessionProxy& s = live_session(r.message.content);
+SessionFiles Server::session_files(SessionProxy& s) const {
     if (s.sandbox()->dir().empty()) {
         throw RequestError{ename::FileError,
                            "session " + s.session_id() + " runs on the " + s.sandbox()->runtime() +
                                " backend, whose sandboxes have no directory on this host: file "
                                "transfer is not available there yet (docs/scale-out.md)"};
     }
-    const SessionFiles files{s.session_id(), s.sandbox()->input_dir(), s.sandbox()->output_dir(),
-                             s.sandbox()->input_dir().parent_path() / "partial",
-                             static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb)
-                                 << 20};
-    auto done =
-        transfers_.handle(r.message.msg_type(), r.message.content, r.buffers, files, Clock::now());
+    return {s.session_id(), s.sandbox()->input_dir(), s.sandbox()->output_dir(),
+            s.sandbox()->input_dir().parent_path() / "partial",
+            static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb) << 20};
+}
+
+json Server::file_request(Request& r, std::vector<std::string>& buffers) {
+    SessionProxy& s = live_session(r.message.content);
+    auto done = transfers_.handle(r.message.msg_type(), r.message.content, r.buffers,
+                                  session_files(s), Clock::now());
     if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
     buffers = std::move(done.buffers);
     return std::move(done.content);

@@ -40,6 +40,7 @@
 #include "event_loop.hpp"
 #include "file_transfer.hpp"
 #include "inner_channels.hpp"
+#include "local_files.hpp"
 #include "manager_paths.hpp"
 #include "multipart.hpp"
 #include "session_proxy.hpp"
@@ -77,7 +78,8 @@ struct RequestError {
 };
 
 // Start-up helpers (server_startup.cpp).
-void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key);
+void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key,
+                       const fs::path& files_socket);
 UniqueFd hold_server_lock(const fs::path& state_dir);
 std::vector<pid_t> sandbox_pids(const std::string& container_id);
 void check_state_dir_reachable(const fs::path& state_dir);
@@ -151,6 +153,9 @@ class Server final : public SessionObserver {
     json session_close(Request& r, std::vector<std::string>& buffers);
     json session_history(Request& r, std::vector<std::string>& buffers);
     json file_request(Request& r, std::vector<std::string>& buffers);
+    // What a transfer needs of a live session; FileError where the backend
+    // keeps no files on this host.
+    SessionFiles session_files(SessionProxy& s) const;
     json server_info(Request& r, std::vector<std::string>& buffers);
 
     ServeOptions options_;
@@ -206,6 +211,21 @@ class Server final : public SessionObserver {
     EventLoop::WatchId egress_watch_ = 0;
     void on_egress();
     Clock::time_point next_balance_{};
+    // The local file socket (local_files.hpp, local_files.cpp): descriptors
+    // passed by clients on this host, copied on a thread each.
+    void open_local_files();
+    void on_local_accept();
+    void on_local_client(std::uint64_t id);
+    void on_local_copies();
+    void finish_local_copy(std::uint64_t id);
+    void send_local(LocalClient& c, const std::string& msg_type, json content);
+    void refuse_local(std::uint64_t id, const std::string& ename, const std::string& evalue);
+    void close_local_client(std::uint64_t id);
+    void cancel_local_copies(const std::string& session_id);
+    UniqueFd local_listener_;
+    UniqueFd local_wake_;  // written by the copies' threads
+    std::map<std::uint64_t, std::unique_ptr<LocalClient>> local_clients_;
+    std::uint64_t next_local_ = 0;
 };
 
 }  // namespace cellblock

@@ -126,6 +126,7 @@ void Server::on_egress() {
 
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
     if (egress_) egress_->remove_session(session_id);
+    cancel_local_copies(session_id);
     transfers_.session_closed(session_id);
     fairness_.erase(session_id);
     auto it = sessions_.find(session_id);

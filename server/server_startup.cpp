@@ -5,12 +5,14 @@
 
 namespace cellblock {
 
-void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key) {
-    const json j = {{"manager", endpoint},
-                    {"key", key},
-                    {"signature_scheme", "hmac-sha256"},
-                    {"pid", ::getpid()},
-                    {"version", kVersion}};
+void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key,
+                       const fs::path& files_socket) {
+    json j = {{"manager", endpoint},
+              {"key", key},
+              {"signature_scheme", "hmac-sha256"},
+              {"pid", ::getpid()},
+              {"version", kVersion}};
+    if (!files_socket.empty()) j["files_socket"] = files_socket.string();
     const fs::path tmp = path.string() + ".tmp";
     UniqueFd fd(::open(tmp.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600));
     if (!fd) throw std::runtime_error("server file " + tmp.string() + ": " + strerror(errno));
@@ -266,7 +268,9 @@ Server::Server(const ServeOptions& options)
     manager_.set(zmq::sockopt::router_handover, 1);
     manager_.bind(options_.manager_endpoint);
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
-    write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_);
+    open_local_files();
+    write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_,
+                      local_listener_ ? local_files_socket(settings_.state_dir) : fs::path());
 }
 
 Server::~Server() {
@@ -277,6 +281,7 @@ Server::~Server() {
     pool_.reset();  // joins workers, destroys warm sandboxes
     std::error_code ec;
     fs::remove(server_file(settings_.state_dir), ec);
+    if (local_listener_) fs::remove(local_files_socket(settings_.state_dir), ec);
 }
 
 }  // namespace cellblock

@@ -63,7 +63,8 @@ def test_streamed_put_and_get_with_progress(cb, tmp_path):
     with cb.session() as s:
         local = tmp_path / "in.bin"
         local.write_bytes(payload)
-        assert s.put("deep/dir/in.bin", local, progress=lambda d, t: seen.append((d, t))) == \
+        assert s.put("deep/dir/in.bin", local, progress=lambda d, t: seen.append((d, t)),
+                     local=False) == \
             "/data/input/deep/dir/in.bin"
         assert len(seen) >= 6 and seen[-1] == (len(payload), len(payload)), seen
         assert [d for d, _ in seen] == sorted(d for d, _ in seen)
@@ -80,7 +81,7 @@ def test_streamed_put_and_get_with_progress(cb, tmp_path):
                   "open('/data/output/out.bin', 'wb').write(data[::-1])")
         got = []
         dest = tmp_path / "out.bin"
-        assert s.get("out.bin", dest, progress=lambda d, t: got.append(d)) == dest
+        assert s.get("out.bin", dest, progress=lambda d, t: got.append(d), local=False) == dest
         assert dest.read_bytes() == payload[::-1]
         assert not os.path.exists(f"{dest}.part")
         assert got[-1] == len(payload) and len(got) >= 6

@@ -2,6 +2,7 @@
 // all, digests are checked, caps say their numbers, downloads are one version.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 
 #include <openssl/evp.h>
 
+#include "file_copy.hpp"
 #include "file_transfer.hpp"
 
 namespace cellblock {
@@ -330,6 +332,174 @@ TEST_F(FileTransferTest, OtherSessionsCannotTouchAnUpload) {
                                    {{"session_id", "s2"}, {"upload_id", id}, {"offset", 0}}, {"x"},
                                    other, now_),
                  FileRequestError);
+}
+
+// ------------------------------------------------------------------ local copies
+
+// A local file as a client would pass it: its descriptor, open as asked.
+int open_local(const fs::path& p, int flags, const std::string& data = {}) {
+    if (!data.empty() || (flags & O_CREAT)) std::ofstream(p, std::ios::binary) << data;
+    return ::open(p.c_str(), (flags & ~O_CREAT) | O_CLOEXEC);
+}
+
+// Runs the copy as the local file socket's thread would.
+std::string run_copy(FileTransfers::LocalCopy& copy) {
+    CopyControl control;
+    return copy_and_hash(copy.src.get(), copy.dst.get(), copy.size, control);
+}
+
+TEST_F(FileTransferTest, LocalPutLandsWholeAtFinishWithTheDigestOfWhatLanded) {
+    const std::string data = pattern(200 << 10);
+    const UniqueFd src(open_local(root_ / "mine.csv", O_RDONLY, data));
+    auto copy = transfers_.begin_local_put({{"path", "d/mine.csv"}, {"sha256", sha256_hex(data)}},
+                                           src.get(), files_, now_);
+    EXPECT_EQ(copy.sandbox_path, "/data/input/d/mine.csv");
+    EXPECT_EQ(copy.size, data.size());
+    EXPECT_EQ(transfers_.open_transfers(), 1u);
+    const std::string digest = run_copy(copy);
+    EXPECT_EQ(entries(files_.input_dir), 0u) << "visible before the finish";
+    // An idle sweep long after does not drop a copy whose thread may still run.
+    transfers_.expire(now_ + std::chrono::hours(1));
+    auto done = transfers_.finish_local(copy.id, digest, files_);
+    EXPECT_EQ(done.content["sha256"], sha256_hex(data));
+    EXPECT_EQ(done.content["local"], true);
+    ASSERT_TRUE(done.event);
+    EXPECT_EQ(slurp(files_.input_dir / "d" / "mine.csv"), data);
+    EXPECT_EQ(entries(files_.partial_dir), 0u);
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+    EXPECT_EQ(transfers_.input_bytes("s1"), data.size());
+    EXPECT_TRUE(done.discard.empty());
+
+    // Again, smaller, under the same name: swapped in whole; the old file is
+    // handed back to be freed after the reply, and no longer counts.
+    const std::string second = pattern(50 << 10, 'k');
+    const UniqueFd src2(open_local(root_ / "mine2.csv", O_RDONLY, second));
+    auto copy2 = transfers_.begin_local_put({{"path", "d/mine.csv"}}, src2.get(), files_, now_);
+    auto done2 = transfers_.finish_local(copy2.id, run_copy(copy2), files_);
+    EXPECT_EQ(slurp(files_.input_dir / "d" / "mine.csv"), second);
+    ASSERT_FALSE(done2.discard.empty());
+    EXPECT_EQ(slurp(done2.discard), data) << "the displaced file is the old one";
+    EXPECT_EQ(transfers_.input_bytes("s1"), second.size());
+    ::unlink(done2.discard.c_str());
+    EXPECT_EQ(entries(files_.partial_dir), 0u);
+}
+
+TEST_F(FileTransferTest, LocalPutWithAnotherDigestIsDiscarded) {
+    const std::string data = pattern(10 << 10);
+    const UniqueFd src(open_local(root_ / "mine", O_RDONLY, data));
+    auto copy = transfers_.begin_local_put({{"path", "x"}, {"sha256", sha256_hex("other")}},
+                                           src.get(), files_, now_);
+    const std::string digest = run_copy(copy);
+    try {
+        transfers_.finish_local(copy.id, digest, files_);
+        FAIL() << "a copy with another digest was installed";
+    } catch (const FileRequestError& e) {
+        EXPECT_EQ(e.ename(), "ChecksumMismatch");
+    }
+    EXPECT_EQ(entries(files_.input_dir), 0u);
+    EXPECT_EQ(entries(files_.partial_dir), 0u);
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+}
+
+TEST_F(FileTransferTest, LocalPutRefusesWhatItCannotRead) {
+    auto ename_of = [&](int fd, json content = {{"path", "x"}}) {
+        const UniqueFd owned(fd);
+        try {
+            transfers_.begin_local_put(content, owned.get(), files_, now_);
+        } catch (const FileRequestError& e) {
+            return e.ename() + ": " + e.what();
+        }
+        return std::string("no error");
+    };
+    EXPECT_EQ(ename_of(open_local(root_ / "w", O_WRONLY | O_CREAT)),
+              "FileError: the descriptor passed is not open for reading");
+    EXPECT_EQ(ename_of(::open(root_.c_str(), O_RDONLY | O_DIRECTORY)),
+              "FileError: the descriptor passed is not a regular file");
+    EXPECT_EQ(ename_of(::open(root_.c_str(), O_PATH)),
+              "FileError: the descriptor passed is not a regular file");
+    int pipe_fds[2];
+    ASSERT_EQ(::pipe(pipe_fds), 0);
+    const UniqueFd write_end(pipe_fds[1]);
+    EXPECT_EQ(ename_of(pipe_fds[0]), "FileError: the descriptor passed is not a regular file");
+    EXPECT_EQ(
+        ename_of(open_local(root_ / "r", O_RDONLY, "x"), {{"path", "../escape"}}).substr(0, 11),
+        "InvalidPath");
+    // The session's cap (1 MiB here) holds for a local copy as for a stream.
+    EXPECT_EQ(ename_of(open_local(root_ / "big", O_RDONLY, pattern(2 << 20))).substr(0, 12),
+              "FileTooLarge");
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+    EXPECT_EQ(entries(files_.partial_dir), 0u);
+}
+
+TEST_F(FileTransferTest, LocalCopiesCountAgainstTheTransferCaps) {
+    const std::string data = pattern(1 << 10);
+    std::vector<FileTransfers::LocalCopy> copies;
+    std::vector<UniqueFd> fds;
+    for (std::size_t i = 0; i < limits_.max_session_transfers; ++i) {
+        fds.emplace_back(open_local(root_ / ("f" + std::to_string(i)), O_RDONLY, data));
+        copies.push_back(transfers_.begin_local_put({{"path", "f" + std::to_string(i)}},
+                                                    fds.back().get(), files_, now_));
+    }
+    fds.emplace_back(open_local(root_ / "one-more", O_RDONLY, data));
+    EXPECT_THROW(transfers_.begin_local_put({{"path", "one-more"}}, fds.back().get(), files_, now_),
+                 FileRequestError);
+    // A local copy is not a chunked upload: its id takes no chunks.
+    EXPECT_EQ(
+        error_of("file_put_chunk_request", {{"upload_id", copies[0].id}, {"offset", 0}}, {"x"}),
+        "TransferNotFound");
+    for (auto& c : copies) transfers_.abort_local(c.id);
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+    EXPECT_EQ(entries(files_.partial_dir), 0u);
+}
+
+TEST_F(FileTransferTest, LocalGetWritesThePassedFileAndRefusesAChangedOne) {
+    const std::string data = pattern(300 << 10);
+    std::ofstream(files_.output_dir / "r.bin", std::ios::binary) << data;
+    // Bytes already in the client's file go: it is cut to length 0 first.
+    const UniqueFd dst(open_local(root_ / "back", O_RDWR, std::string(500 << 10, 'z')));
+    auto copy =
+        transfers_.begin_local_get({{"path", "/data/output/r.bin"}}, dst.get(), files_, now_);
+    const std::string digest = run_copy(copy);
+    auto done = transfers_.finish_local(copy.id, digest, files_);
+    EXPECT_EQ(done.content["sha256"], sha256_hex(data));
+    EXPECT_EQ(slurp(root_ / "back"), data);
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+
+    // The code rewrites its file during the copy: refused.
+    auto again = transfers_.begin_local_get({{"path", "r.bin"}}, dst.get(), files_, now_);
+    run_copy(again);
+    std::ofstream(files_.output_dir / "r.bin", std::ios::binary | std::ios::app) << "more";
+    try {
+        transfers_.finish_local(again.id, digest, files_);
+        FAIL() << "a changed file was handed out";
+    } catch (const FileRequestError& e) {
+        EXPECT_EQ(e.ename(), "FileChanged");
+    }
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+}
+
+TEST_F(FileTransferTest, LocalGetNeedsAReadWriteFileAndARealOutput) {
+    std::ofstream(files_.output_dir / "r.bin") << "x";
+    const UniqueFd write_only(open_local(root_ / "wo", O_WRONLY | O_CREAT));
+    EXPECT_THROW(transfers_.begin_local_get({{"path", "r.bin"}}, write_only.get(), files_, now_),
+                 FileRequestError);
+    const UniqueFd dst(open_local(root_ / "rw", O_RDWR | O_CREAT));
+    // A symlink the code planted to a host file is not followed.
+    fs::create_symlink("/etc/passwd", files_.output_dir / "link");
+    EXPECT_THROW(transfers_.begin_local_get({{"path", "link"}}, dst.get(), files_, now_),
+                 FileRequestError);
+    EXPECT_EQ(slurp(root_ / "rw"), "");
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+}
+
+TEST_F(FileTransferTest, ASessionClosingDropsItsLocalCopies) {
+    const UniqueFd src(open_local(root_ / "s", O_RDONLY, pattern(4 << 10)));
+    auto copy = transfers_.begin_local_put({{"path", "s"}}, src.get(), files_, now_);
+    run_copy(copy);
+    transfers_.session_closed("s1");
+    EXPECT_EQ(entries(files_.partial_dir), 0u);
+    EXPECT_THROW(transfers_.finish_local(copy.id, "", files_), FileRequestError);
+    EXPECT_EQ(entries(files_.input_dir), 0u);
 }
 
 }  // namespace

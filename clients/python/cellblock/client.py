@@ -12,6 +12,7 @@ through jupyter_client's Session (and pyzmq, which jupyter_client brings).
 A Server may be shared by threads (each thread gets its own manager socket);
 a Session belongs to one thread at a time.
 """
+import array
 import base64
 import fcntl
 import hashlib
@@ -19,6 +20,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import struct
 import tempfile
 import threading
@@ -60,6 +62,26 @@ def _read_hashing(f, length, digest):
     if got < length:
         del buf[got:]
     return buf
+
+
+def _pack_frames(frames):
+    """The local file socket's packing: [u32 count][u32 size, bytes]..., little-endian."""
+    out = [struct.pack("<I", len(frames))]
+    for f in frames:
+        f = bytes(f)
+        out += [struct.pack("<I", len(f)), f]
+    return b"".join(out)
+
+
+def _unpack_frames(data):
+    (count,), at, frames = struct.unpack_from("<I", data), 4, []
+    for _ in range(count):
+        (size,) = struct.unpack_from("<I", data, at)
+        frames.append(data[at + 4:at + 4 + size])
+        at += 4 + size
+    if at != len(data) or len(frames) != count:
+        raise FileError("a malformed message on the local file socket")
+    return frames
 
 
 def _seekable(f):
@@ -145,6 +167,9 @@ class Server:
         self.file = file
         self.manager = info["manager"]
         self.pid = info.get("pid")
+        # The server's local file socket (docs/files.md): files on this host
+        # are passed by descriptor and copied inside the kernel.
+        self.files_socket = info.get("files_socket")
         self._key = info["key"].encode()
         self._scheme = info.get("signature_scheme", "hmac-sha256")
         self._ctx = zmq.Context()
@@ -577,7 +602,7 @@ class Session:
         raise ClientTimeout(f"no interrupt_reply in {timeout:g} s")
 
     # -- files
-    def put(self, path, data, *, progress=None, timeout=60.0, retries=3):
+    def put(self, path, data, *, progress=None, timeout=60.0, retries=3, local=None, sha256=None):
         """Writes a file to /data/input/<path>, read-only for the code; returns the path
         the code sees. `data` is bytes, a str (written as UTF-8), an os.PathLike naming
         a local file, or a binary file object (read from its position to its end).
@@ -587,7 +612,14 @@ class Session:
         the server checks the sha256 of the whole and the file appears whole or
         not at all. `progress(done, total)` is called as chunks are acknowledged.
         A connection lost mid-way is retried `retries` times: the server keeps the
-        bytes it has, and the upload resumes from there."""
+        bytes it has, and the upload resumes from there.
+
+        A local file (an os.PathLike) on the server's own host is not streamed:
+        its descriptor is passed over the server's local file socket, the server
+        copies it inside the kernel and hashes what landed, and the reply's sha256
+        is checked against `sha256` when given. local=False always streams;
+        local=True refuses to stream; None (the default) passes the descriptor
+        when the server offers a local file socket this process may use."""
         if isinstance(data, str):
             data = data.encode()
         if isinstance(data, (bytes, bytearray, memoryview)):
@@ -601,7 +633,15 @@ class Session:
             return self._put_stream(path, io.BytesIO(data), progress, timeout, retries)
         if isinstance(data, os.PathLike):
             with open(data, "rb") as f:
-                return self._put_stream(path, f, progress, timeout, retries)
+                if local is not False:
+                    reply = self._local_copy("file_put_local_request",
+                                             {"path": path, **({"sha256": sha256} if sha256 else {})},
+                                             f.fileno(), progress, timeout, required=bool(local))
+                    if reply is not None:
+                        return reply["path"]
+                return self._put_stream(path, f, progress, timeout, retries, sha256)
+        if local:
+            raise FileError("local=True needs a file on this host (an os.PathLike)")
         if hasattr(data, "read"):
             if _seekable(data):
                 return self._put_stream(path, data, progress, timeout, retries)
@@ -613,7 +653,7 @@ class Session:
         raise TypeError("put() takes bytes, str, an os.PathLike or a binary file object, "
                         f"not {type(data).__name__}")
 
-    def _put_stream(self, path, f, progress, timeout, retries):
+    def _put_stream(self, path, f, progress, timeout, retries, declared=None):
         server = self.server
         start = f.tell()
         size = f.seek(0, os.SEEK_END) - start
@@ -651,7 +691,8 @@ class Session:
                         progress(done, size)
                 reply, _ = server.request("file_put_commit_request",
                                           {"session_id": self.id, "upload_id": upload,
-                                           "sha256": digest.hexdigest()}, timeout=timeout)
+                                           "sha256": declared or digest.hexdigest()},
+                                          timeout=timeout)
                 if progress and size == 0:
                     progress(0, 0)
                 return reply["path"]
@@ -660,13 +701,17 @@ class Session:
                     raise
                 server._reset_channel()   # the upload waits on the server; begin resumes it
 
-    def get(self, path, dest=None, *, progress=None, timeout=60.0):
+    def get(self, path, dest=None, *, progress=None, timeout=60.0, local=None):
         """A file the code wrote to /data/output/<path>. With no `dest`, its bytes;
         with a path (str or os.PathLike), the file is written there (beside it
         first, then renamed once its sha256 matches the server's) and the path is
         returned; with a binary file object, the bytes are written to it.
         Streamed in chunks, so memory stays bounded unless the bytes are asked for.
-        `progress(done, total)` is called as chunks arrive."""
+        `progress(done, total)` is called as chunks arrive.
+
+        To a path on the server's own host, the file is not streamed: the
+        descriptor of the file beside `dest` is passed over the local file socket,
+        and the server copies into it and hashes what landed (local= as for put)."""
         if dest is None:
             buf = io.BytesIO()
             self._get_stream(path, buf, progress, timeout)
@@ -676,13 +721,68 @@ class Session:
             return dest
         partial = f"{os.fspath(dest)}.part"
         try:
-            with open(partial, "wb") as out:
-                self._get_stream(path, out, progress, timeout)
+            with open(partial, "w+b") as out:
+                copied = None
+                if local is not False:
+                    copied = self._local_copy("file_get_local_request", {"path": path},
+                                              out.fileno(), progress, timeout,
+                                              required=bool(local))
+                if copied is None:
+                    self._get_stream(path, out, progress, timeout)
             os.replace(partial, dest)
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
         return dest
+
+    def _local_copy(self, msg_type, content, fd, progress, timeout, required):
+        """One request on the server's local file socket with `fd` passed; the reply's
+        content, or None when there is no socket this process can use (and not
+        `required`). `timeout` bounds the wait for each message, not the copy."""
+        where = self.server.files_socket
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(timeout)
+            try:
+                if not where:
+                    raise FileNotFoundError("the server offers no local file socket")
+                sock.connect(where)
+            except OSError as e:
+                if required:
+                    raise FileError(f"the local file socket {where}: {e}") from None
+                return None
+            wire = WireSession(key=self.server._key, signature_scheme=self.server._scheme,
+                               username="cellblock-client")
+            msg = wire.msg(msg_type, {"session_id": self.id, **content})
+            sock.sendmsg([_pack_frames(wire.serialize(msg))],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            while True:
+                try:
+                    data = sock.recv(1 << 16)
+                except socket.timeout:
+                    raise ClientTimeout(f"no word in {timeout:g} s on {where}") from None
+                if not data:
+                    raise FileError(f"the server closed {where} without a reply")
+                _, frames = wire.feed_identities(_unpack_frames(data))
+                reply = wire.deserialize(frames)        # verifies the signature
+                if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+                    continue
+                c = reply["content"]
+                if reply["header"]["msg_type"] == "file_progress":
+                    if progress:
+                        progress(c["done"], c["size"])
+                    continue
+                if c.get("status") != "ok":
+                    raise error_for(c.get("ename", "ServerError"), c.get("evalue", ""))
+                if progress:
+                    progress(c["size"], c["size"])
+                want = content.get("sha256")
+                if want and c.get("sha256") != want.lower():
+                    raise error_for("ChecksumMismatch", f"{c.get('path')}: {c.get('sha256')}, "
+                                    f"not {want}")
+                return c
+        finally:
+            sock.close()
 
     def _get_stream(self, path, out, progress, timeout):
         server = self.server

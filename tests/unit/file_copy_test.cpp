@@ -1,0 +1,147 @@
+// The local file socket's parts that need no server: the in-kernel copy
+// hashed behind itself (file_copy.hpp) and the datagram packing (local_files.hpp).
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <openssl/evp.h>
+
+#include "file_copy.hpp"
+#include "file_transfer.hpp"
+#include "local_files.hpp"
+
+namespace cellblock {
+namespace {
+namespace fs = std::filesystem;
+
+std::string sha256_hex(std::string_view data) {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_Digest(data.data(), data.size(), md, &len, EVP_sha256(), nullptr);
+    std::string out;
+    for (unsigned int i = 0; i < len; ++i) {
+        out += "0123456789abcdef"[md[i] >> 4];
+        out += "0123456789abcdef"[md[i] & 15];
+    }
+    return out;
+}
+
+std::string pattern(std::size_t n) {
+    std::string s(n, '\0');
+    for (std::size_t i = 0; i < n; ++i) s[i] = static_cast<char>((i * 131 + i / 4093) & 0xff);
+    return s;
+}
+
+std::string slurp(const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), {}};
+}
+
+class FileCopyTest : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        char tmpl[] = "/tmp/cellblock-copy-XXXXXX";
+        root_ = ::mkdtemp(tmpl);
+    }
+    void TearDown() override { fs::remove_all(root_); }
+    UniqueFd source(const std::string& data) {
+        std::ofstream(root_ / "src", std::ios::binary) << data;
+        return UniqueFd(::open((root_ / "src").c_str(), O_RDONLY | O_CLOEXEC));
+    }
+    UniqueFd destination(int flags = O_RDWR) {
+        return UniqueFd(
+            ::open((root_ / "dst").c_str(), flags | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+    }
+    fs::path root_;
+};
+
+TEST_F(FileCopyTest, CopiesAndHashesWhatLandedAcrossManySteps) {
+    const std::string data = pattern((20 << 20) + 12345);  // three copy steps, many hash reads
+    const UniqueFd src = source(data), dst = destination();
+    CopyControl control;
+    int steps = 0;
+    const std::string digest =
+        copy_and_hash(src.get(), dst.get(), data.size(), control, [&] { ++steps; });
+    EXPECT_EQ(digest, sha256_hex(data));
+    EXPECT_EQ(slurp(root_ / "dst"), data);
+    EXPECT_EQ(control.done.load(), data.size());
+    EXPECT_GE(steps, 3);
+}
+
+TEST_F(FileCopyTest, AnEmptyFileHasTheEmptyDigest) {
+    const UniqueFd src = source(""), dst = destination();
+    CopyControl control;
+    EXPECT_EQ(copy_and_hash(src.get(), dst.get(), 0, control), sha256_hex(""));
+}
+
+TEST_F(FileCopyTest, ASourceShorterThanAnnouncedIsFileChanged) {
+    const std::string data = pattern(1 << 20);
+    const UniqueFd src = source(data), dst = destination();
+    CopyControl control;
+    try {
+        copy_and_hash(src.get(), dst.get(), data.size() + 100, control);
+        FAIL() << "a short source went through";
+    } catch (const FileRequestError& e) {
+        EXPECT_EQ(e.ename(), "FileChanged");
+        EXPECT_NE(std::string(e.what()).find("1048576"), std::string::npos) << e.what();
+    }
+}
+
+TEST_F(FileCopyTest, ADestinationThatCannotBeReadBackIsAnError) {
+    const UniqueFd src = source(pattern(4096)), dst = destination(O_WRONLY);
+    CopyControl control;
+    EXPECT_THROW(copy_and_hash(src.get(), dst.get(), 4096, control), FileRequestError);
+}
+
+TEST_F(FileCopyTest, ACancelStopsTheCopy) {
+    const std::string data = pattern(64 << 20);
+    const UniqueFd src = source(data), dst = destination();
+    CopyControl control;
+    try {
+        copy_and_hash(src.get(), dst.get(), data.size(), control, [&] { control.cancel = true; });
+        FAIL() << "a cancelled copy ran to its end";
+    } catch (const FileRequestError& e) {
+        EXPECT_EQ(e.ename(), "FileError");
+        EXPECT_NE(std::string(e.what()).find("cancelled"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(fs::file_size(root_ / "dst"), data.size());
+}
+
+TEST_F(FileCopyTest, AnAppendOnlyDestinationFallsBackToWrites) {
+    // copy_file_range refuses O_APPEND (EBADF): the read/write path takes over.
+    const std::string data = pattern(3 << 20);
+    const UniqueFd src = source(data), dst = destination(O_RDWR | O_APPEND);
+    CopyControl control;
+    EXPECT_EQ(copy_and_hash(src.get(), dst.get(), data.size(), control), sha256_hex(data));
+    EXPECT_EQ(slurp(root_ / "dst"), data);
+}
+
+TEST(LocalFramesTest, PackAndUnpackAreInverse) {
+    const std::vector<std::string> frames = {"<IDS|MSG>", "sig", "{}", "", std::string(70000, 'x')};
+    const std::string packed = pack_frames(frames);
+    const auto back = unpack_frames(packed, 64);
+    ASSERT_TRUE(back);
+    ASSERT_EQ(back->size(), frames.size());
+    for (std::size_t i = 0; i < frames.size(); ++i) EXPECT_EQ((*back)[i], frames[i]);
+}
+
+TEST(LocalFramesTest, MalformedPackingsAreRefused) {
+    const std::string good = pack_frames({"a", "bc"});
+    EXPECT_FALSE(unpack_frames("", 64));
+    EXPECT_FALSE(unpack_frames(good.substr(0, good.size() - 1), 64)) << "a frame cut short";
+    EXPECT_FALSE(unpack_frames(good + "x", 64)) << "bytes after the last frame";
+    EXPECT_FALSE(unpack_frames(good, 1)) << "more frames than allowed";
+    std::string huge = good;
+    huge[4] = '\xff';  // the first frame's size says 255 bytes, far past the end
+    EXPECT_FALSE(unpack_frames(huge, 64));
+    const std::string lying_count("\xff\xff\xff\xff", 4);
+    EXPECT_FALSE(unpack_frames(lying_count, 1u << 30)) << "a count past the bytes";
+}
+
+}  // namespace
+}  // namespace cellblock
