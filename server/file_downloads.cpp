@@ -160,6 +160,7 @@ FileTransfers::Reply FileTransfers::get_chunk(const json& c, const SessionFiles&
     reply.buffers.push_back(std::move(bytes));
     return reply;
 }
+
 FileTransfers::LocalCopy FileTransfers::begin_local_get(const json& c, int client_file,
                                                         const SessionFiles& s,
                                                         Clock::time_point now) {

@@ -620,6 +620,8 @@ class Session:
         is checked against `sha256` when given. local=False always streams;
         local=True refuses to stream; None (the default) passes the descriptor
         when the server offers a local file socket this process may use."""
+        if local and not isinstance(data, os.PathLike):
+            raise FileError("local=True needs a file on this host (an os.PathLike)")
         if isinstance(data, str):
             data = data.encode()
         if isinstance(data, (bytes, bytearray, memoryview)):
@@ -640,8 +642,6 @@ class Session:
                     if reply is not None:
                         return reply["path"]
                 return self._put_stream(path, f, progress, timeout, retries, sha256)
-        if local:
-            raise FileError("local=True needs a file on this host (an os.PathLike)")
         if hasattr(data, "read"):
             if _seekable(data):
                 return self._put_stream(path, data, progress, timeout, retries)
