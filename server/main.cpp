@@ -305,6 +305,16 @@ int main(int argc, char** argv) {
     get_cmd->add_option("session", session_id)->required();
     get_cmd->add_option("remote", remote, "path under /data/output")->required();
     get_cmd->add_option("local", local, "local file (default: the file's name)");
+    // By default a file moves by descriptor over the server's local file
+    // socket when this process can reach it, else it is streamed.
+    bool stream_only = false, local_only = false;
+    for (auto* cmd : {put_cmd, get_cmd}) {
+        auto* stream = cmd->add_flag("--stream", stream_only,
+                                     "stream the bytes through the manager socket in chunks");
+        cmd->add_flag("--local", local_only,
+                      "pass the file's descriptor over the server's local file socket, or fail")
+            ->excludes(stream);
+    }
     auto* history_cmd = add_client("history", "a session's executions and events");
     history_cmd->add_option("session", session_id)->required();
     history_cmd->add_flag("--json", as_json, "print JSON");
@@ -506,9 +516,12 @@ int main(int argc, char** argv) {
             std::cout << "session " << session_id << " closed\n";
             return 0;
         }
+        const auto route = stream_only  ? cellblock::ManagerClient::Route::Stream
+                           : local_only ? cellblock::ManagerClient::Route::Local
+                                        : cellblock::ManagerClient::Route::Auto;
         if (put_cmd->parsed()) {
             const std::string name = remote.empty() ? fs::path(local).filename().string() : remote;
-            const json reply = client.put_file(session_id, local, name, progress_bar(name));
+            const json reply = client.put_file(session_id, local, name, progress_bar(name), route);
             std::cout << local << " -> " << reply["path"].get<std::string>() << " ("
                       << reply["size"] << " bytes) sha256 " << reply["sha256"].get<std::string>()
                       << "\n";
@@ -516,7 +529,8 @@ int main(int argc, char** argv) {
         }
         if (get_cmd->parsed()) {
             const fs::path out = local.empty() ? fs::path(remote).filename() : fs::path(local);
-            const json reply = client.get_file(session_id, remote, out, progress_bar(remote));
+            const json reply =
+                client.get_file(session_id, remote, out, progress_bar(remote), route);
             std::cout << reply["path"].get<std::string>() << " -> " << out.string() << " ("
                       << reply["size"] << " bytes) sha256 " << reply["sha256"].get<std::string>()
                       << "\n";

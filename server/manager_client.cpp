@@ -1,15 +1,21 @@
 #include "manager_client.hpp"
 
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <deque>
 #include <fstream>
 
 #include <openssl/evp.h>
 
+#include "cellblock/unique_fd.hpp"
+#include "local_files.hpp"
 #include "manager_paths.hpp"
 #include "multipart.hpp"
+#include "unix_address.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
@@ -82,6 +88,7 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
                                  ", which holds no lock there); start one with `cellblock serve`");
     }
     key_ = j["key"].get<std::string>();
+    files_socket_ = j.value("files_socket", "");
     signer_ = Signer(key_);
     socket_.set(zmq::sockopt::linger, 0);
     socket_.connect(j["manager"].get<std::string>());
@@ -138,8 +145,87 @@ WireMessage ManagerClient::call(const std::string& type, json content,
     return wait(id, type, timeout);
 }
 
+std::optional<json> ManagerClient::local_copy(const std::string& type, json content, int fd,
+                                              const Progress& progress, Route route) {
+    const auto unreachable = [&](const std::string& why) -> std::optional<json> {
+        if (route == Route::Local) throw std::runtime_error("the local file socket: " + why);
+        return std::nullopt;
+    };
+    if (files_socket_.empty()) return unreachable("the server offers none");
+    const auto addr = unix_address(files_socket_);
+    if (!addr) return unreachable(files_socket_ + " is too long for a unix socket");
+    UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (!sock ||
+        ::connect(sock.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) != 0)
+        return unreachable(files_socket_ + ": " + std::strerror(errno));
+
+    WireMessage msg;
+    msg.header = make_header(type, session_, "cellblock-cli");
+    msg.content = std::move(content);
+    const std::string id = msg.msg_id();
+    std::string packed = pack_frames(encode(msg, signer_));
+    iovec iov{packed.data(), packed.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr out{};
+    out.msg_iov = &iov;
+    out.msg_iovlen = 1;
+    out.msg_control = control;
+    out.msg_controllen = sizeof control;
+    cmsghdr* h = CMSG_FIRSTHDR(&out);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(h), &fd, sizeof fd);
+    if (::sendmsg(sock.get(), &out, MSG_NOSIGNAL) < 0)
+        throw std::runtime_error("send to " + files_socket_ + ": " + std::strerror(errno));
+
+    // Each message comes within the timeout (progress every 64 MiB), not the whole copy.
+    const timeval wait{120, 0};
+    ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+    std::string datagram(kLocalRequestBytes, '\0');
+    for (;;) {
+        const ssize_t n = ::recv(sock.get(), datagram.data(), datagram.size(), 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            throw std::runtime_error("the server said nothing for 120 s on " + files_socket_);
+        if (n <= 0)
+            throw std::runtime_error("the server closed " + files_socket_ + " without a reply");
+        const auto frames =
+            unpack_frames(std::string_view(datagram.data(), static_cast<std::size_t>(n)), 64);
+        if (!frames) throw std::runtime_error("a malformed message on " + files_socket_);
+        auto decoded = decode(*frames, signer_, nullptr, WireLimits{});
+        if (!decoded.message || decoded.message->parent_msg_id() != id) continue;
+        if (decoded.message->msg_type() == "file_progress") {
+            const json& c = decoded.message->content;
+            if (progress)
+                progress(c.value("done", std::uint64_t{0}), c.value("size", std::uint64_t{0}));
+            continue;
+        }
+        json reply = ok_content(*decoded.message);
+        if (progress) {
+            const auto size = reply.value("size", std::uint64_t{0});
+            progress(size, size);
+        }
+        return reply;
+    }
+}
+
 json ManagerClient::put_file(const std::string& session_id, const fs::path& local,
-                             const std::string& remote, const Progress& progress) {
+                             const std::string& remote, const Progress& progress, Route route) {
+    if (route != Route::Stream) {
+        const UniqueFd fd(::open(local.c_str(), O_RDONLY | O_CLOEXEC));
+        if (!fd)
+            throw std::runtime_error("cannot read " + local.string() + ": " + std::strerror(errno));
+        if (auto reply =
+                local_copy("file_put_local_request", {{"session_id", session_id}, {"path", remote}},
+                           fd.get(), progress, route))
+            return *reply;
+    }
+    return stream_put(session_id, local, remote, progress);
+}
+
+json ManagerClient::stream_put(const std::string& session_id, const fs::path& local,
+                               const std::string& remote, const Progress& progress) {
     std::ifstream in(local, std::ios::binary);
     std::error_code ec;
     const auto size = fs::file_size(local, ec);
@@ -188,7 +274,35 @@ json ManagerClient::put_file(const std::string& session_id, const fs::path& loca
 }
 
 json ManagerClient::get_file(const std::string& session_id, const std::string& remote,
-                             const fs::path& local, const Progress& progress) {
+                             const fs::path& local, const Progress& progress, Route route) {
+    const fs::path partial = local.string() + ".part";
+    if (route != Route::Stream) {
+        // The server cuts this file to length, copies into it and hashes it back.
+        const UniqueFd fd(::open(partial.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+        if (!fd)
+            throw std::runtime_error("cannot write " + partial.string() + ": " +
+                                     std::strerror(errno));
+        try {
+            if (auto reply = local_copy("file_get_local_request",
+                                        {{"session_id", session_id}, {"path", remote}}, fd.get(),
+                                        progress, route)) {
+                fs::rename(partial, local);
+                return {{"path", (*reply)["path"]},
+                        {"size", (*reply)["size"]},
+                        {"sha256", (*reply)["sha256"]},
+                        {"local", true}};
+            }
+        } catch (...) {
+            std::error_code ignored;
+            fs::remove(partial, ignored);
+            throw;
+        }
+    }
+    return stream_get(session_id, remote, local, progress);
+}
+
+json ManagerClient::stream_get(const std::string& session_id, const std::string& remote,
+                               const fs::path& local, const Progress& progress) {
     const json begin =
         ok_content(call("file_get_begin_request", {{"session_id", session_id}, {"path", remote}}));
     const auto size = begin["size"].get<std::uint64_t>();

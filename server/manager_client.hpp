@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,21 +38,39 @@ class ManagerClient {
 
     // Called with bytes done and the file's size as a transfer moves.
     using Progress = std::function<void(std::uint64_t done, std::uint64_t total)>;
-    // Streams a local file to the session's /data/input/<remote> in chunks
-    // (file_put_begin/chunk/commit, sha256 checked by the server); returns
-    // the commit's reply content. Throws std::runtime_error("ename: evalue").
+    // How a file moves: by descriptor over the server's local file socket
+    // when this process can reach it, else streamed (Auto); or only one way.
+    enum class Route { Auto, Stream, Local };
+    // Copies a local file to the session's /data/input/<remote>: by descriptor
+    // (file_put_local_request), or streamed in chunks (file_put_begin/chunk/
+    // commit, sha256 checked by the server); returns the reply's content
+    // (path, size, sha256, and local: true when it went by descriptor).
+    // Throws std::runtime_error("ename: evalue").
     nlohmann::json put_file(const std::string& session_id, const std::filesystem::path& local,
-                            const std::string& remote, const Progress& progress = {});
-    // Streams /data/output/<remote> to `local` (written beside it, checked
+                            const std::string& remote, const Progress& progress = {},
+                            Route route = Route::Auto);
+    // Copies /data/output/<remote> to `local` (written beside it, checked
     // against the server's sha256, then renamed into place); returns
     // {path, size, sha256}.
     nlohmann::json get_file(const std::string& session_id, const std::string& remote,
-                            const std::filesystem::path& local, const Progress& progress = {});
+                            const std::filesystem::path& local, const Progress& progress = {},
+                            Route route = Route::Auto);
 
   private:
+    // One request on the local file socket with `fd` passed: the reply's
+    // content, or nullopt when the socket cannot be reached (and `route` is
+    // not Local). Throws std::runtime_error for an error reply.
+    std::optional<nlohmann::json> local_copy(const std::string& type, nlohmann::json content,
+                                             int fd, const Progress& progress, Route route);
+    nlohmann::json stream_put(const std::string& session_id, const std::filesystem::path& local,
+                              const std::string& remote, const Progress& progress);
+    nlohmann::json stream_get(const std::string& session_id, const std::string& remote,
+                              const std::filesystem::path& local, const Progress& progress);
+
     zmq::context_t context_{1};
     zmq::socket_t socket_{context_, zmq::socket_type::dealer};
     std::string key_;
+    std::string files_socket_;  // server.json's files_socket, when it offers one
     Signer signer_{""};
     std::string session_ = make_uuid();
     std::map<std::string, WireMessage> early_;  // replies that came before their wait()

@@ -10,6 +10,7 @@ import hmac
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pexpect
@@ -281,13 +282,27 @@ def test_cli_put_get_stream(server, cb, tmp_path):  # noqa: F811
     local = tmp_path / "cli.bin"
     local.write_bytes(payload)
     with cb.session() as s:
-        out = server.cli("put", s.id, str(local), "cli.bin")
+        out = server.cli("put", "--stream", s.id, str(local), "cli.bin")
         assert "/data/input/cli.bin" in out.stdout and sha(payload) in out.stdout, out.stdout
         assert "\r" not in out.stderr, "a progress bar on a pipe"
         inside(s, "import shutil\nshutil.copy('/data/input/cli.bin', '/data/output/back.bin')")
         back = tmp_path / "back.bin"
-        out = server.cli("get", s.id, "back.bin", str(back))
+        out = server.cli("get", "--stream", s.id, "back.bin", str(back))
         assert back.read_bytes() == payload and sha(payload) in out.stdout
+        puts = [e for e in s.history()["events"] if e["kind"] == "file_put"]
+        assert len(puts) == 1 and "local copy" not in puts[0]["detail"], puts
+        # By default, on the server's host: by descriptor, the same bytes.
+        out = server.cli("put", s.id, str(local), "again.bin")
+        assert "/data/input/again.bin" in out.stdout and sha(payload) in out.stdout, out.stdout
+        puts = [e for e in s.history()["events"] if e["kind"] == "file_put"]
+        assert len(puts) == 2 and "local copy" in puts[1]["detail"], puts
+        back.unlink()
+        out = server.cli("get", "--local", s.id, "back.bin", str(back))
+        assert back.read_bytes() == payload and sha(payload) in out.stdout
+        assert not os.path.exists(f"{back}.part")
+        both = subprocess.run([CELLBLOCK_BIN, "put", "--state-dir", server.state_dir, "--local",
+                               "--stream", s.id, str(local)], capture_output=True, text=True)
+        assert both.returncode != 0 and "excludes" in both.stderr, both.stderr
         # On a terminal: a progress bar that reaches 100 %.
         child = pexpect.spawn(CELLBLOCK_BIN, ["put", "--state-dir", server.state_dir, s.id,
                                               str(local), "tty.bin"], timeout=60)
