@@ -249,4 +249,46 @@ std::string iso8601_now() {
     return std::string(text, n > 0 ? static_cast<std::size_t>(n) : 0);
 }
 
+namespace {
+
+void put_u32(std::string& out, std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) out += static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+std::optional<std::uint32_t> take_u32(std::string_view& in) {
+    if (in.size() < 4) return std::nullopt;
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i)
+        v |= static_cast<std::uint32_t>(static_cast<unsigned char>(in[i])) << (8 * i);
+    in.remove_prefix(4);
+    return v;
+}
+
+}  // namespace
+
+std::string pack_frames(const std::vector<std::string>& frames) {
+    std::string out;
+    put_u32(out, static_cast<std::uint32_t>(frames.size()));
+    for (const auto& f : frames) {
+        put_u32(out, static_cast<std::uint32_t>(f.size()));
+        out += f;
+    }
+    return out;
+}
+
+std::optional<std::vector<std::string_view>> unpack_frames(std::string_view in,
+                                                           std::size_t max_frames) {
+    const auto count = take_u32(in);
+    if (!count || *count > max_frames) return std::nullopt;
+    std::vector<std::string_view> frames;
+    for (std::uint32_t i = 0; i < *count; ++i) {
+        const auto size = take_u32(in);
+        if (!size || *size > in.size()) return std::nullopt;
+        frames.push_back(in.substr(0, *size));
+        in.remove_prefix(*size);
+    }
+    if (!in.empty()) return std::nullopt;
+    return frames;
+}
+
 }  // namespace cellblock

@@ -2,8 +2,9 @@
 // gets a file by passing its descriptor (SCM_RIGHTS) with one signed request
 // instead of streaming the bytes through the manager socket. The bytes then
 // move inside the kernel (file_copy.hpp) on a thread of their own, hashed once,
-// while the loop goes on. What is here: the datagram framing and the
-// per-connection record; the handling is Server's (local_files.cpp).
+// while the loop goes on. What is here: its limits and the per-connection
+// record (the datagram packing is wire_message.hpp's); the handling is
+// Server's (local_files.cpp).
 //
 // A connection carries one request, in one SOCK_SEQPACKET datagram: the
 // manager message's frames (the delimiter first, no identities), packed as
@@ -32,12 +33,6 @@ inline constexpr std::size_t kLocalRequestBytes = 64u << 10;  // one request dat
 inline constexpr std::size_t kLocalMaxClients = 64;
 inline constexpr auto kLocalRequestWait = std::chrono::seconds(10);  // connect to request
 inline constexpr std::uint64_t kLocalProgressBytes = 64u << 20;      // between progress messages
-
-std::string pack_frames(const std::vector<std::string>& frames);
-// The frames of a packed datagram (views into it), or nullopt when it is not
-// exactly a packing of at most `max_frames` frames.
-std::optional<std::vector<std::string_view>> unpack_frames(std::string_view datagram,
-                                                           std::size_t max_frames);
 
 inline std::filesystem::path local_files_socket(const std::filesystem::path& state_dir) {
     return state_dir / "files.sock";

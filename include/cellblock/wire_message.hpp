@@ -99,4 +99,12 @@ WireMessage make_reply(const WireMessage& parent, std::string_view msg_type, nlo
 std::string make_uuid();    // uuid4, canonical 36-character form
 std::string iso8601_now();  // e.g. 2026-11-22T12:00:00.123456Z
 
+// One message in one datagram (the local file socket, docs/manager-api.md):
+// its frames, the delimiter first, packed as [u32 count][u32 size, bytes]...,
+// little-endian. unpack_frames returns views into `datagram`, or nullopt when
+// it is not exactly a packing of at most `max_frames` frames.
+std::string pack_frames(const std::vector<std::string>& frames);
+std::optional<std::vector<std::string_view>> unpack_frames(std::string_view datagram,
+                                                           std::size_t max_frames);
+
 }  // namespace cellblock

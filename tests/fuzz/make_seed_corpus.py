@@ -8,7 +8,8 @@ wrote, plus edge cases. limits and image: the documented examples, the repo's
 image.json files, plus edge cases. http_head: proxy requests as curl and
 Python send them, plus edge cases. zmtp: a ZMTP 3.0 peer's bytes (handshakes
 and traffic as libzmq ROUTER, PUB and XPUB sockets send them, long and oversize
-frames, broken handshakes) in fuzz_zmtp's input format.
+frames, broken handshakes) in fuzz_zmtp's input format. packed: the local file
+socket's datagrams (a signed request, malformed packings).
 
     /usr/bin/python3 tests/fuzz/make_seed_corpus.py [TARGET...]
 
@@ -424,8 +425,35 @@ def zmtp_seeds():
     return seeds
 
 
+def pack(frames):
+    """The local file socket's datagram: [u32 count][u32 size, bytes]..., little-endian."""
+    return struct.pack("<I", len(frames)) + b"".join(struct.pack("<I", len(f)) + f for f in frames)
+
+
+def packed_seeds():
+    """fuzz_packed's input: the most frames accepted (one byte), then a datagram."""
+    header = json.dumps({"msg_id": "a", "msg_type": "file_put_local_request", "session": "s",
+                         "username": "u", "date": "2026-11-26T00:00:00Z",
+                         "version": "5.3"}).encode()
+    content = json.dumps({"session_id": "s", "path": "x"}).encode()
+    good = message(KEYS[0], header=header, content=content)
+    seeds = {
+        "signed-request": bytes([64]) + pack(good),
+        "unsigned-request": bytes([64]) + pack([DELIM, b"", header, b"{}", b"{}", content]),
+        "empty": bytes([64]) + pack([]),
+        "one-empty-frame": bytes([64]) + pack([b""]),
+        "too-many-frames": bytes([3]) + pack(good),
+        "short-count": bytes([64]) + b"\x01\x00",
+        "size-past-end": bytes([64]) + struct.pack("<II", 1, 100) + b"abc",
+        "trailing-bytes": bytes([64]) + pack([b"x"]) + b"junk",
+        "huge-count": bytes([255]) + struct.pack("<I", 0xFFFFFFFF),
+    }
+    return seeds
+
+
 TARGETS = {"wire": wire_seeds, "connection_file": connection_seeds, "limits": limits_seeds,
-           "image": image_seeds, "http_head": http_head_seeds, "zmtp": zmtp_seeds}
+           "image": image_seeds, "http_head": http_head_seeds, "zmtp": zmtp_seeds,
+           "packed": packed_seeds}
 
 
 def main():

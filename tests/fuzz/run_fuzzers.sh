@@ -14,7 +14,7 @@ while (($#)) && [[ $1 != -- ]]; do
   shift
 done
 [[ ${1:-} == -- ]] && shift
-((${#targets[@]})) || targets=(wire connection_file limits image http_head zmtp)
+((${#targets[@]})) || targets=(wire connection_file limits image http_head zmtp packed)
 
 mkdir -p "$build/artifacts" "$build/logs"
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1}
@@ -38,6 +38,7 @@ for name in "${targets[@]}"; do
   [[ $name == wire ]] && dict=$here/wire.dict
   [[ $name == http_head ]] && dict=$here/http.dict
   [[ $name == zmtp ]] && dict=$here/zmtp.dict
+  [[ $name == packed ]] && dict=$here/wire.dict
   mkdir -p "$build/corpus/$name"
   log=$build/logs/$name.log
   echo "fuzz_$name: ${seconds}s"
