@@ -10,9 +10,9 @@ import time
 import zmq
 
 from client import BenchError, MultiDriver
-from servers import (HOST_IMAGE, BareKernels, CellblockServer, cgroup_memory, cgroup_throttling,
-                     mem_available, process_cpu_ns, process_sched, proc_status, pss_bytes,
-                     sessions_and_bare_kernels, wait_ready)
+from servers import (HOST_IMAGE, BareKernels, CellblockServer, cgroup_cpu_s, cgroup_memory,
+                     cgroup_throttling, host_cpu_s, mem_available, process_cpu_ns, process_sched,
+                     proc_status, pss_bytes, sessions_and_bare_kernels, wait_ready)
 from stats import Row, ms, summary, unavailable
 
 GIB = 1 << 30
@@ -886,9 +886,32 @@ def fairness(bench):
                 ch.send_execute(code)
             time.sleep(lead)
             before = len(cpu_events(srv, comp_id))
+            # Where the two cores go while the computation runs, by group.
+            groups = {"the computation": [comp_id],
+                      "fork bombs": [r["session_id"] for r, c in zip(noisy_replies, noisy_cells)
+                                     if c == FORK_BOMB],
+                      "memory bombs": [r["session_id"] for r, c in zip(noisy_replies, noisy_cells)
+                                       if c == MEMORY_BOMB],
+                      "CPU spins": [r["session_id"] for r, c in zip(noisy_replies, noisy_cells)
+                                    if c == CPU_SPIN],
+                      "interactive": [r["session_id"] for r in replies[1:]]}
+            cpu_before = {g: [cgroup_cpu_s(sid) for sid in ids] for g, ids in groups.items()}
+            host_before, wall_before = host_cpu_s(), time.monotonic()
             comp_ex = comp.send_execute(work)
             loud, failed = step_sessions(interactive, lambda rts: comp_ex.done, computation=comp,
                                          max_seconds=900)
+            wall = time.monotonic() - wall_before
+            host_used = host_cpu_s() - host_before
+            split = {}
+            for g, ids in groups.items():
+                used = [cgroup_cpu_s(sid) for sid in ids]
+                split[g] = sum(a - b for a, b in zip(used, cpu_before[g])
+                               if a is not None and b is not None)
+            split["the rest of the host (server, runc, clients, other tenants)"] = \
+                host_used - sum(split.values())
+            cores = "; ".join(f"{g} {v / wall:.2f}" for g, v in split.items())
+            bench.log(f"fairness ({lead} s ahead): cores used while the computation ran "
+                      f"({wall:.1f} s, host {host_used / wall:.2f} busy): {cores}")
             if comp_ex.status() != "ok":
                 failed.append(f"the computation: {comp_ex.reply['content'].get('ename')}")
             comp_events = cpu_events(srv, comp_id)[before:]
@@ -910,7 +933,9 @@ def fairness(bench):
                       f"3 CPU spins, {lead} s ahead; the computation's CPU events: "
                       f"{[k for k, _ in comp_events] or 'none'}; the neighbours' events: "
                       f"{noisy_events or 'none'}; the interactive sessions' events: "
-                      f"{interactive_events}; {len(loud)} interactive round trips during it")
+                      f"{interactive_events}; {len(loud)} interactive round trips during it; "
+                      f"cores used meanwhile (of {os.cpu_count()}, host {host_used / wall:.2f} "
+                      f"busy): {cores}")
             note = "; ".join(failed[:2]) if failed else ""
             comp_rows.append((name, took, failed, note, detail))
             rows.append(Row("8", f"CPU fairness ({name}): 9 interactive sessions' 1+1", "ms",
@@ -920,7 +945,8 @@ def fairness(bench):
             raw[name] = {"lead_s": lead, "computation_s": took,
                          "loud_ms": ms(loud), "failed": failed,
                          "computation_events": comp_events, "neighbour_events": noisy_events,
-                         "interactive_events": interactive_events}
+                         "interactive_events": interactive_events,
+                         "cpu_s_by_group": split, "wall_s": wall}
         alone.append(comp.execute(work, timeout=900).round_trip)
         bench.log(f"fairness: the computation alone again: {alone[1]:.1f} s")
         base = summary([a * 1000 for a in alone])

@@ -71,6 +71,29 @@ def process_sched(pids):
     return (cpu, wait) if found else (None, None)
 
 
+def cgroup_cpu_s(sid):
+    """CPU seconds a session's sandbox has used so far (cpuacct.usage), or None once it is gone."""
+    for path in (f"/sys/fs/cgroup/cpuacct/cellblock/cb-{sid}/cpuacct.usage",
+                 f"/sys/fs/cgroup/cpu,cpuacct/cellblock/cb-{sid}/cpuacct.usage"):
+        try:
+            with open(path) as f:
+                return int(f.read()) / 1e9
+        except (OSError, ValueError):
+            continue
+    try:
+        with open(f"/sys/fs/cgroup/cellblock/cb-{sid}/cpu.stat") as f:
+            return int(dict(line.split() for line in f)["usage_usec"]) / 1e6
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def host_cpu_s():
+    """Busy CPU seconds of the whole host so far (/proc/stat, all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def cgroup_throttling(sid):
     """(nr_throttled, throttled ms) of a session's CPU cgroup so far, or None."""
     for path in (f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}/cpu.stat",
