@@ -13,9 +13,10 @@ many were refused and with what, lost or mixed replies, and the server's fds,
 RSS and threads at start, after the load and after the window. With --trim,
 asks the server's glibc to return free memory (gdb: malloc_trim(0)) and
 prints the RSS after it: memory that comes back is allocator retention, not a
-leak.
+leak. With --rounds N, the load and the window N times over: a leak grows with
+every round, a high-water mark (caches, pools, allocator arenas) does not.
 
-    sudo /usr/bin/python3 bench/soak.py [--cycles 300 --parallel 4 --sessions 30 --execs 50] [--trim]
+    sudo /usr/bin/python3 bench/soak.py [--cycles 300 --parallel 4 --sessions 30 --execs 50] [--trim] [--rounds N]
 """
 import argparse
 import os
@@ -122,6 +123,40 @@ def load(srv, sessions, execs):
     return refused, bad
 
 
+def trim(pid):
+    subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"],
+                   capture_output=True, timeout=120)
+
+
+def one_round(srv, pid, args, prefix):
+    """The cycles, the load, the window; prints what they did and the server's figures."""
+    t0 = time.monotonic()
+    answered, refused, lost = cycles(srv, args.cycles, args.parallel)
+    t1 = time.monotonic()
+    print(f"{prefix}{args.cycles} create/close cycles, {args.parallel} at a time: {t1 - t0:.1f} s; "
+          f"answered {len(answered)}, refused {len(refused)}, lost {len(lost)}")
+    for r in refused[:5]:
+        print("   refused:", r)
+    load_refused, bad = load(srv, args.sessions, args.execs)
+    t2 = time.monotonic()
+    print(f"{prefix}{args.sessions} sessions x {args.execs} executions: {t2 - t1:.1f} s; refused "
+          f"{len(load_refused)}, lost or mixed replies {len(bad)}")
+    for b in bad[:5]:
+        print("   bad:", b)
+    after = figures(pid)
+    window = srv.ok("server_info_request", {})["content"]["policy"]["closed_channels_s"]
+    time.sleep(window + 5)
+    sh.wait_for(lambda: srv.ok("server_info_request", {})["content"]["pool"]["host"]["ready"] == 2,
+                timeout=120)
+    settled = figures(pid)
+    show(f"{prefix}after the load", after)
+    show(f"{prefix}after the window ({window:g} s)", settled)
+    if args.trim and shutil.which("gdb"):
+        trim(pid)
+        show(f"{prefix}after malloc_trim(0)", figures(pid))
+    sys.stdout.flush()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cycles", type=int, default=300)
@@ -129,6 +164,9 @@ def main():
     ap.add_argument("--sessions", type=int, default=30)
     ap.add_argument("--execs", type=int, default=50)
     ap.add_argument("--trim", action="store_true", help="probe glibc retention with malloc_trim")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the load: memory a leak holds grows with each round, "
+                         "a high-water mark does not")
     args = ap.parse_args()
     srv = sh.start_server([])   # the defaults: pool host=2, max-sessions 256, window 30 s
     try:
@@ -136,33 +174,13 @@ def main():
         sh.wait_for(lambda: srv.ok("server_info_request", {})["content"]["pool"]["host"]["ready"] == 2,
                     timeout=120)
         start = figures(pid)
-        t0 = time.monotonic()
-        answered, refused, lost = cycles(srv, args.cycles, args.parallel)
-        t1 = time.monotonic()
-        print(f"{args.cycles} create/close cycles, {args.parallel} at a time: {t1 - t0:.1f} s; "
-              f"answered {len(answered)}, refused {len(refused)}, lost {len(lost)}")
-        for r in refused[:5]:
-            print("   refused:", r)
-        load_refused, bad = load(srv, args.sessions, args.execs)
-        t2 = time.monotonic()
-        print(f"{args.sessions} sessions x {args.execs} executions: {t2 - t1:.1f} s; refused "
-              f"{len(load_refused)}, lost or mixed replies {len(bad)}")
-        for b in bad[:5]:
-            print("   bad:", b)
-        after = figures(pid)
-        window = srv.ok("server_info_request", {})["content"]["policy"]["closed_channels_s"]
-        time.sleep(window + 5)
-        sh.wait_for(lambda: srv.ok("server_info_request", {})["content"]["pool"]["host"]["ready"] == 2,
-                    timeout=120)
-        settled = figures(pid)
         print("server figures:")
         show("at start", start)
-        show("after the load", after)
-        show(f"after the window ({window:g} s)", settled)
         if args.trim and shutil.which("gdb"):
-            subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (int)malloc_trim(0)"],
-                           capture_output=True, timeout=120)
-            show("after malloc_trim(0)", figures(pid))
+            trim(pid)
+            show("at start, after malloc_trim(0)", figures(pid))
+        for n in range(1, args.rounds + 1):
+            one_round(srv, pid, args, f"round {n}: " if args.rounds > 1 else "")
     finally:
         problems = srv.shutdown(keep_log=True)
         if problems:
