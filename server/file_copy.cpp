@@ -29,9 +29,13 @@ struct StepFailed {
 };
 
 // What the copying thread reports; `copied` is published after each step.
+// `ticks` moves at every report, the last included: the hasher waits on it,
+// so an end that copied nothing more (a cancel, a short source, an error)
+// still wakes it.
 struct CopyState {
     std::atomic<std::uint64_t> copied{0};
     std::atomic<bool> finished{false};
+    std::atomic<std::uint32_t> ticks{0};
     int error = 0;  // errno of a failed step, read after `finished`
     bool short_source = false;
 };
@@ -78,7 +82,8 @@ void copy_all(int src, int dst, std::uint64_t size, CopyControl& control, CopySt
             }
             at += n;
             state.copied.store(at, std::memory_order_release);
-            state.copied.notify_one();
+            state.ticks.fetch_add(1, std::memory_order_release);
+            state.ticks.notify_one();
         }
     } catch (const StepFailed& e) {
         state.error = e.err;
@@ -86,7 +91,8 @@ void copy_all(int src, int dst, std::uint64_t size, CopyControl& control, CopySt
         state.error = EIO;
     }
     state.finished.store(true, std::memory_order_release);
-    state.copied.notify_one();
+    state.ticks.fetch_add(1, std::memory_order_release);
+    state.ticks.notify_one();
 }
 
 }  // namespace
@@ -101,15 +107,16 @@ std::string copy_and_hash(int src, int dst, std::uint64_t size, CopyControl& con
         std::vector<char> buffer(kHashBuffer);
         try {
             while (hashed < size) {
-                std::uint64_t copied = state.copied.load(std::memory_order_acquire);
+                // Read before what it guards: a report after this load moves it.
+                const std::uint32_t tick = state.ticks.load(std::memory_order_acquire);
+                const std::uint64_t copied = state.copied.load(std::memory_order_acquire);
                 if (copied == hashed) {
                     if (state.finished.load(std::memory_order_acquire)) {
-                        copied = state.copied.load(std::memory_order_acquire);
-                        if (copied == hashed) break;
+                        if (state.copied.load(std::memory_order_acquire) == hashed) break;
                     } else {
-                        state.copied.wait(hashed, std::memory_order_acquire);
-                        continue;
+                        state.ticks.wait(tick, std::memory_order_acquire);
                     }
+                    continue;
                 }
                 // At most a step's bytes between reports: the copy runs ahead of
                 // the hash, which would otherwise catch up only at the end.

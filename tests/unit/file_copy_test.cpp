@@ -5,6 +5,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -110,6 +113,39 @@ TEST_F(FileCopyTest, ACancelStopsTheCopy) {
         EXPECT_NE(std::string(e.what()).find("cancelled"), std::string::npos) << e.what();
     }
     EXPECT_LT(fs::file_size(root_ / "dst"), data.size());
+}
+
+// A copy that ends without copying anything more (cancelled before its first
+// step, or a source that ends exactly at a step) must still wake the hashing
+// thread, which waits for the next report. Run many times: the lost wake-up
+// was a race. A watchdog turns a hang into a failure.
+TEST_F(FileCopyTest, AnEndThatCopiesNothingMoreStillEnds) {
+    std::atomic<bool> over{false};
+    std::thread watchdog([&] {
+        for (int i = 0; i < 1200 && !over; ++i)
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (!over) {
+            std::fprintf(stderr, "copy_and_hash hung: a lost wake-up\n");
+            std::abort();
+        }
+    });
+    const std::string data = pattern(8 << 20);  // one step exactly
+    const UniqueFd src = source(data);
+    for (int round = 0; round < 200; ++round) {
+        const UniqueFd dst = destination();
+        CopyControl control;
+        control.cancel = true;
+        EXPECT_THROW(copy_and_hash(src.get(), dst.get(), data.size(), control), FileRequestError);
+        CopyControl more;
+        try {
+            copy_and_hash(src.get(), dst.get(), data.size() + 1, more);
+            ADD_FAILURE() << "a source shorter than announced was copied";
+        } catch (const FileRequestError& e) {
+            EXPECT_EQ(e.ename(), "FileChanged") << e.what();
+        }
+    }
+    over = true;
+    watchdog.join();
 }
 
 TEST_F(FileCopyTest, AnAppendOnlyDestinationFallsBackToWrites) {
