@@ -53,7 +53,10 @@ struct CpuFairnessPolicy {
         Seconds after;  // one execution has run this long, busy over background_after
         int weight;
     };
-    std::vector<LongStep> long_steps{{Seconds{10}, 512}, {Seconds{30}, 256}, {Seconds{60}, 128}};
+    // Halving every 10-15 s: a cell that has run a minute weighs 1/32 of a new
+    // one, so work begun later is not held back by a spin begun earlier.
+    std::vector<LongStep> long_steps{{Seconds{10}, 512}, {Seconds{20}, 256}, {Seconds{30}, 128},
+                                     {Seconds{45}, 64},  {Seconds{60}, 32},  {Seconds{90}, 16}};
 };
 
 // What the cgroup is set to. cpus 0: the session's own quota.

@@ -73,21 +73,20 @@ TEST(CpuFairness, ALongComputationIsNeverDemotedOnlyYieldsStepsOfWeightKeepingIt
     x.run(9.0, 1.0, true);
     EXPECT_TRUE(x.changes.empty()) << "a 9 s cell is not even weighted";
     x.run(61.0, 1.0, true);
-    ASSERT_EQ(x.events(),
-              (std::vector<std::string>{"cpu_yielding", "cpu_yielding", "cpu_yielding"}));
-    EXPECT_EQ(x.changes[0].setting.weight, 512);
-    EXPECT_EQ(x.changes[1].setting.weight, 256);
-    EXPECT_EQ(x.changes[2].setting.weight, 128);
-    for (const auto& c : x.changes) {
-        EXPECT_EQ(c.setting.level, Level::yielding);
-        EXPECT_EQ(c.setting.cpus, 0) << "the quota stays the session's own";
+    // One event per step (10, 20, 30, 45, 60 s), each halving the weight.
+    ASSERT_EQ(x.events(), std::vector<std::string>(5, "cpu_yielding"));
+    const std::vector<int> weights{512, 256, 128, 64, 32};
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+        EXPECT_EQ(x.changes[i].setting.weight, weights[i]);
+        EXPECT_EQ(x.changes[i].setting.level, Level::yielding);
+        EXPECT_EQ(x.changes[i].setting.cpus, 0) << "the quota stays the session's own";
     }
     // The cell ends: the default weight at once, and it says for how long.
     x.run(0.25, 0.0, false);
-    ASSERT_EQ(x.changes.size(), 4u);
-    EXPECT_EQ(x.changes[3].event, "cpu_restored");
-    EXPECT_EQ(x.changes[3].setting.weight, 1024);
-    EXPECT_NE(x.changes[3].detail.find("yielding for"), std::string::npos) << x.changes[3].detail;
+    ASSERT_EQ(x.changes.size(), 6u);
+    EXPECT_EQ(x.changes[5].event, "cpu_restored");
+    EXPECT_EQ(x.changes[5].setting.weight, 1024);
+    EXPECT_NE(x.changes[5].detail.find("yielding for"), std::string::npos) << x.changes[5].detail;
 }
 
 TEST(CpuFairness, ALongCellThatPausesOrIsStarvedDoesNotToggle) {
@@ -102,9 +101,10 @@ TEST(CpuFairness, ALongCellThatPausesOrIsStarvedDoesNotToggle) {
     // A crowded host gives it 1% of a core for 8 s: not taken for an end.
     x.run(8.0, 0.01, true);
     x.run(2.0, 1.0, true);
-    // Only the next step (at 30 s), never a restore in between.
-    ASSERT_EQ(x.events(), (std::vector<std::string>{"cpu_yielding", "cpu_yielding"}));
+    // Only the next steps (at 20 and 30 s), never a restore in between.
+    ASSERT_EQ(x.events(), std::vector<std::string>(3, "cpu_yielding"));
     EXPECT_EQ(x.changes[1].setting.weight, 256);
+    EXPECT_EQ(x.changes[2].setting.weight, 128);
 }
 
 TEST(CpuFairness, WorkLeftInTheBackgroundIsDemotedAfterSecondsWithAGuaranteedShare) {
