@@ -48,7 +48,7 @@ struct CpuFairnessPolicy {
     std::int64_t storm_growth = 32;  // tasks added within one sample
     int normal_weight = 1024;        // cgroup v1 cpu.shares
     int demoted_weight = 64;
-    double demoted_cpus = 0.1;  // CFS quota cap of a demoted session, in cores
+    double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
     struct LongStep {
         Seconds after;  // one execution has run this long, busy over background_after
         int weight;

@@ -135,7 +135,7 @@ def test_work_left_in_the_background_is_demoted_still_progresses_and_is_restored
     assert "no execution" in events[0]["detail"], events[0]
     # A guaranteed share, never cgroup cpu.idle (which gives nothing while
     # anything else is runnable).
-    assert cpu_shares(sid) == 64 and cpu_quota(sid) == 10000, (cpu_shares(sid), cpu_quota(sid))
+    assert cpu_shares(sid) == 64 and cpu_quota(sid) == 5000, (cpu_shares(sid), cpu_quota(sid))
     assert cpu_idle(sid) in (0, None)
 
     # It still progresses, with two neighbours spinning on this 2-core budget.
@@ -147,7 +147,7 @@ def test_work_left_in_the_background_is_demoted_still_progresses_and_is_restored
     n1, c1 = counter(kc), cpu_seconds(sid)
     assert n1 > n0, f"the demoted thread made no progress: counter {n0} -> {n1}"
     assert c1 - c0 > 0.01, f"the demoted sandbox got {c1 - c0:.3f} s of CPU in 3 s"
-    assert c1 - c0 < 3 * 0.1 + 0.1, f"the quota cap did not hold: {c1 - c0:.2f} s in 3 s"
+    assert c1 - c0 < 3 * 0.05 + 0.1, f"the quota cap did not hold: {c1 - c0:.2f} s in 3 s"
     for okc, msg_id in runs:
         assert run_until_reply(okc, msg_id)["content"]["status"] == "ok"
     assert cpu_shares(sid) == 64, "demoted while the work goes on: no flapping"
