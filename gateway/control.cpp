@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "cellblock/fd_passing.hpp"
 #include "gateway.hpp"
 
 namespace cellblock::gateway {
@@ -16,25 +17,8 @@ void send_control(int control_fd, const json& message, int fd) {
         throw std::runtime_error("control message of " + std::to_string(text.size()) +
                                  " bytes is above " + std::to_string(kMaxControlMessage));
     }
-    iovec iov{const_cast<char*>(text.data()), text.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    if (fd >= 0) {
-        msg.msg_control = control;
-        msg.msg_controllen = sizeof control;
-        cmsghdr* c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
-    }
-    ssize_t n;
-    do {
-        n = ::sendmsg(control_fd, &msg, MSG_NOSIGNAL);
-    } while (n < 0 && errno == EINTR);
-    if (n < 0) throw std::system_error(errno, std::generic_category(), "gateway control");
+    if (send_with_fd(control_fd, text, fd) < 0)
+        throw std::system_error(errno, std::generic_category(), "gateway control");
 }
 
 ssize_t receive_with_fd(int socket, char* data, std::size_t size, UniqueFd& fd, int& flags) {

@@ -11,6 +11,7 @@
 
 #include <openssl/evp.h>
 
+#include "cellblock/fd_passing.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "local_files.hpp"
 #include "manager_paths.hpp"
@@ -163,20 +164,7 @@ std::optional<json> ManagerClient::local_copy(const std::string& type, json cont
     msg.header = make_header(type, session_, "cellblock-cli");
     msg.content = std::move(content);
     const std::string id = msg.msg_id();
-    std::string packed = pack_frames(encode(msg, signer_));
-    iovec iov{packed.data(), packed.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr out{};
-    out.msg_iov = &iov;
-    out.msg_iovlen = 1;
-    out.msg_control = control;
-    out.msg_controllen = sizeof control;
-    cmsghdr* h = CMSG_FIRSTHDR(&out);
-    h->cmsg_level = SOL_SOCKET;
-    h->cmsg_type = SCM_RIGHTS;
-    h->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(h), &fd, sizeof fd);
-    if (::sendmsg(sock.get(), &out, MSG_NOSIGNAL) < 0)
+    if (send_with_fd(sock.get(), pack_frames(encode(msg, signer_)), fd) < 0)
         throw std::runtime_error("send to " + files_socket_ + ": " + std::strerror(errno));
 
     // Each message comes within the timeout (progress every 64 MiB), not the whole copy.
