@@ -52,8 +52,9 @@ FileTransfers::Reply FileTransfers::get_whole(const json& c, const SessionFiles&
     return reply;
 }
 
-json FileTransfers::get_begin(const json& c, const SessionFiles& s, Clock::time_point now) {
-    const std::string path = checked_relative_path(path_field(c), kSandboxOutputDir);
+std::unique_ptr<FileTransfers::Download> FileTransfers::new_download(const std::string& path,
+                                                                     const SessionFiles& s,
+                                                                     Clock::time_point now) {
     OpenedOutput file = open_output(s, path);
     const auto size = static_cast<std::uint64_t>(file.st.st_size);
     if (size > limits_.max_file_bytes) {
@@ -71,6 +72,13 @@ json FileTransfers::get_begin(const json& c, const SessionFiles& s, Clock::time_
     d->inode = file.st.st_ino;
     d->fd = std::move(file.fd);
     d->touched = now;
+    return d;
+}
+
+json FileTransfers::get_begin(const json& c, const SessionFiles& s, Clock::time_point now) {
+    const std::string path = checked_relative_path(path_field(c), kSandboxOutputDir);
+    std::unique_ptr<Download> d = new_download(path, s, now);
+    const std::uint64_t size = d->size;
     json reply = {{"status", "ok"},
                   {"download_id", d->id},
                   {"path", std::string(kSandboxOutputDir) + "/" + path},
@@ -166,34 +174,19 @@ FileTransfers::LocalCopy FileTransfers::begin_local_get(const json& c, int clien
                                                         Clock::time_point now) {
     const std::string path = checked_relative_path(path_field(c), kSandboxOutputDir);
     passed_file_size(client_file, O_RDWR);
-    OpenedOutput file = open_output(s, path);
-    const auto size = static_cast<std::uint64_t>(file.st.st_size);
-    if (size > limits_.max_file_bytes) {
-        throw FileRequestError(ename::FileTooLarge, path + " is " + bytes_text(size) +
-                                                        ", over the server's maximum of " +
-                                                        bytes_text(limits_.max_file_bytes));
-    }
-    check_capacity(s.session_id);
+    std::unique_ptr<Download> d = new_download(path, s, now);
+    d->local = true;
+    const std::uint64_t size = d->size;
     if (::ftruncate(client_file, 0) != 0)
         throw FileRequestError(ename::FileError,
                                "cut the passed file to length 0: " + errno_text());
     // Its blocks at once, as for a put: the copy then only fills them (best
     // effort; a file system without fallocate just allocates as it goes).
     if (size > 0) ::fallocate(client_file, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(size));
-    auto d = std::make_unique<Download>();
-    d->id = new_transfer_id();
-    d->session_id = s.session_id;
-    d->path = path;
-    d->size = size;
-    d->mtime = file.st.st_mtim;
-    d->inode = file.st.st_ino;
-    d->local = true;
-    d->touched = now;
     LocalCopy copy{d->id, std::string(kSandboxOutputDir) + "/" + path, size,
-                   UniqueFd(::fcntl(file.fd.get(), F_DUPFD_CLOEXEC, 0)),
+                   UniqueFd(::fcntl(d->fd.get(), F_DUPFD_CLOEXEC, 0)),
                    UniqueFd(::fcntl(client_file, F_DUPFD_CLOEXEC, 0))};
     if (!copy.src || !copy.dst) throw FileRequestError(ename::FileError, "dup: " + errno_text());
-    d->fd = std::move(file.fd);
     downloads_.emplace(d->id, std::move(d));
     return copy;
 }

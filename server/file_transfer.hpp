@@ -140,6 +140,15 @@ class FileTransfers {
     void check_room(const SessionFiles& s, std::uint64_t size, std::uint64_t replacing,
                     const Upload* resumed) const;
     void check_capacity(const std::string& session_id) const;
+    // The record of a new upload of `path`, with its partial file created and
+    // the size reserved (not yet in uploads_).
+    std::unique_ptr<Upload> new_upload(const std::string& path, std::uint64_t size,
+                                       const std::string& sha256, const SessionFiles& s,
+                                       Clock::time_point now);
+    // The record of a new download of the output `path`, opened beneath the
+    // output dir and checked against the caps (not yet in downloads_).
+    std::unique_ptr<Download> new_download(const std::string& path, const SessionFiles& s,
+                                           Clock::time_point now);
     Upload& upload_of(const nlohmann::json& c, const SessionFiles& s);
     Download& download_of(const nlohmann::json& c, const SessionFiles& s);
     // Moves a complete partial into place beneath the input dir. A file it

@@ -88,6 +88,22 @@ static FileDescriptor create_partial(const SessionFiles& s, const std::string& i
     return fd;
 }
 
+std::unique_ptr<FileTransfers::Upload> FileTransfers::new_upload(const std::string& path,
+                                                                 std::uint64_t size,
+                                                                 const std::string& sha256,
+                                                                 const SessionFiles& s,
+                                                                 Clock::time_point now) {
+    auto upload = std::make_unique<Upload>();
+    upload->id = new_transfer_id();
+    upload->session_id = s.session_id;
+    upload->path = path;
+    upload->size = size;
+    upload->sha256 = sha256;
+    upload->touched = now;
+    upload->fd = create_partial(s, upload->id, size, upload->partial);
+    return upload;
+}
+
 json FileTransfers::put_begin(const json& c, const SessionFiles& s, Clock::time_point now) {
     const std::string path = checked_relative_path(path_field(c), kSandboxInputDir);
     const std::uint64_t size = count_field(c, "size");
@@ -120,14 +136,7 @@ json FileTransfers::put_begin(const json& c, const SessionFiles& s, Clock::time_
                 {"chunk_bytes", limits_.chunk_bytes}};
     }
 
-    auto upload = std::make_unique<Upload>();
-    upload->id = new_transfer_id();
-    upload->session_id = s.session_id;
-    upload->path = path;
-    upload->size = size;
-    upload->sha256 = sha256;
-    upload->touched = now;
-    upload->fd = create_partial(s, upload->id, size, upload->partial);
+    std::unique_ptr<Upload> upload = new_upload(path, size, sha256, s, now);
     const std::string id = upload->id;
     uploads_.emplace(id, std::move(upload));
     return {{"status", "ok"},
@@ -346,15 +355,8 @@ FileTransfers::LocalCopy FileTransfers::begin_local_put(const json& c, int clien
     const std::uint64_t size = passed_file_size(client_file, O_RDONLY);
     check_capacity(s.session_id);
     check_room(s, size, size_of_existing(s, path), nullptr);
-    auto upload = std::make_unique<Upload>();
-    upload->id = new_transfer_id();
-    upload->session_id = s.session_id;
-    upload->path = path;
-    upload->size = size;
-    upload->sha256 = sha256;
+    std::unique_ptr<Upload> upload = new_upload(path, size, sha256, s, now);
     upload->local = true;
-    upload->touched = now;
-    upload->fd = create_partial(s, upload->id, size, upload->partial);
     LocalCopy copy{upload->id,
                    std::string(kSandboxInputDir) + "/" + path,
                    size,
