@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from server_helpers import server, wait_for  # noqa: F401
+from server_helpers import assert_session_gone, server, wait_for  # noqa: F401
 
 SOURCE_DIR = os.environ.get(
     "CELLBLOCK_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -379,4 +379,5 @@ def test_closing_the_session_mid_copy_says_so(server, cb, tmp_path):  # noqa: F8
         reply = reply_of(server, sock, msg_id)
     assert reply["content"]["status"] == "error", reply["content"]
     assert reply["content"]["ename"] == "SessionClosed", reply["content"]
-    assert not os.path.exists(session_dir(server, s.id))
+    # The sandbox is destroyed off the loop after the close reply: wait for it.
+    assert_session_gone(server.state_dir, s.id)
