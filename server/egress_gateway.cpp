@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -93,6 +94,72 @@ std::string read_secret(const std::string& value_from) {
         throw std::runtime_error("secret " + value_from + ": empty, or holds a line break or NUL");
     }
     return value;
+}
+
+void EgressSettings::add_resolve(const std::string& item) {
+    const auto eq = item.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
+        throw std::runtime_error("--egress-resolve " + item + ": expected NAME=ADDRESS");
+    }
+    resolve[item.substr(0, eq)] = item.substr(eq + 1);
+}
+
+void EgressSettings::apply_to(NetworkLimits& maxima, NetworkLimits& defaults) const {
+    if (allow.empty()) {
+        if (!secrets.empty()) {
+            throw std::runtime_error(
+                "--egress-secret needs a gateway: name what sessions may reach with "
+                "--egress-allow");
+        }
+        return;
+    }
+    maxima.mode = "gateway";
+    for (const auto& text : allow) {
+        try {
+            maxima.allow.push_back(HostPattern::parse(text).to_string());
+        } catch (const std::exception& e) {
+            throw std::runtime_error("--egress-allow " + text + ": " + e.what());
+        }
+    }
+    defaults.allow = maxima.allow;
+    for (const auto& text : secrets) {
+        try {
+            maxima.secrets.push_back(NetworkSecret::parse(text));
+        } catch (const std::exception& e) {
+            throw std::runtime_error("--egress-secret " + text + ": " + e.what());
+        }
+    }
+}
+
+void EgressSettings::check(const NetworkLimits& maxima) const {
+    if (!maxima.gateway() && (!private_ranges.empty() || !resolve.empty() || !ca.empty())) {
+        throw std::runtime_error(
+            "--egress-private, --egress-resolve and --egress-ca need a gateway: name what "
+            "sessions may reach with --egress-allow");
+    }
+}
+
+std::unique_ptr<EgressGateway> start_egress_gateway(const EgressSettings& settings,
+                                                    const NetworkLimits& maxima,
+                                                    const std::filesystem::path& binary) {
+    settings.check(maxima);
+    if (!maxima.gateway()) return nullptr;
+    EgressOptions egress;
+    egress.binary = binary;
+    egress.private_ranges = settings.private_ranges;
+    egress.resolve = settings.resolve;
+    egress.extra_ca_file = settings.ca;
+    egress.dns = !settings.no_dns;
+    // A secret the server offers must be there now, not at a session's create.
+    for (const auto& secret : maxima.secrets) (void)read_secret(secret.value_from);
+    const passwd* user = ::getpwnam(settings.user.c_str());
+    if (!user || user->pw_uid == 0) {
+        throw std::runtime_error("--egress-user " + settings.user +
+                                 ": not an unprivileged user of this host");
+    }
+    egress.uid = user->pw_uid;
+    egress.gid = user->pw_gid;
+    return std::make_unique<EgressGateway>(std::move(egress));
 }
 
 EgressGateway::EgressGateway(EgressOptions options) : options_(std::move(options)) {

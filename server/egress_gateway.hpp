@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,40 @@ struct EgressOptions {
     uid_t uid = 65534;          // the gateway's user and group when the server is root
     gid_t gid = 65534;
 };
+
+// What `cellblock serve` and `cellblock kernel` take on their command lines
+// for the gateway (--egress-*; docs/network.md), the same in both modes.
+struct EgressSettings {
+    std::vector<std::string> allow;              // --egress-allow HOST:PORT patterns
+    std::vector<std::string> secrets;            // --egress-secret HOST:HEADER=SOURCE
+    std::vector<std::string> private_ranges;     // --egress-private CIDR
+    std::map<std::string, std::string> resolve;  // --egress-resolve NAME=ADDRESS
+    std::string user = "nobody";                 // --egress-user
+    std::string ca;                              // --egress-ca FILE
+    bool no_dns = false;                         // --egress-no-dns
+
+    // Parses one --egress-resolve NAME=ADDRESS into `resolve`; throws
+    // std::runtime_error naming it when it is not that.
+    void add_resolve(const std::string& item);
+    // The server's maximum from --egress-allow and --egress-secret: no
+    // session reaches beyond these, and a session that asks for the gateway
+    // without a list of its own gets them all. Throws std::runtime_error
+    // naming the bad flag.
+    void apply_to(NetworkLimits& maxima, NetworkLimits& defaults) const;
+    // Throws std::runtime_error when flags that only a gateway uses
+    // (--egress-private, --egress-resolve, --egress-ca) come without one.
+    void check(const NetworkLimits& maxima) const;
+};
+
+class EgressGateway;
+
+// The gateway a server with these settings runs: started when `maxima` say
+// gateway (after checking the user, the secrets' sources and the CA file),
+// null when they do not (and then the other --egress-* flags are refused,
+// since they would do nothing). Throws std::runtime_error.
+std::unique_ptr<EgressGateway> start_egress_gateway(const EgressSettings& settings,
+                                                    const NetworkLimits& maxima,
+                                                    const std::filesystem::path& binary);
 
 class EgressGateway {
   public:

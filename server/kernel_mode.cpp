@@ -6,6 +6,8 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <optional>
 
 #include <spdlog/spdlog.h>
 #include <zmq.hpp>
@@ -111,13 +113,25 @@ int run_kernel_mode(const KernelModeOptions& options) {
     for (const auto& id : reap_abandoned_sessions(settings)) {
         spdlog::info("reaped session {} left by an earlier cellblock process", id);
     }
-    // The same policy a `serve` session gets: server defaults < image < these limits.
-    const ServerPolicy policy;
+    // The same policy a `serve` session gets: server defaults < image < these
+    // limits, within the maxima (which --egress-allow opens to the gateway).
+    ServerPolicy policy;
     SessionLimits limits;
+    std::unique_ptr<EgressGateway> egress;
     try {
+        options.egress.apply_to(policy.maxima.network, policy.defaults.network);
         limits = policy.effective(image.limits_json, options.limits);
+        // Only a kernel that asks for the network gets a gateway process
+        // (without --egress-allow this refuses the other --egress-* flags).
+        if (limits.network.gateway() || !policy.maxima.network.gateway()) {
+            egress = start_egress_gateway(options.egress, policy.maxima.network,
+                                          options.paths.egress_gateway);
+        }
     } catch (const PolicyError& e) {
         spdlog::error("{}: {}", e.ename(), e.what());
+        return 1;
+    } catch (const std::exception& e) {
+        spdlog::error("{}", e.what());
         return 1;
     }
 
@@ -135,6 +149,13 @@ int run_kernel_mode(const KernelModeOptions& options) {
         auto sandbox = RuncSandbox::start(session_id, image, limits.sandbox, settings);
         auto channels = probe_kernel(context, *sandbox, std::chrono::seconds(60), 64 << 20, nullptr,
                                      options.kernel_transport);
+        if (egress) {
+            // As in serve: the session's way out is a listener in its ipc dir
+            // (/run/cellblock/egress.sock inside), handed to the gateway.
+            egress->add_session(
+                session_id, sandbox->dir() / "ipc", limits.network,
+                std::chrono::seconds(static_cast<std::int64_t>(limits.lifetime_s) + 3600));
+        }
         proxy->attach(std::move(sandbox), std::move(*channels));
     } catch (const std::exception& e) {
         spdlog::error("session {}: the sandbox did not start: {}", session_id, e.what());
@@ -150,7 +171,27 @@ int run_kernel_mode(const KernelModeOptions& options) {
                          strsignal(static_cast<int>(info.ssi_signo)));
         }
     });
+    // The gateway's per-connection events: the kernel's log (there is no
+    // audit database in kernel mode) and the bytes metadata.cellblock reports.
+    std::optional<EventLoop::WatchId> egress_watch;
+    std::function<void()> on_egress = [&] {
+        bool restarted = false;
+        for (const auto& event : egress->read_events(restarted)) {
+            proxy->add_network_bytes(event.value("bytes_up", std::uint64_t{0}) +
+                                     event.value("bytes_down", std::uint64_t{0}));
+            nlohmann::json detail = event;
+            detail.erase("op");
+            detail.erase("session");
+            spdlog::info("session {}: egress {}", session_id, detail.dump());
+        }
+        if (restarted) {
+            loop.unwatch(*egress_watch);
+            egress_watch = loop.watch_fd(egress->control_fd(), on_egress);
+        }
+    };
+    if (egress) egress_watch = loop.watch_fd(egress->control_fd(), on_egress);
     while (!proxy->closed()) loop.run_once();
+    if (egress_watch) loop.unwatch(*egress_watch);
     const int exit_code = kernel_was_lost(proxy->close_reason()) ? 1 : 0;
     proxy.reset();
     return exit_code;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cellblock/image.hpp"
+#include "egress_gateway.hpp"
 #include "kernel_socket.hpp"
 
 namespace cellblock {
@@ -38,6 +39,9 @@ struct KernelModeOptions {
     // How the relay speaks to the kernel's sockets (kernel_socket.hpp).
     RelayTransport kernel_transport = RelayTransport::zmtp;
     RelayTransport client_transport = RelayTransport::zmtp;
+    // The egress gateway, as `serve` has it: with --egress-allow, a kernel
+    // whose limits say network.mode gateway gets one (docs/network.md).
+    EgressSettings egress;
 };
 
 // Returns the process exit code: 0 after a requested shutdown, a signal, or

@@ -14,7 +14,6 @@
 #include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
-#include "cellblock/egress_rules.hpp"
 #include "cellblock/error_names.hpp"
 #include "eval_command.hpp"
 #include "image_cli.hpp"
@@ -85,6 +84,59 @@ json parse_limits(const std::vector<std::string>& items) {
         limits[key] = parsed.is_discarded() ? json(value) : parsed;
     }
     return limits;
+}
+
+// The --egress-* flags (docs/network.md), the same for `serve`, `kernel` and
+// `kernelspec install`; --egress-resolve items are parsed after the command line.
+void add_egress_options(CLI::App* cmd, cellblock::EgressSettings& egress,
+                        std::vector<std::string>& resolve_items) {
+    cmd->add_option("--egress-allow", egress.allow,
+                    "HOST:PORT pattern sessions may reach through the egress gateway "
+                    "(repeatable; '*.example.com:443', 'pypi.org:*'); starts the gateway");
+    cmd->add_option("--egress-private", egress.private_ranges,
+                    "CIDR of private/loopback addresses the gateway may connect to after "
+                    "all (repeatable; refused by default)");
+    cmd->add_option("--egress-resolve", resolve_items,
+                    "NAME=ADDRESS: the gateway resolves NAME to ADDRESS, not by DNS "
+                    "(repeatable)");
+    cmd->add_option(
+        "--egress-secret", egress.secrets,
+        "HOST:HEADER=env:NAME or HOST:HEADER=file:/path: a credential sessions may ask the "
+        "gateway to add to their HTTPS requests for HOST (repeatable; never enters the sandbox)");
+    cmd->add_option("--egress-ca", egress.ca,
+                    "PEM file of CAs the gateway trusts upstream besides the system's");
+    cmd->add_flag("--egress-no-dns", egress.no_dns,
+                  "the gateway resolves only --egress-resolve names (and IP literals): "
+                  "no DNS query ever");
+    cmd->add_option("--egress-user", egress.user, "the user the gateway runs as")
+        ->capture_default_str();
+}
+
+// The policy a server (or a kernel) with these egress flags enforces.
+cellblock::ServerPolicy egress_policy(cellblock::ServerPolicy policy,
+                                      const cellblock::EgressSettings& egress) {
+    egress.apply_to(policy.maxima.network, policy.defaults.network);
+    return policy;
+}
+
+// The same flags as arguments of `cellblock kernel` (kernelspec install).
+std::vector<std::string> egress_arguments(const cellblock::EgressSettings& egress) {
+    std::vector<std::string> args;
+    const auto add = [&](const char* flag, const std::vector<std::string>& values) {
+        for (const auto& value : values) args.insert(args.end(), {flag, value});
+    };
+    add("--egress-allow", egress.allow);
+    add("--egress-private", egress.private_ranges);
+    add("--egress-secret", egress.secrets);
+    for (const auto& [name, address] : egress.resolve) {
+        args.insert(args.end(), {"--egress-resolve", name + "=" + address});
+    }
+    if (!egress.ca.empty()) args.insert(args.end(), {"--egress-ca", egress.ca});
+    if (egress.no_dns) args.emplace_back("--egress-no-dns");
+    if (egress.user != cellblock::EgressSettings{}.user) {
+        args.insert(args.end(), {"--egress-user", egress.user});
+    }
+    return args;
 }
 
 }  // namespace
@@ -163,6 +215,8 @@ int main(int argc, char** argv) {
     kernel_cmd->add_option("--limit", kernel_limit_items,
                            "KEY=VALUE (repeatable): the session limits of `cellblock new`, "
                            "e.g. exec_timeout_s=600, idle_timeout_s, interrupt_grace_s");
+    std::vector<std::string> kernel_resolve_items;
+    add_egress_options(kernel_cmd, kernel.egress, kernel_resolve_items);
 
     // kernelspec install
     cellblock::KernelspecOptions spec;
@@ -185,6 +239,9 @@ int main(int argc, char** argv) {
     install_cmd->add_option("--server-file", spec.server_file,
                             "with --provisioner: the server's server.json (a copy for a remote "
                             "server)");
+    cellblock::EgressSettings spec_egress;
+    std::vector<std::string> spec_resolve_items;
+    add_egress_options(install_cmd, spec_egress, spec_resolve_items);
 
     // serve
     cellblock::ServeOptions serve;
@@ -225,27 +282,8 @@ int main(int argc, char** argv) {
         ->add_option("--max-create-wait", serve.policy.max_create_wait_s,
                      "seconds a session_create may wait for a sandbox before ServerBusy")
         ->capture_default_str();
-    std::vector<std::string> egress_allow, egress_resolve, egress_secrets;
-    serve_cmd->add_option("--egress-allow", egress_allow,
-                          "HOST:PORT pattern sessions may reach through the egress gateway "
-                          "(repeatable; '*.example.com:443', 'pypi.org:*'); starts the gateway");
-    serve_cmd->add_option("--egress-private", serve.egress_private,
-                          "CIDR of private/loopback addresses the gateway may connect to after "
-                          "all (repeatable; refused by default)");
-    serve_cmd->add_option("--egress-resolve", egress_resolve,
-                          "NAME=ADDRESS: the gateway resolves NAME to ADDRESS, not by DNS "
-                          "(repeatable)");
-    serve_cmd->add_option(
-        "--egress-secret", egress_secrets,
-        "HOST:HEADER=env:NAME or HOST:HEADER=file:/path: a credential sessions may ask the "
-        "gateway to add to their HTTPS requests for HOST (repeatable; never enters the sandbox)");
-    serve_cmd->add_option("--egress-ca", serve.egress_ca,
-                          "PEM file of CAs the gateway trusts upstream besides the system's");
-    serve_cmd->add_flag("--egress-no-dns", serve.egress_no_dns,
-                        "the gateway resolves only --egress-resolve names (and IP literals): "
-                        "no DNS query ever");
-    serve_cmd->add_option("--egress-user", serve.egress_user, "the user the gateway runs as")
-        ->capture_default_str();
+    std::vector<std::string> serve_resolve_items;
+    add_egress_options(serve_cmd, serve.egress, serve_resolve_items);
     serve_cmd
         ->add_option("--backend", serve.backend,
                      "where sessions' sandboxes run: runc (this host) or swarm (one Docker "
@@ -353,6 +391,7 @@ int main(int argc, char** argv) {
             if (pids > 0) kernel.limits["pids"] = pids;
             if (disk_mb > 0) kernel.limits["disk_mb"] = disk_mb;
             if (cpus > 0) kernel.limits["cpus"] = cpus;
+            for (const auto& item : kernel_resolve_items) kernel.egress.add_resolve(item);
             if (::geteuid() != 0) {
                 spdlog::error("cellblock kernel needs root to create runc sandboxes");
                 return 1;
@@ -362,8 +401,17 @@ int main(int argc, char** argv) {
         if (install_cmd->parsed()) {
             if (!prefix.empty()) spec.prefix = prefix;
             spec.limits = parse_limits(spec_limit_items);
+            for (const auto& item : spec_resolve_items) spec_egress.add_resolve(item);
+            if (spec.provisioner && !spec_egress.allow.empty()) {
+                throw std::runtime_error(
+                    "--egress-allow with --provisioner: a provisioned kernel's network is "
+                    "the serving server's (start it with --egress-allow)");
+            }
             // A kernelspec whose kernel would refuse to start is refused now.
-            cellblock::ServerPolicy().effective(json::object(), spec.limits);
+            const auto policy = egress_policy(cellblock::ServerPolicy(), spec_egress);
+            spec_egress.check(policy.maxima.network);
+            policy.effective(json::object(), spec.limits);
+            for (auto& arg : egress_arguments(spec_egress)) spec.extra_args.push_back(arg);
             const auto file = cellblock::install_kernelspec(spec);
             std::cout << "installed kernelspec " << spec.name << " in "
                       << file.parent_path().string() << "\n";
@@ -375,45 +423,15 @@ int main(int argc, char** argv) {
                 return 1;
             }
             serve.pool[serve.default_image] = 2;
-            if (!egress_allow.empty()) {
-                // The server's maximum: no session reaches beyond these; a
-                // session that asks for the gateway without a list gets them all.
-                auto& network = serve.policy.maxima.network;
-                network.mode = "gateway";
-                for (const auto& text : egress_allow) {
-                    try {
-                        network.allow.push_back(cellblock::HostPattern::parse(text).to_string());
-                    } catch (const std::exception& e) {
-                        throw std::runtime_error("--egress-allow " + text + ": " + e.what());
-                    }
-                }
-                serve.policy.defaults.network.allow = network.allow;
-                for (const auto& text : egress_secrets) {
-                    try {
-                        network.secrets.push_back(cellblock::NetworkSecret::parse(text));
-                    } catch (const std::exception& e) {
-                        throw std::runtime_error("--egress-secret " + text + ": " + e.what());
-                    }
-                }
-            } else if (!egress_secrets.empty()) {
-                throw std::runtime_error(
-                    "--egress-secret needs a gateway: name what sessions "
-                    "may reach with --egress-allow");
-            }
-            for (const auto& item : egress_resolve) {
-                const auto eq = item.find('=');
-                if (eq == std::string::npos)
-                    throw std::runtime_error("--egress-resolve " + item +
-                                             ": expected NAME=ADDRESS");
-                serve.egress_resolve[item.substr(0, eq)] = item.substr(eq + 1);
-            }
+            for (const auto& item : serve_resolve_items) serve.egress.add_resolve(item);
+            serve.policy = egress_policy(serve.policy, serve.egress);
             for (const auto& item : swarm_images) {
                 const auto eq = item.find('=');
                 if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())
                     throw std::runtime_error("--swarm-image " + item + ": expected IMAGE=REF");
                 serve.swarm.images[item.substr(0, eq)] = item.substr(eq + 1);
             }
-            if (serve.backend == "swarm" && !egress_allow.empty()) {
+            if (serve.backend == "swarm" && !serve.egress.allow.empty()) {
                 throw std::runtime_error(
                     "--egress-allow: the egress gateway serves runc sessions only; sessions "
                     "on the swarm backend have no network (docs/scale-out.md)");

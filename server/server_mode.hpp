@@ -32,11 +32,7 @@ struct ServeOptions {
     SwarmSettings swarm;
     // The egress gateway (docs/network.md): started when policy.maxima.network
     // is gateway, i.e. when --egress-allow named what sessions may reach.
-    std::vector<std::string> egress_private;            // --egress-private CIDR
-    std::map<std::string, std::string> egress_resolve;  // --egress-resolve NAME=ADDRESS
-    std::string egress_user = "nobody";                 // --egress-user
-    std::string egress_ca;                              // --egress-ca FILE
-    bool egress_no_dns = false;                         // --egress-no-dns
+    EgressSettings egress;
 };
 
 // Runs until SIGTERM/SIGINT; returns the process exit code.

@@ -1,8 +1,6 @@
 // Start-up: the state directory and its lock, images, the pool, the manager socket.
 #include "server.hpp"
 
-#include <pwd.h>
-
 namespace cellblock {
 
 void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key,
@@ -148,32 +146,8 @@ Server::Server(const ServeOptions& options)
     if (!images_.count(options_.default_image)) {
         throw std::runtime_error("default image '" + options_.default_image + "' not found");
     }
-    if (options_.policy.maxima.network.gateway()) {
-        EgressOptions egress;
-        egress.binary = options_.paths.egress_gateway;
-        egress.private_ranges = options_.egress_private;
-        egress.resolve = options_.egress_resolve;
-        egress.extra_ca_file = options_.egress_ca;
-        egress.dns = !options_.egress_no_dns;
-        // A secret the server offers must be there now, not at a session's create.
-        for (const auto& secret : options_.policy.maxima.network.secrets) {
-            (void)read_secret(secret.value_from);
-        }
-        const passwd* user = ::getpwnam(options_.egress_user.c_str());
-        if (!user || user->pw_uid == 0) {
-            throw std::runtime_error("--egress-user " + options_.egress_user +
-                                     ": not an unprivileged user of this host");
-        }
-        egress.uid = user->pw_uid;
-        egress.gid = user->pw_gid;
-        egress_ = std::make_unique<EgressGateway>(std::move(egress));
-    } else if (!options_.egress_private.empty() || !options_.egress_resolve.empty() ||
-               !options_.egress_ca.empty()) {
-        throw std::runtime_error(
-            "--egress-private, --egress-resolve and --egress-ca need a gateway: name what sessions "
-            "may reach "
-            "with --egress-allow");
-    }
+    egress_ = start_egress_gateway(options_.egress, options_.policy.maxima.network,
+                                   options_.paths.egress_gateway);
 
     // Crash recovery: whatever an earlier server left is reaped, then marked.
     // First any process still running as an open session's host ids (the
