@@ -53,9 +53,56 @@ from ipykernel.ipkernel import IPythonKernel  # noqa: E402
 from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 
 
+def prewarm(argv):
+    """What a zygote does once so that each fork's kernel starts in half the
+    time (docs/zygote.md): the kernel application parses its command line
+    (the same in every session: the connection file's path inside the
+    sandbox) and the kernel's IPython shell is built (its magics,
+    formatters, completer and namespaces). Nothing here depends on a
+    session: the connection file is read, the sockets bound, the history
+    opened and the profile dir made in the fork, as in a booted kernel. The
+    zygote's shell keeps its history in memory and never runs code."""
+    from traitlets.config import Config
+    from ipykernel.compiler import XCachingCompiler
+    from ipykernel.zmqshell import ZMQInteractiveShell
+
+    app = SandboxKernelApp.instance(kernel_class=SandboxKernel)
+    app.parse_command_line(argv)
+    app.prepared_argv = list(argv)
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    shell = ZMQInteractiveShell.instance(config=config, compiler_class=XCachingCompiler)
+    shell._cellblock_prewarmed = True
+    # What a first execution would otherwise pay for once, without running
+    # anything: the tokenizer's compiled patterns and the formatters' lookups.
+    shell.transform_cell("1+1\n")
+    shell.display_formatter.format(2)
+
+
+def _adopt_prewarmed_shell(kernel):
+    """Makes the zygote's shell this kernel's, as if the kernel had built it:
+    its parent, configuration, profile dir and environment are the session's,
+    and its history is a fresh one in the session's own profile dir."""
+    shell = kernel.shell
+    shell._cellblock_prewarmed = False
+    shell.parent = kernel
+    shell.config = kernel.config  # without the zygote's in-memory history
+    shell.kernel = kernel
+    if kernel.profile_dir is not None:
+        shell.profile_dir = kernel.profile_dir
+    shell.init_environment()  # TERM, PAGER, ... in the session's environment
+    old = shell.history_manager
+    shell.configurables.remove(old)
+    old.db.close()
+    shell.init_history()
+    shell.init_user_ns()  # In, Out, _ih, _oh: the new history's
+
+
 class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        if getattr(self.shell, "_cellblock_prewarmed", False):
+            _adopt_prewarmed_shell(self)
         # A session forked from a zygote has a fresh home: make the package
         # dir there too. After each cell the import caches are dropped, so a
         # package `%pip install`ed in one cell imports in the next.
@@ -76,8 +123,18 @@ class SandboxKernel(IPythonKernel):
         self.schedule_dispatch(stop_aborting)
 
 
+class SandboxKernelApp(IPKernelApp):
+    # The command line the zygote parsed already (prewarm): not parsed again.
+    prepared_argv = None
+
+    def parse_command_line(self, argv=None):
+        if argv is not None and self.prepared_argv == list(argv):
+            return
+        super().parse_command_line(argv)
+
+
 if __name__ == "__main__":
     import sys
 
     _writable_connection_file(sys.argv)
-    IPKernelApp.launch_instance(kernel_class=SandboxKernel)
+    SandboxKernelApp.launch_instance(kernel_class=SandboxKernel)

@@ -281,10 +281,12 @@ def run_kernel(request, err_write):
         os.environ.clear()
         os.environ.update(dict(e.split("=", 1) for e in request["env"]))
         reseed()
-        from cellblock_ipykernel import IPKernelApp, SandboxKernel
+        from cellblock_ipykernel import SandboxKernel, SandboxKernelApp
 
         sys.argv = ["cellblock_ipykernel.py", "-f", CONNECTION_FILE]
-        IPKernelApp.launch_instance(argv=["-f", CONNECTION_FILE], kernel_class=SandboxKernel)
+        # The application and shell the zygote prepared (prewarm) are this
+        # kernel's; the rest of its start is a booted kernel's.
+        SandboxKernelApp.launch_instance(argv=["-f", CONNECTION_FILE], kernel_class=SandboxKernel)
         os._exit(0)
     except BaseException as e:  # noqa: B902
         try:
@@ -364,7 +366,7 @@ def main(argv):
     preload = argv[argv.index("--preload") + 1].split(",") if "--preload" in argv else []
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     # What a kernel imports to start, and the image's preload, once.
-    import cellblock_ipykernel  # noqa: F401
+    import cellblock_ipykernel
     import ipykernel.ipkernel  # noqa: F401
     import ipykernel.zmqshell  # noqa: F401
     for module in filter(None, preload):
@@ -373,6 +375,9 @@ def main(argv):
         except BaseException as e:  # noqa: B902 - the server reports this line
             sys.exit(f"cellblock-zygote: the image's preload (warm-up) failed: import {module}: "
                      f"{type(e).__name__}: {e}")
+    # Half of a kernel's own start, done once: its command line parsed and its
+    # IPython shell built (cellblock_ipykernel.prewarm), for every fork to adopt.
+    cellblock_ipykernel.prewarm(["-f", CONNECTION_FILE])
     # A finished fork is reaped at once; sessions are not the zygote's children.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     # Objects alive now are never collected again: the collector's passes in
