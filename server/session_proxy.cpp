@@ -126,6 +126,10 @@ class SessionProxy::Io final : public SessionIo {
     }
 
     void release_kernel() override {
+        // Said before the sandbox is destroyed, which can take a while: a
+        // frontend that ends its terminal once the kernel answered its
+        // shutdown must still see why the session ended.
+        spdlog::info("session {}: closed ({})", p_.session_id_, p_.core_->close_reason());
         if (p_.lifeline_watch_) {
             p_.loop_.unwatch(*p_.lifeline_watch_);
             p_.lifeline_watch_.reset();
@@ -149,7 +153,6 @@ class SessionProxy::Io final : public SessionIo {
         for (auto* s : {&p_.outer_stdin_, &p_.outer_hb_}) {
             if (*s) (*s)->close();
         }
-        spdlog::info("session {}: closed ({})", p_.session_id_, p_.core_->close_reason());
     }
 
     void rejected(std::string_view where, std::string_view identity,
