@@ -12,12 +12,15 @@ file descriptors; it forks and forgets them.
 The forked child does the containment itself, in this order, each step
 reported to the server on the session's report socket (the kernel attaches
 the sender's pid, which the child cannot forge):
-  A (the fork): closes every other descriptor, unshare(user) -> "userns";
-    the server writes the user namespace's id maps (the session's own host
-    id range) and moves A into the session's cgroups -> "mapped"; A becomes
-    root of that namespace, unshares mount, PID, IPC, UTS, network and
-    cgroup namespaces, forks B -> "init PID", exits.
-  B (PID 1 of the new PID namespace): private mounts, its own /proc with
+  A (the fork): closes every other descriptor, joins the session's cgroup
+    in each v1 hierarchy (writes 0 to the `tasks` files the server opened),
+    unshare(user) -> "userns"; the server writes the user namespace's id
+    maps (the session's own host id range) -> "mapped"; A becomes root of
+    that namespace, unshares mount, PID, IPC, UTS and network namespaces,
+    forks B -> "init PID", exits.
+  B (PID 1 of the new PID namespace): the server moves it into the
+    session's v2 cgroup while B sets up; B unshares its cgroup namespace
+    once told "cgrouped". Private mounts, its own /proc with
     the usual paths masked, fresh /tmp, home, /dev/shm, /dev/mqueue and
     /dev/pts, the session's ipc, input (read-only) and output directories
     moved in over the zygote's, hostname, loopback up, rlimits; drops the
@@ -71,8 +74,9 @@ SANDBOX_UID = 1000
 SHIM = "/opt/cellblock/cellblock-shim"
 CONNECTION_FILE = "/run/cellblock/kernel.json"
 MAX_REQUEST = 65536
-# The fds of a fork request, in order.
+# The fds of a fork request, in order; then one `tasks` file per v1 cgroup.
 REQUEST_FDS = ("report", "lifeline", "log", "ipc", "input", "output")
+MAX_CGROUP_FDS = 32
 
 # What runc masks and makes read-only in every session's /proc and /sys.
 MASKED = ["/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
@@ -115,6 +119,11 @@ def child_a(fds, request, bpf):
     report_sock = socket.socket(fileno=fds["report"])
     try:
         os.setsid()
+        # Into the session's v1 cgroups: a single-threaded task moving itself
+        # (pid 0) takes no global lock; the server opened the files.
+        for fd in fds["cgroups"]:
+            os.write(fd, b"0")
+            os.close(fd)
         check(LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
         report(report_sock, "userns")
         if report_sock.recv(64) != b"mapped":
@@ -122,7 +131,7 @@ def child_a(fds, request, bpf):
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)
         check(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
-                           CLONE_NEWNET | CLONE_NEWCGROUP), "unshare namespaces")
+                           CLONE_NEWNET), "unshare namespaces")
         # B waits until A has reported it: its own reports come after.
         reported, report_done = os.pipe()
         pid = os.fork()
@@ -231,6 +240,11 @@ def init_b(fds, report_sock, request, bpf):
     hostname = request.get("hostname", "sandbox").encode()
     check(LIBC.sethostname(hostname, len(hostname)), "sethostname")
     loopback_up()
+    # The server moved this process into the session's v2 cgroup meanwhile:
+    # the cgroup namespace is rooted there.
+    if report_sock.recv(64) != b"cgrouped":
+        os._exit(1)
+    check(LIBC.unshare(CLONE_NEWCGROUP), "unshare cgroup namespace")
     drop_privileges(limits)
     os.chdir(home)
     install_seccomp(bpf)
@@ -300,13 +314,15 @@ def run_kernel(request, err_write):
 
 def fork_session(conn, listener, payload, fds_received, bpf):
     request = json.loads(payload)
-    if len(fds_received) != len(REQUEST_FDS):
-        raise ValueError(f"a fork request carries {len(REQUEST_FDS)} descriptors, "
-                         f"not {len(fds_received)}")
+    cgroups = int(request.get("cgroups", 0))
+    if not 0 <= cgroups <= MAX_CGROUP_FDS or len(fds_received) != len(REQUEST_FDS) + cgroups:
+        raise ValueError(f"a fork request carries {len(REQUEST_FDS)} descriptors and one per "
+                         f"v1 cgroup ({cgroups}), not {len(fds_received)}")
     fds = dict(zip(REQUEST_FDS, fds_received))
+    fds["cgroups"] = fds_received[len(REQUEST_FDS):]
     pid = os.fork()
     if pid == 0:
-        keep = set(fds.values())
+        keep = set(fds_received)
         conn.detach()
         listener.detach()
         for fd in os.listdir("/proc/self/fd"):
@@ -330,7 +346,7 @@ def serve(path, bpf_holder):
             while True:
                 try:
                     data, ancdata, _, _ = conn.recvmsg(
-                        MAX_REQUEST, socket.CMSG_SPACE(len(REQUEST_FDS) * 4))
+                        MAX_REQUEST, socket.CMSG_SPACE((len(REQUEST_FDS) + MAX_CGROUP_FDS) * 4))
                 except OSError:
                     break
                 if not data:

@@ -345,6 +345,24 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
     write_runtime_file(dir, kForkedRuntime);
     box->cgroup_dirs_ = create_session_cgroups(box->container_id(), box_->container_id());
     apply_cgroup_limits(*box, limits);
+    // A v1 hierarchy's cgroup the fork joins itself, by writing 0 to the
+    // `tasks` file the server opened for it: a task moving itself skips the
+    // kernel's global threadgroup lock, whose first taking after a pause waits
+    // for an RCU grace period (6-15 ms here, once per fork). A write is judged
+    // by the credentials it was opened with (root's). The v2 cgroup (the
+    // unified hierarchy, or the only one) the server joins for the session's
+    // init, while that init mounts (see below).
+    std::vector<UniqueFd> v1_tasks;
+    std::vector<fs::path> v2_dirs;
+    for (const auto& dir : box->cgroup_dirs_) {
+        if (fs::exists(dir / "cgroup.controllers")) {
+            v2_dirs.push_back(dir);
+            continue;
+        }
+        UniqueFd tasks(::open((dir / "tasks").c_str(), O_WRONLY | O_CLOEXEC));
+        if (!tasks) throw SandboxError("open " + (dir / "tasks").string() + ": " + errno_text());
+        v1_tasks.push_back(std::move(tasks));
+    }
     box->open_counters();
     // A pool refill starts at a low CPU weight, as a booted one (RuntimeSettings).
     if (settings.start_cpu_shares > 0) box->set_cpu_weight(settings.start_cpu_shares);
@@ -381,11 +399,13 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
                             {"shm_mb", limits.shm_mb},
                             {"nofile", std::min(limits.nofile, zygote_nofile())},
                             {"nproc", limits.pids * tuning::kRuncNprocFactor},
-                            {"nice", nice}}}};
+                            {"nice", nice}}},
+                          {"cgroups", v1_tasks.size()}};
+    std::vector<int> passed = {report_child.get(), lifeline_child.get(), log_fd.get(),
+                               ipc.get(),          input.get(),          output.get()};
+    for (const auto& fd : v1_tasks) passed.push_back(fd.get());
     try {
-        send_with_fds(control_.get(), request.dump(),
-                      {report_child.get(), lifeline_child.get(), log_fd.get(), ipc.get(),
-                       input.get(), output.get()});
+        send_with_fds(control_.get(), request.dump(), passed);
         const json reply = receive_reply(control_.get(), kStepTimeout);
         (void)reply;
     } catch (const SandboxError&) {
@@ -399,13 +419,15 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
     ipc.reset();
     input.reset();
     output.reset();
+    v1_tasks.clear();
 
     const double requested_ms = ms_since();
-    double mapped_ms = 0, init_ms = 0;
+    double userns_ms = 0, mapped_ms = 0, init_ms = 0, cgrouped_ms = 0;
     pid_t forked = -1;
     try {
         const Report userns = receive_report(report.get(), "the user namespace");
         forked = userns.pid;
+        userns_ms = ms_since();
         if (userns.text != "userns" || forked <= 0) {
             throw SandboxError("zygote fork: unexpected report '" + userns.text + "'");
         }
@@ -415,9 +437,6 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         const fs::path proc = "/proc/" + std::to_string(forked);
         write_value(proc / "uid_map", map);
         write_value(proc / "gid_map", map);
-        for (const auto& cgroup : box->cgroup_dirs_) {
-            write_value(cgroup / "cgroup.procs", std::to_string(forked));
-        }
         if (::send(report.get(), "mapped", 6, MSG_NOSIGNAL) != 6) {
             throw SandboxError("zygote fork: report: " + errno_text());
         }
@@ -432,6 +451,15 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         }
         box->init_pid_ = init_pid;
         init_ms = ms_since();
+        // The init is setting up its mounts meanwhile; it unshares its cgroup
+        // namespace (rooted here) only once told.
+        for (const auto& cgroup : v2_dirs) {
+            write_value(cgroup / "cgroup.procs", std::to_string(init_pid));
+        }
+        if (::send(report.get(), "cgrouped", 8, MSG_NOSIGNAL) != 8) {
+            throw SandboxError("zygote fork: report: " + errno_text());
+        }
+        cgrouped_ms = ms_since();
         const Report ready = receive_report(report.get(), "the contained session");
         if (ready.text != "ready" || ready.pid != box->init_pid_) {
             throw SandboxError("zygote fork: unexpected report '" + ready.text + "' from pid " +
@@ -446,9 +474,10 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         out << box->init_pid_;
     }
     spdlog::debug(
-        "session {} forked in {:.1f} ms: prepared and requested {:.1f}, mapped {:.1f}, "
-        "namespaces {:.1f}, contained {:.1f}",
-        session_id, ms_since(), requested_ms, mapped_ms, init_ms, ms_since());
+        "session {} forked in {:.1f} ms: prepared and requested {:.1f}, user namespace {:.1f}, "
+        "mapped {:.1f}, namespaces {:.1f}, v2 cgroup {:.1f}, contained {:.1f}",
+        session_id, ms_since(), requested_ms, userns_ms, mapped_ms, init_ms, cgrouped_ms,
+        ms_since());
     return box;
 }
 
