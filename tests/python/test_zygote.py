@@ -251,6 +251,48 @@ def test_a_forked_session_starts_fast_once_the_zygote_runs(zserver):
     assert sh.is_forked(zserver.state_dir, sid)
 
 
+def cgroup_handles(pid):
+    """The descriptors of host process `pid` that are open on a cgroup file."""
+    found = []
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/sys/fs/cgroup") or target.endswith("/tasks"):
+            found.append(f"{fd} -> {target}")
+    return found
+
+
+def test_no_process_keeps_the_cgroup_files_a_fork_was_given(zserver):
+    """A fork is handed its session's v1 `tasks` files (opened by the server,
+    with root's credentials) to move itself; neither the zygote nor any of the
+    session's processes may still hold one afterwards."""
+    sid, kc, _ = zserver.open_session()
+    assert sh.is_forked(zserver.state_dir, sid)
+    run(kc, "import subprocess\nsubprocess.Popen(['sleep', '30'])")
+    pids = session_pids(sid)
+    assert len(pids) >= 3, pids  # the shim, the kernel, the sleep
+    (zygote,) = zygotes(zserver)
+    held = {pid: cgroup_handles(pid) for pid in pids + [zygote["interpreter_pid"]]}
+    assert not any(held.values()), held
+    # From inside, too: nothing the session can reach is a cgroup file.
+    # (The shim's are not even readable from the session's code.)
+    inside = run(kc, "import os\nseen = []\n"
+                     "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+                     "    try:\n"
+                     "        seen += [os.readlink(f'/proc/{p}/fd/{f}') for f in os.listdir(f'/proc/{p}/fd')]\n"
+                     "    except OSError:\n"
+                     "        pass\n"
+                     "print(seen)")
+    assert "/dev/null" in inside, inside  # some descriptors were read (the sleep's)
+    assert "cgroup" not in inside and "/tasks" not in inside, inside
+
+
 # The kernel's application and IPython shell are built once in the zygote
 # (cellblock_ipykernel.prewarm) and adopted by each fork's kernel: what a
 # booted kernel builds for itself must be the session's own after adoption.
