@@ -212,3 +212,15 @@ def test_kernelspec_install_refuses_what_the_kernel_would_refuse(tmp_path, upstr
         argv = json.load(f)["argv"]
     assert argv[argv.index("--egress-allow") + 1] == f"{API}:{upstream_port}", argv
     assert "--egress-no-dns" in argv and f"{API}=127.0.0.1" in argv, argv
+
+
+def test_a_killed_kernel_takes_its_gateway_with_it(kernel, upstream_port):
+    km, kc, _ = kernel("--limit", GATEWAY, *egress_flags(upstream_port))
+    kernel_pid = km.provisioner.process.pid
+    (gateway,) = gateway_children(kernel_pid)
+    os.kill(kernel_pid, signal.SIGKILL)
+    km.provisioner.process.wait(timeout=30)
+    # Its parent's death kills it (PR_SET_PDEATHSIG); it is then reaped by init.
+    assert wait_for(lambda: not os.path.exists(f"/proc/{gateway}") or
+                    open(f"/proc/{gateway}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
+                    timeout=30), f"gateway {gateway} outlived its killed kernel"
