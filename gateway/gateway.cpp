@@ -185,6 +185,7 @@ void Gateway::report(const Session& session, const Event& event) {
                     {"duration_ms", ms},      {"verdict", event.verdict},
                     {"reason", event.reason}};
     if (event.tls) message["tls"] = "terminated";
+    if (event.tls) message["upstream_tls_resumed"] = event.upstream_resumed;
     if (!event.secrets.empty()) message["secrets_added"] = event.secrets;
     std::lock_guard lock(send_mutex_);
     try {
@@ -420,6 +421,7 @@ void Gateway::serve_connection(Session& session, int client_fd, const std::strin
                 }
             }
             upstream.ssl = SSL_new(config_.upstream_tls->context());
+            if (upstream.ssl) session.resumption.attach(upstream.ssl, where);
             if (!upstream.ssl || SSL_set_fd(upstream.ssl, upstream_fd.get()) != 1 ||
                 SSL_set_tlsext_host_name(upstream.ssl, event.host.c_str()) != 1 ||
                 SSL_set1_host(upstream.ssl, event.host.c_str()) != 1 ||
@@ -431,6 +433,7 @@ void Gateway::serve_connection(Session& session, int client_fd, const std::strin
                                                 : openssl_errors()));
                 return;
             }
+            event.upstream_resumed = SSL_session_reused(upstream.ssl) == 1;
             // The secrets replace whatever the code sent under their names.
             std::vector<std::pair<std::string, std::string>> headers;
             for (auto& header : request.headers) {

@@ -55,6 +55,7 @@ struct Session {
     std::vector<HostPattern> allow;
     std::vector<Secret> secrets;
     std::unique_ptr<SessionTls> tls;  // the session's CA: when it has secrets
+    UpstreamResumption resumption;    // TLS sessions with its secret hosts' upstreams
     UniqueFd listener;
     std::atomic<std::int64_t> bytes{0};
     std::atomic<int> active{0};           // connections being served (counted at accept)
@@ -85,6 +86,7 @@ struct Event {
     int port = 0, status = 0;
     std::int64_t up = 0, down = 0;
     bool tls = false;                  // the gateway terminated TLS (a host with secrets)
+    bool upstream_resumed = false;     // and resumed its TLS session with the upstream
     std::vector<std::string> secrets;  // the names of the headers it added
     std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 };

@@ -166,8 +166,67 @@ SSL_CTX* SessionTls::server_context(const std::string& host) {
     return ctx;
 }
 
+namespace {
+
+// Where a connection's new upstream sessions go (the SSL's ex_data).
+struct ResumptionSlot {
+    UpstreamResumption* owner;
+    std::string key;
+};
+
+void free_slot(void*, void* ptr, CRYPTO_EX_DATA*, int, long, void*) {
+    delete static_cast<ResumptionSlot*>(ptr);
+}
+
+int slot_index() {
+    static const int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, free_slot);
+    return index;
+}
+
+int on_new_session(SSL* ssl, SSL_SESSION* session) {
+    auto* slot = static_cast<ResumptionSlot*>(SSL_get_ex_data(ssl, slot_index()));
+    // A copy: the connection's own session object is marked not resumable
+    // when the connection ends without a close_notify, as a relayed one may.
+    SSL_SESSION* copy = slot ? SSL_SESSION_dup(session) : nullptr;
+    if (copy) slot->owner->keep(slot->key, copy);
+    return 0;  // OpenSSL keeps (and frees) its own reference
+}
+
+}  // namespace
+
+UpstreamResumption::~UpstreamResumption() {
+    for (auto& [key, session] : sessions_) SSL_SESSION_free(session);
+}
+
+void UpstreamResumption::attach(SSL* ssl, const std::string& key) {
+    if (SSL_set_ex_data(ssl, slot_index(), new ResumptionSlot{this, key}) != 1) {
+        fail("SSL_set_ex_data");
+    }
+    std::lock_guard lock(mutex_);
+    const auto it = sessions_.find(key);
+    if (it != sessions_.end() && SSL_SESSION_is_resumable(it->second)) {
+        SSL_set_session(ssl, it->second);  // adds its own reference
+    }
+}
+
+void UpstreamResumption::keep(const std::string& key, SSL_SESSION* session) {
+    std::lock_guard lock(mutex_);
+    SSL_SESSION*& slot = sessions_[key];
+    if (slot) SSL_SESSION_free(slot);
+    slot = session;
+}
+
+std::size_t UpstreamResumption::size() {
+    std::lock_guard lock(mutex_);
+    return sessions_.size();
+}
+
 UpstreamTls::UpstreamTls(const std::string& extra_ca_pem) {
     ctx_ = new_context(TLS_client_method());
+    // The client side keeps nothing itself: each connection's new sessions go
+    // to its cellblock session's UpstreamResumption.
+    SSL_CTX_set_session_cache_mode(ctx_, SSL_SESS_CACHE_CLIENT | SSL_SESS_CACHE_NO_INTERNAL_STORE);
+    SSL_CTX_sess_set_new_cb(ctx_, on_new_session);
     SSL_CTX_set_verify(ctx_, SSL_VERIFY_PEER, nullptr);
     if (SSL_CTX_set_default_verify_paths(ctx_) != 1) fail("system trust store");
     if (!extra_ca_pem.empty()) {

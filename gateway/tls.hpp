@@ -53,8 +53,36 @@ class SessionTls {
     std::map<std::string, SSL_CTX*> contexts_;
 };
 
+// The TLS sessions the gateway may resume with the upstreams of one
+// cellblock session, one per host:port (the latest the upstream issued). A
+// resumed handshake skips the upstream's certificate and signature, which
+// were verified, for that host name, when the session was issued; an
+// upstream that does not accept it simply gets a full handshake. Kept per
+// cellblock session, so two sessions' connections are not linked by a
+// shared ticket. Thread-safe.
+class UpstreamResumption {
+  public:
+    UpstreamResumption() = default;
+    ~UpstreamResumption();
+    UpstreamResumption(const UpstreamResumption&) = delete;
+    UpstreamResumption& operator=(const UpstreamResumption&) = delete;
+    // Offers what is kept for `key` on `ssl` (made from UpstreamTls's
+    // context, not yet connected) and keeps what the upstream issues on it.
+    // `ssl` must be freed before this object is destroyed.
+    void attach(SSL* ssl, const std::string& key);
+    // Takes the caller's reference to `session`.
+    void keep(const std::string& key, SSL_SESSION* session);
+    std::size_t size();
+
+  private:
+    std::mutex mutex_;
+    std::map<std::string, SSL_SESSION*> sessions_;
+};
+
 // The gateway's client side: the system's trust store plus `extra_ca_pem`
 // (the operator's --egress-ca), peer verification and host name checks.
+// Sessions the upstreams issue go to the UpstreamResumption a connection's
+// SSL was attached to.
 class UpstreamTls {
   public:
     explicit UpstreamTls(const std::string& extra_ca_pem);  // throws TlsError

@@ -41,7 +41,8 @@ class Upstream(http.server.BaseHTTPRequestHandler):
         body = json.dumps({"path": self.path, "host": self.headers.get("Host"),
                            "authorization_sha256": digest("Authorization"),
                            "x_api_key_sha256": digest("X-Api-Key"),
-                           "had_authorization": "Authorization" in self.headers}).encode()
+                           "had_authorization": "Authorization" in self.headers,
+                           "resumed": getattr(self.request, "session_reused", None)}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -170,6 +171,21 @@ def secret_session(srv, secrets=None):
 def egress_events(srv, sid):
     history = srv.ok("session_history_request", {"session_id": sid})["content"]
     return [json.loads(e["detail"]) for e in history["events"] if e["kind"] == "egress"]
+
+
+def test_the_gateway_resumes_its_upstream_tls_sessions_within_a_session(sgw):
+    sid, kc, _ = secret_session(sgw)
+    url = f"https://{SECRET_HOST}:{sgw.port}/resume"
+    seen = [json.loads(fetch(kc, url)["body"]) for _ in range(3)]
+    # The first handshake is a full one; the next ones resume what it issued,
+    # and the secrets are added to each request all the same.
+    assert [s["resumed"] for s in seen] == [False, True, True], seen
+    assert all(s["authorization_sha256"] == sha(sgw.token) for s in seen), seen
+    events = wait_for(lambda: len(egress_events(sgw, sid)) >= 3 and egress_events(sgw, sid))
+    assert [e["upstream_tls_resumed"] for e in events[:3]] == [False, True, True], events
+    # Another session has its own: its first handshake is a full one.
+    _, other, _ = secret_session(sgw)
+    assert json.loads(fetch(other, url)["body"])["resumed"] is False
 
 
 def test_the_gateway_adds_the_secrets_and_the_code_never_sees_them(sgw):
