@@ -27,6 +27,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/fd_passing.hpp"
 #include "cellblock/sandbox_pool.hpp"
 #include "cellblock/sandbox_tuning.hpp"
 #include "sandbox_internal.hpp"
@@ -172,22 +173,8 @@ UniqueFd detached_tree(const fs::path& dir, std::uint64_t attributes) {
     return tree;
 }
 
-void send_with_fds(int socket, const std::string& data, const std::vector<int>& fds) {
-    iovec iov{const_cast<char*>(data.data()), data.size()};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
-    if (!fds.empty()) {
-        msg.msg_control = control.data();
-        msg.msg_controllen = control.size();
-        cmsghdr* c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-        std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    }
-    if (::sendmsg(socket, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(data.size())) {
+void send_request(int socket, const std::string& data, const std::vector<int>& fds) {
+    if (send_with_fds(socket, data, fds) != static_cast<ssize_t>(data.size())) {
         throw SandboxError("zygote: send: " + errno_text());
     }
 }
@@ -296,7 +283,7 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     }
     // The filter every session installs on itself before its first own code.
     const std::string bpf = compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc));
-    send_with_fds(zygote->control_.get(), "seccomp " + bpf, {});
+    send_request(zygote->control_.get(), "seccomp " + bpf, {});
     const json reply = receive_reply(zygote->control_.get(), kStepTimeout);
     zygote->interpreter_pid_ = reply.value("pid", -1);
     // A pool worker that started it may run at a low priority; its forks take
@@ -405,7 +392,7 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
                                ipc.get(),          input.get(),          output.get()};
     for (const auto& fd : v1_tasks) passed.push_back(fd.get());
     try {
-        send_with_fds(control_.get(), request.dump(), passed);
+        send_request(control_.get(), request.dump(), passed);
         const json reply = receive_reply(control_.get(), kStepTimeout);
         (void)reply;
     } catch (const SandboxError&) {
