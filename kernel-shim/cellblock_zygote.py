@@ -393,7 +393,13 @@ def main(argv):
                      f"{type(e).__name__}: {e}")
     # Half of a kernel's own start, done once: its command line parsed and its
     # IPython shell built (cellblock_ipykernel.prewarm), for every fork to adopt.
-    cellblock_ipykernel.prewarm(["-f", CONNECTION_FILE])
+    # Without it (an image whose ipykernel lacks what it uses) each fork's
+    # kernel builds its own, as a booted one does: slower, not broken.
+    try:
+        cellblock_ipykernel.prewarm(["-f", CONNECTION_FILE])
+    except Exception as e:  # noqa: B902 - reported, then done without
+        print(f"cellblock-zygote: the kernel's start is not prepared "
+              f"({type(e).__name__}: {e}); each session builds its own", file=sys.stderr)
     # A finished fork is reaped at once; sessions are not the zygote's children.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     # Objects alive now are never collected again: the collector's passes in
