@@ -104,7 +104,8 @@ void EgressSettings::add_resolve(const std::string& item) {
     resolve[item.substr(0, eq)] = item.substr(eq + 1);
 }
 
-void EgressSettings::apply_to(NetworkLimits& maxima, NetworkLimits& defaults) const {
+void EgressSettings::apply_to(ServerPolicy& policy) const {
+    NetworkLimits& maxima = policy.maxima.network;
     if (allow.empty()) {
         if (!secrets.empty()) {
             throw std::runtime_error(
@@ -121,7 +122,7 @@ void EgressSettings::apply_to(NetworkLimits& maxima, NetworkLimits& defaults) co
             throw std::runtime_error("--egress-allow " + text + ": " + e.what());
         }
     }
-    defaults.allow = maxima.allow;
+    policy.defaults.network.allow = maxima.allow;
     for (const auto& text : secrets) {
         try {
             maxima.secrets.push_back(NetworkSecret::parse(text));

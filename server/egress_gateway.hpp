@@ -61,9 +61,9 @@ struct EgressSettings {
     void add_resolve(const std::string& item);
     // The server's maximum from --egress-allow and --egress-secret: no
     // session reaches beyond these, and a session that asks for the gateway
-    // without a list of its own gets them all. Throws std::runtime_error
-    // naming the bad flag.
-    void apply_to(NetworkLimits& maxima, NetworkLimits& defaults) const;
+    // without a list of its own gets them all (policy.maxima.network and
+    // policy.defaults.network). Throws std::runtime_error naming the bad flag.
+    void apply_to(ServerPolicy& policy) const;
     // Throws std::runtime_error when flags that only a gateway uses
     // (--egress-private, --egress-resolve, --egress-ca) come without one.
     void check(const NetworkLimits& maxima) const;

@@ -119,11 +119,11 @@ int run_kernel_mode(const KernelModeOptions& options) {
     SessionLimits limits;
     std::unique_ptr<EgressGateway> egress;
     try {
-        options.egress.apply_to(policy.maxima.network, policy.defaults.network);
+        options.egress.apply_to(policy);
+        options.egress.check(policy.maxima.network);
         limits = policy.effective(image.limits_json, options.limits);
-        // Only a kernel that asks for the network gets a gateway process
-        // (without --egress-allow this refuses the other --egress-* flags).
-        if (limits.network.gateway() || !policy.maxima.network.gateway()) {
+        // Only a kernel that asks for the network gets a gateway process.
+        if (limits.network.gateway()) {
             egress = start_egress_gateway(options.egress, policy.maxima.network,
                                           options.paths.egress_gateway);
         }

@@ -112,13 +112,6 @@ void add_egress_options(CLI::App* cmd, cellblock::EgressSettings& egress,
         ->capture_default_str();
 }
 
-// The policy a server (or a kernel) with these egress flags enforces.
-cellblock::ServerPolicy egress_policy(cellblock::ServerPolicy policy,
-                                      const cellblock::EgressSettings& egress) {
-    egress.apply_to(policy.maxima.network, policy.defaults.network);
-    return policy;
-}
-
 // The same flags as arguments of `cellblock kernel` (kernelspec install).
 std::vector<std::string> egress_arguments(const cellblock::EgressSettings& egress) {
     std::vector<std::string> args;
@@ -408,7 +401,8 @@ int main(int argc, char** argv) {
                     "the serving server's (start it with --egress-allow)");
             }
             // A kernelspec whose kernel would refuse to start is refused now.
-            const auto policy = egress_policy(cellblock::ServerPolicy(), spec_egress);
+            cellblock::ServerPolicy policy;
+            spec_egress.apply_to(policy);
             spec_egress.check(policy.maxima.network);
             policy.effective(json::object(), spec.limits);
             for (auto& arg : egress_arguments(spec_egress)) spec.extra_args.push_back(arg);
@@ -424,7 +418,7 @@ int main(int argc, char** argv) {
             }
             serve.pool[serve.default_image] = 2;
             for (const auto& item : serve_resolve_items) serve.egress.add_resolve(item);
-            serve.policy = egress_policy(serve.policy, serve.egress);
+            serve.egress.apply_to(serve.policy);
             for (const auto& item : swarm_images) {
                 const auto eq = item.find('=');
                 if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())

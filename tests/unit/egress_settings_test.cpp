@@ -26,8 +26,9 @@ std::string error_of(F&& f) {
 
 TEST(EgressSettings, NoAllowListLeavesTheServerWithoutNetwork) {
     EgressSettings settings;
-    NetworkLimits maxima, defaults;
-    settings.apply_to(maxima, defaults);
+    ServerPolicy policy;
+    settings.apply_to(policy);
+    const NetworkLimits& maxima = policy.maxima.network;
     EXPECT_FALSE(maxima.gateway());
     EXPECT_TRUE(maxima.allow.empty());
     EXPECT_NO_THROW(settings.check(maxima));
@@ -38,8 +39,9 @@ TEST(EgressSettings, NoAllowListLeavesTheServerWithoutNetwork) {
 TEST(EgressSettings, AnAllowListOpensTheGatewayAndBecomesTheDefaultList) {
     EgressSettings settings;
     settings.allow = {"API.example.com:443", "*.pythonhosted.org:443"};
-    NetworkLimits maxima, defaults;
-    settings.apply_to(maxima, defaults);
+    ServerPolicy policy;
+    settings.apply_to(policy);
+    const NetworkLimits &maxima = policy.maxima.network, &defaults = policy.defaults.network;
     EXPECT_TRUE(maxima.gateway());
     EXPECT_EQ(maxima.allow,
               (std::vector<std::string>{"api.example.com:443", "*.pythonhosted.org:443"}));
@@ -52,19 +54,20 @@ TEST(EgressSettings, AnAllowListOpensTheGatewayAndBecomesTheDefaultList) {
 TEST(EgressSettings, ABadPatternIsNamedWithItsFlag) {
     EgressSettings settings;
     settings.allow = {"pypi.org:443", "not a pattern"};
-    NetworkLimits maxima, defaults;
-    const std::string why = error_of([&] { settings.apply_to(maxima, defaults); });
+    ServerPolicy policy;
+    const std::string why = error_of([&] { settings.apply_to(policy); });
     EXPECT_NE(why.find("--egress-allow not a pattern"), std::string::npos) << why;
 }
 
 TEST(EgressSettings, SecretsNeedAnAllowList) {
     EgressSettings settings;
     settings.secrets = {"api.example.com:Authorization=env:TOKEN"};
-    NetworkLimits maxima, defaults;
-    const std::string why = error_of([&] { settings.apply_to(maxima, defaults); });
+    ServerPolicy policy;
+    const std::string why = error_of([&] { settings.apply_to(policy); });
     EXPECT_NE(why.find("--egress-secret needs a gateway"), std::string::npos) << why;
     settings.allow = {"api.example.com:443"};
-    settings.apply_to(maxima, defaults);
+    settings.apply_to(policy);
+    const NetworkLimits& maxima = policy.maxima.network;
     ASSERT_EQ(maxima.secrets.size(), 1u);
     EXPECT_EQ(maxima.secrets[0].host, "api.example.com");
     EXPECT_EQ(maxima.secrets[0].header, "Authorization");
@@ -96,8 +99,9 @@ TEST(EgressSettings, ResolveItemsAreNameEqualsAddress) {
 TEST(EgressSettings, TheGatewayUserMustBeAnUnprivilegedUserOfThisHost) {
     EgressSettings settings;
     settings.allow = {"api.example.com:443"};
-    NetworkLimits maxima, defaults;
-    settings.apply_to(maxima, defaults);
+    ServerPolicy policy;
+    settings.apply_to(policy);
+    const NetworkLimits& maxima = policy.maxima.network;
     for (const char* user : {"root", "no-such-user-of-this-host"}) {
         settings.user = user;
         const std::string why =
