@@ -54,6 +54,24 @@ def proc_state(pid):
         return None
 
 
+def children_running(parent, exe_suffix):
+    """Pids of the processes whose parent is `parent` and whose executable's
+    path ends with `exe_suffix` (e.g. the gateway a server or kernel started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            exe = os.readlink(f"/proc/{entry}/exe")
+        except OSError:
+            continue
+        if ppid == parent and exe.endswith(exe_suffix):
+            found.append(int(entry))
+    return found
+
+
 def alive(pids):
     """Which of pids still run (zombies and vanished processes count as gone)."""
     return [pid for pid in pids if proc_state(pid) not in (None, "Z")]

@@ -134,18 +134,8 @@ def egress_events(srv, sid):
 
 
 def gateway_pid(srv):
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            exe = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            continue
-        if ppid == srv.proc.pid and exe.endswith("/cellblock-gateway"):
-            return int(pid)
-    return None
+    found = sh.children_running(srv.proc.pid, "/cellblock-gateway")
+    return found[0] if found else None
 
 
 def test_http_request_reaches_an_allowed_host_through_the_gateway(gw):

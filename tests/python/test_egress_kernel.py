@@ -20,7 +20,7 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
-from server_helpers import execute, run_ok, wait_for
+from server_helpers import children_running, execute, proc_state, run_ok, wait_for
 
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
 API = "api.cellblock.test"
@@ -113,19 +113,7 @@ def egress_events(log):
 
 def gateway_children(pid):
     """Pids of cellblock-gateway processes whose parent is `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            exe = os.readlink(f"/proc/{entry}/exe")
-        except OSError:
-            continue
-        if ppid == pid and exe.endswith("/cellblock-gateway"):
-            found.append(int(entry))
-    return found
+    return children_running(pid, "/cellblock-gateway")
 
 
 def test_a_gateway_kernel_reaches_its_allowlist_and_nothing_else(kernel, upstream_port):
@@ -221,6 +209,5 @@ def test_a_killed_kernel_takes_its_gateway_with_it(kernel, upstream_port):
     os.kill(kernel_pid, signal.SIGKILL)
     km.provisioner.process.wait(timeout=30)
     # Its parent's death kills it (PR_SET_PDEATHSIG); it is then reaped by init.
-    assert wait_for(lambda: not os.path.exists(f"/proc/{gateway}") or
-                    open(f"/proc/{gateway}/stat").read().rsplit(")", 1)[1].split()[0] == "Z",
-                    timeout=30), f"gateway {gateway} outlived its killed kernel"
+    assert wait_for(lambda: proc_state(gateway) in (None, "Z"), timeout=30), \
+        f"gateway {gateway} outlived its killed kernel"

@@ -239,6 +239,33 @@ class CellblockKernelTests(jupyter_kernel_test.KernelTests):
         self.assertEqual(results, ["43"])
 
 
+class ServerSessionKernelTests(CellblockKernelTests):
+    """The same suite against one session of a running `cellblock serve`,
+    instead of a kernel started through the kernelspec. A test module
+    subclasses it (with `__test__ = True`) and sets `server_for_class` (a
+    server_helpers.ServerProcess) in a fixture; `check_session` may assert
+    what kind of session it got."""
+
+    __test__ = False  # collected only as a subclass
+    server_for_class = None
+
+    @classmethod
+    def check_session(cls):
+        pass
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = cls.server_for_class
+        cls.sid, cls.kc, _ = cls.server.open_session()
+        cls.km = None
+        cls.check_session()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.kc.stop_channels()
+        cls.server.ok("session_close_request", {"session_id": cls.sid})
+
+
 # ---- a kernel that dies while starting ---------------------------------------
 
 def test_kernel_dying_at_start_is_reported_as_a_dead_kernel(tmp_path, monkeypatch):

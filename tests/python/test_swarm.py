@@ -237,20 +237,11 @@ def test_caps_timeouts_and_close_as_with_runc(bed, swarm):
     wait_for(lambda: f"cb-{sid}" not in services_of(bed, server_id_of(swarm)), timeout=30)
 
 
-class SwarmKernelTests(conformance.CellblockKernelTests):
+class SwarmKernelTests(conformance.ServerSessionKernelTests):
     """jupyter_kernel_test's suite, and cellblock's own conformance checks,
     against a session the swarm placed."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.server = SwarmKernelTests.server_for_class
-        cls.sid, cls.kc, _ = cls.server.open_session()
-        cls.km = None
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.kc.stop_channels()
-        cls.server.ok("session_close_request", {"session_id": cls.sid})
+    __test__ = True
 
 
 @pytest.fixture(scope="module", autouse=True)

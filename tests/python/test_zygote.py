@@ -347,21 +347,15 @@ def test_each_forked_session_has_a_history_of_its_own(zserver):
         reply["content"]
 
 
-class ZygoteKernelTests(conformance.CellblockKernelTests):
+class ZygoteKernelTests(conformance.ServerSessionKernelTests):
     """jupyter_kernel_test's suite, and cellblock's own conformance checks,
     against a session forked from the zygote."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.server = ZygoteKernelTests.server_for_class
-        cls.sid, cls.kc, _ = cls.server.open_session()
-        assert sh.is_forked(cls.server.state_dir, cls.sid)
-        cls.km = None
+    __test__ = True
 
     @classmethod
-    def tearDownClass(cls):
-        cls.kc.stop_channels()
-        cls.server.ok("session_close_request", {"session_id": cls.sid})
+    def check_session(cls):
+        assert sh.is_forked(cls.server.state_dir, cls.sid)
 
 
 @pytest.fixture(scope="module", autouse=True)
