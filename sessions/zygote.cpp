@@ -411,6 +411,13 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
     const double requested_ms = ms_since();
     double userns_ms = 0, mapped_ms = 0, init_ms = 0, cgrouped_ms = 0;
     pid_t forked = -1;
+    // The fork's next step waits for one word from the server.
+    const auto tell = [&report](std::string_view word) {
+        if (::send(report.get(), word.data(), word.size(), MSG_NOSIGNAL) !=
+            static_cast<ssize_t>(word.size())) {
+            throw SandboxError("zygote fork: report: " + errno_text());
+        }
+    };
     try {
         const Report userns = receive_report(report.get(), "the user namespace");
         forked = userns.pid;
@@ -424,9 +431,7 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         const fs::path proc = "/proc/" + std::to_string(forked);
         write_value(proc / "uid_map", map);
         write_value(proc / "gid_map", map);
-        if (::send(report.get(), "mapped", 6, MSG_NOSIGNAL) != 6) {
-            throw SandboxError("zygote fork: report: " + errno_text());
-        }
+        tell("mapped");
         mapped_ms = ms_since();
         const Report init = receive_report(report.get(), "the session's init");
         pid_t init_pid = -1;
@@ -443,9 +448,7 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         for (const auto& cgroup : v2_dirs) {
             write_value(cgroup / "cgroup.procs", std::to_string(init_pid));
         }
-        if (::send(report.get(), "cgrouped", 8, MSG_NOSIGNAL) != 8) {
-            throw SandboxError("zygote fork: report: " + errno_text());
-        }
+        tell("cgrouped");
         cgrouped_ms = ms_since();
         const Report ready = receive_report(report.get(), "the contained session");
         if (ready.text != "ready" || ready.pid != box->init_pid_) {
