@@ -246,7 +246,14 @@ def test_jupyter_console(provisioned):
         assert (status, signal) == (0, None), term.text[mark:]
     finally:
         term.kill()
-    assert provisioned.server.info_of(new[0]["session_id"])["state"] == "closed"
+    # The console sends shutdown_request and exits without waiting for the
+    # reply; the server closes the session when the kernel answers (or after
+    # its shutdown grace), which may be just after the console is gone.
+    sid = new[0]["session_id"]
+    closed = wait_for(lambda: provisioned.server.info_of(sid)["state"] == "closed", timeout=30)
+    info = provisioned.server.info_of(sid)
+    assert closed, info
+    assert info["close_reason"] == "shutdown requested by the client", info
 
 
 def test_notebook_in_chromium(provisioned, monkeypatch, tmp_path):
