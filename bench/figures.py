@@ -5,6 +5,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import time
 
 import zmq
@@ -356,9 +357,11 @@ def step_overhead(bench, figure="2", label="runc", image=None, images_dir=None):
                              "bare_phases_ms": [ex.phases() and [x * 1000 for x in ex.phases()]
                                                 for ex in bbx],
                              "cellblock_cpu_ns": cb_cpu, "bare_cpu_ns": bare_cpu}
+                # Issue 12 asks 1.05x of runc sessions (on a quiet host); 1.10x before.
+                limit = 1.05 if label == "runc" else 1.10
                 rows.append(Row(figure, f"Step ({label}): execute round trip of {name}", "ms",
-                                cs, bs, "bare ipykernel", target="median ≤ 1.10× bare",
-                                met=cs["median"] <= 1.10 * bs["median"],
+                                cs, bs, "bare ipykernel", target=f"median ≤ {limit:.2f}× bare",
+                                met=cs["median"] <= limit * bs["median"],
                                 note=f"{cs['median'] - bs['median']:+.2f} ms at the median",
                                 detail=step_note(cbx, bbx, cb_cpu, bare_cpu, reps) +
                                 throttling_note(sid)))
@@ -443,14 +446,28 @@ def self_cpu():
     return r.ru_utime + r.ru_stime
 
 
-def window(channels, seconds, warmup, server_pid=None):
-    """Every kernel executes 1+1 back to back; returns rates and latencies of the window."""
+def pids_cpu_seconds(pids):
+    """CPU seconds used so far by these processes (those still running)."""
+    return {pid: cpu for pid in pids if (cpu := cpu_seconds(pid)) is not None}
+
+
+def window(channels, seconds, warmup, server_pid=None, kernel_pids=()):
+    """Every kernel executes 1+1 back to back; returns rates and latencies of the
+    window, and where the CPU went per execution (kernels, server, this client,
+    the rest of the host) over the whole run, warm-up included."""
     driver = MultiDriver(channels)
     c0, s0 = self_cpu(), cpu_seconds(server_pid) if server_pid else None
+    k0, h0 = pids_cpu_seconds(kernel_pids), host_cpu_s()
     start = time.perf_counter()
     finished, failures = driver.run(ONE_PLUS_ONE, warmup + seconds)
     c1, s1 = self_cpu(), cpu_seconds(server_pid) if server_pid else None
+    k1, h1 = pids_cpu_seconds(kernel_pids), host_cpu_s()
     elapsed = time.perf_counter() - start
+    kernels = sum(k1[p] - k0[p] for p in k1 if p in k0)
+    server = (s1 - s0) if s0 is not None and s1 is not None else 0.0
+    per_exec = {"kernels": kernels, "server": server, "client": c1 - c0,
+                "rest": (h1 - h0) - kernels - server - (c1 - c0), "host": h1 - h0}
+    per_exec = {k: v * 1000 / max(1, len(finished)) for k, v in per_exec.items()}
     w0 = start + warmup
     w1 = w0 + seconds
     inside = [(s, e) for s, e in finished if w0 <= e < w1]
@@ -462,7 +479,8 @@ def window(channels, seconds, warmup, server_pid=None):
     return {"executions": len(inside), "rate": len(inside) / seconds,
             "per_second": buckets, "latency_ms": [(e - s) * 1000 for s, e in inside],
             "failures": failures, "client_cpu_share": (c1 - c0) / elapsed,
-            "server_cpu_share": (s1 - s0) / elapsed if s0 is not None and s1 is not None else None}
+            "server_cpu_share": (s1 - s0) / elapsed if s0 is not None and s1 is not None else None,
+            "host_busy_share": (h1 - h0) / elapsed, "cpu_ms_per_exec": per_exec}
 
 
 def throughput(bench):
@@ -475,7 +493,7 @@ def throughput(bench):
         try:
             srv.wait_pool()
             rss0 = proc_status(srv.pid, "VmRSS")
-            cb_channels, bare_channels = [], []
+            cb_channels, bare_channels, cb_sids = [], [], []
             for n in counts:
                 need = (n - len(cb_channels)) * 2 * 90 * MB + 2 * GIB
                 if mem_available() < need:
@@ -492,6 +510,7 @@ def throughput(bench):
                     wait_ready(ch, time.monotonic() + 300)
                 ready_s = created_s + time.perf_counter() - t
                 cb_channels += new
+                cb_sids += [r["session_id"] for r in replies]
                 bench.log(f"throughput: {len(new)} sessions created in {created_s:.1f} s; "
                           f"starting {len(new)} bare kernels")
                 _, bare_s = bare.start(n - len(bare_channels))
@@ -499,13 +518,14 @@ def throughput(bench):
                 srv.wait_pool()
                 bench.log(f"throughput: {n} each; measuring {seconds} s windows, alternating")
                 cb_runs, bare_runs = [], []
+                cb_pids = srv.sessions_pids(cb_sids)
                 for order in range(2):
-                    pair = [("cb", cb_channels, cb_runs, srv.pid), ("bare", bare_channels,
-                                                                    bare_runs, None)]
+                    pair = [("cb", cb_channels, cb_runs, srv.pid, cb_pids),
+                            ("bare", bare_channels, bare_runs, None, bare.pids())]
                     if order:
                         pair.reverse()
-                    for _, chans, out, pid in pair:
-                        out.append(window(chans, seconds / 2, warmup, pid))
+                    for _, chans, out, pid, kpids in pair:
+                        out.append(window(chans, seconds / 2, warmup, pid, kpids))
                 rss = proc_status(srv.pid, "VmRSS")
 
                 def merge(runs):
@@ -514,7 +534,17 @@ def throughput(bench):
                             "latency_ms": sum((r["latency_ms"] for r in runs), []),
                             "failures": sum(r["failures"] for r in runs),
                             "client_cpu_share": max(r["client_cpu_share"] for r in runs),
-                            "server_cpu_share": max((r["server_cpu_share"] or 0) for r in runs)}
+                            "server_cpu_share": max((r["server_cpu_share"] or 0) for r in runs),
+                            "host_busy_share": min(r["host_busy_share"] for r in runs),
+                            "cpu_ms_per_exec": {k: statistics.mean(r["cpu_ms_per_exec"][k]
+                                                                   for r in runs)
+                                                for k in runs[0]["cpu_ms_per_exec"]}}
+
+                def where(m):
+                    c = m["cpu_ms_per_exec"]
+                    return (f"kernels {c['kernels']:.2f}, server {c['server']:.2f}, client "
+                            f"{c['client']:.2f}, rest of host {c['rest']:.2f} (host busy ≥ "
+                            f"{m['host_busy_share'] / os.cpu_count():.0%})")
 
                 cbm, bm = merge(cb_runs), merge(bare_runs)
                 raw[n] = {"cellblock": cbm, "bare": bm, "create_s": created_s,
@@ -528,16 +558,22 @@ def throughput(bench):
                           f"{cbm['server_cpu_share']:.0%} of a core; the benchmark client "
                           f"≤ {max(cbm['client_cpu_share'], bm['client_cpu_share']):.0%}; server "
                           f"VmRSS {rss / MB:.1f} MB ({(rss - rss0) / n / 1024:.0f} KiB per "
-                          "session over the idle server)")
+                          "session over the idle server); CPU ms per execution, cellblock: "
+                          f"{where(cbm)}; bare: {where(bm)}")
+                # Issue 12's targets are for 100 sessions.
+                rate, lat = summary(cbm["per_second"]), summary(cbm["latency_ms"])
+                brate, blat = summary(bm["per_second"]), summary(bm["latency_ms"])
                 rows.append(Row("4", f"Throughput, {n} sessions × 1+1 back to back "
-                                     "(executions per 1 s bucket)", "exec/s",
-                                summary(cbm["per_second"]), summary(bm["per_second"]),
+                                     "(executions per 1 s bucket)", "exec/s", rate, brate,
                                 f"{n} bare ipykernels",
                                 note=f"total {cbm['rate']:.0f} vs {bm['rate']:.0f} exec/s",
-                                detail=detail))
-                rows.append(Row("4", f"Throughput, {n} sessions: round trip latency", "ms",
-                                summary(cbm["latency_ms"]), summary(bm["latency_ms"]),
-                                f"{n} bare ipykernels", ratio_on="p99"))
+                                detail=detail, higher_is_better=True,
+                                target="median ≥ 0.9× bare" if n == 100 else "",
+                                met=rate["median"] >= 0.9 * brate["median"] if n == 100 else None))
+                rows.append(Row("4", f"Throughput, {n} sessions: round trip latency", "ms", lat,
+                                blat, f"{n} bare ipykernels", ratio_on="p99",
+                                target="p99 ≤ 1.5× bare" if n == 100 else "",
+                                met=lat["p99"] <= 1.5 * blat["p99"] if n == 100 else None))
             for ch in cb_channels:
                 ch.close()
         finally:

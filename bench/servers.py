@@ -250,17 +250,23 @@ class CellblockServer:
 
     def session_pids(self, sid):
         """Host pids of a session's sandbox processes (by their cgroup)."""
-        marker = f"/cellblock/cb-{sid}"
+        return self.sessions_pids([sid])
+
+    @staticmethod
+    def sessions_pids(sids):
+        """Host pids of these sessions' sandbox processes (by their cgroup), in one pass."""
+        markers = [f"/cellblock/cb-{sid}" for sid in sids]
         pids = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry}/cgroup") as f:
-                    if marker in f.read():
-                        pids.append(int(entry))
+                    text = f.read()
             except OSError:
                 continue
+            if "/cellblock/cb-" in text and any(m in text for m in markers):
+                pids.append(int(entry))
         return pids
 
 

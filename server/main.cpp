@@ -264,6 +264,14 @@ int main(int argc, char** argv) {
                      "nice value of the server's loop and I/O threads, above the sandboxes' (0: "
                      "leave it)")
         ->capture_default_str();
+    serve_cmd
+        ->add_option_function<std::string>(
+            "--sandboxes-weight",
+            [&](const std::string& v) { serve.weigh_sandboxes = v == "active"; },
+            "the sandboxes' CPU weight on the host: 'active' (what their active sessions "
+            "weigh, each as a process; default) or 'fixed' (the host's default: one process's "
+            "worth for all of them)")
+        ->check(CLI::IsMember({"active", "fixed"}));
     add_transports(serve_cmd, serve.kernel_transport, serve.client_transport);
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
                         "keep only a SHA-256 of each execution's code");

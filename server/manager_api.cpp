@@ -339,6 +339,11 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         {"sessions",
          {{"open", open}, {"starting", creating_.size()}, {"max", options_.policy.max_sessions}}},
         {"policy", options_.policy.to_json()},
+        // What the sandboxes' parent cgroup weighs on the host (cpu_fairness.hpp):
+        // null until this server has set it.
+        {"cpu",
+         {{"interactive_sessions", interactive_sessions_},
+          {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)}}},
         {"state_dir", settings_.state_dir.string()}};
 }
 

@@ -1,5 +1,6 @@
 #include "server_mode.hpp"
 
+#include "cellblock/runc_sandbox.hpp"
 #include "relay_priority.hpp"
 #include "server.hpp"
 
@@ -41,6 +42,7 @@ void Server::follow_image_version(const std::string& name) {
 }
 
 void Server::balance_cpu(Clock::time_point now) {
+    std::size_t active = 0;  // interactive sessions
     for (auto& [id, session] : sessions_) {
         Sandbox* box = session->sandbox();
         if (session->closed() || !box) continue;
@@ -54,6 +56,7 @@ void Server::balance_cpu(Clock::time_point now) {
         if (const auto running = session->running_since()) sample.running_for = now - *running;
         sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);
+        if (fairness.interactive()) ++active;
         if (!change) continue;
         // A cap of 0 is the session's own quota (its limits, as the pool applied them).
         const double own = box->limits().cpus;
@@ -65,6 +68,17 @@ void Server::balance_cpu(Clock::time_point now) {
         if (!weighted && !capped) continue;  // no CPU controller for this sandbox
         spdlog::info("session {}: {}: {}", id, change->event, change->detail);
         on_event(id, change->event, change->detail);
+    }
+    interactive_sessions_ = active;
+    // Written only when it changes: an idle server leaves the parent alone.
+    if (const int weight = sandboxes_weight(active);
+        options_.weigh_sandboxes && weight != sandboxes_weight_) {
+        // Not retried each tick when refused (no such cgroup: no local sandboxes).
+        const bool set = set_sandboxes_cpu_weight(weight);
+        spdlog::debug("sandboxes' CPU weight {}{} ({} interactive sessions)", weight,
+                      set ? "" : " not set", active);
+        sandboxes_weight_ = weight;
+        sandboxes_weight_set_ = set;
     }
     next_balance_ = now + CpuFairnessPolicy{}.interval;
 }

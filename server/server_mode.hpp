@@ -22,6 +22,10 @@ struct ServeOptions {
     bool audit_code_hash_only = false;
     // The nice value of the server's loop and I/O threads (relay_priority.hpp).
     int relay_nice = -10;
+    // The sandboxes' parent cgroup weighs what its active sessions weigh
+    // (cpu_fairness.hpp, sandboxes_weight); false leaves it at the host's
+    // default, one process's worth for all of them.
+    bool weigh_sandboxes = true;
     // How the relay speaks to the kernels' sockets (kernel_socket.hpp).
     RelayTransport kernel_transport = RelayTransport::zmtp;
     RelayTransport client_transport = RelayTransport::zmtp;

@@ -100,6 +100,27 @@ bool CpuFairness::calm() const {
            (cpu <= policy_.calm_share * span && wanting <= policy_.calm_runnable * span);
 }
 
+bool CpuFairness::active() const {
+    if (history_.empty()) return false;
+    const auto end = history_.back().end;
+    double cpu = 0;
+    for (auto it = history_.rbegin(); it != history_.rend(); ++it) {
+        if (Seconds(end - it->end) >= policy_.active_span) break;
+        cpu += it->cpu_s;
+    }
+    return cpu > policy_.active_share * policy_.active_span.count();
+}
+
+bool CpuFairness::interactive() const {
+    return setting_.level == CpuSetting::Level::normal && active() && last_ &&
+           !(last_->running_for && Seconds(*last_->running_for) >= policy_.interactive_run);
+}
+
+int sandboxes_weight(std::size_t interactive, const CpuFairnessPolicy& policy) {
+    const double weight = static_cast<double>(interactive) * policy.normal_weight;
+    return static_cast<int>(std::clamp<double>(weight, policy.normal_weight, 262144));
+}
+
 CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
     CpuSetting normal{CpuSetting::Level::normal, policy_.normal_weight, 0};
     if (!sample.running_for) return normal;
@@ -156,8 +177,8 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     i.runnable = sample.runnable;
     history_.push_back(i);
     last_ = sample;
-    const Seconds keep =
-        std::max({policy_.storm_after, policy_.background_after, policy_.calm_after});
+    const Seconds keep = std::max(
+        {policy_.storm_after, policy_.background_after, policy_.calm_after, policy_.active_span});
     while (history_.size() > 1 && Seconds(sample.at - history_.front().end) >= keep)
         history_.pop_front();
 

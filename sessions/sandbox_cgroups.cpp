@@ -53,6 +53,33 @@ std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
     return dirs;
 }
 
+namespace {
+
+// v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
+std::string weight_text(int shares, bool v2) {
+    return std::to_string(v2 ? std::clamp(shares * 100L / tuning::kNormalCpuShares, 1L, 10000L)
+                             : std::clamp<long>(shares, 2, 262144));
+}
+
+}  // namespace
+
+bool set_sandboxes_cpu_weight(int shares) {
+    const fs::path root = "/sys/fs/cgroup";
+    const bool v2 = fs::exists(root / "cgroup.controllers");
+    fs::path file;
+    if (v2) {
+        file = root / "cellblock" / "cpu.weight";
+    } else {
+        for (const char* controller : {"cpu", "cpu,cpuacct"})
+            if (fs::exists(root / controller / "cellblock" / "cpu.shares"))
+                file = root / controller / "cellblock" / "cpu.shares";
+    }
+    if (file.empty()) return false;
+    const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+    const std::string text = weight_text(shares, v2);
+    return fd && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
+}
+
 void RuncSandbox::open_counters() {
     auto open_first = [&](std::initializer_list<const char*> names, int flags) {
         for (const auto& dir : cgroup_dirs_) {
@@ -182,11 +209,7 @@ bool RuncSandbox::set_cpu_quota(double cpus) {
 
 bool RuncSandbox::set_cpu_weight(int shares) {
     if (destroyed_ || counters_.cpu_weight < 0) return false;
-    // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
-    const long value = counters_.cpu_weight_v2
-                           ? std::clamp(shares * 100L / tuning::kNormalCpuShares, 1L, 10000L)
-                           : std::clamp<long>(shares, 2, 262144);
-    const std::string text = std::to_string(value);
+    const std::string text = weight_text(shares, counters_.cpu_weight_v2);
     return ::pwrite(counters_.cpu_weight, text.data(), text.size(), 0) ==
            static_cast<ssize_t>(text.size());
 }

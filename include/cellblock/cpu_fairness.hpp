@@ -24,6 +24,18 @@
 // that has burned CPU for a minute gives way to newer work; the default
 // weight returns when the execution ends. Short cells and bursts (a pandas
 // import) never change anything.
+//
+// The sandboxes' common parent cgroup (`cellblock`) is one entity among the
+// host's processes: at the kernel's default weight, a hundred busy sessions
+// together weigh what one process does, the server and a client on the host
+// preempt them on every message, and each execution costs ~40% more CPU
+// (bench figure 4: 0.65x the throughput of a hundred bare kernels). So the
+// server gives the parent what its interactive sessions weigh
+// (`sandboxes_weight`): each session that used CPU lately in executions of
+// under `interactive_run` counts as one process. Long computations, demoted
+// or yielding sessions and idle ones add nothing: counted, ten CPU spins
+// outweighed the server and a client on the host and a quiet session's p99
+// grew 2-5x (bench figure 6); they compete among themselves inside the parent.
 #pragma once
 
 #include <chrono>
@@ -49,6 +61,12 @@ struct CpuFairnessPolicy {
     int normal_weight = 1024;        // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
+    // Active (it weighs on the sandboxes' parent): more than active_share of
+    // a core used over the last active_span.
+    Seconds active_span{1.0};
+    double active_share = 0.002;
+    // Interactive: active, at the normal level, and no execution running longer.
+    Seconds interactive_run{1.0};
     struct LongStep {
         Seconds after;  // one execution has run this long, busy over background_after
         int weight;
@@ -99,6 +117,11 @@ class CpuFairness {
     std::optional<CpuChange> observe(const CpuSample& sample);
 
     const CpuSetting& setting() const { return setting_; }
+    // It used more than active_share of a core over the last active_span.
+    bool active() const;
+    // Active, at the normal level, and no execution had run interactive_run
+    // at the last sample: it weighs on the sandboxes' parent.
+    bool interactive() const;
     bool demoted() const { return setting_.level == CpuSetting::Level::demoted; }
     const CpuFairnessPolicy& policy() const { return policy_; }
     Clock::time_point last_sample() const { return last_ ? last_->at : Clock::time_point{}; }
@@ -128,5 +151,10 @@ class CpuFairness {
     std::string demoted_why_;
     Clock::time_point since_{};  // when the current setting was applied
 };
+
+// The weight for the sandboxes' parent cgroup (v1 cpu.shares units): one
+// normal session's per interactive session, at least one, at most cgroup v1's
+// ceiling (262144).
+int sandboxes_weight(std::size_t interactive, const CpuFairnessPolicy& policy = {});
 
 }  // namespace cellblock

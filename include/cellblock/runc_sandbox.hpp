@@ -123,6 +123,13 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
 // creating at this moment out of reach. Returns the paths removed.
 std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds min_age);
 
+// Sets the CPU weight of the sandboxes' common parent cgroup (`cellblock`;
+// v1 cpu.shares units, converted for v2's cpu.weight): what the sandboxes
+// together weigh against the host's processes (cpu_fairness.hpp). False if
+// there is no such cgroup or it refused. The parent is shared by every server
+// on the host: the last writer's figure holds.
+bool set_sandboxes_cpu_weight(int shares);
+
 // The cgroup directories (one per v1 controller, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
 

@@ -10,6 +10,7 @@ history, not timings: the latency it buys is measured by the benchmark
 """
 import glob
 import os
+import threading
 import time
 
 from server_helpers import execute, server, wait_for  # noqa: F401
@@ -187,6 +188,78 @@ def test_a_thread_storm_is_demoted_then_restored_once_it_is_gone(server):  # noq
     reply, _ = execute(kc, "1+1")
     assert reply["content"]["status"] == "ok"
     server.ok("session_close_request", {"session_id": sid})
+
+
+def parent_shares():
+    """cpu.shares of the sandboxes' common parent cgroup, or None."""
+    for path in glob.glob("/sys/fs/cgroup/cpu*/cellblock/cpu.shares"):
+        with open(path) as f:
+            return int(f.read())
+    return None
+
+
+def other_servers(ours):
+    """Other `cellblock serve` processes on the host: they write the shared parent too."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if pid != ours and len(argv) > 1 and argv[0].endswith(b"cellblock") and argv[1] == b"serve":
+            found.append(pid)
+    return found
+
+
+def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(server):  # noqa: F811,E501
+    """Three sessions stepping, one idle: the sandboxes' parent cgroup weighs
+    three processes' worth, not one (at one, a hundred busy sessions lost 35%
+    of their throughput to preemption by the server and the client: bench
+    figure 4); once they are done it is one process's worth again, and a
+    long computation adds nothing."""
+    busy = [server.open_session() for _ in range(3)]
+    idle_sid, _, _ = server.open_session()
+    need_cpu_controller(idle_sid)
+
+    def cpu_info():
+        return server.ok("server_info_request", {})["content"]["cpu"]
+
+    # Short executions back to back, on a thread per session as an agent would.
+    stop = threading.Event()
+
+    def steps(kc):
+        while not stop.is_set():
+            reply, _ = execute(kc, "sum(range(200000))")
+            assert reply["content"]["status"] == "ok"
+
+    threads = [threading.Thread(target=steps, args=(kc,)) for _, kc, _ in busy]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_for(lambda: cpu_info() == {"interactive_sessions": 3,
+                                               "sandboxes_weight": 3 * 1024},
+                        timeout=10), cpu_info()
+        if not other_servers(server.proc.pid):
+            assert wait_for(lambda: parent_shares() == 3 * 1024, timeout=2), parent_shares()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert wait_for(lambda: cpu_info() == {"interactive_sessions": 0, "sandboxes_weight": 1024},
+                    timeout=10), cpu_info()
+    if not other_servers(server.proc.pid):
+        assert parent_shares() == 1024
+
+    # A long computation is not interactive after a second: it adds nothing.
+    kc = busy[0][1]
+    msg_id = kc.execute(SPIN.format(s=4))
+    time.sleep(2.5)
+    assert cpu_info() == {"interactive_sessions": 0, "sandboxes_weight": 1024}, cpu_info()
+    assert run_until_reply(kc, msg_id)["content"]["status"] == "ok"
+    for sid in [b[0] for b in busy] + [idle_sid]:
+        assert cpu_events(server, sid) == [], "short steps change no session's weight"
+        server.ok("session_close_request", {"session_id": sid})
 
 
 def test_shares_are_writable_only_by_the_server(server):  # noqa: F811

@@ -233,5 +233,62 @@ TEST(CpuFairness, AFloorKeepsEvenAMisconfiguredPolicyFromStarving) {
     EXPECT_GT(x.changes[0].setting.cpus, 0.0);
 }
 
+TEST(CpuFairness, ASessionIsActiveWhileItUsedCpuInTheLastSecondAndNotAfter) {
+    Feeder x;
+    EXPECT_FALSE(x.f.active());  // one sample: nothing used yet
+    // A session of a hundred busy ones on two cores: 2% of a core each.
+    x.run(2.0, 0.02, true);
+    EXPECT_TRUE(x.f.active());
+    // Idle for half a second: the last second still holds its work.
+    x.run(0.5, 0.0, false);
+    EXPECT_TRUE(x.f.active());
+    x.run(0.75, 0.0, false);
+    EXPECT_FALSE(x.f.active());
+    // An idle kernel's crumbs (0.1% of a core) are not activity.
+    x.run(5.0, 0.001, false);
+    EXPECT_FALSE(x.f.active());
+}
+
+TEST(CpuFairness, ShortExecutionsBackToBackAreInteractive) {
+    Feeder x;
+    for (int i = 0; i < 8; ++i) x.cell(0.25, 0.02);
+    EXPECT_TRUE(x.f.interactive());
+    // Idle since: interactive until its last second of work has passed.
+    x.run(1.25, 0.0, false);
+    EXPECT_FALSE(x.f.interactive());
+}
+
+TEST(CpuFairness, ALongComputationIsActiveButNotInteractiveAfterASecond) {
+    Feeder x;
+    x.run(0.75, 1.0, true);
+    EXPECT_TRUE(x.f.interactive());
+    x.run(0.5, 1.0, true);
+    EXPECT_TRUE(x.f.active());
+    EXPECT_FALSE(x.f.interactive());
+    // Its execution ends; the next short ones are interactive again.
+    x.cell(0.25, 0.5);
+    x.run(0.25, 0.1, false);
+    EXPECT_TRUE(x.f.interactive());
+}
+
+TEST(CpuFairness, ADemotedSessionIsActiveButNotInteractive) {
+    Feeder x;
+    x.run(3.25, 1.0, false);
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    EXPECT_TRUE(x.f.active());
+    EXPECT_FALSE(x.f.interactive());
+}
+
+TEST(CpuFairness, TheSandboxesWeighOneProcessPerInteractiveSessionWithinTheCgroupBounds) {
+    const CpuFairnessPolicy p;
+    // None: the kernel's default for one entity, not less.
+    EXPECT_EQ(sandboxes_weight(0), p.normal_weight);
+    EXPECT_EQ(sandboxes_weight(1), p.normal_weight);
+    // A hundred interactive sessions weigh what a hundred processes do.
+    EXPECT_EQ(sandboxes_weight(100), 102400);
+    // cgroup v1's ceiling.
+    EXPECT_EQ(sandboxes_weight(1000), 262144);
+}
+
 }  // namespace
 }  // namespace cellblock
