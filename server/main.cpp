@@ -15,6 +15,7 @@
 
 #include "cellblock/connection_info.hpp"
 #include "cellblock/error_names.hpp"
+#include "client_commands.hpp"
 #include "eval_command.hpp"
 #include "image_cli.hpp"
 #include "kernel_mode.hpp"
@@ -31,59 +32,6 @@ void setup_logging(const std::string& level) {
     logger->set_pattern("[cellblock %Y-%m-%d %H:%M:%S.%e %l] %v");
     spdlog::set_default_logger(logger);
     spdlog::set_level(spdlog::level::from_str(level));
-}
-
-// The reply's content, or an exception carrying ename: evalue.
-json ok_content(const cellblock::WireMessage& reply) {
-    if (reply.content.value("status", "") != "ok") {
-        throw std::runtime_error(reply.content.value("ename", "Error") + ": " +
-                                 reply.content.value("evalue", reply.content.dump()));
-    }
-    return reply.content;
-}
-
-std::string when(double unix_seconds) {
-    if (unix_seconds <= 0) return "-";
-    const std::time_t t = static_cast<std::time_t>(unix_seconds);
-    char buf[32];
-    std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", std::localtime(&t));
-    return buf;
-}
-
-// A progress bar on stderr when it is a terminal; nothing otherwise (logs
-// and pipes get the one summary line).
-cellblock::ManagerClient::Progress progress_bar(const std::string& label) {
-    if (!::isatty(STDERR_FILENO)) return {};
-    const auto start = std::chrono::steady_clock::now();
-    return [label, start](std::uint64_t done, std::uint64_t total) {
-        constexpr int kWidth = 30;
-        const double part = total ? static_cast<double>(done) / static_cast<double>(total) : 1.0;
-        const int filled = static_cast<int>(part * kWidth);
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        std::fprintf(stderr, "\r%s [%s%s] %3d%% %.1f/%.1f MiB %.0f MiB/s", label.c_str(),
-                     std::string(static_cast<std::size_t>(filled), '#').c_str(),
-                     std::string(static_cast<std::size_t>(kWidth - filled), '.').c_str(),
-                     static_cast<int>(part * 100), static_cast<double>(done) / (1 << 20),
-                     static_cast<double>(total) / (1 << 20),
-                     seconds > 0 ? static_cast<double>(done) / (1 << 20) / seconds : 0.0);
-        if (done >= total) std::fputc('\n', stderr);
-        std::fflush(stderr);
-    };
-}
-
-// "key=value" limit options: numbers stay numbers.
-json parse_limits(const std::vector<std::string>& items) {
-    json limits = json::object();
-    for (const auto& item : items) {
-        const auto eq = item.find('=');
-        if (eq == std::string::npos)
-            throw std::runtime_error("--limit " + item + ": expected KEY=VALUE");
-        const std::string key = item.substr(0, eq), value = item.substr(eq + 1);
-        json parsed = json::parse(value, nullptr, false);
-        limits[key] = parsed.is_discarded() ? json(value) : parsed;
-    }
-    return limits;
 }
 
 // The --egress-* flags (docs/network.md), the same for `serve`, `kernel` and
@@ -312,53 +260,9 @@ int main(int argc, char** argv) {
                      "seconds a closed session's channels still answer SessionClosed")
         ->capture_default_str();
 
-    // clients of a running server
-    fs::path state_dir = cellblock::default_serve_state_dir();
-    auto add_client = [&](const char* name, const char* help) {
-        auto* cmd = app.add_subcommand(name, help);
-        cmd->add_option("--state-dir", state_dir, "the server's state dir")->capture_default_str();
-        return cmd;
-    };
-    std::string image, metadata_text, output_file, session_id, local, remote;
-    std::vector<std::string> limit_items;
-    bool all = false, as_json = false;
-    auto* new_cmd = add_client("new", "create a session; writes its connection file");
-    new_cmd->add_option("--image", image, "image name");
-    new_cmd->add_option("--limit", limit_items,
-                        "KEY=VALUE (repeatable): max_executions, idle_timeout_s, ...");
-    new_cmd->add_option("--metadata", metadata_text, "JSON object kept with the session");
-    new_cmd->add_option("-o,--output", output_file,
-                        "connection file to write (default ./cellblock-<id>.json)");
-    auto* ls_cmd = add_client("ls", "list sessions");
-    ls_cmd->add_flag("--all", all, "include closed sessions");
-    ls_cmd->add_flag("--json", as_json, "print JSON");
-    auto* info_cmd = add_client("info", "show a session");
-    info_cmd->add_option("session", session_id)->required();
-    auto* close_cmd = add_client("close", "close a session");
-    close_cmd->add_option("session", session_id)->required();
-    auto* put_cmd = add_client("put", "copy a file to the session's /data/input");
-    put_cmd->add_option("session", session_id)->required();
-    put_cmd->add_option("local", local, "local file")->required();
-    put_cmd->add_option("remote", remote, "path under /data/input (default: the file's name)");
-    auto* get_cmd = add_client("get", "copy a file from the session's /data/output");
-    get_cmd->add_option("session", session_id)->required();
-    get_cmd->add_option("remote", remote, "path under /data/output")->required();
-    get_cmd->add_option("local", local, "local file (default: the file's name)");
-    // By default a file moves by descriptor over the server's local file
-    // socket when this process can reach it, else it is streamed.
-    bool stream_only = false, local_only = false;
-    for (auto* cmd : {put_cmd, get_cmd}) {
-        auto* stream = cmd->add_flag("--stream", stream_only,
-                                     "stream the bytes through the manager socket in chunks");
-        cmd->add_flag("--local", local_only,
-                      "pass the file's descriptor over the server's local file socket, or fail")
-            ->excludes(stream);
-    }
-    auto* history_cmd = add_client("history", "a session's executions and events");
-    history_cmd->add_option("session", session_id)->required();
-    history_cmd->add_flag("--json", as_json, "print JSON");
-    auto* server_info_cmd =
-        add_client("server-info", "the server's version, images, pool and limits");
+    // new | ls | info | close | put | get | history | server-info
+    cellblock::ClientCommands client_cli(app);
+    bool as_json = false;
     auto* errors_cmd =
         app.add_subcommand("errors", "the enames the server sends, and what each means");
     errors_cmd->add_flag("--json", as_json, "print JSON");
@@ -387,7 +291,7 @@ int main(int argc, char** argv) {
     }
     try {
         if (kernel_cmd->parsed()) {
-            kernel.limits = parse_limits(kernel_limit_items);
+            kernel.limits = cellblock::parse_limits(kernel_limit_items);
             if (memory_mb > 0) kernel.limits["memory_mb"] = memory_mb;
             if (pids > 0) kernel.limits["pids"] = pids;
             if (disk_mb > 0) kernel.limits["disk_mb"] = disk_mb;
@@ -401,7 +305,7 @@ int main(int argc, char** argv) {
         }
         if (install_cmd->parsed()) {
             if (!prefix.empty()) spec.prefix = prefix;
-            spec.limits = parse_limits(spec_limit_items);
+            spec.limits = cellblock::parse_limits(spec_limit_items);
             for (const auto& item : spec_resolve_items) spec_egress.add_resolve(item);
             if (spec.provisioner && !spec_egress.allow.empty()) {
                 throw std::runtime_error(
@@ -447,172 +351,7 @@ int main(int argc, char** argv) {
             return cellblock::run_server(serve);
         }
 
-        cellblock::ManagerClient client(state_dir);
-        if (new_cmd->parsed()) {
-            const auto create_timeout = std::chrono::seconds(120);
-            // The server never hands out a session after we stopped waiting.
-            json content = {{"limits", parse_limits(limit_items)},
-                            {"timeout_s", static_cast<double>(create_timeout.count())}};
-            if (!image.empty()) content["image"] = image;
-            if (!metadata_text.empty()) content["metadata"] = json::parse(metadata_text);
-            const json reply =
-                ok_content(client.call("session_create_request", content, {}, create_timeout));
-            const std::string id = reply["session_id"];
-            const fs::path file =
-                output_file.empty() ? fs::path("cellblock-" + id + ".json") : fs::path(output_file);
-            cellblock::ConnectionInfo::from_json(reply["connection"]).write(file);
-            std::cout << "session " << id
-                      << (reply.value("warm", false) ? " (warm)" : " (cold start)") << "\n"
-                      << "connection file: " << fs::absolute(file).string() << "\n"
-                      << "  jupyter console --existing " << fs::absolute(file).string() << "\n";
-            return 0;
-        }
-        if (ls_cmd->parsed()) {
-            const json reply =
-                ok_content(client.call("session_list_request", {{"open_only", !all}}));
-            if (as_json) {
-                std::cout << reply["sessions"].dump(2) << "\n";
-                return 0;
-            }
-            const auto pid_list = [](const json& entry) {
-                std::string pids;
-                for (const auto& pid : entry.value("pids", json::array())) {
-                    pids += (pids.empty() ? "" : ",") + std::to_string(pid.get<long>());
-                }
-                return pids.empty() ? std::string("-") : pids;
-            };
-            std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "SESSION", "IMAGE", "STATE",
-                        "CREATED", "EXECS", "PIDS", "CLOSED BECAUSE");
-            for (const auto& s : reply["sessions"]) {
-                std::printf(
-                    "%-18s %-8s %-8s %-20s %5lld  %-16s %s\n",
-                    s["session_id"].get<std::string>().c_str(),
-                    s["image"].get<std::string>().c_str(), s["state"].get<std::string>().c_str(),
-                    when(s["created_at"].get<double>()).c_str(), s["executions"].get<long long>(),
-                    pid_list(s).c_str(), s["close_reason"].get<std::string>().c_str());
-            }
-            // The pool's warm sandboxes are live too: an operator counting
-            // containers (`runc --root RUNTIME_ROOT list`) sees them.
-            for (const auto& box : reply.value("warm_sandboxes", json::array())) {
-                std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "(pool)",
-                            box["image"].get<std::string>().c_str(), "warm", "-", "-",
-                            pid_list(box).c_str(), box["container_id"].get<std::string>().c_str());
-            }
-            for (const auto& z : reply.value("zygotes", json::array())) {
-                std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "(zygote)",
-                            z["image"].get<std::string>().c_str(), "zygote", "-", "-",
-                            pid_list(z).c_str(), z["container_id"].get<std::string>().c_str());
-            }
-            if (reply.value("backend", "runc") == "swarm") {
-                // Sandboxes are Swarm services on the nodes: the engine lists them.
-                std::printf("\n%-28s %-8s %-12s %s\n", "NODE", "STATE", "AVAILABILITY",
-                            "SANDBOXES");
-                for (const auto& n : reply.value("nodes", json::array())) {
-                    if (n.value("kind", "") != "node") {
-                        std::printf("(the engine did not answer: %s)\n",
-                                    n.value("message", "").c_str());
-                        continue;
-                    }
-                    std::printf("%-28s %-8s %-12s %d\n", n.value("hostname", "").c_str(),
-                                n.value("state", "").c_str(), n.value("availability", "").c_str(),
-                                n.value("sandboxes", 0));
-                }
-                std::printf("\nsandboxes: docker service ls --filter label=cellblock.server\n");
-            } else if (reply.contains("runtime_root")) {
-                std::printf("\nsandboxes: runc --root %s list\n",
-                            reply["runtime_root"].get<std::string>().c_str());
-            }
-            return 0;
-        }
-        if (info_cmd->parsed()) {
-            std::cout << ok_content(
-                             client.call("session_info_request", {{"session_id", session_id}}))
-                             .dump(2)
-                      << "\n";
-            return 0;
-        }
-        if (close_cmd->parsed()) {
-            ok_content(client.call("session_close_request", {{"session_id", session_id}}));
-            std::cout << "session " << session_id << " closed\n";
-            return 0;
-        }
-        const auto route = stream_only  ? cellblock::ManagerClient::Route::Stream
-                           : local_only ? cellblock::ManagerClient::Route::Local
-                                        : cellblock::ManagerClient::Route::Auto;
-        if (put_cmd->parsed()) {
-            const std::string name = remote.empty() ? fs::path(local).filename().string() : remote;
-            const json reply = client.put_file(session_id, local, name, progress_bar(name), route);
-            std::cout << local << " -> " << reply["path"].get<std::string>() << " ("
-                      << reply["size"] << " bytes) sha256 " << reply["sha256"].get<std::string>()
-                      << "\n";
-            return 0;
-        }
-        if (get_cmd->parsed()) {
-            const fs::path out = local.empty() ? fs::path(remote).filename() : fs::path(local);
-            const json reply =
-                client.get_file(session_id, remote, out, progress_bar(remote), route);
-            std::cout << reply["path"].get<std::string>() << " -> " << out.string() << " ("
-                      << reply["size"] << " bytes) sha256 " << reply["sha256"].get<std::string>()
-                      << "\n";
-            return 0;
-        }
-        if (history_cmd->parsed()) {
-            const json reply =
-                ok_content(client.call("session_history_request", {{"session_id", session_id}}));
-            if (as_json) {
-                std::cout << reply.dump(2) << "\n";
-                return 0;
-            }
-            std::cout << "session " << session_id << ": " << reply["state"].get<std::string>();
-            if (!reply["close_reason"].get<std::string>().empty()) {
-                std::cout << " (" << reply["close_reason"].get<std::string>() << ")";
-                // Kept at the close, over the session's whole life.
-                std::printf("; peak memory %.1f MB, CPU %llu ms",
-                            static_cast<double>(reply.value("memory_peak_bytes", 0ULL)) / (1 << 20),
-                            reply.value("cpu_ms", 0ULL));
-            }
-            std::cout << "\n\nexecutions:\n";
-            for (const auto& e : reply["executions"]) {
-                std::string code = e["code"].get<std::string>();
-                for (auto& ch : code) {
-                    if (ch == '\n') ch = ' ';
-                }
-                if (code.size() > 50) code = code.substr(0, 47) + "...";
-                std::printf("  %3lld %-8s %-22s %8.0f ms %6llu cpu ms %7.1f MB%s  %s\n",
-                            e["count"].get<long long>(), e["status"].get<std::string>().c_str(),
-                            e["ename"].get<std::string>().c_str(), e["wall_ms"].get<double>(),
-                            e["cpu_ms"].get<unsigned long long>(),
-                            static_cast<double>(e["memory_peak_bytes"].get<unsigned long long>()) /
-                                (1 << 20),
-                            e["truncated"].get<bool>() ? " truncated" : "", code.c_str());
-            }
-            std::cout << "\nevents:\n";
-            for (const auto& e : reply["events"]) {
-                std::string detail = e["detail"].get<std::string>();
-                if (e["kind"] == "egress") {
-                    // One line per connection: what, where, how it ended.
-                    const json c = json::parse(detail, nullptr, false);
-                    if (c.is_object()) {
-                        detail =
-                            c.value("method", "-") + " " + c.value("host", "-") + ":" +
-                            std::to_string(c.value("port", 0)) + " " + c.value("verdict", "") +
-                            " " + std::to_string(c.value("status", 0)) + " up " +
-                            std::to_string(c.value("bytes_up", 0)) + " B down " +
-                            std::to_string(c.value("bytes_down", 0)) + " B " +
-                            std::to_string(c.value("duration_ms", 0)) + " ms" +
-                            (c.value("reason", "").empty() ? "" : ": " + c.value("reason", ""));
-                    }
-                }
-                std::printf("  %s %-12s %s\n", when(e["at"].get<double>()).c_str(),
-                            e["kind"].get<std::string>().c_str(), detail.c_str());
-            }
-            return 0;
-        }
-        if (server_info_cmd->parsed()) {
-            std::cout << ok_content(client.call("server_info_request", json::object())).dump(2)
-                      << "\n";
-            return 0;
-        }
+        if (client_cli.parsed()) return client_cli.run();
     } catch (const std::exception& e) {
         spdlog::error("{}", e.what());
         return 1;

@@ -1,3 +1,8 @@
+// The relay's rules for one session (session_core.hpp). Over 500 lines with a
+// reason: it is one state machine over one state (the open requests, the
+// running execution and its held reply, the queue, the shutdown), and every
+// handler reads and changes all of it; tests/unit/session_core_test.cpp
+// drives it as one. Cut into files, each part would need every field.
 #include "session_core.hpp"
 
 #include "cellblock/error_names.hpp"

@@ -1,3 +1,9 @@
+// Limits and their enforcement (session_policy.hpp): the one limits parser
+// every entry point goes through, ServerPolicy, and the SessionGovernor.
+// Over 500 lines with a reason: the parser is a list of named checks (about
+// 300 lines, one per limit and network field), and the governor shares its
+// number formatting and saturating clock conversions, so errors and
+// deadlines read the same from both.
 #include "cellblock/session_policy.hpp"
 
 #include <algorithm>

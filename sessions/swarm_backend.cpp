@@ -1,4 +1,7 @@
-// The Docker Swarm backend (swarm_backend.hpp, docs/scale-out.md).
+// The Docker Swarm backend (swarm_backend.hpp, docs/scale-out.md). Over 500
+// lines with a reason: the service spec it builds and the task states it
+// watches are the two halves of one contract with the engine, and read best
+// side by side; the HTTP client is docker_api.cpp.
 #include "cellblock/swarm_backend.hpp"
 
 #include <sys/eventfd.h>

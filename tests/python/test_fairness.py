@@ -148,7 +148,10 @@ def test_work_left_in_the_background_is_demoted_still_progresses_and_is_restored
     n1, c1 = counter(kc), cpu_seconds(sid)
     assert n1 > n0, f"the demoted thread made no progress: counter {n0} -> {n1}"
     assert c1 - c0 > 0.01, f"the demoted sandbox got {c1 - c0:.3f} s of CPU in 3 s"
-    assert c1 - c0 < 3 * 0.05 + 0.1, f"the quota cap did not hold: {c1 - c0:.2f} s in 3 s"
+    # CFS enforces a quota at its tick and slice granularity: on a loaded
+    # host a 0.05-core cap was seen to let through 0.087 core (0.26 s in 3 s).
+    # Uncapped, the spinning thread would take most of a core (2-3 s).
+    assert c1 - c0 < 3 * 0.05 * 2 + 0.1, f"the quota cap did not hold: {c1 - c0:.2f} s in 3 s"
     for okc, msg_id in runs:
         assert run_until_reply(okc, msg_id)["content"]["status"] == "ok"
     assert cpu_shares(sid) == 64, "demoted while the work goes on: no flapping"
