@@ -343,6 +343,7 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         // null until this server has set it.
         {"cpu",
          {{"interactive_sessions", interactive_sessions_},
+          {"hogging_sessions", hogging_sessions_},
           {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)}}},
         {"state_dir", settings_.state_dir.string()}};
 }

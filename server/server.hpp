@@ -207,10 +207,11 @@ class Server final : public SessionObserver {
     void balance_cpu(Clock::time_point now);
     std::unordered_map<std::string, CpuFairness> fairness_;
     // What the sandboxes' parent cgroup was last given (cpu_fairness.hpp,
-    // sandboxes_weight), and how many sessions were interactive then.
+    // sandboxes_weight), and how many sessions were interactive and hogging then.
     int sandboxes_weight_ = CpuFairnessPolicy{}.normal_weight;
     bool sandboxes_weight_set_ = false;  // by this server, and the cgroup took it
     std::size_t interactive_sessions_ = 0;
+    std::size_t hogging_sessions_ = 0;
     // Sessions' way out (egress_gateway.hpp); null when the server has none.
     std::unique_ptr<EgressGateway> egress_;
     EventLoop::WatchId egress_watch_ = 0;

@@ -42,7 +42,7 @@ void Server::follow_image_version(const std::string& name) {
 }
 
 void Server::balance_cpu(Clock::time_point now) {
-    std::size_t active = 0;  // interactive sessions
+    std::size_t active = 0, hogging = 0;  // interactive sessions, and those holding the CPU
     for (auto& [id, session] : sessions_) {
         Sandbox* box = session->sandbox();
         if (session->closed() || !box) continue;
@@ -57,6 +57,7 @@ void Server::balance_cpu(Clock::time_point now) {
         sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);
         if (fairness.interactive()) ++active;
+        if (fairness.hogging()) ++hogging;
         if (!change) continue;
         // A cap of 0 is the session's own quota (its limits, as the pool applied them).
         const double own = box->limits().cpus;
@@ -70,13 +71,14 @@ void Server::balance_cpu(Clock::time_point now) {
         on_event(id, change->event, change->detail);
     }
     interactive_sessions_ = active;
+    hogging_sessions_ = hogging;
     // Written only when it changes: an idle server leaves the parent alone.
-    if (const int weight = sandboxes_weight(active);
+    if (const int weight = sandboxes_weight(active, hogging);
         options_.weigh_sandboxes && weight != sandboxes_weight_) {
         // Not retried each tick when refused (no such cgroup: no local sandboxes).
         const bool set = set_sandboxes_cpu_weight(weight);
-        spdlog::debug("sandboxes' CPU weight {}{} ({} interactive sessions)", weight,
-                      set ? "" : " not set", active);
+        spdlog::debug("sandboxes' CPU weight {}{} ({} interactive sessions, {} hogging)", weight,
+                      set ? "" : " not set", active, hogging);
         sandboxes_weight_ = weight;
         sandboxes_weight_set_ = set;
     }

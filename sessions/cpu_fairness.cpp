@@ -116,7 +116,9 @@ bool CpuFairness::interactive() const {
            !(last_->running_for && Seconds(*last_->running_for) >= policy_.interactive_run);
 }
 
-int sandboxes_weight(std::size_t interactive, const CpuFairnessPolicy& policy) {
+int sandboxes_weight(std::size_t interactive, std::size_t hogging,
+                     const CpuFairnessPolicy& policy) {
+    if (hogging > 0) return policy.normal_weight;
     const double weight = static_cast<double>(interactive) * policy.normal_weight;
     return static_cast<int>(std::clamp<double>(weight, policy.normal_weight, 262144));
 }

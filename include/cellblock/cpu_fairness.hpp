@@ -32,10 +32,13 @@
 // (bench figure 4: 0.65x the throughput of a hundred bare kernels). So the
 // server gives the parent what its interactive sessions weigh
 // (`sandboxes_weight`): each session that used CPU lately in executions of
-// under `interactive_run` counts as one process. Long computations, demoted
-// or yielding sessions and idle ones add nothing: counted, ten CPU spins
-// outweighed the server and a client on the host and a quiet session's p99
-// grew 2-5x (bench figure 6); they compete among themselves inside the parent.
+// under `interactive_run` counts as one process; idle ones add nothing. But
+// the parent's weight goes to whatever inside it runs, so while any session
+// holds the CPU (a long computation, a demoted or yielding one: `hogging`)
+// the parent weighs one process again. Otherwise the interactive sessions'
+// weight served the spins beside them: counted, ten CPU spins outweighed
+// the server and a client on the host and a quiet session's p99 grew 2-5x
+// (figure 6); lent to hogs, the interactive p99 of figure 8 grew 10-30x.
 #pragma once
 
 #include <chrono>
@@ -122,6 +125,8 @@ class CpuFairness {
     // Active, at the normal level, and no execution had run interactive_run
     // at the last sample: it weighs on the sandboxes' parent.
     bool interactive() const;
+    // Active but not interactive: it holds the CPU.
+    bool hogging() const { return active() && !interactive(); }
     bool demoted() const { return setting_.level == CpuSetting::Level::demoted; }
     const CpuFairnessPolicy& policy() const { return policy_; }
     Clock::time_point last_sample() const { return last_ ? last_->at : Clock::time_point{}; }
@@ -154,7 +159,8 @@ class CpuFairness {
 
 // The weight for the sandboxes' parent cgroup (v1 cpu.shares units): one
 // normal session's per interactive session, at least one, at most cgroup v1's
-// ceiling (262144).
-int sandboxes_weight(std::size_t interactive, const CpuFairnessPolicy& policy = {});
+// ceiling (262144); one normal session's while any session is hogging.
+int sandboxes_weight(std::size_t interactive, std::size_t hogging,
+                     const CpuFairnessPolicy& policy = {});
 
 }  // namespace cellblock

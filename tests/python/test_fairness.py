@@ -219,10 +219,11 @@ def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(s
     """Three sessions stepping, one idle: the sandboxes' parent cgroup weighs
     three processes' worth, not one (at one, a hundred busy sessions lost 35%
     of their throughput to preemption by the server and the client: bench
-    figure 4); once they are done it is one process's worth again, and a
-    long computation adds nothing."""
+    figure 4); while another session computes for seconds, or once they are
+    done, it is one process's worth again."""
     busy = [server.open_session() for _ in range(3)]
-    idle_sid, _, _ = server.open_session()
+    busy_idle = server.open_session()
+    idle_sid = busy_idle[0]
     need_cpu_controller(idle_sid)
 
     def cpu_info():
@@ -240,17 +241,28 @@ def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(s
     for t in threads:
         t.start()
     try:
-        assert wait_for(lambda: cpu_info() == {"interactive_sessions": 3,
+        assert wait_for(lambda: cpu_info() == {"interactive_sessions": 3, "hogging_sessions": 0,
                                                "sandboxes_weight": 3 * 1024},
                         timeout=10), cpu_info()
         if not other_servers(server.proc.pid):
             assert wait_for(lambda: parent_shares() == 3 * 1024, timeout=2), parent_shares()
+        # A fourth session computes for seconds: the parent's weight would go
+        # to it, not to the three stepping, so it is one process's again.
+        idle_kc = busy_idle[1]
+        spin = idle_kc.execute(SPIN.format(s=4))
+        assert wait_for(lambda: cpu_info() == {"interactive_sessions": 3, "hogging_sessions": 1,
+                                               "sandboxes_weight": 1024},
+                        timeout=6), cpu_info()
+        if not other_servers(server.proc.pid):
+            assert parent_shares() == 1024
+        assert run_until_reply(idle_kc, spin)["content"]["status"] == "ok"
+        assert wait_for(lambda: cpu_info()["sandboxes_weight"] == 3 * 1024, timeout=6), cpu_info()
     finally:
         stop.set()
         for t in threads:
             t.join()
-    assert wait_for(lambda: cpu_info() == {"interactive_sessions": 0, "sandboxes_weight": 1024},
-                    timeout=10), cpu_info()
+    assert wait_for(lambda: cpu_info() == {"interactive_sessions": 0, "hogging_sessions": 0,
+                                           "sandboxes_weight": 1024}, timeout=10), cpu_info()
     if not other_servers(server.proc.pid):
         assert parent_shares() == 1024
 
@@ -258,7 +270,8 @@ def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(s
     kc = busy[0][1]
     msg_id = kc.execute(SPIN.format(s=4))
     time.sleep(2.5)
-    assert cpu_info() == {"interactive_sessions": 0, "sandboxes_weight": 1024}, cpu_info()
+    assert cpu_info() == {"interactive_sessions": 0, "hogging_sessions": 1,
+                          "sandboxes_weight": 1024}, cpu_info()
     assert run_until_reply(kc, msg_id)["content"]["status"] == "ok"
     for sid in [b[0] for b in busy] + [idle_sid]:
         assert cpu_events(server, sid) == [], "short steps change no session's weight"

@@ -253,9 +253,11 @@ TEST(CpuFairness, ShortExecutionsBackToBackAreInteractive) {
     Feeder x;
     for (int i = 0; i < 8; ++i) x.cell(0.25, 0.02);
     EXPECT_TRUE(x.f.interactive());
+    EXPECT_FALSE(x.f.hogging());
     // Idle since: interactive until its last second of work has passed.
     x.run(1.25, 0.0, false);
     EXPECT_FALSE(x.f.interactive());
+    EXPECT_FALSE(x.f.hogging());
 }
 
 TEST(CpuFairness, ALongComputationIsActiveButNotInteractiveAfterASecond) {
@@ -265,6 +267,7 @@ TEST(CpuFairness, ALongComputationIsActiveButNotInteractiveAfterASecond) {
     x.run(0.5, 1.0, true);
     EXPECT_TRUE(x.f.active());
     EXPECT_FALSE(x.f.interactive());
+    EXPECT_TRUE(x.f.hogging());
     // Its execution ends; the next short ones are interactive again.
     x.cell(0.25, 0.5);
     x.run(0.25, 0.1, false);
@@ -277,17 +280,20 @@ TEST(CpuFairness, ADemotedSessionIsActiveButNotInteractive) {
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
     EXPECT_TRUE(x.f.active());
     EXPECT_FALSE(x.f.interactive());
+    EXPECT_TRUE(x.f.hogging());
 }
 
 TEST(CpuFairness, TheSandboxesWeighOneProcessPerInteractiveSessionWithinTheCgroupBounds) {
     const CpuFairnessPolicy p;
     // None: the kernel's default for one entity, not less.
-    EXPECT_EQ(sandboxes_weight(0), p.normal_weight);
-    EXPECT_EQ(sandboxes_weight(1), p.normal_weight);
+    EXPECT_EQ(sandboxes_weight(0, 0), p.normal_weight);
+    EXPECT_EQ(sandboxes_weight(1, 0), p.normal_weight);
     // A hundred interactive sessions weigh what a hundred processes do.
-    EXPECT_EQ(sandboxes_weight(100), 102400);
+    EXPECT_EQ(sandboxes_weight(100, 0), 102400);
     // cgroup v1's ceiling.
-    EXPECT_EQ(sandboxes_weight(1000), 262144);
+    EXPECT_EQ(sandboxes_weight(1000, 0), 262144);
+    // One session holding the CPU: its neighbours' weight would be its own.
+    EXPECT_EQ(sandboxes_weight(100, 1), p.normal_weight);
 }
 
 }  // namespace
