@@ -35,6 +35,14 @@ PROTOCOL_VERSION = "5.3"
 
 # ---------------------------------------------------------------- small helpers
 
+def routing_identity():
+    """A random 8-byte ZMQ identity for a client socket. ZMQ reserves
+    identities that begin with a zero byte: a ROUTER (libzmq's, and the
+    server's ZMTP) gives such a peer one of its own instead, so a test that
+    looks for its identity in the server's log would miss it 1 time in 256."""
+    return bytes([secrets.randbelow(255) + 1]) + secrets.token_bytes(7)
+
+
 def wait_for(predicate, timeout=10.0, interval=0.05):
     """Polls predicate until it is true or the timeout passes; returns its last value."""
     deadline = time.monotonic() + timeout

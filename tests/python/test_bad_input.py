@@ -21,6 +21,7 @@ from jupyter_client.manager import KernelManager
 from jupyter_client.session import Session
 
 from conftest import KERNEL_NAME, STATE_DIR, run_cell, stream_text, wait_for
+from server_helpers import routing_identity
 
 DELIM = b"<IDS|MSG>"
 NO_REPLY_WAIT = 1.5  # seconds a rejected message is given to (wrongly) produce a reply
@@ -56,7 +57,7 @@ class RawShell:
     """A DEALER on the kernel's shell port, with an identity of our own."""
 
     def __init__(self, ctx, info):
-        self.identity = secrets.token_bytes(8)
+        self.identity = routing_identity()
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, self.identity)
@@ -338,7 +339,7 @@ def test_bad_signature_on_other_channels(server, channel, msg_type):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    ident = secrets.token_bytes(8)
+    ident = routing_identity()
     sock.setsockopt(zmq.IDENTITY, ident)
     sock.connect(f"{info['transport']}://{info['ip']}:{info[channel + '_port']}")
     try:
@@ -397,7 +398,7 @@ def test_replay_from_another_socket_or_channel(server):
     for channel in ("shell", "control"):
         thief = ctx.socket(zmq.DEALER)
         thief.setsockopt(zmq.LINGER, 0)
-        thief_id = secrets.token_bytes(8)
+        thief_id = routing_identity()
         thief.setsockopt(zmq.IDENTITY, thief_id)
         thief.connect(f"{info['transport']}://{info['ip']}:{info[channel + '_port']}")
         try:

@@ -29,7 +29,6 @@ import hmac
 import json
 import os
 import re
-import secrets
 import tempfile
 import threading
 import time
@@ -41,6 +40,7 @@ from jupyter_client.manager import KernelManager
 from jupyter_client.session import Session
 
 from conftest import KERNEL_NAME, run_cell, wait_for
+from server_helpers import routing_identity
 
 DELIM = b"<IDS|MSG>"
 MB = 1 << 20
@@ -86,7 +86,7 @@ class Raw:
     """A DEALER on one of the kernel's ports, with a fresh identity."""
 
     def __init__(self, ctx, info, channel):
-        self.identity = secrets.token_bytes(8)
+        self.identity = routing_identity()
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, self.identity)
