@@ -15,6 +15,7 @@ dropped after every cell, so `%pip install x` then `import x` works.
 """
 import importlib
 import os
+import sys
 
 
 def _make_package_dir():
@@ -126,6 +127,18 @@ class SandboxKernel(IPythonKernel):
 class SandboxKernelApp(IPKernelApp):
     # The command line the zygote parsed already (prewarm): not parsed again.
     prepared_argv = None
+    # The image's preload, which a zygote imported (set there, for its forks).
+    preloaded = ()
+
+    def init_code(self):
+        super().init_code()
+        # The names the server's warm-up (`import numpy` ...) binds in a
+        # booted kernel, bound here in a forked one, which may start without
+        # it (docs/zygote.md); after init_code, so %who lists them as well.
+        for module in self.preloaded:
+            top = module.split(".")[0]
+            if top in sys.modules:
+                self.shell.user_ns[top] = sys.modules[top]
 
     def parse_command_line(self, argv=None):
         if argv is not None and self.prepared_argv == list(argv):
@@ -134,7 +147,5 @@ class SandboxKernelApp(IPKernelApp):
 
 
 if __name__ == "__main__":
-    import sys
-
     _writable_connection_file(sys.argv)
     SandboxKernelApp.launch_instance(kernel_class=SandboxKernel)

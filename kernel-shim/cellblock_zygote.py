@@ -395,6 +395,7 @@ def main(argv):
     # IPython shell built (cellblock_ipykernel.prewarm), for every fork to adopt.
     # Without it (an image whose ipykernel lacks what it uses) each fork's
     # kernel builds its own, as a booted one does: slower, not broken.
+    cellblock_ipykernel.SandboxKernelApp.preloaded = tuple(filter(None, preload))
     try:
         cellblock_ipykernel.prewarm(["-f", CONNECTION_FILE])
     except Exception as e:  # noqa: B902 - reported, then done without

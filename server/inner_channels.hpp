@@ -28,11 +28,16 @@ struct InnerChannels {
 // a slow kernel's start), with the end of the sandbox's log. `transport`
 // says how the server's side speaks to the kernel's sockets; ZMTP in the
 // server's loop needs ipc endpoints, so a backend's tcp ports (a Swarm
-// node's) always go through libzmq.
+// node's) always go through libzmq. With `warm_up`, the kernel then also
+// runs the image's preload imports and a first `1+1` (a fresh interpreter's
+// first execution costs about twice a later one): a booted kernel always
+// needs it (its preload is imported there); a forked one (its zygote
+// imported the preload) is warmed up only when no client waits for it.
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout,
                                             int max_frame_bytes = 64 << 20,
                                             const std::atomic<bool>* abandoned = nullptr,
-                                            RelayTransport transport = RelayTransport::libzmq);
+                                            RelayTransport transport = RelayTransport::libzmq,
+                                            bool warm_up = true);
 
 }  // namespace cellblock

@@ -132,7 +132,7 @@ void connect_zmtp(InnerChannels& ch, const ConnectionInfo& linked, const std::st
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout, int max_frame_bytes,
                                             const std::atomic<bool>* abandoned,
-                                            RelayTransport transport) {
+                                            RelayTransport transport, bool warm_up) {
     const ConnectionInfo& inner = sandbox.inner_connection();
     const Signer signer(inner.key, inner.signature_scheme);
     auto ch = std::make_unique<InnerChannels>();
@@ -239,6 +239,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     };
     const auto kernel_info = [&] { return send("kernel_info_request", nlohmann::json::object()); };
     exchange(kernel_info(), "kernel_info_reply", kernel_info);
+    if (!warm_up) return ch;
 
     // Warm-up: a fresh interpreter's first execution costs about twice a
     // later one (lazy imports and first-use caches in IPython's execution

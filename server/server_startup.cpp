@@ -224,9 +224,13 @@ Server::Server(const ServeOptions& options)
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
         [ctx, stopping = &stopping_,
-         transport = options_.kernel_transport](Sandbox& box) -> std::shared_ptr<void> {
+         transport = options_.kernel_transport](Sandbox& box,
+                                                bool background) -> std::shared_ptr<void> {
+            // A fork a client waits for skips the warm-up: it would cost the
+            // create about 8 ms to save the first execution 2-4 (zygote.md).
+            const bool warm_up = background || !box.forked();
             return std::shared_ptr<InnerChannels>(
-                probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping, transport));
+                probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping, transport, warm_up));
         },
         std::move(pool_images),
         [wake] {

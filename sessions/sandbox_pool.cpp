@@ -192,7 +192,7 @@ WarmSandbox SandboxPool::start_and_probe(const std::string& session_id, const Im
                                          const SandboxLimits& limits, bool background) {
     WarmSandbox warm;
     warm.sandbox = backend_->start(session_id, image, limits, background);
-    warm.channels = probe_(*warm.sandbox);
+    warm.channels = probe_(*warm.sandbox, background);
     return warm;
 }
 

@@ -113,6 +113,36 @@ Report receive_report(int fd, const std::string& step) {
     return report;
 }
 
+// Moving a process into a cgroup takes the kernel's global threadgroup lock
+// for writing, and the first taking after a pause waits for an RCU grace
+// period (6-15 ms here) with the cgroup mutex held; for one more grace
+// period after it is released, the next taking is immediate (the lock's
+// rcu_sync stays on its slow path). A fork needs one such move (its init
+// into the v2 cgroup, below), about 10 ms after the request. This takes the
+// lock once, early, on a thread of its own, so that the wait overlaps the
+// zygote's fork and the init's move finds the lock on its fast path: the
+// server re-joins its own v2 cgroup, a move that moves nothing. Measured in
+// docs/zygote.md ("Why A moves itself"). Failures change nothing and are
+// only logged: the init's move then pays the wait itself.
+std::jthread take_threadgroup_lock_early(const fs::path& v2_root) {
+    std::string own;
+    {
+        std::istringstream lines(read_text("/proc/self/cgroup"));
+        for (std::string line; std::getline(lines, line);) {
+            if (line.rfind("0::", 0) == 0) own = line.substr(3);
+        }
+    }
+    if (own.empty() || own.find("..") != std::string::npos) return {};
+    return std::jthread([procs = v2_root / fs::path(own).relative_path() / "cgroup.procs"] {
+        const UniqueFd fd(::open(procs.c_str(), O_WRONLY | O_CLOEXEC));
+        // "0": the writer's own process, which is in that cgroup already.
+        if (!fd || ::write(fd.get(), "0", 1) != 1) {
+            spdlog::debug("re-joining {} (to take the threadgroup lock early): {}",
+                          procs.string(), errno_text());
+        }
+    });
+}
+
 // The session's own cgroup in every hierarchy, as runc makes for a booted
 // sandbox (v2: the one unified directory; v1: each mounted hierarchy, the
 // named and hybrid ones too), so that nothing of it stays in the zygote's.
@@ -349,6 +379,11 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         UniqueFd tasks(::open((dir / "tasks").c_str(), O_WRONLY | O_CLOEXEC));
         if (!tasks) throw SandboxError("open " + (dir / "tasks").string() + ": " + errno_text());
         v1_tasks.push_back(std::move(tasks));
+    }
+    // While the request is sent and the zygote forks (see the function).
+    std::jthread early_lock;
+    if (!v2_dirs.empty()) {
+        early_lock = take_threadgroup_lock_early(v2_dirs.front().parent_path().parent_path());
     }
     box->open_counters();
     // A pool refill starts at a low CPU weight, as a booted one (RuntimeSettings).

@@ -22,8 +22,9 @@ namespace cellblock {
 // Waits until the sandbox's kernel answers (kernel_info), or throws
 // SandboxError. Provided by the server (it needs ZMQ); what it returns (the
 // server's connected channels to the kernel) travels with the sandbox,
-// opaque to this library.
-using ReadinessProbe = std::function<std::shared_ptr<void>(Sandbox&)>;
+// opaque to this library. `background` is true for a pool refill, which no
+// client waits for (the probe may then do more, e.g. warm the kernel up).
+using ReadinessProbe = std::function<std::shared_ptr<void>(Sandbox&, bool background)>;
 
 // A started sandbox whose kernel answered, with the probe's channels.
 struct WarmSandbox {

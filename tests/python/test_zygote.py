@@ -251,6 +251,25 @@ def test_a_forked_session_starts_fast_once_the_zygote_runs(zserver):
     assert sh.is_forked(zserver.state_dir, sid)
 
 
+def test_a_fork_nobody_warmed_up_has_the_preload_bound_like_a_warmed_one(zserver):
+    """With no pooled kernel the server skips the warm-up execution for a fork
+    (docs/zygote.md): the names it would have bound (`import numpy`) are bound
+    by the kernel itself, visible to %who, and the session's first execution
+    is still its first. The server's early take of the threadgroup lock (a
+    move into its own v2 cgroup) leaves the server where it was."""
+    with open(f"/proc/{zserver.proc.pid}/cgroup") as f:
+        server_cgroups = f.read()
+    sid, kc, _ = zserver.open_session()
+    assert sh.is_forked(zserver.state_dir, sid)
+    reply, out = execute(kc, "print(numpy.__name__, numpy.zeros(2).sum())")
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert reply["content"]["execution_count"] == 1
+    assert stream_text(out).strip() == "numpy 0.0"
+    assert "numpy" in run(kc, "%who")
+    with open(f"/proc/{zserver.proc.pid}/cgroup") as f:
+        assert f.read() == server_cgroups
+
+
 def cgroup_handles(pid):
     """The descriptors of host process `pid` that are open on a cgroup file."""
     found = []
