@@ -223,9 +223,8 @@ Server::Server(const ServeOptions& options)
                  relay_transport_name(options_.client_transport));
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
-        [ctx, stopping = &stopping_,
-         transport = options_.kernel_transport](Sandbox& box,
-                                                bool background) -> std::shared_ptr<void> {
+        [ctx, stopping = &stopping_, transport = options_.kernel_transport](
+            Sandbox& box, bool background) -> std::shared_ptr<void> {
             // A fork a client waits for skips the warm-up: it would cost the
             // create about 8 ms to save the first execution 2-4 (zygote.md).
             const bool warm_up = background || !box.forked();

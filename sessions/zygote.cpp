@@ -137,8 +137,8 @@ std::jthread take_threadgroup_lock_early(const fs::path& v2_root) {
         const UniqueFd fd(::open(procs.c_str(), O_WRONLY | O_CLOEXEC));
         // "0": the writer's own process, which is in that cgroup already.
         if (!fd || ::write(fd.get(), "0", 1) != 1) {
-            spdlog::debug("re-joining {} (to take the threadgroup lock early): {}",
-                          procs.string(), errno_text());
+            spdlog::debug("re-joining {} (to take the threadgroup lock early): {}", procs.string(),
+                          errno_text());
         }
     });
 }
