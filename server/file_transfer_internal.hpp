@@ -16,7 +16,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include <openssl/evp.h>
+#include "cellblock/sha256.hpp"
 
 #include "cellblock/error_names.hpp"
 #include "cellblock/oci_bundle.hpp"
@@ -29,42 +29,6 @@ using nlohmann::json;
 
 // An owned descriptor (the server's one type for it).
 using FileDescriptor = UniqueFd;
-
-// A running SHA-256.
-class Sha256 {
-  public:
-    Sha256() : ctx_(EVP_MD_CTX_new()) {
-        if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1)
-            throw std::runtime_error("sha256: cannot initialise a digest");
-    }
-    Sha256(const Sha256& other) : ctx_(EVP_MD_CTX_new()) {
-        if (!ctx_ || EVP_MD_CTX_copy_ex(ctx_.get(), other.ctx_.get()) != 1)
-            throw std::runtime_error("sha256: cannot copy a digest");
-    }
-    Sha256& operator=(Sha256&& other) noexcept = default;
-    Sha256(Sha256&&) noexcept = default;
-    void update(std::string_view bytes) {
-        EVP_DigestUpdate(ctx_.get(), bytes.data(), bytes.size());
-    }
-    std::string hex() {
-        unsigned char md[EVP_MAX_MD_SIZE];
-        unsigned int len = 0;
-        EVP_DigestFinal_ex(ctx_.get(), md, &len);
-        static const char* digits = "0123456789abcdef";
-        std::string out;
-        for (unsigned int i = 0; i < len; ++i) {
-            out += digits[md[i] >> 4];
-            out += digits[md[i] & 15];
-        }
-        return out;
-    }
-
-  private:
-    struct Free {
-        void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
-    };
-    std::unique_ptr<EVP_MD_CTX, Free> ctx_;
-};
 
 inline std::string errno_text(int err = errno) { return std::strerror(err); }
 
@@ -183,7 +147,7 @@ struct FileTransfers::Upload {
     bool local = false;  // a copy by the local file socket: no chunks, no idle expiry
     std::filesystem::path partial;
     transfer_detail::FileDescriptor fd;
-    transfer_detail::Sha256 hash;
+    Sha256 hash;
     Clock::time_point touched;
 };
 
@@ -194,7 +158,7 @@ struct FileTransfers::Download {
     struct timespec mtime {};
     ino_t inode = 0;
     transfer_detail::FileDescriptor fd;
-    transfer_detail::Sha256 hash;
+    Sha256 hash;
     Clock::time_point touched;
 };
 

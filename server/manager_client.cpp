@@ -9,7 +9,7 @@
 #include <deque>
 #include <fstream>
 
-#include <openssl/evp.h>
+#include "cellblock/sha256.hpp"
 
 #include "cellblock/fd_passing.hpp"
 #include "cellblock/unique_fd.hpp"
@@ -35,29 +35,6 @@ json ok_content(const WireMessage& reply) {
     }
     return reply.content;
 }
-
-class Sha256 {
-  public:
-    Sha256() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
-    ~Sha256() { EVP_MD_CTX_free(ctx_); }
-    Sha256(const Sha256&) = delete;
-    Sha256& operator=(const Sha256&) = delete;
-    void update(std::string_view bytes) { EVP_DigestUpdate(ctx_, bytes.data(), bytes.size()); }
-    std::string hex() {
-        unsigned char md[EVP_MAX_MD_SIZE];
-        unsigned int len = 0;
-        EVP_DigestFinal_ex(ctx_, md, &len);
-        std::string out;
-        for (unsigned int i = 0; i < len; ++i) {
-            out += "0123456789abcdef"[md[i] >> 4];
-            out += "0123456789abcdef"[md[i] & 15];
-        }
-        return out;
-    }
-
-  private:
-    EVP_MD_CTX* ctx_;
-};
 
 std::string read_chunk(std::ifstream& in, std::size_t length) {
     std::string bytes(length, '\0');

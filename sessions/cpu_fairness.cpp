@@ -120,7 +120,7 @@ int sandboxes_weight(std::size_t interactive, std::size_t hogging,
                      const CpuFairnessPolicy& policy) {
     if (hogging > 0) return policy.normal_weight;
     const double weight = static_cast<double>(interactive) * policy.normal_weight;
-    return static_cast<int>(std::clamp<double>(weight, policy.normal_weight, 262144));
+    return static_cast<int>(std::clamp<double>(weight, policy.normal_weight, kMaxCpuShares));
 }
 
 CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {

@@ -6,7 +6,6 @@
 
 #include <fcntl.h>
 #include <grp.h>
-#include <openssl/evp.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/file.h>

@@ -7,21 +7,6 @@ using namespace image_detail;
 
 // ------------------------------------------------------------------ hashing
 
-std::string sha256_hex(std::string_view data) {
-    std::array<unsigned char, EVP_MAX_MD_SIZE> md{};
-    unsigned int len = 0;
-    if (EVP_Digest(data.data(), data.size(), md.data(), &len, EVP_sha256(), nullptr) != 1) {
-        throw std::runtime_error("sha256: digest failed");
-    }
-    static const char* hex = "0123456789abcdef";
-    std::string out;
-    for (unsigned int i = 0; i < len; ++i) {
-        out.push_back(hex[md[i] >> 4]);
-        out.push_back(hex[md[i] & 0x0f]);
-    }
-    return out;
-}
-
 std::string image_content_id(const json& definition,
                              const std::map<std::string, std::string>& file_digests,
                              const std::vector<std::string>& packages) {

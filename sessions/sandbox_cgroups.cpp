@@ -28,6 +28,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/cpu_fairness.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/sandbox_tuning.hpp"
 #include "cellblock/signer.hpp"
@@ -58,7 +59,7 @@ namespace {
 // v2's cpu.weight is 1..10000 with 100 the default; v1's shares 2..262144, 1024.
 std::string weight_text(int shares, bool v2) {
     return std::to_string(v2 ? std::clamp(shares * 100L / tuning::kNormalCpuShares, 1L, 10000L)
-                             : std::clamp<long>(shares, 2, 262144));
+                             : std::clamp<long>(shares, 2, kMaxCpuShares));
 }
 
 }  // namespace

@@ -6,7 +6,7 @@
 // from elsewhere wait up to the busy timeout.
 #include "cellblock/session_store.hpp"
 
-#include <openssl/evp.h>
+#include "cellblock/sha256.hpp"
 
 #include <array>
 #include <limits>
@@ -440,20 +440,6 @@ std::vector<std::string> SessionStore::close_all_open(const std::string& reason,
     });
 }
 
-std::string code_digest(const std::string& code) {
-    std::array<unsigned char, EVP_MAX_MD_SIZE> md{};
-    unsigned int len = 0;
-    if (EVP_Digest(code.data(), code.size(), md.data(), &len, EVP_sha256(), nullptr) != 1) {
-        throw std::runtime_error("code_digest: SHA-256 failed");
-    }
-    constexpr std::string_view kHex = "0123456789abcdef";
-    std::string out = "sha256:";
-    out.reserve(out.size() + 2 * std::size_t{len});
-    for (unsigned int i = 0; i < len; ++i) {
-        out.push_back(kHex[md[i] >> 4]);
-        out.push_back(kHex[md[i] & 0x0f]);
-    }
-    return out;
-}
+std::string code_digest(const std::string& code) { return "sha256:" + sha256_hex(code); }
 
 }  // namespace cellblock

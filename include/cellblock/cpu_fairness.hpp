@@ -157,9 +157,12 @@ class CpuFairness {
     Clock::time_point since_{};  // when the current setting was applied
 };
 
+// cgroup v1's ceiling for cpu.shares (its floor is 2).
+inline constexpr int kMaxCpuShares = 262144;
+
 // The weight for the sandboxes' parent cgroup (v1 cpu.shares units): one
 // normal session's per interactive session, at least one, at most cgroup v1's
-// ceiling (262144); one normal session's while any session is hogging.
+// ceiling (kMaxCpuShares); one normal session's while any session is hogging.
 int sandboxes_weight(std::size_t interactive, std::size_t hogging,
                      const CpuFairnessPolicy& policy = {});
 

@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cellblock/image.hpp"
+#include "cellblock/sha256.hpp"
 
 namespace cellblock {
 
@@ -59,9 +60,6 @@ class ImageNotBuilt : public std::runtime_error {
   public:
     using std::runtime_error::runtime_error;
 };
-
-// Lowercase hex SHA-256.
-std::string sha256_hex(std::string_view data);
 
 // The content id of a root: SHA-256 over the definition as written
 // (canonical JSON: sorted keys, no spaces), the SHA-256 of every extra file's

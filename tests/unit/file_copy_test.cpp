@@ -12,7 +12,7 @@
 #include <fstream>
 #include <thread>
 
-#include <openssl/evp.h>
+#include "cellblock/sha256.hpp"
 
 #include "file_copy.hpp"
 #include "file_transfer.hpp"
@@ -21,18 +21,6 @@
 namespace cellblock {
 namespace {
 namespace fs = std::filesystem;
-
-std::string sha256_hex(std::string_view data) {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int len = 0;
-    EVP_Digest(data.data(), data.size(), md, &len, EVP_sha256(), nullptr);
-    std::string out;
-    for (unsigned int i = 0; i < len; ++i) {
-        out += "0123456789abcdef"[md[i] >> 4];
-        out += "0123456789abcdef"[md[i] & 15];
-    }
-    return out;
-}
 
 std::string pattern(std::size_t n) {
     std::string s(n, '\0');
