@@ -332,4 +332,30 @@ std::vector<json> EgressGateway::read_events(bool& restarted) {
     return events;
 }
 
+EgressEvents::EgressEvents(EventLoop& loop, EgressGateway& gateway, Handler on_event)
+    : loop_(loop), gateway_(gateway), on_event_(std::move(on_event)) {
+    watch_ = loop_.watch_fd(gateway_.control_fd(), [this] { read(); });
+}
+
+EgressEvents::~EgressEvents() { loop_.unwatch(watch_); }
+
+void EgressEvents::read() {
+    bool restarted = false;
+    for (const auto& event : gateway_.read_events(restarted)) {
+        EgressEvent e;
+        e.session_id = event.value("session", "");
+        e.bytes =
+            event.value("bytes_up", std::uint64_t{0}) + event.value("bytes_down", std::uint64_t{0});
+        e.allowed = event.value("verdict", "") == "allowed";
+        e.detail = event;
+        e.detail.erase("op");
+        e.detail.erase("session");
+        on_event_(e);
+    }
+    if (restarted) {
+        loop_.unwatch(watch_);
+        watch_ = loop_.watch_fd(gateway_.control_fd(), [this] { read(); });
+    }
+}
+
 }  // namespace cellblock

@@ -9,7 +9,9 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +21,7 @@
 
 #include "cellblock/session_policy.hpp"
 #include "cellblock/unique_fd.hpp"
+#include "event_loop.hpp"
 
 namespace cellblock {
 
@@ -120,6 +123,35 @@ class EgressGateway {
     UniqueFd control_;
     pid_t pid_ = -1;
     std::map<std::string, Entry> sessions_;
+};
+
+// One of the gateway's events (a connection or a request: gateway.hpp), as
+// a server records it.
+struct EgressEvent {
+    std::string session_id;
+    std::uint64_t bytes = 0;  // up and down: what counts against the session's caps
+    bool allowed = false;
+    nlohmann::json detail;  // the event without "op" and "session"
+};
+
+// Calls `on_event` from `loop` for each event the gateway reports, and
+// follows a restarted gateway to its new control socket. Stops watching
+// when destroyed; the gateway must outlive it.
+class EgressEvents {
+  public:
+    using Handler = std::function<void(const EgressEvent&)>;
+    EgressEvents(EventLoop& loop, EgressGateway& gateway, Handler on_event);
+    ~EgressEvents();
+    EgressEvents(const EgressEvents&) = delete;
+    EgressEvents& operator=(const EgressEvents&) = delete;
+
+  private:
+    void read();
+
+    EventLoop& loop_;
+    EgressGateway& gateway_;
+    Handler on_event_;
+    EventLoop::WatchId watch_ = 0;
 };
 
 }  // namespace cellblock

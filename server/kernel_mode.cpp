@@ -173,25 +173,15 @@ int run_kernel_mode(const KernelModeOptions& options) {
     });
     // The gateway's per-connection events: the kernel's log (there is no
     // audit database in kernel mode) and the bytes metadata.cellblock reports.
-    std::optional<EventLoop::WatchId> egress_watch;
-    std::function<void()> on_egress = [&] {
-        bool restarted = false;
-        for (const auto& event : egress->read_events(restarted)) {
-            proxy->add_network_bytes(event.value("bytes_up", std::uint64_t{0}) +
-                                     event.value("bytes_down", std::uint64_t{0}));
-            nlohmann::json detail = event;
-            detail.erase("op");
-            detail.erase("session");
-            spdlog::info("session {}: egress {}", session_id, detail.dump());
-        }
-        if (restarted) {
-            loop.unwatch(*egress_watch);
-            egress_watch = loop.watch_fd(egress->control_fd(), on_egress);
-        }
-    };
-    if (egress) egress_watch = loop.watch_fd(egress->control_fd(), on_egress);
+    std::optional<EgressEvents> egress_events;
+    if (egress) {
+        egress_events.emplace(loop, *egress, [&](const EgressEvent& event) {
+            proxy->add_network_bytes(event.bytes);
+            spdlog::info("session {}: egress {}", session_id, event.detail.dump());
+        });
+    }
     while (!proxy->closed()) loop.run_once();
-    if (egress_watch) loop.unwatch(*egress_watch);
+    egress_events.reset();
     const int exit_code = kernel_was_lost(proxy->close_reason()) ? 1 : 0;
     proxy.reset();
     return exit_code;

@@ -214,8 +214,8 @@ class Server final : public SessionObserver {
     std::size_t hogging_sessions_ = 0;
     // Sessions' way out (egress_gateway.hpp); null when the server has none.
     std::unique_ptr<EgressGateway> egress_;
-    EventLoop::WatchId egress_watch_ = 0;
-    void on_egress();
+    std::unique_ptr<EgressEvents> egress_events_;  // its events, watched from run()
+    void on_egress(const EgressEvent& event);
     Clock::time_point next_balance_{};
     // The local file socket (local_files.hpp, local_files.cpp): descriptors
     // passed by clients on this host, copied on a thread each.

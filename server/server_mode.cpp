@@ -116,28 +116,16 @@ void Server::on_event(const std::string& session_id, const std::string& kind,
     }
 }
 
-void Server::on_egress() {
-    bool restarted = false;
-    for (const auto& event : egress_->read_events(restarted)) {
-        const std::string session_id = event.value("session", "");
-        json detail = event;
-        detail.erase("op");
-        detail.erase("session");
-        if (event.value("verdict", "") != "allowed") {
-            spdlog::info("session {}: egress {} {}:{} refused: {}", session_id,
-                         event.value("method", ""), event.value("host", ""), event.value("port", 0),
-                         event.value("reason", ""));
-        }
-        if (auto it = sessions_.find(session_id); it != sessions_.end()) {
-            it->second->add_network_bytes(event.value("bytes_up", std::uint64_t{0}) +
-                                          event.value("bytes_down", std::uint64_t{0}));
-        }
-        on_event(session_id, "egress", detail.dump());
+void Server::on_egress(const EgressEvent& event) {
+    if (!event.allowed) {
+        spdlog::info("session {}: egress {} {}:{} refused: {}", event.session_id,
+                     event.detail.value("method", ""), event.detail.value("host", ""),
+                     event.detail.value("port", 0), event.detail.value("reason", ""));
     }
-    if (restarted) {
-        loop_.unwatch(egress_watch_);
-        egress_watch_ = loop_.watch_fd(egress_->control_fd(), [this] { on_egress(); });
+    if (auto it = sessions_.find(event.session_id); it != sessions_.end()) {
+        it->second->add_network_bytes(event.bytes);
     }
+    on_event(event.session_id, "egress", event.detail.dump());
 }
 
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
@@ -170,7 +158,10 @@ int Server::run() {
         on_manager();
     });
     loop_.watch_fd(wake_fd_.get(), [this] { on_pool_results(); });
-    if (egress_) egress_watch_ = loop_.watch_fd(egress_->control_fd(), [this] { on_egress(); });
+    if (egress_) {
+        egress_events_ = std::make_unique<EgressEvents>(
+            loop_, *egress_, [this](const EgressEvent& event) { on_egress(event); });
+    }
     loop_.watch_fd(signal_fd_.get(), [&] {
         signalfd_siginfo info;
         [[maybe_unused]] auto n = ::read(signal_fd_.get(), &info, sizeof info);

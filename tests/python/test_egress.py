@@ -328,6 +328,11 @@ def test_a_killed_gateway_is_started_again_with_its_sessions(gw):
     assert new and new != old
     assert fetch(kc, f"http://{API}:{gw.http_port}/echo")["status"] == 200
     assert "egress gateway" in gw.log() and "starting it again" in gw.log()
+    # The server follows the new gateway's events: the request after the
+    # restart is in the session's audit like the one before.
+    events = wait_for(lambda: len(egress_events(gw, sid)) >= 2 and egress_events(gw, sid))
+    assert events, egress_events(gw, sid)
+    assert [e["status"] for e in events] == [200, 200], events
 
 
 def test_closing_a_session_closes_its_way_out(gw):
