@@ -220,6 +220,11 @@ int main(int argc, char** argv) {
             "weigh, each as a process; default) or 'fixed' (the host's default: one process's "
             "worth for all of them)")
         ->check(CLI::IsMember({"active", "fixed"}));
+    serve_cmd
+        ->add_option("--cpu-demand-dir", serve.cpu_demand_dir,
+                     "where the host's servers publish what their sessions ask of the "
+                     "sandboxes' shared parent cgroup, whose weight is computed from all of them")
+        ->capture_default_str();
     add_transports(serve_cmd, serve.kernel_transport, serve.client_transport);
     serve_cmd->add_flag("--audit-code-hash", serve.audit_code_hash_only,
                         "keep only a SHA-256 of each execution's code");

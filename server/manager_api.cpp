@@ -344,7 +344,12 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         {"cpu",
          {{"interactive_sessions", interactive_sessions_},
           {"hogging_sessions", hogging_sessions_},
-          {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)}}},
+          {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)},
+          // Every server's on the host (cpu_demand.hpp), which the weight follows.
+          {"host",
+           {{"interactive_sessions", host_demand_.interactive},
+            {"hogging_sessions", host_demand_.hogging},
+            {"servers", host_demand_.servers}}}}},
         {"state_dir", settings_.state_dir.string()}};
 }
 

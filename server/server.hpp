@@ -205,6 +205,9 @@ class Server final : public SessionObserver {
     std::vector<ExecutionRecord> audit_queue_;
     // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
     void balance_cpu(Clock::time_point now);
+    // Publishes this server's interactive and hogging sessions, and gives the
+    // sandboxes' parent cgroup the weight of every server's on the host.
+    void weigh_sandboxes(std::size_t interactive, std::size_t hogging);
     std::unordered_map<std::string, CpuFairness> fairness_;
     // What the sandboxes' parent cgroup was last given (cpu_fairness.hpp,
     // sandboxes_weight), and how many sessions were interactive and hogging then.
@@ -212,6 +215,10 @@ class Server final : public SessionObserver {
     bool sandboxes_weight_set_ = false;  // by this server, and the cgroup took it
     std::size_t interactive_sessions_ = 0;
     std::size_t hogging_sessions_ = 0;
+    // The host's servers' figures (cpu_demand.hpp); null when this server
+    // does not weigh the sandboxes or could not publish (then its own count).
+    std::unique_ptr<HostCpuDemand> cpu_demand_;
+    CpuDemand host_demand_;
     // Sessions' way out (egress_gateway.hpp); null when the server has none.
     std::unique_ptr<EgressGateway> egress_;
     std::unique_ptr<EgressEvents> egress_events_;  // its events, watched from run()

@@ -72,17 +72,30 @@ void Server::balance_cpu(Clock::time_point now) {
     }
     interactive_sessions_ = active;
     hogging_sessions_ = hogging;
-    // Written only when it changes: an idle server leaves the parent alone.
-    if (const int weight = sandboxes_weight(active, hogging);
-        options_.weigh_sandboxes && weight != sandboxes_weight_) {
-        // Not retried each tick when refused (no such cgroup: no local sandboxes).
-        const bool set = set_sandboxes_cpu_weight(weight);
-        spdlog::debug("sandboxes' CPU weight {}{} ({} interactive sessions, {} hogging)", weight,
-                      set ? "" : " not set", active, hogging);
-        sandboxes_weight_ = weight;
-        sandboxes_weight_set_ = set;
-    }
+    if (options_.weigh_sandboxes) weigh_sandboxes(active, hogging);
     next_balance_ = now + CpuFairnessPolicy{}.interval;
+}
+
+void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
+    host_demand_ = {interactive, hogging, 1};
+    if (cpu_demand_) {
+        cpu_demand_->publish(interactive, hogging);
+        host_demand_ = cpu_demand_->totals();
+    }
+    const int weight = sandboxes_weight(host_demand_.interactive, host_demand_.hogging);
+    // Written when the figure changes, or when another server's write left
+    // another one there: an idle host's parent is left alone. Not retried
+    // each tick when refused (no such cgroup: no local sandboxes).
+    if (weight == sandboxes_weight_ && (!sandboxes_weight_set_ || sandboxes_cpu_weight_is(weight)))
+        return;
+    const bool set = set_sandboxes_cpu_weight(weight);
+    spdlog::debug(
+        "sandboxes' CPU weight {}{} (on the host: {} interactive sessions, {} hogging, "
+        "{} servers)",
+        weight, set ? "" : " not set", host_demand_.interactive, host_demand_.hogging,
+        host_demand_.servers);
+    sandboxes_weight_ = weight;
+    sandboxes_weight_set_ = set;
 }
 
 void Server::flush_audit() {
@@ -196,6 +209,8 @@ int Server::run() {
         // the pages (a 300-session soak left the RSS 16 MB above its start).
         ::malloc_trim(0);
     }
+    // What is left on the host without this server's sessions.
+    if (options_.weigh_sandboxes) weigh_sandboxes(0, 0);
     return 0;
 }
 

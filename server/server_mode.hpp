@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cellblock/cpu_demand.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/swarm_backend.hpp"
 #include "kernel_mode.hpp"
@@ -26,6 +27,9 @@ struct ServeOptions {
     // (cpu_fairness.hpp, sandboxes_weight); false leaves it at the host's
     // default, one process's worth for all of them.
     bool weigh_sandboxes = true;
+    // Where the host's servers publish what their sessions ask of that
+    // parent (cpu_demand.hpp): servers sharing a host share this too.
+    std::filesystem::path cpu_demand_dir = kCpuDemandDir;
     // How the relay speaks to the kernels' sockets (kernel_socket.hpp).
     RelayTransport kernel_transport = RelayTransport::zmtp;
     RelayTransport client_transport = RelayTransport::zmtp;

@@ -148,6 +148,14 @@ Server::Server(const ServeOptions& options)
     }
     egress_ = start_egress_gateway(options_.egress, options_.policy.maxima.network,
                                    options_.paths.egress_gateway);
+    if (options_.weigh_sandboxes) {
+        try {
+            cpu_demand_ = std::make_unique<HostCpuDemand>(options_.cpu_demand_dir);
+        } catch (const std::exception& e) {
+            spdlog::warn("the sandboxes' CPU weight follows this server's sessions only: {}",
+                         e.what());
+        }
+    }
 
     // Crash recovery: whatever an earlier server left is reaped, then marked.
     // First any process still running as an open session's host ids (the

@@ -10,12 +10,33 @@ history, not timings: the latency it buys is measured by the benchmark
 """
 import glob
 import os
+import shutil
+import tempfile
 import threading
 import time
 
-from server_helpers import execute, server, wait_for  # noqa: F401
+import server_helpers as sh
+from server_helpers import execute, wait_for
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def demand_dir():
+    """Where this module's servers publish their CPU demand: a directory of
+    their own, so that other servers on the host do not change the figures
+    judged here (they still share the host's parent cgroup, see below)."""
+    top = tempfile.mkdtemp(prefix="cb-cpu-demand-")
+    yield os.path.join(top, "demand")
+    shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(request, demand_dir):
+    srv = sh.start_server(["--cpu-demand-dir", demand_dir])
+    yield srv
+    problems = srv.shutdown()
+    assert not problems, "\n".join(problems)
 
 
 def cgroup_value(sid, name):
@@ -201,7 +222,7 @@ def parent_shares():
     return None
 
 
-def other_servers(ours):
+def other_servers(*ours):
     """Other `cellblock serve` processes on the host: they write the shared parent too."""
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
@@ -210,9 +231,21 @@ def other_servers(ours):
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if pid != ours and len(argv) > 1 and argv[0].endswith(b"cellblock") and argv[1] == b"serve":
+        if pid not in ours and len(argv) > 1 and argv[0].endswith(b"cellblock") and argv[1] == b"serve":
             found.append(pid)
     return found
+
+
+def stepping(sessions, stop):
+    """Short executions back to back in each session, on a thread each."""
+    def steps(kc):
+        while not stop.is_set():
+            reply, _ = execute(kc, "sum(range(200000))")
+            assert reply["content"]["status"] == "ok"
+    threads = [threading.Thread(target=steps, args=(kc,)) for _, kc, _ in sessions]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(server):  # noqa: F811,E501
@@ -227,19 +260,13 @@ def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(s
     need_cpu_controller(idle_sid)
 
     def cpu_info():
-        return server.ok("server_info_request", {})["content"]["cpu"]
+        cpu = server.ok("server_info_request", {})["content"]["cpu"]
+        return {k: cpu[k] for k in ("interactive_sessions", "hogging_sessions",
+                                    "sandboxes_weight")}
 
     # Short executions back to back, on a thread per session as an agent would.
     stop = threading.Event()
-
-    def steps(kc):
-        while not stop.is_set():
-            reply, _ = execute(kc, "sum(range(200000))")
-            assert reply["content"]["status"] == "ok"
-
-    threads = [threading.Thread(target=steps, args=(kc,)) for _, kc, _ in busy]
-    for t in threads:
-        t.start()
+    threads = stepping(busy, stop)
     try:
         assert wait_for(lambda: cpu_info() == {"interactive_sessions": 3, "hogging_sessions": 0,
                                                "sandboxes_weight": 3 * 1024},
@@ -276,6 +303,51 @@ def test_the_sandboxes_weigh_on_the_host_what_their_interactive_sessions_weigh(s
     for sid in [b[0] for b in busy] + [idle_sid]:
         assert cpu_events(server, sid) == [], "short steps change no session's weight"
         server.ok("session_close_request", {"session_id": sid})
+
+
+def test_the_weight_counts_every_servers_sessions_on_the_host(server, demand_dir):  # noqa: E501
+    """Two servers on one host share the sandboxes' parent cgroup: its weight
+    follows the sessions of both (each publishes its own under the demand
+    dir), not whichever wrote last; when one stops, the other's figure is
+    what is left."""
+    other = sh.start_server(["--cpu-demand-dir", demand_dir])
+    stop = threading.Event()
+    threads = []
+    try:
+        ours = [server.open_session() for _ in range(2)]
+        theirs = [other.open_session()]
+        need_cpu_controller(ours[0][0])
+
+        def host(srv):
+            cpu = srv.ok("server_info_request", {})["content"]["cpu"]
+            return cpu["host"], cpu["sandboxes_weight"]
+
+        threads = stepping(ours, stop) + stepping(theirs, stop)
+        both = ({"interactive_sessions": 3, "hogging_sessions": 0, "servers": 2}, 3 * 1024)
+        assert wait_for(lambda: host(server) == both and host(other) == both, timeout=10), \
+            (host(server), host(other))
+        assert len(os.listdir(demand_dir)) == 2
+        if not other_servers(server.proc.pid, other.proc.pid):
+            assert wait_for(lambda: parent_shares() == 3 * 1024, timeout=2), parent_shares()
+        stop.set()
+        for t in threads:
+            t.join()
+        threads = []
+        problems = other.shutdown()
+        assert not problems, "\n".join(problems)
+        other = None
+        assert os.listdir(demand_dir) and len(os.listdir(demand_dir)) == 1
+        assert wait_for(lambda: host(server) == ({"interactive_sessions": 0,
+                                                  "hogging_sessions": 0, "servers": 1}, 1024),
+                        timeout=10), host(server)
+        for sid, _, _ in ours:
+            server.ok("session_close_request", {"session_id": sid})
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        if other is not None:
+            other.shutdown()
 
 
 def test_shares_are_writable_only_by_the_server(server):  # noqa: F811
