@@ -316,9 +316,11 @@ void Gateway::serve_connection(Session& session, int client_fd, const std::strin
                         " bytes (network.max_bytes)");
         return;
     }
-    const std::vector<IpAddress> addresses = resolve(event.host, config_, why);
+    bool resolve_timed_out = false;
+    const std::vector<IpAddress> addresses =
+        resolve(event.host, config_, limits.request_timeout_s, why, resolve_timed_out);
     if (addresses.empty()) {
-        refuse(502, why);
+        refuse(resolve_timed_out ? 504 : 502, why);
         return;
     }
     // Only addresses outside the reserved ranges are tried, and the one

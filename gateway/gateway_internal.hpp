@@ -6,12 +6,14 @@
 #pragma once
 
 #include <openssl/ssl.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include <atomic>
 #include <cctype>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -197,9 +199,19 @@ void relay(Session& session, Side& client, Side& upstream, const std::string& fi
 // ---- upstream.cpp ----
 
 // The addresses `host` stands for: a pinned name's address, an IP literal
-// itself, or what the system resolver answers (never under config.dns
-// false). Empty with `why` on failure.
-std::vector<IpAddress> resolve(const std::string& host, const Config& config, std::string& why);
+// itself, or what the system resolver answers within `timeout_s` (never
+// under config.dns false). Empty with `why` on failure; `timed_out` says
+// the resolver took longer.
+std::vector<IpAddress> resolve(const std::string& host, const Config& config, double timeout_s,
+                               std::string& why, bool& timed_out);
+
+// Runs `lookup` on a thread of its own and waits at most `timeout_s` for
+// it: a resolver that takes longer (a slow or unreachable DNS server, whose
+// own timeouts are seconds per attempt) costs the connection its request
+// timeout, not more; the late answer is dropped when it comes.
+using Lookup = std::function<std::vector<IpAddress>(std::string& why)>;
+std::vector<IpAddress> resolve_within(const std::string& host, double timeout_s, std::string& why,
+                                      bool& timed_out, Lookup lookup);
 
 // Connects to exactly `address` (the one that was checked), within `timeout_s`.
 UniqueFd connect_to(const IpAddress& address, int port, double timeout_s, std::string& why,

@@ -7,21 +7,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "gateway_internal.hpp"
 
 namespace cellblock::gateway {
 
-std::vector<IpAddress> resolve(const std::string& host, const Config& config, std::string& why) {
-    if (auto pin = config.pins.find(host); pin != config.pins.end()) return {pin->second};
-    if (auto literal = IpAddress::parse(host)) return {*literal};
-    if (!config.dns) {
-        why = "cannot resolve " + host +
-              ": this server resolves only the names it was given "
-              "(--egress-resolve)";
-        return {};
-    }
+namespace {
+
+std::vector<IpAddress> system_lookup(const std::string& host, std::string& why) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -53,6 +50,58 @@ std::vector<IpAddress> resolve(const std::string& host, const Config& config, st
     ::freeaddrinfo(found);
     if (out.empty()) why = "cannot resolve " + host + ": no IPv4 or IPv6 address";
     return out;
+}
+
+}  // namespace
+
+std::vector<IpAddress> resolve_within(const std::string& host, double timeout_s, std::string& why,
+                                      bool& timed_out, Lookup lookup) {
+    timed_out = false;
+    struct Answer {
+        std::mutex mutex;
+        std::condition_variable done_cv;
+        bool done = false;
+        std::vector<IpAddress> addresses;
+        std::string why;
+    };
+    auto answer = std::make_shared<Answer>();
+    // The thread keeps the answer alive: a late one lands there, unread.
+    std::thread([answer, lookup = std::move(lookup)] {
+        std::string failure;
+        std::vector<IpAddress> found = lookup(failure);
+        std::lock_guard lock(answer->mutex);
+        answer->addresses = std::move(found);
+        answer->why = std::move(failure);
+        answer->done = true;
+        answer->done_cv.notify_all();
+    }).detach();
+    std::unique_lock lock(answer->mutex);
+    const auto limit = std::chrono::duration<double>(std::max(timeout_s, 0.0));
+    if (!answer->done_cv.wait_for(lock, limit, [&] { return answer->done; })) {
+        timed_out = true;
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
+        why =
+            "resolving " + host + " took longer than " + seconds + " s (network.request_timeout_s)";
+        return {};
+    }
+    why = answer->why;
+    return std::move(answer->addresses);
+}
+
+std::vector<IpAddress> resolve(const std::string& host, const Config& config, double timeout_s,
+                               std::string& why, bool& timed_out) {
+    timed_out = false;
+    if (auto pin = config.pins.find(host); pin != config.pins.end()) return {pin->second};
+    if (auto literal = IpAddress::parse(host)) return {*literal};
+    if (!config.dns) {
+        why = "cannot resolve " + host +
+              ": this server resolves only the names it was given "
+              "(--egress-resolve)";
+        return {};
+    }
+    return resolve_within(host, timeout_s, why, timed_out,
+                          [host](std::string& failure) { return system_lookup(host, failure); });
 }
 
 UniqueFd connect_to(const IpAddress& address, int port, double timeout_s, std::string& why,
