@@ -16,6 +16,8 @@ import time
 import pytest
 from jupyter_client.manager import KernelManager
 
+from server_helpers import wait_for  # noqa: F401 - the kernel-mode tests import it from here
+
 KERNEL_NAME = "cellblock-python"
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
 STATE_DIR = "/run/cellblock/kernels"
@@ -187,16 +189,6 @@ def host_residue():
     if procs:
         residue["processes"] = procs
     return residue
-
-
-def wait_for(predicate, timeout=10.0, interval=0.05):
-    """Polls predicate until it is true or the timeout passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    value = predicate()
-    while not value and time.monotonic() < deadline:
-        time.sleep(interval)
-        value = predicate()
-    return value
 
 
 def drain_iopub(kc, timeout=0.5):

@@ -80,6 +80,26 @@ def children_running(parent, exe_suffix):
     return found
 
 
+def session_of_process(pid, sessions_dir, timeout=10):
+    """The session a cellblock process runs (kernel mode): the one under
+    sessions_dir whose lock file it holds."""
+    prefix = sessions_dir.rstrip("/") + "/"
+
+    def find():
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(prefix) and target.endswith("/lock"):
+                return target[len(prefix):-len("/lock")]
+        return None
+
+    sid = wait_for(find, timeout=timeout)
+    assert sid, f"cellblock process {pid} holds no session lock under {prefix}"
+    return sid
+
+
 def alive(pids):
     """Which of pids still run (zombies and vanished processes count as gone)."""
     return [pid for pid in pids if proc_state(pid) not in (None, "Z")]

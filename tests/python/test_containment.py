@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import STATE_DIR, run_cell, start_kernel, stop_kernel, stream_text, wait_for
+from server_helpers import proc_state, session_of_process, session_pids
 
 # The host image's limits (images/host/image.json) and the sandbox's id map
 # (container 0 → its own leased host range, all above 1073741824; the sandbox
@@ -42,47 +43,12 @@ def cellblock_pid(km):
 
 def session_id_of(km, timeout=10):
     """The session id of a kernel, from the lock file its cellblock process holds."""
-    pid = cellblock_pid(km)
-    prefix = os.path.join(STATE_DIR, "sessions") + "/"
-
-    def find():
-        for fd in glob.glob(f"/proc/{pid}/fd/*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith(prefix) and target.endswith("/lock"):
-                return target[len(prefix):-len("/lock")]
-        return None
-
-    sid = wait_for(find, timeout=timeout)
-    assert sid, f"cellblock process {pid} holds no session lock under {prefix}"
-    return sid
-
-
-def proc_state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
+    return session_of_process(cellblock_pid(km), os.path.join(STATE_DIR, "sessions"), timeout)
 
 
 def sandbox_pids(sid, include_zombies=True):
     """Host pids of the processes in the session's cgroup, read from /proc on the host."""
-    marker = f"/cellblock/cb-{sid}"
-    pids = []
-    for path in glob.glob("/proc/[0-9]*/cgroup"):
-        pid = int(path.split("/")[2])
-        try:
-            with open(path) as f:
-                if marker not in f.read():
-                    continue
-        except OSError:
-            continue
-        if include_zombies or proc_state(pid) not in (None, "Z"):
-            pids.append(pid)
-    return sorted(pids)
+    return session_pids(sid, include_zombies=include_zombies)
 
 
 def host_uid_of_sandbox_user(pid):

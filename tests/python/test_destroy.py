@@ -24,6 +24,7 @@ from jupyter_client.manager import KernelManager
 
 from conftest import (KERNEL_NAME, STATE_DIR, host_residue, run_cell, session_dirs,
                       stream_text, wait_for)
+from server_helpers import alive, proc_state, session_of_process, session_pids
 
 RUNTIME_ROOT = os.path.join(STATE_DIR, "runtime")
 SESSIONS = os.path.join(STATE_DIR, "sessions")
@@ -63,50 +64,11 @@ class LoggedKernel:
 
 def session_id_of(pid, timeout=10):
     """The session a cellblock process runs: the one whose lock file it holds."""
-    prefix = SESSIONS + "/"
-
-    def find():
-        for fd in glob.glob(f"/proc/{pid}/fd/*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith(prefix) and target.endswith("/lock"):
-                return target[len(prefix):-len("/lock")]
-        return None
-
-    sid = wait_for(find, timeout=timeout)
-    assert sid, f"cellblock process {pid} holds no session lock under {SESSIONS}"
-    return sid
-
-
-def proc_state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
+    return session_of_process(pid, SESSIONS, timeout)
 
 
 def sandbox_pids(sid, include_zombies=True):
-    marker = f"/cellblock/cb-{sid}"
-    pids = []
-    for path in glob.glob("/proc/[0-9]*/cgroup"):
-        pid = int(path.split("/")[2])
-        try:
-            with open(path) as f:
-                if marker not in f.read():
-                    continue
-        except OSError:
-            continue
-        if include_zombies or proc_state(pid) not in (None, "Z"):
-            pids.append(pid)
-    return sorted(pids)
-
-
-def alive(pids):
-    """Which of pids still run (zombies, already dead, count as gone)."""
-    return [pid for pid in pids if proc_state(pid) not in (None, "Z")]
+    return session_pids(sid, include_zombies=include_zombies)
 
 
 def session_residue(sid, pids=(), include_zombies=True):

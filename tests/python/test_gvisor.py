@@ -29,7 +29,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 from conftest import STATE_DIR, run_cell, stream_text, wait_for
-from server_helpers import execute, server_factory  # noqa: F401
+from server_helpers import execute, server_factory, session_of_process  # noqa: F401
 
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
 KERNEL_NAME = "cellblock-gvisor"
@@ -159,22 +159,8 @@ def assert_gone(state_dir, sid, timeout=20):
 
 
 def session_id_of(km, timeout=10):
-    pid = km.provisioner.process.pid
-    prefix = os.path.join(STATE_DIR, "sessions") + "/"
-
-    def find():
-        for fd in glob.glob(f"/proc/{pid}/fd/*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith(prefix) and target.endswith("/lock"):
-                return target[len(prefix):-len("/lock")]
-        return None
-
-    sid = wait_for(find, timeout=timeout)
-    assert sid, f"cellblock process {pid} holds no session lock under {prefix}"
-    return sid
+    return session_of_process(km.provisioner.process.pid, os.path.join(STATE_DIR, "sessions"),
+                              timeout)
 
 
 GVISOR_FACTS = cell("""
