@@ -209,7 +209,11 @@ std::vector<IpAddress> resolve(const std::string& host, const Config& config, do
 // it: a resolver that takes longer (a slow or unreachable DNS server, whose
 // own timeouts are seconds per attempt) costs the connection its request
 // timeout, not more; the late answer is dropped when it comes.
+// At most kMaxLookups run at once (those given up on included); past that a
+// name is refused at once with why.
 using Lookup = std::function<std::vector<IpAddress>(std::string& why)>;
+inline constexpr int kMaxLookups = 64;
+int lookups_in_progress();
 std::vector<IpAddress> resolve_within(const std::string& host, double timeout_s, std::string& why,
                                       bool& timed_out, Lookup lookup);
 

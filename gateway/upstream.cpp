@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +18,10 @@
 namespace cellblock::gateway {
 
 namespace {
+
+// A lookup given up on still runs to the resolver's own end: bounded, so
+// that connections to names that never answer cannot pile threads up.
+std::atomic<int> lookups_running{0};
 
 std::vector<IpAddress> system_lookup(const std::string& host, std::string& why) {
     addrinfo hints{};
@@ -54,9 +59,17 @@ std::vector<IpAddress> system_lookup(const std::string& host, std::string& why) 
 
 }  // namespace
 
+int lookups_in_progress() { return lookups_running.load(); }
+
 std::vector<IpAddress> resolve_within(const std::string& host, double timeout_s, std::string& why,
                                       bool& timed_out, Lookup lookup) {
     timed_out = false;
+    if (lookups_running.fetch_add(1) >= kMaxLookups) {
+        --lookups_running;
+        why = "cannot resolve " + host + ": the gateway has " + std::to_string(kMaxLookups) +
+              " name lookups in progress";
+        return {};
+    }
     struct Answer {
         std::mutex mutex;
         std::condition_variable done_cv;
@@ -66,15 +79,24 @@ std::vector<IpAddress> resolve_within(const std::string& host, double timeout_s,
     };
     auto answer = std::make_shared<Answer>();
     // The thread keeps the answer alive: a late one lands there, unread.
-    std::thread([answer, lookup = std::move(lookup)] {
-        std::string failure;
-        std::vector<IpAddress> found = lookup(failure);
-        std::lock_guard lock(answer->mutex);
-        answer->addresses = std::move(found);
-        answer->why = std::move(failure);
-        answer->done = true;
-        answer->done_cv.notify_all();
-    }).detach();
+    try {
+        std::thread([answer, lookup = std::move(lookup)] {
+            std::string failure;
+            std::vector<IpAddress> found = lookup(failure);
+            {
+                std::lock_guard lock(answer->mutex);
+                answer->addresses = std::move(found);
+                answer->why = std::move(failure);
+                answer->done = true;
+                answer->done_cv.notify_all();
+            }
+            --lookups_running;
+        }).detach();
+    } catch (const std::system_error& e) {
+        --lookups_running;
+        why = "cannot resolve " + host + ": " + e.what();
+        return {};
+    }
     std::unique_lock lock(answer->mutex);
     const auto limit = std::chrono::duration<double>(std::max(timeout_s, 0.0));
     if (!answer->done_cv.wait_for(lock, limit, [&] { return answer->done; })) {

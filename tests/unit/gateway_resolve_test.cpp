@@ -82,6 +82,49 @@ TEST(ResolveWithin, ALookupSlowerThanTheTimeoutIsGivenUpAndItsLateAnswerDropped)
     EXPECT_TRUE(finished->load());
 }
 
+TEST(ResolveWithin, LookupsThatNeverAnswerCannotPileUpThreads) {
+    auto gate = std::make_shared<Gate>();
+    auto ended = std::make_shared<std::atomic<int>>(0);
+    auto stuck = [gate, ended](std::string&) {
+        gate->wait();
+        ++*ended;
+        return std::vector<IpAddress>{};
+    };
+    std::string why;
+    bool timed_out = false;
+    // Earlier tests' lookups in this process have ended (their threads just after).
+    for (int i = 0; i < 5000 && cellblock::gateway::lookups_in_progress() > 0; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_EQ(cellblock::gateway::lookups_in_progress(), 0);
+    for (int i = 0; i < cellblock::gateway::kMaxLookups; ++i) {
+        resolve_within("stuck.test.example", 0.001, why, timed_out, stuck);
+        EXPECT_TRUE(timed_out);
+    }
+    // All of them still wait: the next is refused at once, without a thread.
+    bool called = false;
+    const auto found =
+        resolve_within("next.test.example", 30, why, timed_out, [&called](std::string&) {
+            called = true;
+            return std::vector<IpAddress>{};
+        });
+    EXPECT_TRUE(found.empty());
+    EXPECT_FALSE(called);
+    EXPECT_FALSE(timed_out);
+    EXPECT_EQ(why, "cannot resolve next.test.example: the gateway has 64 name lookups in progress");
+    // Once they end, lookups run again.
+    gate->release();
+    for (int i = 0; i < 5000 && ended->load() < cellblock::gateway::kMaxLookups; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_EQ(ended->load(), cellblock::gateway::kMaxLookups);
+    for (int i = 0; i < 5000 && cellblock::gateway::lookups_in_progress() > 0; ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    EXPECT_EQ(cellblock::gateway::lookups_in_progress(), 0);
+    const auto again = resolve_within("api.test.example", 30, why, timed_out, [](std::string&) {
+        return std::vector<IpAddress>{*IpAddress::parse("127.0.0.1")};
+    });
+    EXPECT_EQ(again.size(), 1u) << why;
+}
+
 TEST(Resolve, PinsAndLiteralsNeedNoLookupAndNoDnsRefusesTheRest) {
     Config config;
     config.dns = false;
