@@ -83,11 +83,13 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
         host_demand_ = cpu_demand_->totals();
     }
     const int weight = sandboxes_weight(host_demand_.interactive, host_demand_.hogging);
-    // Written when the figure changes, or when another server's write left
-    // another one there: an idle host's parent is left alone. Not retried
-    // each tick when refused (no such cgroup: no local sandboxes).
-    if (weight == sandboxes_weight_ && (!sandboxes_weight_set_ || sandboxes_cpu_weight_is(weight)))
-        return;
+    // Written when the sum changes: every server publishing in the same
+    // directory computes the same sum and writes the same figure, and an
+    // idle host's parent is left alone. (Not when the parent merely holds
+    // another figure: a server publishing elsewhere would then rewrite it
+    // against this one four times a second.) Not retried each tick when
+    // refused (no such cgroup: no local sandboxes).
+    if (weight == sandboxes_weight_) return;
     const bool set = set_sandboxes_cpu_weight(weight);
     spdlog::debug(
         "sandboxes' CPU weight {}{} (on the host: {} interactive sessions, {} hogging, "

@@ -84,15 +84,6 @@ bool set_sandboxes_cpu_weight(int shares) {
     return fd && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
 }
 
-bool sandboxes_cpu_weight_is(int shares) {
-    bool v2 = false;
-    const fs::path file = sandboxes_weight_file(v2);
-    if (file.empty()) return false;
-    std::string text = read_text(file);
-    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-    return text == weight_text(shares, v2);
-}
-
 void RuncSandbox::open_counters() {
     auto open_first = [&](std::initializer_list<const char*> names, int flags) {
         for (const auto& dir : cgroup_dirs_) {

@@ -129,8 +129,6 @@ std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds mi
 // there is no such cgroup or it refused. The parent is shared by every server
 // on the host: the last writer's figure holds.
 bool set_sandboxes_cpu_weight(int shares);
-// Whether the parent holds that weight now (another server may have written).
-bool sandboxes_cpu_weight_is(int shares);
 
 // The cgroup directories (one per v1 controller, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
