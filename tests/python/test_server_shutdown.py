@@ -36,6 +36,7 @@ def test_sigterm_abandons_a_kernel_start_still_being_probed(monkeypatch):
     images = slow_image_dir()
     monkeypatch.setenv("CELLBLOCK_IMAGES_DIR", images)
     srv = sh.start_server(["--pool", "slowstart=1", "--pool", "host=0"])
+    passed = False
     try:
         # The pool's sandbox is up and its probe is waiting for the kernel's sockets.
         box = sh.wait_for(lambda: [d for d in sh.sessions_on_disk(srv.state_dir)
@@ -51,8 +52,12 @@ def test_sigterm_abandons_a_kernel_start_still_being_probed(monkeypatch):
         assert "did not create its sockets in time" not in log, log[-3000:]
         print(f"serve exited {took:.1f} s after SIGTERM")
         assert sh.state_dir_residue(srv.state_dir) == {}, sh.state_dir_residue(srv.state_dir)
+        passed = True
     finally:
         if srv.proc.poll() is None:
             srv.kill9()
         shutil.rmtree(images, ignore_errors=True)
         shutil.rmtree(srv.state_dir, ignore_errors=True)
+        # The server's log is kept only when the test failed (it was left in /run before).
+        if passed and os.path.exists(srv.log_path):
+            os.unlink(srv.log_path)
