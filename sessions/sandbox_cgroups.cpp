@@ -62,22 +62,19 @@ std::string weight_text(int shares, bool v2) {
                              : std::clamp<long>(shares, 2, kMaxCpuShares));
 }
 
-// The parent's weight file, empty when there is none; `v2` says which kind.
-fs::path sandboxes_weight_file(bool& v2) {
-    const fs::path root = "/sys/fs/cgroup";
-    v2 = fs::exists(root / "cgroup.controllers");
-    if (v2) return fs::exists(root / "cellblock") ? root / "cellblock" / "cpu.weight" : fs::path();
-    for (const char* controller : {"cpu", "cpu,cpuacct"})
-        if (fs::exists(root / controller / "cellblock" / "cpu.shares"))
-            return root / controller / "cellblock" / "cpu.shares";
-    return {};
-}
-
 }  // namespace
 
 bool set_sandboxes_cpu_weight(int shares) {
-    bool v2 = false;
-    const fs::path file = sandboxes_weight_file(v2);
+    const fs::path root = "/sys/fs/cgroup";
+    const bool v2 = fs::exists(root / "cgroup.controllers");
+    fs::path file;
+    if (v2) {
+        file = root / "cellblock" / "cpu.weight";
+    } else {
+        for (const char* controller : {"cpu", "cpu,cpuacct"})
+            if (fs::exists(root / controller / "cellblock" / "cpu.shares"))
+                file = root / controller / "cellblock" / "cpu.shares";
+    }
     if (file.empty()) return false;
     const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
     const std::string text = weight_text(shares, v2);
