@@ -41,6 +41,8 @@ class Gateway {
     void report(const Session& session, const Event& event);
     void handle(std::shared_ptr<Session> session, UniqueFd client);
     void serve_connection(Session& session, int client, const std::string& first, Event& event);
+    std::string connect_upstream_tls(Session& session, Side& upstream, const std::string& host,
+                                     const std::string& where);
 
     int control_fd_;
     Config config_;
@@ -254,6 +256,45 @@ void Gateway::handle(std::shared_ptr<Session> session, UniqueFd client) {
     report(*session, event);
 }
 
+// A thread that runs `work` (the upstream's TLS handshake) while the caller
+// does its own. join() waits for it; leaving without a join first shuts the
+// socket down, so that a handshake still waiting ends at once.
+class UpstreamHandshake {
+  public:
+    template <class F>
+    UpstreamHandshake(int fd, F&& work) : fd_(fd), thread_(std::forward<F>(work)) {}
+    UpstreamHandshake(const UpstreamHandshake&) = delete;
+    UpstreamHandshake& operator=(const UpstreamHandshake&) = delete;
+    void join() {
+        if (thread_.joinable()) thread_.join();
+    }
+    ~UpstreamHandshake() {
+        if (!thread_.joinable()) return;
+        ::shutdown(fd_, SHUT_RDWR);
+        thread_.join();
+    }
+
+  private:
+    int fd_;
+    std::thread thread_;
+};
+
+// The gateway's verified TLS to `where` on `upstream`, resuming the session's
+// last TLS session with it. Returns why it failed, or "".
+std::string Gateway::connect_upstream_tls(Session& session, Side& upstream, const std::string& host,
+                                          const std::string& where) {
+    upstream.ssl = SSL_new(config_.upstream_tls->context());
+    if (upstream.ssl) session.resumption.attach(upstream.ssl, where);
+    if (upstream.ssl && SSL_set_fd(upstream.ssl, upstream.fd) == 1 &&
+        SSL_set_tlsext_host_name(upstream.ssl, host.c_str()) == 1 &&
+        SSL_set1_host(upstream.ssl, host.c_str()) == 1 && SSL_connect(upstream.ssl) == 1)
+        return "";
+    const long verify = upstream.ssl ? SSL_get_verify_result(upstream.ssl) : 0;
+    return "TLS to " + where + " failed: " +
+           (verify != X509_V_OK ? std::string(X509_verify_cert_error_string(verify))
+                                : openssl_errors());
+}
+
 void Gateway::serve_connection(Session& session, int client_fd, const std::string& first,
                                Event& event) {
     const NetworkLimits& limits = session.limits;
@@ -385,6 +426,14 @@ void Gateway::serve_connection(Session& session, int client_fd, const std::strin
                 return;
             }
             event.tls = true;
+            // The upstream's handshake runs beside the code's: the host is
+            // known from CONNECT, so the two need not wait for each other
+            // (about half a millisecond of a small request here). Joined
+            // before the upstream is used; on an early return, cut and joined.
+            std::string upstream_error;
+            UpstreamHandshake upstream_tls(upstream_fd.get(), [&] {
+                upstream_error = connect_upstream_tls(session, upstream, event.host, where);
+            });
             client.ssl = SSL_new(session.tls->server_context(event.host));
             if (!client.ssl || SSL_set_fd(client.ssl, client_fd) != 1 ||
                 SSL_accept(client.ssl) != 1) {
@@ -422,17 +471,9 @@ void Gateway::serve_connection(Session& session, int client_fd, const std::strin
                     return;
                 }
             }
-            upstream.ssl = SSL_new(config_.upstream_tls->context());
-            if (upstream.ssl) session.resumption.attach(upstream.ssl, where);
-            if (!upstream.ssl || SSL_set_fd(upstream.ssl, upstream_fd.get()) != 1 ||
-                SSL_set_tlsext_host_name(upstream.ssl, event.host.c_str()) != 1 ||
-                SSL_set1_host(upstream.ssl, event.host.c_str()) != 1 ||
-                SSL_connect(upstream.ssl) != 1) {
-                const long verify = upstream.ssl ? SSL_get_verify_result(upstream.ssl) : 0;
-                refuse(502,
-                       "TLS to " + where + " failed: " +
-                           (verify != X509_V_OK ? std::string(X509_verify_cert_error_string(verify))
-                                                : openssl_errors()));
+            upstream_tls.join();
+            if (!upstream_error.empty()) {
+                refuse(502, upstream_error);
                 return;
             }
             event.upstream_resumed = SSL_session_reused(upstream.ssl) == 1;

@@ -14,6 +14,7 @@ import json
 import os
 import secrets as pysecrets
 import shutil
+import socket
 import ssl
 import subprocess
 import tempfile
@@ -27,6 +28,7 @@ from server_helpers import session_pids, wait_for
 SECRET_HOST = "secret.cellblock.test"   # the gateway adds secrets here
 PASS_HOST = "pass.cellblock.test"       # same upstream, no secrets: tunnelled untouched
 BAD_HOST = "badcert.cellblock.test"     # a secret host whose certificate the gateway does not trust
+SILENT_HOST = "silent.cellblock.test"   # a secret host that accepts and never says a word
 
 
 class Upstream(http.server.BaseHTTPRequestHandler):
@@ -68,6 +70,37 @@ def tls_server(key, cert):
     return server
 
 
+class SilentUpstream:
+    """Accepts TCP connections and never writes; notes when each one is closed."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.closed = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    def _drain(self, conn):
+        with conn:
+            try:
+                while conn.recv(65536):
+                    pass
+            except OSError:
+                pass
+        self.closed += 1
+
+
 @pytest.fixture(scope="module")
 def sgw():
     work = tempfile.mkdtemp(prefix="cb-egress-secrets-")
@@ -75,6 +108,7 @@ def sgw():
     bad_key, bad_cert = make_cert(work, "bad", [BAD_HOST])
     good, bad = tls_server(good_key, good_cert), tls_server(bad_key, bad_cert)
     port, bad_port = good.server_address[1], bad.server_address[1]
+    silent = SilentUpstream()
     token = "Bearer tok-" + pysecrets.token_hex(16)
     api_key = "key-" + pysecrets.token_hex(16)
     key_file = f"/run/cb-test-secret-{pysecrets.token_hex(6)}"
@@ -91,6 +125,9 @@ def sgw():
             "--egress-resolve", f"{SECRET_HOST}=127.0.0.1",
             "--egress-resolve", f"{PASS_HOST}=127.0.0.1",
             "--egress-resolve", f"{BAD_HOST}=127.0.0.1",
+            "--egress-allow", f"{SILENT_HOST}:{silent.port}",
+            "--egress-resolve", f"{SILENT_HOST}=127.0.0.1",
+            "--egress-secret", f"{SILENT_HOST}:Authorization=env:CB_TEST_EGRESS_TOKEN",
             "--egress-private", "127.0.0.1/32",
         # Nothing here may ask a DNS server: names not pinned do not resolve.
         "--egress-no-dns",
@@ -102,6 +139,7 @@ def sgw():
     finally:
         del os.environ["CB_TEST_EGRESS_TOKEN"]
     srv.port, srv.bad_port = port, bad_port
+    srv.silent = silent
     srv.token, srv.api_key = token, api_key
     with open(good_cert, "rb") as f:
         srv.upstream_der = ssl.PEM_cert_to_DER_cert(f.read().decode())
@@ -114,6 +152,7 @@ def sgw():
     for s in (good, bad):
         s.shutdown()
         s.server_close()
+    silent.sock.close()
     os.unlink(key_file)
     shutil.rmtree(work, ignore_errors=True)
     assert not problems, "\n".join(problems)
@@ -312,6 +351,34 @@ def test_an_untrusted_upstream_certificate_is_refused_by_the_gateway(sgw):
     assert got["status"] == 502, got
     assert f"TLS to {BAD_HOST}:{sgw.bad_port} failed" in got["body"], got
     assert "self-signed" in got["body"] or "verify" in got["body"], got
+
+
+def test_a_client_that_leaves_mid_handshake_ends_the_upstreams_handshake_too(sgw):
+    # The gateway's TLS to the upstream starts beside the code's, as soon as
+    # CONNECT is answered. Here the upstream never answers its handshake and
+    # the code leaves without one: the gateway must end its upstream side at
+    # once, not after the session's request timeout (set far away).
+    secret = {"host": SILENT_HOST, "header": "Authorization",
+              "value_from": "env:CB_TEST_EGRESS_TOKEN"}
+    network = {"mode": "gateway", "secrets": [secret], "request_timeout_s": 600}
+    sid, kc, _ = sgw.open_session(limits={"network": network})
+    before = sgw.silent.closed
+    out = run(kc, f'''
+import socket
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT {SILENT_HOST}:{sgw.silent.port} HTTP/1.1\\r\\n\\r\\n")
+head = b""
+while b"\\r\\n\\r\\n" not in head:
+    head += s.recv(1)
+print(head.split(b"\\r\\n")[0].decode())
+s.close()
+''')
+    assert "200" in out, out
+    # Far less than the 600 s the upstream socket's own timeout would take.
+    assert wait_for(lambda: sgw.silent.closed > before, timeout=60), \
+        "the gateway kept its upstream connection after the code left"
+    events = wait_for(lambda: [e for e in egress_events(sgw, sid) if e["host"] == SILENT_HOST])
+    assert "TLS with the session's code failed" in events[0]["reason"], events
 
 
 def test_secrets_the_server_does_not_offer_are_refused(sgw):
