@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -214,6 +215,11 @@ void EgressGateway::start() {
             ::dup2(devnull, STDOUT_FILENO);
         }
         ::closefrom(4);
+        // The relay's priority (nice -10, server/relay_priority.hpp) is not
+        // the gateway's: it works for sessions, on bytes they choose, and
+        // must not outrank them or the host.
+        errno = 0;
+        if (::getpriority(PRIO_PROCESS, 0) < 0 && errno == 0) ::setpriority(PRIO_PROCESS, 0, 0);
         sigset_t none;
         sigemptyset(&none);
         ::sigprocmask(SIG_SETMASK, &none, nullptr);
