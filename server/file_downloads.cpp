@@ -173,7 +173,7 @@ FileTransfers::LocalCopy FileTransfers::begin_local_get(const json& c, int clien
                                                         const SessionFiles& s,
                                                         Clock::time_point now) {
     const std::string path = checked_relative_path(path_field(c), kSandboxOutputDir);
-    passed_file_size(client_file, O_RDWR);
+    passed_file_size(client_file, O_WRONLY);
     std::unique_ptr<Download> d = new_download(path, s, now);
     d->local = true;
     const std::uint64_t size = d->size;

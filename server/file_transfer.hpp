@@ -95,15 +95,13 @@ class FileTransfers {
         std::string sandbox_path;  // /data/input/... or /data/output/...
         std::uint64_t size = 0;
         UniqueFd src, dst;
-        bool dst_is_private = false;  // the server's own partial (a put), not the client's file
     };
     // file_put_local_request: `client_file` is read from offset 0 to its
     // current end into a new partial file beneath the session's input.
     LocalCopy begin_local_put(const nlohmann::json& content, int client_file,
                               const SessionFiles& session, Clock::time_point now);
     // file_get_local_request: the session's output file is written into
-    // `client_file` (cut to length 0 first), which must be open read-write:
-    // the digest is read back from it.
+    // `client_file` (cut to length 0 first), which must be open for writing.
     LocalCopy begin_local_get(const nlohmann::json& content, int client_file,
                               const SessionFiles& session, Clock::time_point now);
     // The copy `id` landed and its bytes hash to `sha256`: an upload is

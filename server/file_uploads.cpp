@@ -62,8 +62,8 @@ static std::uint64_t size_of_existing(const SessionFiles& s, const std::string& 
     return static_cast<std::uint64_t>(st.st_size);
 }
 
-// A new partial file for upload `id`, read-write (a local copy hashes it
-// back), with the declared size reserved: a full disk is found here, not at 90 %.
+// A new partial file for upload `id`, with the declared size reserved: a full disk is found here,
+// not at 90 %.
 static FileDescriptor create_partial(const SessionFiles& s, const std::string& id,
                                      std::uint64_t size, fs::path& partial) {
     if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
@@ -357,12 +357,9 @@ FileTransfers::LocalCopy FileTransfers::begin_local_put(const json& c, int clien
     check_room(s, size, size_of_existing(s, path), nullptr);
     std::unique_ptr<Upload> upload = new_upload(path, size, sha256, s, now);
     upload->local = true;
-    LocalCopy copy{upload->id,
-                   std::string(kSandboxInputDir) + "/" + path,
-                   size,
+    LocalCopy copy{upload->id, std::string(kSandboxInputDir) + "/" + path, size,
                    UniqueFd(::fcntl(client_file, F_DUPFD_CLOEXEC, 0)),
-                   UniqueFd(::fcntl(upload->fd.get(), F_DUPFD_CLOEXEC, 0)),
-                   true};
+                   UniqueFd(::fcntl(upload->fd.get(), F_DUPFD_CLOEXEC, 0))};
     const std::string id = upload->id;
     uploads_.emplace(id, std::move(upload));
     if (!copy.src || !copy.dst) {

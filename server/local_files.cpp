@@ -22,9 +22,8 @@ void wake(int fd) {
 void LocalCopyJob::start(int wake_fd) {
     thread = std::jthread([this, wake_fd] {
         try {
-            sha256 = copy_and_hash(
-                copy.src.get(), copy.dst.get(), copy.size, control, [wake_fd] { wake(wake_fd); },
-                copy.dst_is_private);
+            sha256 = copy_and_hash(copy.src.get(), copy.dst.get(), copy.size, control,
+                                   [wake_fd] { wake(wake_fd); });
         } catch (const FileRequestError& e) {
             ename = e.ename();
             evalue = e.what();

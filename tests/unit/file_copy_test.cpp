@@ -1,5 +1,5 @@
-// The local file socket's parts that need no server: the in-kernel copy
-// hashed behind itself (file_copy.hpp) and the datagram packing (local_files.hpp).
+// The local file socket's parts that need no server: the copy hashed as it
+// goes (file_copy.hpp) and the datagram packing (local_files.hpp).
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <thread>
 
 #include "cellblock/sha256.hpp"
@@ -83,10 +84,73 @@ TEST_F(FileCopyTest, ASourceShorterThanAnnouncedIsFileChanged) {
     }
 }
 
-TEST_F(FileCopyTest, ADestinationThatCannotBeReadBackIsAnError) {
-    const UniqueFd src = source(pattern(4096)), dst = destination(O_WRONLY);
+TEST_F(FileCopyTest, AWriteOnlyDestinationIsEnough) {
+    // The digest is of the bytes written, not read back from the destination.
+    const std::string data = pattern(3 << 20);
+    const UniqueFd src = source(data), dst = destination(O_WRONLY);
     CopyControl control;
-    EXPECT_THROW(copy_and_hash(src.get(), dst.get(), 4096, control), FileRequestError);
+    EXPECT_EQ(copy_and_hash(src.get(), dst.get(), data.size(), control), sha256_hex(data));
+    EXPECT_EQ(slurp(root_ / "dst"), data);
+}
+
+TEST_F(FileCopyTest, ADestinationThatCannotBeWrittenIsAnError) {
+    const UniqueFd src = source(pattern(4096));
+    destination();
+    const UniqueFd dst(::open((root_ / "dst").c_str(), O_RDONLY | O_CLOEXEC));
+    CopyControl control;
+    try {
+        copy_and_hash(src.get(), dst.get(), 4096, control);
+        FAIL() << "a read-only destination was written";
+    } catch (const FileRequestError& e) {
+        EXPECT_EQ(e.ename(), "FileError");
+        EXPECT_NE(std::string(e.what()).find("copy after 0"), std::string::npos) << e.what();
+    }
+}
+
+// The copier runs ahead of the hash by at most the ring's eight slots, then
+// waits for a free one. Whatever ends the hashing side while the copier
+// waits (a cancel, an exception from on_step) must wake it, or joining it
+// hangs. A watchdog turns a hang into a failure.
+TEST_F(FileCopyTest, AHashingSideThatStopsReleasesAWaitingCopier) {
+    std::atomic<bool> over{false};
+    std::thread watchdog([&] {
+        for (int i = 0; i < 1200 && !over; ++i)
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (!over) {
+            std::fprintf(stderr, "copy_and_hash hung: a copier waiting for a slot\n");
+            std::abort();
+        }
+    });
+    const std::string data = pattern(64 << 20);
+    const UniqueFd src = source(data);
+    for (int round = 0; round < 20; ++round) {
+        {
+            const UniqueFd dst = destination();
+            CopyControl control;
+            // Slow enough at the first step that the copier fills the ring.
+            const auto slow_then_cancel = [&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(round % 4 * 5));
+                control.cancel = true;
+            };
+            EXPECT_THROW(
+                copy_and_hash(src.get(), dst.get(), data.size(), control, slow_then_cancel),
+                FileRequestError);
+            EXPECT_LT(fs::file_size(root_ / "dst"), data.size());
+        }
+        {
+            const UniqueFd dst = destination();
+            CopyControl control;
+            const auto fails = [&] {
+                std::this_thread::sleep_for(std::chrono::milliseconds(round % 4 * 5));
+                throw std::runtime_error("progress failed");
+            };
+            EXPECT_THROW(copy_and_hash(src.get(), dst.get(), data.size(), control, fails),
+                         std::runtime_error);
+            EXPECT_TRUE(control.cancel.load());
+        }
+    }
+    over = true;
+    watchdog.join();
 }
 
 TEST_F(FileCopyTest, ACancelStopsTheCopy) {
@@ -117,7 +181,7 @@ TEST_F(FileCopyTest, AnEndThatCopiesNothingMoreStillEnds) {
             std::abort();
         }
     });
-    const std::string data = pattern(8 << 20);  // one step exactly
+    const std::string data = pattern(8 << 20);  // a whole number of slots exactly
     const UniqueFd src = source(data);
     for (int round = 0; round < 200; ++round) {
         const UniqueFd dst = destination();
@@ -136,8 +200,8 @@ TEST_F(FileCopyTest, AnEndThatCopiesNothingMoreStillEnds) {
     watchdog.join();
 }
 
-TEST_F(FileCopyTest, AnAppendOnlyDestinationFallsBackToWrites) {
-    // copy_file_range refuses O_APPEND (EBADF): the read/write path takes over.
+TEST_F(FileCopyTest, AnAppendOnlyDestinationGetsTheBytesInOrder) {
+    // pwrite on O_APPEND appends whatever the offset: in order, that is the same.
     const std::string data = pattern(3 << 20);
     const UniqueFd src = source(data), dst = destination(O_RDWR | O_APPEND);
     CopyControl control;
