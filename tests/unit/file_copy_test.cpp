@@ -85,7 +85,7 @@ TEST_F(FileCopyTest, ASourceShorterThanAnnouncedIsFileChanged) {
 }
 
 TEST_F(FileCopyTest, AWriteOnlyDestinationIsEnough) {
-    // The digest is of the bytes written, not read back from the destination.
+    // Where the destination cannot be read back, the digest is of the bytes written.
     const std::string data = pattern(3 << 20);
     const UniqueFd src = source(data), dst = destination(O_WRONLY);
     CopyControl control;

@@ -466,11 +466,24 @@ TEST_F(FileTransferTest, LocalGetWritesThePassedFileAndRefusesAChangedOne) {
     EXPECT_EQ(transfers_.open_transfers(), 0u);
 }
 
-TEST_F(FileTransferTest, LocalGetNeedsAReadWriteFileAndARealOutput) {
+TEST_F(FileTransferTest, LocalGetNeedsAWritableFileAndARealOutput) {
     std::ofstream(files_.output_dir / "r.bin") << "x";
+    std::ofstream(root_ / "ro") << "";
+    const UniqueFd read_only(open_local(root_ / "ro", O_RDONLY));
+    try {
+        transfers_.begin_local_get({{"path", "r.bin"}}, read_only.get(), files_, now_);
+        ADD_FAILURE() << "a read-only descriptor was taken for a get";
+    } catch (const FileRequestError& e) {
+        EXPECT_NE(std::string(e.what()).find("not open for writing"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(transfers_.open_transfers(), 0u);
+    // Write-only is enough: the copy reads what it wrote from its own buffer.
     const UniqueFd write_only(open_local(root_ / "wo", O_WRONLY | O_CREAT));
-    EXPECT_THROW(transfers_.begin_local_get({{"path", "r.bin"}}, write_only.get(), files_, now_),
-                 FileRequestError);
+    auto copy = transfers_.begin_local_get({{"path", "r.bin"}}, write_only.get(), files_, now_);
+    const auto done = transfers_.finish_local(copy.id, run_copy(copy), files_);
+    EXPECT_EQ(done.content["sha256"], sha256_hex("x"));
+    EXPECT_EQ(slurp(root_ / "wo"), "x");
     const UniqueFd dst(open_local(root_ / "rw", O_RDWR | O_CREAT));
     // A symlink the code planted to a host file is not followed.
     fs::create_symlink("/etc/passwd", files_.output_dir / "link");
