@@ -34,6 +34,29 @@ std::string slurp(const fs::path& p) {
     return {std::istreambuf_iterator<char>(in), {}};
 }
 
+// Turns a hang into a failure: aborts with `what` unless destroyed within
+// two minutes.
+class Watchdog {
+  public:
+    explicit Watchdog(const char* what)
+        : thread_([this, what] {
+              for (int i = 0; i < 1200 && !over_; ++i)
+                  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+              if (!over_) {
+                  std::fprintf(stderr, "copy_and_hash hung: %s\n", what);
+                  std::abort();
+              }
+          }) {}
+    ~Watchdog() {
+        over_ = true;
+        thread_.join();
+    }
+
+  private:
+    std::atomic<bool> over_{false};
+    std::thread thread_;
+};
+
 class FileCopyTest : public ::testing::Test {
   protected:
     void SetUp() override {
@@ -112,15 +135,7 @@ TEST_F(FileCopyTest, ADestinationThatCannotBeWrittenIsAnError) {
 // waits (a cancel, an exception from on_step) must wake it, or joining it
 // hangs. A watchdog turns a hang into a failure.
 TEST_F(FileCopyTest, AHashingSideThatStopsReleasesAWaitingCopier) {
-    std::atomic<bool> over{false};
-    std::thread watchdog([&] {
-        for (int i = 0; i < 1200 && !over; ++i)
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        if (!over) {
-            std::fprintf(stderr, "copy_and_hash hung: a copier waiting for a slot\n");
-            std::abort();
-        }
-    });
+    const Watchdog watchdog("a copier waiting for a slot");
     const std::string data = pattern(64 << 20);
     const UniqueFd src = source(data);
     for (int round = 0; round < 20; ++round) {
@@ -149,8 +164,6 @@ TEST_F(FileCopyTest, AHashingSideThatStopsReleasesAWaitingCopier) {
             EXPECT_TRUE(control.cancel.load());
         }
     }
-    over = true;
-    watchdog.join();
 }
 
 TEST_F(FileCopyTest, ACancelStopsTheCopy) {
@@ -172,15 +185,7 @@ TEST_F(FileCopyTest, ACancelStopsTheCopy) {
 // thread, which waits for the next report. Run many times: the lost wake-up
 // was a race. A watchdog turns a hang into a failure.
 TEST_F(FileCopyTest, AnEndThatCopiesNothingMoreStillEnds) {
-    std::atomic<bool> over{false};
-    std::thread watchdog([&] {
-        for (int i = 0; i < 1200 && !over; ++i)
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        if (!over) {
-            std::fprintf(stderr, "copy_and_hash hung: a lost wake-up\n");
-            std::abort();
-        }
-    });
+    const Watchdog watchdog("a lost wake-up");
     const std::string data = pattern(8 << 20);  // a whole number of slots exactly
     const UniqueFd src = source(data);
     for (int round = 0; round < 200; ++round) {
@@ -196,8 +201,6 @@ TEST_F(FileCopyTest, AnEndThatCopiesNothingMoreStillEnds) {
             EXPECT_EQ(e.ename(), "FileChanged") << e.what();
         }
     }
-    over = true;
-    watchdog.join();
 }
 
 TEST_F(FileCopyTest, AnAppendOnlyDestinationGetsTheBytesInOrder) {
