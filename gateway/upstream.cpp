@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -101,10 +100,8 @@ std::vector<IpAddress> resolve_within(const std::string& host, double timeout_s,
     const auto limit = std::chrono::duration<double>(std::max(timeout_s, 0.0));
     if (!answer->done_cv.wait_for(lock, limit, [&] { return answer->done; })) {
         timed_out = true;
-        char seconds[32];
-        std::snprintf(seconds, sizeof seconds, "%g", timeout_s);
-        why =
-            "resolving " + host + " took longer than " + seconds + " s (network.request_timeout_s)";
+        why = "resolving " + host + " took longer than " + seconds_text(timeout_s) +
+              " s (network.request_timeout_s)";
         return {};
     }
     why = answer->why;
