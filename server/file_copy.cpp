@@ -6,9 +6,9 @@
 // the copier reads the source into the slot and writes it from there, and
 // the digest is of the bytes written. sha256 is the slower half (about 1.8
 // GB/s with SHA-NI here; the copy and the read-back several times that), so
-// a transfer takes about one hash pass over data in the cache: 1.40-1.71 GB/s (1.6 typical)
-// against 1.24-1.45 for a whole step copied and then hashed back from the
-// page cache (docs/performance.md).
+// a transfer takes about one hash pass over data in the cache: 1.40-1.71
+// GB/s (1.6 typical) against 1.24-1.45 for a whole step copied and then
+// hashed back from the page cache (docs/performance.md).
 #include "file_copy.hpp"
 
 #include <fcntl.h>
@@ -31,8 +31,8 @@ constexpr std::size_t kSlot = 256u << 10;
 constexpr std::size_t kSlots = 8;
 constexpr std::uint64_t kStepBytes = 8u << 20;  // between on_step calls
 
-// A write the kernel refused, with its errno.
-struct WriteFailed {
+// A copy, read-back or write the kernel refused, with its errno.
+struct StepFailed {
     int err;
 };
 
@@ -42,7 +42,7 @@ void write_at(int fd, const char* data, std::size_t length, std::uint64_t offset
         const ssize_t n =
             ::pwrite(fd, data + written, length - written, static_cast<off_t>(offset + written));
         if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) throw WriteFailed{n < 0 ? errno : EIO};
+        if (n <= 0) throw StepFailed{n < 0 ? errno : EIO};
         written += static_cast<std::size_t>(n);
     }
 }
@@ -52,25 +52,26 @@ void write_at(int fd, const char* data, std::size_t length, std::uint64_t offset
 // many (fewer than `length` only at the source's end).
 std::size_t move_slot(int src, int dst, std::uint64_t at, char* slot, std::size_t length,
                       bool& in_kernel) {
-    while (in_kernel) {
+    if (in_kernel) {
         loff_t in = static_cast<loff_t>(at), out = static_cast<loff_t>(at);
         std::size_t moved = 0;
-        while (moved < length) {
+        while (in_kernel && moved < length) {
             const ssize_t n = ::copy_file_range(src, &in, dst, &out, length - moved, 0);
             if (n < 0 && errno == EINTR) continue;
-            if (n <= 0) {
-                if (n == 0) break;  // the source's end
-                if (moved > 0 || (errno != EXDEV && errno != EINVAL && errno != EOPNOTSUPP &&
-                                  errno != ENOSYS && errno != EBADF))
-                    throw WriteFailed{errno};
+            if (n == 0) break;  // the source's end
+            if (n > 0) {
+                moved += static_cast<std::size_t>(n);
+            } else if (moved == 0 && (errno == EXDEV || errno == EINVAL || errno == EOPNOTSUPP ||
+                                      errno == ENOSYS || errno == EBADF)) {
                 in_kernel = false;  // EBADF too: an O_APPEND destination
-                break;
+            } else {
+                throw StepFailed{errno};
             }
-            moved += static_cast<std::size_t>(n);
         }
-        if (!in_kernel) break;
-        if (read_into(dst, at, slot, moved) != moved) throw WriteFailed{EIO};
-        return moved;
+        if (in_kernel) {
+            if (read_into(dst, at, slot, moved) != moved) throw StepFailed{EIO};
+            return moved;
+        }
     }
     const std::size_t got = read_into(src, at, slot, length);
     write_at(dst, slot, got, at);
@@ -126,7 +127,7 @@ void copy_all(int src, int dst, std::uint64_t size, CopyControl& control, Ring& 
                 break;
             }
         }
-    } catch (const WriteFailed& e) {
+    } catch (const StepFailed& e) {
         ring.error = e.err;
     } catch (const FileRequestError&) {
         ring.error = EIO;

@@ -114,8 +114,8 @@ inline std::string read_at(int fd, std::uint64_t offset, std::size_t length) {
 }
 
 // The size of a descriptor a client passed, which must be a regular file
-// open for `access` (O_RDONLY: reading; O_WRONLY: writing; O_RDWR: both,
-// O_RDWR counting for either). Throws FileError.
+// open for `access`, O_RDONLY or O_WRONLY (O_RDWR does for either). Throws
+// FileError.
 inline std::uint64_t passed_file_size(int fd, int access) {
     struct stat st {};
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))
@@ -125,10 +125,8 @@ inline std::uint64_t passed_file_size(int fd, int access) {
     const bool ok = flags >= 0 && !(flags & O_PATH) && (mode == access || mode == O_RDWR);
     if (!ok)
         throw FileRequestError(
-            ename::FileError,
-            access == O_RDWR     ? "the descriptor passed must be open for reading and writing"
-            : access == O_WRONLY ? "the descriptor passed is not open for writing"
-                                 : "the descriptor passed is not open for reading");
+            ename::FileError, access == O_WRONLY ? "the descriptor passed is not open for writing"
+                                                 : "the descriptor passed is not open for reading");
     return static_cast<std::uint64_t>(st.st_size);
 }
 

@@ -62,8 +62,9 @@ static std::uint64_t size_of_existing(const SessionFiles& s, const std::string& 
     return static_cast<std::uint64_t>(st.st_size);
 }
 
-// A new partial file for upload `id`, with the declared size reserved: a full disk is found here,
-// not at 90 %.
+// A new partial file for upload `id`, read-write (a local copy reads back
+// what landed, to hash it), with the declared size reserved: a full disk is
+// found here, not at 90 %.
 static FileDescriptor create_partial(const SessionFiles& s, const std::string& id,
                                      std::uint64_t size, fs::path& partial) {
     if (::mkdir(s.partial_dir.c_str(), 0700) != 0 && errno != EEXIST)
