@@ -62,6 +62,13 @@ def proc_state(pid):
         return None
 
 
+def process_nice(pid):
+    """The nice value of a process (field 19 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2:].split()[16])
+
+
 def children_running(parent, exe_suffix):
     """Pids of the processes whose parent is `parent` and whose executable's
     path ends with `exe_suffix` (e.g. the gateway a server or kernel started)."""

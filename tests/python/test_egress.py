@@ -133,11 +133,6 @@ def egress_events(srv, sid):
     return [json.loads(e["detail"]) for e in history["events"] if e["kind"] == "egress"]
 
 
-def nice_of(pid):
-    stat = open(f"/proc/{pid}/stat").read()
-    return int(stat[stat.rindex(")") + 2:].split()[16])
-
-
 def gateway_pid(srv):
     found = sh.children_running(srv.proc.pid, "/cellblock-gateway")
     return found[0] if found else None
@@ -319,7 +314,7 @@ def test_the_gateway_runs_unprivileged_under_seccomp(gw):
     assert status["Seccomp"].strip() == "2"
     # Not at the relay's priority (the server's loop runs at nice -10): it
     # works on bytes the sessions choose and must not outrank them.
-    assert nice_of(pid) >= 0, nice_of(pid)
+    assert sh.process_nice(pid) >= 0, sh.process_nice(pid)
     # It holds none of the server's files: the database, the state dir, the manager socket.
     fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     assert not [f for f in fds if "cellblock.db" in f or f.startswith(gw.state_dir + "/")], fds
@@ -334,7 +329,7 @@ def test_a_killed_gateway_is_started_again_with_its_sessions(gw):
     os.kill(old, signal.SIGKILL)
     new = wait_for(lambda: (gateway_pid(gw) or 0) not in (0, old) and gateway_pid(gw), timeout=20)
     assert new and new != old
-    assert nice_of(new) >= 0, nice_of(new)  # started again from the relay's thread
+    assert sh.process_nice(new) >= 0, sh.process_nice(new)  # started again from the relay's thread
     assert fetch(kc, f"http://{API}:{gw.http_port}/echo")["status"] == 200
     assert "egress gateway" in gw.log() and "starting it again" in gw.log()
     # The server follows the new gateway's events: the request after the

@@ -10,7 +10,7 @@ it cannot take a negative nice for itself (no CAP_SYS_NICE)."""
 import os
 
 from conftest import start_kernel, stop_kernel
-from server_helpers import execute, server_factory, session_pids, stream_text  # noqa: F401
+from server_helpers import execute, process_nice, server_factory, session_pids, stream_text  # noqa: F401
 
 PRIORITY_PROBE = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
 TAKE_PRIORITY = ("import os\n"
@@ -35,12 +35,6 @@ def thread_nice(pid):
         fields = stat[stat.rindex(")") + 2:].split()
         out.setdefault(name, []).append(int(fields[16]))  # field 19 is the 17th after ")"
     return out
-
-
-def process_nice(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    return int(stat[stat.rindex(")") + 2:].split()[16])
 
 
 def assert_relay_threads_at(pid, nice, libzmq=True):
