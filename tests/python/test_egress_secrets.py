@@ -78,7 +78,6 @@ class SilentUpstream:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
         self.port = self.sock.getsockname()[1]
-        self.accepted = 0
         self.closed = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -88,7 +87,6 @@ class SilentUpstream:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            self.accepted += 1
             threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
 
     def _drain(self, conn):
