@@ -312,6 +312,41 @@ def run_kernel(request, err_write):
 # --- the zygote ------------------------------------------------------------
 
 
+def forking_refused():
+    """Why this host does not let a fork contain itself, or None if it does.
+
+    A child tries what every fork's containment starts with: its own user
+    namespace (which hosts may forbid to unprivileged processes: the
+    `user.max_user_namespaces` or `kernel.unprivileged_userns_clone` sysctls,
+    AppArmor's `apparmor_restrict_unprivileged_userns`, a seccomp policy),
+    the other namespaces, and mounts in them (what AppArmor's restriction
+    takes away while still letting the namespace be made). The server then
+    boots the image's sessions instead (docs/zygote.md)."""
+    reason_read, reason_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(reason_read)
+            check(LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
+            check(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
+                               CLONE_NEWNET), "unshare namespaces")
+            mount(None, "/", None, MS_REC | MS_PRIVATE)
+            mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=4k")
+            os._exit(0)
+        except BaseException as e:  # noqa: B902 - the reason is the answer
+            try:
+                os.write(reason_write, f"{type(e).__name__}: {e}".encode()[:1000])
+            finally:
+                os._exit(1)
+    os.close(reason_write)
+    with os.fdopen(reason_read, "rb") as f:
+        reason = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == 0:
+        return None
+    return reason or f"the probe ended with status {os.waitstatus_to_exitcode(status)}"
+
+
 def fork_session(conn, listener, payload, fds_received, bpf):
     request = json.loads(payload)
     cgroups = int(request.get("cgroups", 0))
@@ -336,7 +371,7 @@ def fork_session(conn, listener, payload, fds_received, bpf):
     return pid
 
 
-def serve(path, bpf_holder):
+def serve(path, bpf_holder, refused=None):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)
@@ -359,6 +394,10 @@ def serve(path, bpf_holder):
                     if data.startswith(b"seccomp "):
                         bpf_holder[0] = data[len(b"seccomp "):]
                         reply = {"ok": True, "pid": os.getpid()}
+                        if refused:
+                            reply["refused"] = refused
+                    elif refused:
+                        reply = {"error": f"this host does not let a fork contain itself: {refused}"}
                     elif not bpf_holder[0]:
                         reply = {"error": "no seccomp filter was given before the fork request"}
                     else:
@@ -401,13 +440,19 @@ def main(argv):
     except Exception as e:  # noqa: B902 - reported, then done without
         print(f"cellblock-zygote: the kernel's start is not prepared "
               f"({type(e).__name__}: {e}); each session builds its own", file=sys.stderr)
+    # Asked once, before any fork request: the server's answer to a host that
+    # refuses is to boot this image's sessions, not to fail each create.
+    refused = forking_refused()
+    if refused:
+        print(f"cellblock-zygote: this host does not let a fork contain itself ({refused})",
+              file=sys.stderr)
     # A finished fork is reaped at once; sessions are not the zygote's children.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     # Objects alive now are never collected again: the collector's passes in
     # the sessions leave their pages shared.
     gc.collect()
     gc.freeze()
-    serve(socket_path, [b""])
+    serve(socket_path, [b""], refused)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,10 @@ int ClientCommands::run() {
                         z["image"].get<std::string>().c_str(), "zygote", "-", "-",
                         pid_list(z).c_str(), z["container_id"].get<std::string>().c_str());
         }
+        for (const auto& z : reply.value("zygotes_refused", json::array())) {
+            std::printf("(zygote of %s refused: its sessions boot) %s\n",
+                        z.value("image", "").c_str(), z.value("why", "").c_str());
+        }
         if (reply.value("backend", "runc") == "swarm") {
             // Sandboxes are Swarm services on the nodes: the engine lists them.
             std::printf("\n%-28s %-8s %-12s %s\n", "NODE", "STATE", "AVAILABILITY", "SANDBOXES");

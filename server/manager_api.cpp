@@ -188,11 +188,13 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
     for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
     // And what the backend runs besides: the zygotes sessions are forked
     // from (docs/zygote.md), or the Swarm's nodes (docs/scale-out.md).
-    json zygotes = json::array(), nodes = json::array();
+    json zygotes = json::array(), nodes = json::array(), refused = json::array();
     for (auto& extra : pool_->extras()) {
         if (extra.value("kind", "") == "zygote") {
             extra["pids"] = sandbox_pids(extra.value("container_id", ""));
             zygotes.push_back(std::move(extra));
+        } else if (extra.value("kind", "") == "zygote_refused") {
+            refused.push_back({{"image", extra["image"]}, {"why", extra["why"]}});
         } else {
             nodes.push_back(std::move(extra));
         }
@@ -204,6 +206,8 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
                   {"backend", pool_->backend().name()},
                   {"runtime_root", settings_.runtime_root().string()}};
     if (!nodes.empty()) reply["nodes"] = nodes;
+    // Zygote images whose sessions boot, because this host refuses forking.
+    if (!refused.empty()) reply["zygotes_refused"] = refused;
     return reply;
 }
 

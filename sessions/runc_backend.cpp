@@ -22,7 +22,11 @@ std::unique_ptr<Sandbox> RuncBackend::start(const std::string& session_id, const
     if (background) settings.start_cpu_shares = tuning::kBackgroundCpuShares;
     if (!image.runtime.empty()) settings.runtime = image.runtime;
     if (image.zygote && runtime_kind(settings.runtime) == RuntimeKind::runc) {
-        return fork_session(session_id, image, limits, settings);
+        try {
+            return fork_session(session_id, image, limits, settings);
+        } catch (const ForkingRefused&) {
+            // Booted like an image without a zygote (zygote_for logged why, once).
+        }
     }
     return RuncSandbox::start(session_id, image, limits, settings);
 }
@@ -38,6 +42,10 @@ bool RuncBackend::can_serve(const Image& image, const SandboxLimits& a,
 std::shared_ptr<Zygote> RuncBackend::zygote_for(const Image& image,
                                                 const RuntimeSettings& settings) {
     std::lock_guard lock(zygotes_mutex_);
+    if (const auto it = refused_.find(image.name);
+        it != refused_.end() && it->second.content_id == image.content_id) {
+        throw ForkingRefused(it->second.why);
+    }
     auto& zygote = zygotes_[image.name];
     if (zygote && (zygote->image().content_id != image.content_id || !zygote->alive())) {
         spdlog::info("zygote of image {}: {}", image.name,
@@ -46,7 +54,17 @@ std::shared_ptr<Zygote> RuncBackend::zygote_for(const Image& image,
         zygote->retire();
         zygote.reset();
     }
-    if (!zygote) zygote = Zygote::start(image, settings, tuning::kZygoteStartTimeout);
+    if (!zygote) {
+        try {
+            zygote = Zygote::start(image, settings, tuning::kZygoteStartTimeout);
+        } catch (const ForkingRefused& e) {
+            spdlog::warn("zygote of image {}: {}; its sessions boot instead (docs/zygote.md)",
+                         image.name, e.what());
+            refused_[image.name] = {image.content_id, e.what()};
+            zygotes_.erase(image.name);
+            throw;
+        }
+    }
     return zygote;
 }
 
@@ -70,6 +88,7 @@ void RuncBackend::image_changed(const Image& image, bool removed) {
     std::shared_ptr<Zygote> old;
     {
         std::lock_guard lock(zygotes_mutex_);
+        if (removed) refused_.erase(image.name);
         auto it = zygotes_.find(image.name);
         if (it == zygotes_.end() || !it->second) return;
         if (!removed && it->second->image().content_id == image.content_id) return;
@@ -91,6 +110,9 @@ nlohmann::json RuncBackend::extras() {
                        {"container_id", zygote->container_id()},
                        {"init_pid", zygote->init_pid()},
                        {"interpreter_pid", zygote->interpreter_pid()}});
+    }
+    for (const auto& [name, refusal] : refused_) {
+        out.push_back({{"kind", "zygote_refused"}, {"image", name}, {"why", refusal.why}});
     }
     return out;
 }

@@ -277,6 +277,11 @@ std::string compile_seccomp_bpf(const json& profile) {
 
 std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings& settings,
                                       std::chrono::milliseconds timeout) {
+    // The fork's directories are detached mounts with their attributes set
+    // (detached_tree): a kernel older than 5.12 cannot, and boots instead.
+    if (::mount_setattr(-1, "", AT_EMPTY_PATH, nullptr, 0) != 0 && errno == ENOSYS) {
+        throw ForkingRefused("this kernel has no mount_setattr (Linux 5.12)");
+    }
     std::shared_ptr<Zygote> zygote(new Zygote());
     zygote->image_ = image;
     SandboxLimits limits = image.limits;
@@ -316,6 +321,11 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     send_request(zygote->control_.get(), "seccomp " + bpf, {});
     const json reply = receive_reply(zygote->control_.get(), kStepTimeout);
     zygote->interpreter_pid_ = reply.value("pid", -1);
+    if (reply.contains("refused")) {
+        const std::string why = reply["refused"].is_string() ? reply["refused"].get<std::string>()
+                                                             : reply["refused"].dump();
+        throw ForkingRefused("this host does not let a zygote's fork contain itself: " + why);
+    }
     // A pool worker that started it may run at a low priority; its forks take
     // the priority of the thread that asks for each (see fork), which they
     // can lower but not raise: the zygote itself runs at 0.

@@ -29,7 +29,9 @@ class RuncBackend final : public SandboxBackend {
     // change it).
     bool can_serve(const Image& image, const SandboxLimits& pooled,
                    const SandboxLimits& wanted) const override;
-    // The zygotes running: [{kind: zygote, image, container_id, init_pid, interpreter_pid}].
+    // The zygotes running: [{kind: zygote, image, container_id, init_pid, interpreter_pid}],
+    // and the zygote images whose sessions boot because the host refused
+    // forking: [{kind: zygote_refused, image, why}].
     nlohmann::json extras() override;
     // A zygote of an older version, or of an image that is gone, is retired
     // at once (its forked sessions keep what they run on until they end).
@@ -48,6 +50,13 @@ class RuncBackend final : public SandboxBackend {
     // forked from one keeps it (and the files it runs on) until it ends.
     std::mutex zygotes_mutex_;
     std::map<std::string, std::shared_ptr<Zygote>> zygotes_;
+    // Per image name: the version (content id) whose zygote found that this
+    // host refuses forking, and why. Its sessions boot; a new version asks again.
+    struct Refusal {
+        std::string content_id;
+        std::string why;
+    };
+    std::map<std::string, Refusal> refused_;
 };
 
 }  // namespace cellblock

@@ -24,10 +24,20 @@ namespace cellblock {
 // would load), as raw `struct sock_filter` bytes. Throws SandboxError.
 std::string compile_seccomp_bpf(const nlohmann::json& profile);
 
+// The host does not let a fork contain itself (no unprivileged user
+// namespaces, or no mounts in them): the zygote asked once, at its start. The
+// image's sessions are booted instead (RuncBackend).
+class ForkingRefused : public SandboxError {
+  public:
+    using SandboxError::SandboxError;
+};
+
 class Zygote : public std::enable_shared_from_this<Zygote> {
   public:
     // Starts the zygote container of `image` and waits until it has imported
-    // everything and answers. Throws SandboxError (with the zygote's log).
+    // everything and answers. Throws SandboxError (with the zygote's log), or
+    // ForkingRefused (the container is destroyed again) when this host does
+    // not let a fork do what a session's containment needs.
     static std::shared_ptr<Zygote> start(const Image& image, const RuntimeSettings& settings,
                                          std::chrono::milliseconds timeout);
     ~Zygote();  // destroys the container; the sessions forked from it go on
