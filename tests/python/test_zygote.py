@@ -381,3 +381,56 @@ class ZygoteKernelTests(conformance.ServerSessionKernelTests):
 def _kernel_tests_server(zserver):
     ZygoteKernelTests.server_for_class = zserver
     yield
+
+
+def smaps_by_region(pid):
+    """{start address: {field: kB}} of a process's mappings."""
+    regions, current = {}, None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and not parts[0].endswith(":"):
+                current = regions.setdefault(int(parts[0].split("-")[0], 16), {})
+            elif len(parts) >= 2 and parts[1].isdigit():
+                current[parts[0].rstrip(":")] = int(parts[1])
+    return regions
+
+
+def test_the_zygote_shares_its_memory_in_huge_pages_and_a_session_copies_only_what_it_writes(
+        zserver):
+    """The zygote collapses its heap into transparent huge pages (docs/zygote.md,
+    "Huge pages"), so each fork copies fewer page-table entries; a session
+    that writes into one still copies 4 KiB pages, not the huge page."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages are off on this host")
+    if tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) < (6, 1):
+        pytest.skip("no MADV_COLLAPSE before Linux 6.1")
+    sid, kc, _ = zserver.open_session()
+    (zygote,) = zygotes(zserver)
+    z = smaps_by_region(zygote["interpreter_pid"])
+    huge = {start: r for start, r in z.items() if r.get("AnonHugePages", 0)}
+    huge_kb = sum(r["AnonHugePages"] for r in huge.values())
+    assert huge_kb >= 4096, "the zygote holds no huge pages"
+    # The session writes into the objects it shares with the zygote (reference
+    # counts of every module's objects).
+    run(kc, "import sys\nn = sum(len(dir(m)) for m in list(sys.modules.values()))")
+
+    def exe(pid):
+        try:
+            return os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return ""
+    (kernel,) = [pid for pid in session_pids(sid) if "python" in exe(pid)]
+    k = smaps_by_region(kernel)
+    # The same mappings in the fork (same addresses): what it holds privately.
+    # (A mapping the fork grew, its heap, holds what it allocated there too.)
+    copied_kb = sum(max(0, k[start].get("Private_Dirty", 0) -
+                        max(0, k[start]["Size"] - z[start]["Size"]))
+                    for start in huge if start in k)
+    touched_kb = sum(k[start].get("Rss", 0) for start in huge if start in k)
+    print(f"zygote: {huge_kb // 1024} MiB in huge pages, in {len(huge)} mappings; the "
+          f"session's kernel holds {copied_kb // 1024} MiB of those mappings privately, "
+          f"{touched_kb // 1024} MiB resident")
+    # Copying whole huge pages would have made nearly all of them private.
+    assert copied_kb < huge_kb // 2, (huge_kb, copied_kb)
