@@ -30,6 +30,7 @@ from jupyter_client import BlockingKernelClient
 from jupyter_client.session import Session
 
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
+SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROTOCOL_VERSION = "5.3"
 
 
@@ -647,6 +648,33 @@ def new_state_dir():
 
 def start_server(args=(), timeout=60):
     return ServerProcess(new_state_dir(), args).start(timeout=timeout)
+
+
+def host_image_definition():
+    with open(os.path.join(SOURCE_DIR, "images", "host", "image.json")) as f:
+        return json.load(f)
+
+
+def start_server_with_image(definition, args=()):
+    """A server whose image folder (CELLBLOCK_IMAGES_DIR, made here) holds
+    `definition` beside the shipped images. Returns (server, folder); the
+    caller removes the folder after the server's shutdown."""
+    images = tempfile.mkdtemp(prefix="cb-test-images-")
+    os.makedirs(os.path.join(images, definition["name"]))
+    with open(os.path.join(images, definition["name"], "image.json"), "w") as f:
+        json.dump(definition, f)
+    old = os.environ.get("CELLBLOCK_IMAGES_DIR")
+    os.environ["CELLBLOCK_IMAGES_DIR"] = images
+    try:
+        return start_server(list(args)), images
+    except BaseException:
+        shutil.rmtree(images, ignore_errors=True)
+        raise
+    finally:
+        if old is None:
+            del os.environ["CELLBLOCK_IMAGES_DIR"]
+        else:
+            os.environ["CELLBLOCK_IMAGES_DIR"] = old
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ kernel refuse the zygote user namespaces, as a host policy would (a seccomp
 filter: `unshare` with CLONE_NEWUSER fails with EPERM; the zygote's children
 inherit it). Nothing of the host's own settings changes.
 """
-import json
 import os
 import shutil
 import subprocess
@@ -18,8 +17,6 @@ import pytest
 
 import server_helpers as sh
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 IMAGE = "host-zygote-refused"
 MODULE = "cb_refuse_userns"
 
@@ -68,7 +65,6 @@ if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
 
 @pytest.fixture(scope="module")
 def refusing():
-    images = tempfile.mkdtemp(prefix="cb-zygote-refused-images-")
     # Bound into the image's sandboxes at the same path; not under /tmp (a
     # session's own /tmp is a fresh tmpfs).
     modules = tempfile.mkdtemp(prefix="cb-zygote-refused-", dir="/var/tmp")
@@ -76,23 +72,15 @@ def refusing():
     with open(os.path.join(modules, MODULE + ".py"), "w") as f:
         f.write(REFUSE_USERNS)
     os.chmod(os.path.join(modules, MODULE + ".py"), 0o644)
-    with open(os.path.join(REPO, "images", "host", "image.json")) as f:
-        definition = json.load(f)
-    definition.update(name=IMAGE, zygote=True, preload=[MODULE])
+    definition = dict(sh.host_image_definition(), name=IMAGE, zygote=True, preload=[MODULE])
     definition["host_binds"] = definition.get("host_binds", []) + [modules]
     definition["env"] = dict(definition.get("env", {}), PYTHONPATH=modules)
-    os.makedirs(os.path.join(images, IMAGE))
-    with open(os.path.join(images, IMAGE, "image.json"), "w") as f:
-        json.dump(definition, f)
-    old = os.environ.get("CELLBLOCK_IMAGES_DIR")
-    os.environ["CELLBLOCK_IMAGES_DIR"] = images
     try:
-        srv = sh.start_server(["--image", IMAGE, "--pool", f"{IMAGE}=0", "--pool", "host=0"])
-    finally:
-        if old is None:
-            del os.environ["CELLBLOCK_IMAGES_DIR"]
-        else:
-            os.environ["CELLBLOCK_IMAGES_DIR"] = old
+        srv, images = sh.start_server_with_image(
+            definition, ["--image", IMAGE, "--pool", f"{IMAGE}=0", "--pool", "host=0"])
+    except BaseException:
+        shutil.rmtree(modules, ignore_errors=True)
+        raise
     yield srv
     problems = srv.shutdown()
     shutil.rmtree(images, ignore_errors=True)
@@ -106,7 +94,10 @@ def test_the_filter_refuses_a_user_namespace_and_nothing_else():
     code = ("import ctypes, os, sys; sys.path.insert(0, sys.argv[1]); import " + MODULE + "\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             "r = libc.unshare(0x10000000)\n"
-            "print(r, ctypes.get_errno(), os.fork() > 0 and os.getpid() > 0)\n")
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    os._exit(0)\n"
+            "print(r, ctypes.get_errno(), os.waitpid(pid, 0)[1] == 0)\n")
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, MODULE + ".py"), "w") as f:
             f.write(REFUSE_USERNS)
