@@ -31,6 +31,7 @@ the sender's pid, which the child cannot forge):
     starts the kernel on /run/cellblock/kernel.json.
 """
 import ctypes
+import errno
 import fcntl
 import gc
 import importlib
@@ -311,6 +312,9 @@ def run_kernel(request, err_write):
 
 # --- the zygote ------------------------------------------------------------
 
+# What a host that forbids a fork's containment answers (unlike ENOSPC,
+# ENOMEM or EAGAIN, which say "not now").
+REFUSALS = (errno.EPERM, errno.EACCES, errno.ENOSYS, errno.EINVAL)
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 HUGE_PAGE = 2 << 20
 
@@ -355,7 +359,10 @@ def forking_refused():
     AppArmor's `apparmor_restrict_unprivileged_userns`, a seccomp policy),
     the other namespaces, and mounts in them (what AppArmor's restriction
     takes away while still letting the namespace be made). The server then
-    boots the image's sessions instead (docs/zygote.md)."""
+    boots the image's sessions instead (docs/zygote.md). A failure that says
+    "not now" rather than "not here" (a namespace count at its limit, no
+    memory) is not a refusal: the zygote serves, and a fork that meets it
+    fails with its reason."""
     reason_read, reason_write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -369,7 +376,9 @@ def forking_refused():
             os._exit(0)
         except BaseException as e:  # noqa: B902 - the reason is the answer
             try:
-                os.write(reason_write, f"{type(e).__name__}: {e}".encode()[:1000])
+                refusal = getattr(e, "errno", None) in REFUSALS
+                os.write(reason_write, (b"R" if refusal else b"T") +
+                         f"{type(e).__name__}: {e}".encode()[:1000])
             finally:
                 os._exit(1)
     os.close(reason_write)
@@ -378,7 +387,11 @@ def forking_refused():
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) == 0:
         return None
-    return reason or f"the probe ended with status {os.waitstatus_to_exitcode(status)}"
+    if reason.startswith("T"):
+        print(f"cellblock-zygote: the fork probe failed for now ({reason[1:]}); serving",
+              file=sys.stderr)
+        return None
+    return reason[1:] or f"the probe ended with status {os.waitstatus_to_exitcode(status)}"
 
 
 def fork_session(conn, listener, payload, fds_received, bpf):
