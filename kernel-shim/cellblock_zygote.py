@@ -41,6 +41,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.syscall.restype = ctypes.c_long
@@ -319,7 +320,7 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 HUGE_PAGE = 2 << 20
 
 
-def collapse_into_huge_pages():
+def collapse_into_huge_pages(budget_s=2.0):
     """Backs the zygote's anonymous memory with transparent huge pages where
     whole 2 MiB stretches of it are mapped (the interpreter's heap and the
     imports' large allocations): a fork then copies one page-table entry per
@@ -327,9 +328,13 @@ def collapse_into_huge_pages():
     (docs/zygote.md, "Huge pages"). A page a session writes is still copied
     alone (the kernel splits the shared huge page's mapping in the writer).
     Returns (MiB collapsed, why not where it failed). Nothing depends on it:
-    a kernel without MADV_COLLAPSE (before 6.1) or with THP off refuses."""
+    a kernel without MADV_COLLAPSE (before 6.1) or with THP off refuses. The
+    kernel may compact memory to find huge pages (about 0.2 s here): on a
+    fragmented host it stops after `budget_s`, so the zygote's start is not
+    held up."""
     LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed, refused = 0, set()
+    deadline = time.monotonic() + budget_s
     with open("/proc/self/maps") as maps:
         regions = [line.split() for line in maps]
     for parts in regions:
@@ -341,6 +346,9 @@ def collapse_into_huge_pages():
         end = high & ~(HUGE_PAGE - 1)
         if end - start < HUGE_PAGE:
             continue
+        if time.monotonic() > deadline:
+            refused.add(f"stopped after {budget_s:g} s")
+            break
         LIBC.madvise(start, end - start, MADV_HUGEPAGE)
         if LIBC.madvise(start, end - start, MADV_COLLAPSE) == 0:
             collapsed += (end - start) >> 20
