@@ -45,6 +45,10 @@ bool status_in_range(const fs::path& status, std::uint32_t first, std::uint32_t 
     return it != ids.end() && *it - first < count;
 }
 
+// Where sandboxes' host ids start: 1 << 30, the range every sandbox shared
+// before ranges were leased, and every pool's ranges above it.
+constexpr std::uint32_t kSandboxIdSpace = 1u << 30;
+
 fs::path lease_file(const HostIdPool& pool, std::uint32_t index) {
     return pool.lease_dir / (std::to_string(index) + ".lock");
 }
@@ -56,6 +60,19 @@ std::set<std::uint32_t> host_ids_in_use() {
     for (const auto& entry : fs::directory_iterator("/proc", ec)) {
         const std::string name = entry.path().filename().string();
         if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+        // A /proc/PID directory is owned by its process's effective uid and
+        // gid, dumpable or not (kept so for ps). Where both lie in the
+        // sandboxes' id space, the process is a sandbox's, all of whose ids
+        // are in its one range: the stat (~2 us) says enough. Anything else
+        // has its status file read (~17 us): with 500 sessions on a host,
+        // that was ~25 ms on every create.
+        struct stat st {};
+        if (::stat(entry.path().c_str(), &st) != 0) continue;
+        if (st.st_uid >= kSandboxIdSpace && st.st_gid >= kSandboxIdSpace) {
+            ids.insert(st.st_uid);
+            ids.insert(st.st_gid);
+            continue;
+        }
         add_status_ids(entry.path() / "status", ids);
     }
     // Keys outlive their processes until the kernel's collector runs; a

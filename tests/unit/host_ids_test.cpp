@@ -2,6 +2,8 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -154,6 +156,40 @@ TEST_F(HostIdsTest, ARangeAProcessRunsInIsSkipped) {
     EXPECT_EQ(lease_host_ids(pool_, dir_ / "b").index(), 0u);
     ::close(ready[0]);
     ::close(ready[1]);
+}
+
+TEST_F(HostIdsTest, ASandboxsProcessIsSeenWhetherOrNotItIsDumpable) {
+    if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
+    // Its /proc dir shows its effective ids whether it is dumpable or not (not,
+    // the default after a change of ids), so a stat alone tells.
+    for (const bool dumpable : {true, false}) {
+        const uid_t inside = pool_.range(2).host_base + 1000;
+        int ready[2];
+        ASSERT_EQ(::pipe(ready), 0);
+        const pid_t child = ::fork();
+        ASSERT_GE(child, 0);
+        if (child == 0) {
+            if (::setresgid(inside, inside, inside) != 0 ||
+                ::setresuid(inside, inside, inside) != 0)
+                _exit(1);
+            if (::prctl(PR_SET_DUMPABLE, dumpable ? 1 : 0) != 0) _exit(1);
+            (void)!::write(ready[1], "r", 1);
+            ::pause();
+            _exit(0);
+        }
+        char c = 0;
+        ASSERT_EQ(::read(ready[0], &c, 1), 1);
+        struct stat st {};
+        ASSERT_EQ(::stat(("/proc/" + std::to_string(child)).c_str(), &st), 0);
+        EXPECT_EQ(st.st_uid, inside);
+        EXPECT_EQ(st.st_gid, inside);
+        EXPECT_TRUE(cellblock::host_ids_in_use().count(inside)) << "dumpable " << dumpable;
+        ::kill(child, SIGKILL);
+        ::waitpid(child, nullptr, 0);
+        EXPECT_FALSE(cellblock::host_ids_in_use().count(inside));
+        ::close(ready[0]);
+        ::close(ready[1]);
+    }
 }
 
 TEST_F(HostIdsTest, LeftoversOfACrashedHolderAreKilledOnlyWhenTheLeaseIsStillTheirs) {
