@@ -357,7 +357,6 @@ def collapse_into_huge_pages(budget_s=2.0):
     return collapsed, ", ".join(sorted(refused))
 
 
-
 def forking_refused():
     """Why this host does not let a fork contain itself, or None if it does.
 
@@ -507,9 +506,10 @@ def main(argv):
     # the sessions leave their pages shared.
     gc.collect()
     gc.freeze()
-    collapsed, why_not = collapse_into_huge_pages()
-    print(f"cellblock-zygote: {collapsed} MiB in huge pages"
-          + (f" (refused elsewhere: {why_not})" if why_not else ""), file=sys.stderr)
+    if not refused:  # a zygote that cannot fork is only asked why, then ended
+        collapsed, why_not = collapse_into_huge_pages()
+        print(f"cellblock-zygote: {collapsed} MiB in huge pages"
+              + (f" (refused elsewhere: {why_not})" if why_not else ""), file=sys.stderr)
     serve(socket_path, [b""], refused)
 
 
