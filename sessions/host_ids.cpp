@@ -37,17 +37,34 @@ std::string read_holder(int fd) {
     return text;
 }
 
-// Whether any uid or gid of the status file lies in [first, first + count).
-bool status_in_range(const fs::path& status, std::uint32_t first, std::uint32_t count) {
-    std::set<std::uint32_t> ids;
-    add_status_ids(status, ids);
-    const auto it = ids.lower_bound(first);
-    return it != ids.end() && *it - first < count;
-}
-
 // Where sandboxes' host ids start: 1 << 30, the range every sandbox shared
 // before ranges were leased, and every pool's ranges above it.
 constexpr std::uint32_t kSandboxIdSpace = 1u << 30;
+
+// Adds the host uids and gids the process of a /proc/PID directory runs
+// with. The directory is owned by the process's effective uid and gid,
+// dumpable or not (kept so for ps). Where both lie in the sandboxes' id
+// space, the process is a sandbox's, all of whose ids are in its one range:
+// the stat (~2 us) says enough. Anything else has its status file read
+// (~17 us): with 500 sessions on a host, reading every one was ~25 ms.
+void add_process_ids(const fs::path& proc_pid, std::set<std::uint32_t>& ids) {
+    struct stat st {};
+    if (::stat(proc_pid.c_str(), &st) != 0) return;  // gone meanwhile
+    if (st.st_uid >= kSandboxIdSpace && st.st_gid >= kSandboxIdSpace) {
+        ids.insert(st.st_uid);
+        ids.insert(st.st_gid);
+        return;
+    }
+    add_status_ids(proc_pid / "status", ids);
+}
+
+// Whether any uid or gid of the process lies in [first, first + count).
+bool process_in_range(const fs::path& proc_pid, std::uint32_t first, std::uint32_t count) {
+    std::set<std::uint32_t> ids;
+    add_process_ids(proc_pid, ids);
+    const auto it = ids.lower_bound(first);
+    return it != ids.end() && *it - first < count;
+}
 
 fs::path lease_file(const HostIdPool& pool, std::uint32_t index) {
     return pool.lease_dir / (std::to_string(index) + ".lock");
@@ -60,20 +77,7 @@ std::set<std::uint32_t> host_ids_in_use() {
     for (const auto& entry : fs::directory_iterator("/proc", ec)) {
         const std::string name = entry.path().filename().string();
         if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-        // A /proc/PID directory is owned by its process's effective uid and
-        // gid, dumpable or not (kept so for ps). Where both lie in the
-        // sandboxes' id space, the process is a sandbox's, all of whose ids
-        // are in its one range: the stat (~2 us) says enough. Anything else
-        // has its status file read (~17 us): with 500 sessions on a host,
-        // that was ~25 ms on every create.
-        struct stat st {};
-        if (::stat(entry.path().c_str(), &st) != 0) continue;
-        if (st.st_uid >= kSandboxIdSpace && st.st_gid >= kSandboxIdSpace) {
-            ids.insert(st.st_uid);
-            ids.insert(st.st_gid);
-            continue;
-        }
-        add_status_ids(entry.path() / "status", ids);
+        add_process_ids(entry.path(), ids);
     }
     // Keys outlive their processes until the kernel's collector runs; a
     // range whose keys are still charged would start with less quota.
@@ -167,7 +171,7 @@ std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
         for (const auto& entry : fs::directory_iterator("/proc", ec)) {
             const std::string name = entry.path().filename().string();
             if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-            if (!status_in_range(entry.path() / "status", ids.host_base, ids.size)) continue;
+            if (!process_in_range(entry.path(), ids.host_base, ids.size)) continue;
             const int pid = std::stoi(name);
             if (::kill(pid, SIGKILL) == 0) killed.push_back(pid);
         }
