@@ -23,6 +23,51 @@ using cellblock::lease_host_ids;
 
 namespace {
 
+// A child process that takes the given ids (kKeep leaves one as it is) and,
+// unless kKeep, sets its dumpable flag, then waits to be killed. ready()
+// once it has; end() kills and reaps it (and returns its wait status).
+class ProcessAs {
+  public:
+    static constexpr std::uint32_t kKeep = ~0u;
+    ProcessAs(std::uint32_t uid, std::uint32_t gid, int dumpable = -1) {
+        if (::pipe(ready_) != 0) return;
+        pid_ = ::fork();
+        if (pid_ != 0) return;
+        if ((gid != kKeep && ::setresgid(gid, gid, gid) != 0) ||
+            (uid != kKeep && ::setresuid(uid, uid, uid) != 0) ||
+            (dumpable >= 0 && ::prctl(PR_SET_DUMPABLE, dumpable) != 0))
+            _exit(1);
+        (void)!::write(ready_[1], "r", 1);
+        ::pause();
+        _exit(0);
+    }
+    ~ProcessAs() {
+        end();
+        ::close(ready_[0]);
+        ::close(ready_[1]);
+    }
+    ProcessAs(const ProcessAs&) = delete;
+    ProcessAs& operator=(const ProcessAs&) = delete;
+    bool ready() {
+        char c = 0;
+        return pid_ > 0 && ::read(ready_[0], &c, 1) == 1;
+    }
+    pid_t pid() const { return pid_; }
+    int end() {
+        int status = -1;
+        if (pid_ > 0) {
+            ::kill(pid_, SIGKILL);
+            ::waitpid(pid_, &status, 0);
+            pid_ = -1;
+        }
+        return status;
+    }
+
+  private:
+    int ready_[2] = {-1, -1};
+    pid_t pid_ = -1;
+};
+
 class HostIdsTest : public ::testing::Test {
   protected:
     void SetUp() override {
@@ -134,28 +179,15 @@ TEST_F(HostIdsTest, ARangeWhoseHolderRemainsIsSkipped) {
 TEST_F(HostIdsTest, ARangeAProcessRunsInIsSkipped) {
     if (::geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
     const uid_t inside = pool_.range(0).host_base + 5;
-    int ready[2];
-    ASSERT_EQ(::pipe(ready), 0);
-    const pid_t child = ::fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-        // Only the gid is in range 0: both Uid and Gid lines are read.
-        if (::setresgid(inside, inside, inside) != 0) _exit(1);
-        (void)!::write(ready[1], "r", 1);
-        ::pause();
-        _exit(0);
-    }
-    char c = 0;
-    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    // Only the gid is in range 0: both Uid and Gid lines are read.
+    ProcessAs child(ProcessAs::kKeep, inside);
+    ASSERT_TRUE(child.ready());
     EXPECT_TRUE(cellblock::host_ids_in_use().count(inside));
     // Nothing holds range 0's lease, yet a process runs as one of its ids.
     EXPECT_EQ(lease_host_ids(pool_, dir_ / "a").index(), 1u);
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
+    child.end();
     EXPECT_FALSE(cellblock::host_ids_in_use().count(inside));
     EXPECT_EQ(lease_host_ids(pool_, dir_ / "b").index(), 0u);
-    ::close(ready[0]);
-    ::close(ready[1]);
 }
 
 TEST_F(HostIdsTest, ASandboxsProcessIsSeenWhetherOrNotItIsDumpable) {
@@ -164,31 +196,15 @@ TEST_F(HostIdsTest, ASandboxsProcessIsSeenWhetherOrNotItIsDumpable) {
     // the default after a change of ids), so a stat alone tells.
     for (const bool dumpable : {true, false}) {
         const uid_t inside = pool_.range(2).host_base + 1000;
-        int ready[2];
-        ASSERT_EQ(::pipe(ready), 0);
-        const pid_t child = ::fork();
-        ASSERT_GE(child, 0);
-        if (child == 0) {
-            if (::setresgid(inside, inside, inside) != 0 ||
-                ::setresuid(inside, inside, inside) != 0)
-                _exit(1);
-            if (::prctl(PR_SET_DUMPABLE, dumpable ? 1 : 0) != 0) _exit(1);
-            (void)!::write(ready[1], "r", 1);
-            ::pause();
-            _exit(0);
-        }
-        char c = 0;
-        ASSERT_EQ(::read(ready[0], &c, 1), 1);
+        ProcessAs child(inside, inside, dumpable ? 1 : 0);
+        ASSERT_TRUE(child.ready());
         struct stat st {};
-        ASSERT_EQ(::stat(("/proc/" + std::to_string(child)).c_str(), &st), 0);
+        ASSERT_EQ(::stat(("/proc/" + std::to_string(child.pid())).c_str(), &st), 0);
         EXPECT_EQ(st.st_uid, inside);
         EXPECT_EQ(st.st_gid, inside);
         EXPECT_TRUE(cellblock::host_ids_in_use().count(inside)) << "dumpable " << dumpable;
-        ::kill(child, SIGKILL);
-        ::waitpid(child, nullptr, 0);
+        child.end();
         EXPECT_FALSE(cellblock::host_ids_in_use().count(inside));
-        ::close(ready[0]);
-        ::close(ready[1]);
     }
 }
 
@@ -198,20 +214,8 @@ TEST_F(HostIdsTest, LeftoversOfACrashedHolderAreKilledOnlyWhenTheLeaseIsStillThe
     std::uint32_t index = 0;
     { index = lease_host_ids(pool_, dir_ / "crashed").index(); }
     const auto ids = pool_.range(index);
-    int ready[2];
-    ASSERT_EQ(::pipe(ready), 0);
-    const pid_t child = ::fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-        const uid_t inside = ids.host_base + 5;
-        if (::setresgid(inside, inside, inside) != 0 || ::setresuid(inside, inside, inside) != 0)
-            _exit(1);
-        (void)!::write(ready[1], "r", 1);
-        ::pause();
-        _exit(0);
-    }
-    char c = 0;
-    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    ProcessAs child(ids.host_base + 5, ids.host_base + 5);
+    ASSERT_TRUE(child.ready());
     // Another holder named, or the lease held by a live owner: left alone.
     EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "someone-else").empty());
     const fs::path lease = pool_.lease_dir / (std::to_string(index) + ".lock");
@@ -219,15 +223,11 @@ TEST_F(HostIdsTest, LeftoversOfACrashedHolderAreKilledOnlyWhenTheLeaseIsStillThe
     ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
     EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed").empty());
     ::close(held);
-    EXPECT_EQ(::waitpid(child, nullptr, WNOHANG), 0);
+    EXPECT_EQ(::waitpid(child.pid(), nullptr, WNOHANG), 0);
     const auto killed = cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed");
-    EXPECT_EQ(killed, std::vector<int>{child});
-    ::kill(child, SIGKILL);  // whatever the outcome, no child outlives the test
-    int status = 0;
-    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_EQ(killed, std::vector<int>{child.pid()});
+    const int status = child.end();  // whatever the outcome, no child outlives the test
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
-    ::close(ready[0]);
-    ::close(ready[1]);
 }
 
 }  // namespace
