@@ -70,6 +70,14 @@ def prewarm(argv):
     app = SandboxKernelApp.instance(kernel_class=SandboxKernel)
     app.parse_command_line(argv)
     app.prepared_argv = list(argv)
+    # The configuration files: the image's (system-wide) ones, and none in a
+    # session's profile dir, whose home is fresh in every session and at the
+    # same path as the zygote's. Loaded here once; the fork makes the profile
+    # dir itself (SandboxKernelApp.init_profile_dir).
+    app.init_profile_dir()
+    app.init_config_files()
+    app.load_config_file()
+    app.prepared_profile = app.profile_dir.location
     config = Config()
     config.HistoryManager.hist_file = ":memory:"
     shell = ZMQInteractiveShell.instance(config=config, compiler_class=XCachingCompiler)
@@ -91,12 +99,27 @@ def _adopt_prewarmed_shell(kernel):
     shell.kernel = kernel
     if kernel.profile_dir is not None:
         shell.profile_dir = kernel.profile_dir
+        # %store's database, in the session's profile dir (a shell makes it
+        # as it is built: the zygote's was in the zygote's home).
+        shell.db = type(shell.db)(os.path.join(shell.profile_dir.location, "db"))
     shell.init_environment()  # TERM, PAGER, ... in the session's environment
     old = shell.history_manager
     shell.configurables.remove(old)
     old.db.close()
     shell.init_history()
     shell.init_user_ns()  # In, Out, _ih, _oh: the new history's
+
+
+def _forget_finders_under(home):
+    """The import system's cached finders for the session's home (the package
+    dir on PYTHONPATH, the working directory), which a zygote's fork inherits
+    from an older home at the same path, and the entries that found no
+    directory: searched afresh at the next import. The rest of the zygote's
+    finders stay warm (importlib.invalidate_caches would make the next import
+    of each list its directory again)."""
+    for path, finder in list(sys.path_importer_cache.items()):
+        if finder is None or path == home or path.startswith(home + os.sep):
+            del sys.path_importer_cache[path]
 
 
 class SandboxKernel(IPythonKernel):
@@ -108,7 +131,7 @@ class SandboxKernel(IPythonKernel):
         # dir there too. After each cell the import caches are dropped, so a
         # package `%pip install`ed in one cell imports in the next.
         _make_package_dir()
-        importlib.invalidate_caches()
+        _forget_finders_under(os.path.expanduser("~"))
         self.shell.events.register("post_execute", importlib.invalidate_caches)
 
     def _abort_queues(self):
@@ -129,6 +152,31 @@ class SandboxKernelApp(IPKernelApp):
     prepared_argv = None
     # The image's preload, which a zygote imported (set there, for its forks).
     preloaded = ()
+    # The profile dir whose configuration the zygote loaded (prewarm).
+    prepared_profile = None
+
+    def _prepared(self):
+        # The fork's home is where the zygote's was (HOME, IPYTHONDIR).
+        from IPython.paths import get_ipython_dir
+
+        return (self.prepared_profile is not None and self.profile_dir is not None
+                and self.profile_dir.location == self.prepared_profile
+                and self.ipython_dir == get_ipython_dir())
+
+    def init_profile_dir(self):
+        if not self._prepared():
+            return super().init_profile_dir()
+        # As IPython makes it in a fresh home: the dir, then its subdirs.
+        os.makedirs(self.prepared_profile, exist_ok=True)
+        self.profile_dir.check_dirs()
+
+    def init_config_files(self):
+        if not self._prepared():
+            super().init_config_files()
+
+    def load_config_file(self, *args, **kwargs):
+        if not self._prepared():
+            super().load_config_file(*args, **kwargs)
 
     def init_code(self):
         super().init_code()

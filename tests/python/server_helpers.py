@@ -655,14 +655,16 @@ def host_image_definition():
         return json.load(f)
 
 
-def start_server_with_image(definition, args=()):
+def start_server_with_image(definition, args=(), more=()):
     """A server whose image folder (CELLBLOCK_IMAGES_DIR, made here) holds
-    `definition` beside the shipped images. Returns (server, folder); the
-    caller removes the folder after the server's shutdown."""
+    `definition` (and the definitions in `more`) beside the shipped images.
+    Returns (server, folder); the caller removes the folder after the
+    server's shutdown."""
     images = tempfile.mkdtemp(prefix="cb-test-images-")
-    os.makedirs(os.path.join(images, definition["name"]))
-    with open(os.path.join(images, definition["name"], "image.json"), "w") as f:
-        json.dump(definition, f)
+    for each in (definition, *more):
+        os.makedirs(os.path.join(images, each["name"]))
+        with open(os.path.join(images, each["name"], "image.json"), "w") as f:
+            json.dump(each, f)
     old = os.environ.get("CELLBLOCK_IMAGES_DIR")
     os.environ["CELLBLOCK_IMAGES_DIR"] = images
     try:

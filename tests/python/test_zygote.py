@@ -22,13 +22,17 @@ import test_kernel_conformance as conformance
 from server_helpers import assert_session_gone, execute, session_pids, stream_text, wait_for
 
 IMAGE = "host-zygote-test"
+# The same image booted: what a forked kernel must match.
+BOOTED = "host-booted-test"
 
 
 @pytest.fixture(scope="module")
 def zserver():
     definition = dict(sh.host_image_definition(), name=IMAGE, zygote=True, preload=["numpy"])
+    booted = dict(definition, name=BOOTED, zygote=False)
     srv, images = sh.start_server_with_image(
-        definition, ["--image", IMAGE, "--pool", f"{IMAGE}=0", "--pool", "host=0"])
+        definition, ["--image", IMAGE, "--pool", f"{IMAGE}=0", "--pool", "host=0",
+                     "--pool", f"{BOOTED}=0"], more=[booted])
     yield srv
     problems = srv.shutdown()
     shutil.rmtree(images, ignore_errors=True)
@@ -349,6 +353,54 @@ def test_each_forked_session_has_a_history_of_its_own(zserver):
     reply = first.get_shell_msg(timeout=30)
     assert [h[2] for h in reply["content"]["history"]] == ["marker_of_the_first_session = 1"], \
         reply["content"]
+
+
+HOME_AFTER_START = r"""
+import json, os, sys
+home = os.path.expanduser("~")
+# (Not the history's journal, there while its thread writes a cell.)
+tree = sorted(os.path.relpath(os.path.join(d, n), home)
+              for d, dirs, files in os.walk(home) for n in dirs + files
+              if not n.endswith("-journal"))
+app = get_ipython().kernel.parent
+print(json.dumps({"tree": tree, "config_files": [os.path.relpath(f, home) if f.startswith(home)
+                  else f for f in app.loaded_config_files],
+                  "profile": os.path.relpath(app.profile_dir.location, home)}))
+"""
+
+
+def test_a_forked_kernel_starts_with_the_home_and_configuration_of_a_booted_one(zserver):
+    # The zygote loaded the configuration files and the fork only made its
+    # profile dir (cellblock_ipykernel.prewarm): the session's home and
+    # what the kernel read are a booted kernel's.
+    sid, forked, _ = zserver.open_session(image=IMAGE)
+    assert sh.is_forked(zserver.state_dir, sid)
+    bid, booted, _ = zserver.open_session(image=BOOTED)
+    assert not sh.is_forked(zserver.state_dir, bid)
+    seen_forked = json.loads(run(forked, HOME_AFTER_START).strip().splitlines()[-1])
+    seen_booted = json.loads(run(booted, HOME_AFTER_START).strip().splitlines()[-1])
+    assert seen_forked == seen_booted
+    assert seen_forked["profile"] == ".ipython/profile_default", seen_forked
+    assert ".ipython/profile_default/startup/README" in seen_forked["tree"], seen_forked
+    assert ".ipython/profile_default/history.sqlite" in seen_forked["tree"], seen_forked
+
+
+PACKAGE_AT_START = r"""
+import os
+target = os.environ["PIP_TARGET"]
+with open(os.path.join(target, "cellblock_placed_before.py"), "w") as f:
+    f.write("VALUE = 41\n")
+import cellblock_placed_before
+print(cellblock_placed_before.VALUE + 1)
+"""
+
+
+def test_a_module_placed_in_the_package_dir_imports_in_the_same_cell(zserver):
+    # The fork's finders for its home are not the zygote's (whose home was
+    # another tmpfs at the same path): the package dir is listed afresh.
+    sid, kc, _ = zserver.open_session(image=IMAGE)
+    assert sh.is_forked(zserver.state_dir, sid)
+    assert run(kc, PACKAGE_AT_START).strip() == "42"
 
 
 class ZygoteKernelTests(conformance.ServerSessionKernelTests):
