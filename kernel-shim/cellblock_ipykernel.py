@@ -78,6 +78,7 @@ def prewarm(argv):
     app.init_config_files()
     app.load_config_file()
     app.prepared_profile = app.profile_dir.location
+    app.zygote_modules = _ModulesAtStart()
     config = Config()
     config.HistoryManager.hist_file = ":memory:"
     shell = ZMQInteractiveShell.instance(config=config, compiler_class=XCachingCompiler)
@@ -86,6 +87,10 @@ def prewarm(argv):
     # anything: the tokenizer's compiled patterns and the formatters' lookups.
     shell.transform_cell("1+1\n")
     shell.display_formatter.format(2)
+
+
+# What a fork adopted from its zygote and leaves untouched (see below).
+_ZYGOTE_LEFTOVERS = []
 
 
 def _adopt_prewarmed_shell(kernel):
@@ -105,21 +110,63 @@ def _adopt_prewarmed_shell(kernel):
     shell.init_environment()  # TERM, PAGER, ... in the session's environment
     old = shell.history_manager
     shell.configurables.remove(old)
-    old.db.close()
+    # Kept, not closed: closing the zygote's (empty, in-memory) database frees
+    # its memory, which writes into ~240 pages the fork shares with the
+    # zygote and makes each of them a copy of its own.
+    _ZYGOTE_LEFTOVERS.append(old)
     shell.init_history()
     shell.init_user_ns()  # In, Out, _ih, _oh: the new history's
 
 
+class _ModulesAtStart:
+    """The names in sys.modules, as IPython keeps them when a kernel starts
+    (for `%reset -f --aggressive`), made from the zygote's: building the set
+    anew in the fork (`set(sys.modules)`) touches every module's name, which
+    copies ~480 pages out of the zygote's into each session."""
+
+    def __init__(self):
+        self.names = set(sys.modules)
+        self.count = len(sys.modules)
+        self.last = next(reversed(sys.modules))
+
+    def now(self):
+        """The set of sys.modules now: the zygote's names and those imported
+        since, found from the end of sys.modules (it keeps the order they
+        came in); a fresh set where any of the zygote's went missing."""
+        added = []
+        for name in reversed(sys.modules):
+            if name == self.last:
+                break
+            added.append(name)
+        else:
+            return set(sys.modules)
+        if len(sys.modules) != self.count + len(added):
+            return set(sys.modules)
+        self.names.update(added)
+        return self.names
+
+
 def _forget_finders_under(home):
-    """The import system's cached finders for the session's home (the package
-    dir on PYTHONPATH, the working directory), which a zygote's fork inherits
-    from an older home at the same path, and the entries that found no
-    directory: searched afresh at the next import. The rest of the zygote's
-    finders stay warm (importlib.invalidate_caches would make the next import
-    of each list its directory again)."""
-    for path, finder in list(sys.path_importer_cache.items()):
-        if finder is None or path == home or path.startswith(home + os.sep):
-            del sys.path_importer_cache[path]
+    """The import system's cached finders for the entries of the import path
+    in the session's home (the package dir on PYTHONPATH, the working
+    directory), which a zygote's fork inherits from an older home at the same
+    path, and for those that found no directory: searched afresh at the next
+    import. The rest of the zygote's finders stay warm
+    (importlib.invalidate_caches would make the next import of each list its
+    directory again). Only the import path's entries are looked at: going
+    through the whole cache would touch each of its objects, and so copy the
+    ~280 pages they lie on out of the zygote's."""
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        cwd = None
+    cache = sys.path_importer_cache
+    # ("" on the path, which ipykernel adds later, is the working directory.)
+    for entry in [*sys.path, home, cwd]:
+        path = cwd if entry in ("", ".") else entry
+        if path and path in cache and (cache[path] is None or path == home or
+                                       path.startswith(home + os.sep)):
+            del cache[path]
 
 
 class SandboxKernel(IPythonKernel):
@@ -154,6 +201,8 @@ class SandboxKernelApp(IPKernelApp):
     preloaded = ()
     # The profile dir whose configuration the zygote loaded (prewarm).
     prepared_profile = None
+    # sys.modules in the zygote (prewarm).
+    zygote_modules = None
 
     def _prepared(self):
         # The fork's home is where the zygote's was (HOME, IPYTHONDIR).
@@ -179,7 +228,12 @@ class SandboxKernelApp(IPKernelApp):
             super().load_config_file(*args, **kwargs)
 
     def init_code(self):
-        super().init_code()
+        import IPython
+
+        if self._prepared() and self.zygote_modules is not None and IPython.version_info[0] == 8:
+            self._init_code_in_fork()
+        else:
+            super().init_code()
         # The names the server's warm-up (`import numpy` ...) binds in a
         # booted kernel, bound here in a forked one, which may start without
         # it (docs/zygote.md); after init_code, so %who lists them as well.
@@ -187,6 +241,20 @@ class SandboxKernelApp(IPKernelApp):
             top = module.split(".")[0]
             if top in sys.modules:
                 self.shell.user_ns[top] = sys.modules[top]
+
+    def _init_code_in_fork(self):
+        # IPython 8's InteractiveShellApp.init_code, step by step, but for
+        # the set of sys.modules it keeps at the end (_ModulesAtStart).
+        self._run_startup_files()
+        self._run_exec_lines()
+        self._run_exec_files()
+        if self.hide_initial_ns:
+            self.shell.user_ns_hidden.update(self.shell.user_ns)
+        self._run_cmd_line_code()
+        self._run_module()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.shell._sys_modules_keys = self.zygote_modules.now()
 
     def parse_command_line(self, argv=None):
         if argv is not None and self.prepared_argv == list(argv):

@@ -385,6 +385,36 @@ def test_a_forked_kernel_starts_with_the_home_and_configuration_of_a_booted_one(
     assert ".ipython/profile_default/history.sqlite" in seen_forked["tree"], seen_forked
 
 
+AGGRESSIVE_RESET = r"""
+import sys
+print("wave" in sys.modules)
+import wave
+get_ipython().run_line_magic("reset", "-f --aggressive")
+"""
+AFTER_RESET = r"""
+import json, sys
+print(json.dumps({"wave": "wave" in sys.modules, "numpy": "numpy" in sys.modules,
+                  "ipykernel": "ipykernel" in sys.modules}))
+"""
+
+
+def test_an_aggressive_reset_culls_what_a_forked_kernel_imported_after_its_start(zserver):
+    # The modules a kernel had at its start (which `%reset --aggressive`
+    # keeps) are made from the zygote's in a fork (_ModulesAtStart).
+    seen = {}
+    for image in (IMAGE, BOOTED):
+        _, kc, _ = zserver.open_session(image=image)
+        before = run(kc, AGGRESSIVE_RESET).strip().splitlines()[0]
+        seen[image] = dict(json.loads(run(kc, AFTER_RESET).strip().splitlines()[-1]),
+                           before=before)
+    # (A booted kernel imports the image's preload after its start, in the
+    # server's warm-up, so its reset culls numpy; a fork had it at its start.)
+    forked, booted = (dict(seen[i]) for i in (IMAGE, BOOTED))
+    assert forked.pop("numpy") is True, seen
+    booted.pop("numpy")
+    assert forked == booted == {"before": "False", "wave": False, "ipykernel": True}, seen
+
+
 PACKAGE_AT_START = r"""
 import os
 target = os.environ["PIP_TARGET"]
