@@ -385,6 +385,24 @@ def test_a_forked_kernel_starts_with_the_home_and_configuration_of_a_booted_one(
     assert ".ipython/profile_default/history.sqlite" in seen_forked["tree"], seen_forked
 
 
+STORE = r"""
+import os
+kept_by_store = 42
+get_ipython().run_line_magic("store", "kept_by_store")
+del kept_by_store
+get_ipython().run_line_magic("store", "-r kept_by_store")
+print(kept_by_store, os.path.exists(os.path.expanduser(
+    "~/.ipython/profile_default/db/autorestore/kept_by_store")))
+"""
+
+
+def test_store_keeps_values_in_the_sessions_own_profile(zserver):
+    # storemagic is loaded in the zygote's shell; its database is the session's.
+    for image in (IMAGE, BOOTED):
+        _, kc, _ = zserver.open_session(image=image)
+        assert run(kc, STORE).strip().splitlines()[-1] == "42 True", image
+
+
 AGGRESSIVE_RESET = r"""
 import sys
 print("wave" in sys.modules)
