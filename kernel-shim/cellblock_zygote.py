@@ -14,11 +14,12 @@ reported to the server on the session's report socket (the kernel attaches
 the sender's pid, which the child cannot forge):
   A (the fork): closes every other descriptor, joins the session's cgroup
     in each v1 hierarchy (writes 0 to the `tasks` files the server opened),
-    unshare(user) -> "userns"; the server writes the user namespace's id
-    maps (the session's own host id range) -> "mapped"; A becomes root of
-    that namespace, unshares mount, PID, IPC, UTS and network namespaces,
-    forks B -> "init PID", exits.
-  B (PID 1 of the new PID namespace): the server moves it into the
+    unshares user, mount, PID, IPC, UTS and network namespaces at once ->
+    "userns"; forks B -> "init PID"; meanwhile the server writes the user
+    namespace's id maps (the session's own host id range) -> "mapped"; A
+    tells B so and exits.
+  B (PID 1 of the new PID namespace): becomes root of its user namespace
+    once A says the maps are written; the server moves it into the
     session's v2 cgroup while B sets up; B unshares its cgroup namespace
     once told "cgrouped". Private mounts, its own /proc with
     the usual paths masked, fresh /tmp, home, /dev/shm, /dev/mqueue and
@@ -126,25 +127,29 @@ def child_a(fds, request, bpf):
         for fd in fds["cgroups"]:
             os.write(fd, b"0")
             os.close(fd)
-        check(LIBC.unshare(CLONE_NEWUSER), "unshare user namespace")
+        # All of the session's namespaces but its cgroup namespace, in one
+        # call: the others are owned by the new user namespace, in which A has
+        # every capability even before its ids are mapped.
+        check(LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC |
+                           CLONE_NEWUTS | CLONE_NEWNET), "unshare namespaces")
         report(report_sock, "userns")
-        if report_sock.recv(64) != b"mapped":
-            os._exit(1)
-        os.setresgid(0, 0, 0)
-        os.setresuid(0, 0, 0)
-        check(LIBC.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS |
-                           CLONE_NEWNET), "unshare namespaces")
-        # B waits until A has reported it: its own reports come after.
+        # B is forked while the server writes the maps (into A's /proc: A
+        # lives until they are written). B waits until A has reported it and
+        # heard "mapped": its own reports come after, and its ids exist.
         reported, report_done = os.pipe()
         pid = os.fork()
         if pid:
             report(report_sock, f"init {pid}")
+            if report_sock.recv(64) != b"mapped":
+                os._exit(1)
             os.write(report_done, b"x")
             os._exit(0)
         os.close(report_done)
         if os.read(reported, 1) != b"x":
             os._exit(1)
         os.close(reported)
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
         init_b(fds, report_sock, request, bpf)
     except BaseException as e:  # noqa: B902 - everything ends here, reported
         try:
