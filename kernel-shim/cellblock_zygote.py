@@ -9,6 +9,10 @@ sends it, per session, a socket to report on, the session's lifeline and log,
 and the session's three directories as detached mounts (open_tree), all as
 file descriptors; it forks and forgets them.
 
+The zygote forks each request's child ahead of time: after every answer it
+makes a spare fork, which closes what it inherited and waits for the next
+request's descriptors (Spare).
+
 The forked child does the containment itself, in this order, each step
 reported to the server on the session's report socket (the kernel attaches
 the sender's pid, which the child cannot forge):
@@ -406,31 +410,94 @@ def forking_refused():
     return reason[1:] or f"the probe ended with status {os.waitstatus_to_exitcode(status)}"
 
 
-def fork_session(conn, listener, payload, fds_received, bpf):
-    request = json.loads(payload)
+def request_fds(request, fds_received):
     cgroups = int(request.get("cgroups", 0))
     if not 0 <= cgroups <= MAX_CGROUP_FDS or len(fds_received) != len(REQUEST_FDS) + cgroups:
         raise ValueError(f"a fork request carries {len(REQUEST_FDS)} descriptors and one per "
                          f"v1 cgroup ({cgroups}), not {len(fds_received)}")
     fds = dict(zip(REQUEST_FDS, fds_received))
     fds["cgroups"] = fds_received[len(REQUEST_FDS):]
+    return fds
+
+
+def close_all_but(keep, *sockets):
+    # In a fork: the zygote's sockets and every other descriptor it held.
+    for sock in sockets:
+        if sock is not None:
+            sock.detach()
+    for fd in os.listdir("/proc/self/fd"):
+        if int(fd) > 2 and int(fd) not in keep:
+            try:
+                os.close(int(fd))
+            except OSError:
+                pass
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def fork_session(conn, listener, payload, fds_received, bpf):
+    request = json.loads(payload)
+    fds = request_fds(request, fds_received)
     pid = os.fork()
     if pid == 0:
-        keep = set(fds_received)
-        conn.detach()
-        listener.detach()
-        for fd in os.listdir("/proc/self/fd"):
-            if int(fd) > 2 and int(fd) not in keep:
-                try:
-                    os.close(int(fd))
-                except OSError:
-                    pass
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        close_all_but(set(fds_received), conn, listener)
         child_a(fds, request, bpf)
     return pid
 
 
+class Spare:
+    """A fork made ahead of the next request (as Android's zygote keeps
+    unspecialised processes): the request's descriptors are handed to it and
+    it goes on as A, so the zygote's fork and A's closing of the zygote's
+    descriptors are not on the next session's way. Until then it holds
+    nothing of any session: it waits, in the zygote's container and
+    cgroups, on a socket of its own to the zygote, and ends when that
+    closes (the zygote ended or dropped it)."""
+
+    def __init__(self, conn, listener, bpf):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                close_all_but({theirs.fileno()}, conn, listener, ours)
+                payload, ancdata, _, _ = theirs.recvmsg(
+                    MAX_REQUEST, socket.CMSG_SPACE((len(REQUEST_FDS) + MAX_CGROUP_FDS) * 4))
+                if not payload:
+                    os._exit(0)
+                fds_received = received_fds(ancdata)
+                theirs.close()
+                request = json.loads(payload)
+                child_a(request_fds(request, fds_received), request, bpf)
+            finally:
+                os._exit(1)
+        theirs.close()
+        self.sock = ours
+        self.bpf = bpf
+
+    def take(self, payload, fds):
+        """Hands a request to the spare; its pid, or None if it is gone."""
+        try:
+            self.sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                           struct.pack(f"{len(fds)}i", *fds))])
+            return self.pid
+        except OSError:
+            return None
+        finally:
+            self.drop()
+
+    def drop(self):
+        self.sock.close()
+
+
+def received_fds(ancdata):
+    fds = []
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(struct.unpack(f"{len(cdata) // 4}i", cdata[:len(cdata) // 4 * 4]))
+    return fds
+
+
 def serve(path, bpf_holder, refused=None):
+    spare = None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)
@@ -445,10 +512,7 @@ def serve(path, bpf_holder, refused=None):
                     break
                 if not data:
                     break
-                fds = []
-                for level, kind, cdata in ancdata:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                        fds.extend(struct.unpack(f"{len(cdata) // 4}i", cdata[:len(cdata) // 4 * 4]))
+                fds = received_fds(ancdata)
                 try:
                     if data.startswith(b"seccomp "):
                         bpf_holder[0] = data[len(b"seccomp "):]
@@ -460,13 +524,25 @@ def serve(path, bpf_holder, refused=None):
                     elif not bpf_holder[0]:
                         reply = {"error": "no seccomp filter was given before the fork request"}
                     else:
-                        reply = {"pid": fork_session(conn, listener, data, fds, bpf_holder[0])}
+                        request_fds(json.loads(data), fds)  # checked here, before a fork
+                        pid = None
+                        if spare and spare.bpf == bpf_holder[0]:
+                            pid = spare.take(data, fds)
+                        elif spare:
+                            spare.drop()  # made for another seccomp filter
+                        spare = None
+                        if pid is None:
+                            pid = fork_session(conn, listener, data, fds, bpf_holder[0])
+                        reply = {"pid": pid}
                 except Exception as e:  # noqa: B902 - the server gets the reason
                     reply = {"error": f"{type(e).__name__}: {e}"}
                 finally:
                     for fd in fds:
                         os.close(fd)
                 conn.send(json.dumps(reply).encode())
+                # The next request's fork, made now that this one is answered.
+                if spare is None and bpf_holder[0] and not refused:
+                    spare = Spare(conn, listener, bpf_holder[0])
 
 
 def main(argv):

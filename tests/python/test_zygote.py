@@ -53,6 +53,29 @@ def host_ids(pid):
     return int(fields["Uid"].split()[0]), len(fields["NSpid"].split())
 
 
+def zygote_children(zygote_pid):
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == zygote_pid:
+            children.append(int(entry))
+    return children
+
+
+def the_spare(zserver):
+    """The zygote's spare fork (made after each request), once it is there."""
+    (zygote,) = zygotes(zserver)
+    zpid = zygote["interpreter_pid"]
+    assert wait_for(lambda: len(zygote_children(zpid)) == 1, timeout=10), zygote_children(zpid)
+    return zpid, zygote_children(zpid)[0]
+
+
 INSIDE = r"""
 import ctypes, errno, json, os, socket
 libc = ctypes.CDLL(None, use_errno=True)
@@ -207,8 +230,11 @@ def test_killing_the_zygote_leaves_its_sessions_working(zserver):
     sid, kc, _ = zserver.open_session()
     run(kc, "x = 41")
     (zygote,) = zygotes(zserver)
+    _, spare = the_spare(zserver)
     os.kill(zygote["interpreter_pid"], signal.SIGKILL)
     assert wait_for(lambda: sh.proc_state(zygote["interpreter_pid"]) in (None, "Z"), timeout=10)
+    # Its spare fork ends with it (its socket to the zygote closed).
+    assert wait_for(lambda: sh.proc_state(spare) in (None, "Z"), timeout=10)
     assert run(kc, "print(x + 1)").strip() == "42"
     # The next session comes from a new zygote.
     _, kc2, _ = zserver.open_session()
@@ -216,6 +242,36 @@ def test_killing_the_zygote_leaves_its_sessions_working(zserver):
     (fresh,) = zygotes(zserver)
     assert fresh["interpreter_pid"] != zygote["interpreter_pid"]
     assert run(kc, "print(x + 2)").strip() == "43"
+
+
+def test_the_zygotes_spare_fork_holds_nothing_of_any_session(zserver):
+    sid, _, _ = zserver.open_session()
+    zpid, spare = the_spare(zserver)
+    assert spare not in session_pids(sid)
+    # Its descriptors: standard ones and its socket to the zygote; no
+    # session's socket, lifeline, log or directory.
+    fds = {int(fd): os.readlink(f"/proc/{spare}/fd/{fd}") for fd in os.listdir(f"/proc/{spare}/fd")}
+    others = [target for fd, target in fds.items() if fd > 2]
+    assert len(others) == 1 and others[0].startswith("socket:"), fds
+    # The zygote's ids, namespaces and cgroups, none of a session's.
+    assert host_ids(spare) == host_ids(zpid)
+    for ns in ("user", "pid", "mnt", "net", "ipc", "uts", "cgroup"):
+        assert os.readlink(f"/proc/{spare}/ns/{ns}") == os.readlink(f"/proc/{zpid}/ns/{ns}"), ns
+    with open(f"/proc/{spare}/cgroup") as a, open(f"/proc/{zpid}/cgroup") as b:
+        assert a.read() == b.read()
+
+
+def test_a_lost_spare_fork_is_not_waited_for(zserver):
+    zserver.open_session()
+    zpid, spare = the_spare(zserver)
+    os.kill(spare, signal.SIGKILL)
+    assert wait_for(lambda: spare not in zygote_children(zpid), timeout=10)
+    # The next request finds it gone: the zygote forks for it, then makes a
+    # new spare.
+    sid, kc, _ = zserver.open_session()
+    assert sh.is_forked(zserver.state_dir, sid)
+    assert run(kc, "print(6 * 7)").strip() == "42"
+    assert the_spare(zserver)[1] != spare
 
 
 def test_a_closed_forked_session_leaves_nothing_behind(zserver):
