@@ -10,6 +10,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "cellblock/errno_text.hpp"
+
 namespace cellblock {
 
 namespace {
@@ -55,8 +57,6 @@ int port_field(const json& value, const char* field) {
     }
     return static_cast<int>(value.get<std::int64_t>());
 }
-
-std::string errno_text(int err) { return std::strerror(err); }
 
 [[noreturn]] void fail(const std::filesystem::path& path, const std::string& why) {
     throw std::runtime_error("connection file " + path.string() + ": " + why);

@@ -18,6 +18,7 @@
 
 #include "cellblock/sha256.hpp"
 
+#include "cellblock/errno_text.hpp"
 #include "cellblock/error_names.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/unique_fd.hpp"
@@ -29,8 +30,6 @@ using nlohmann::json;
 
 // An owned descriptor (the server's one type for it).
 using FileDescriptor = UniqueFd;
-
-inline std::string errno_text(int err = errno) { return std::strerror(err); }
 
 inline std::string bytes_text(std::uint64_t n) { return std::to_string(n) + " bytes"; }
 

@@ -4,8 +4,6 @@
 
 namespace cellblock::image_detail {
 
-std::string errno_text() { return std::strerror(errno); }
-
 std::string read_file_bytes(const fs::path& path) {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw std::runtime_error("cannot read " + path.string());

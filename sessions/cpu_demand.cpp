@@ -11,6 +11,8 @@
 #include <random>
 #include <stdexcept>
 
+#include "cellblock/errno_text.hpp"
+
 namespace cellblock {
 namespace fs = std::filesystem;
 
@@ -38,8 +40,6 @@ bool parse(const char* text, std::size_t length, CpuDemand& out) {
     };
     return number(text, out.interactive) && number(text + kDigits + 1, out.hogging);
 }
-
-std::string errno_text() { return std::strerror(errno); }
 
 }  // namespace
 

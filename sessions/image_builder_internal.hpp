@@ -32,6 +32,7 @@
 
 #include "cellblock/oci_bundle.hpp"
 
+#include "cellblock/errno_text.hpp"
 #include "cellblock/image.hpp"
 #include "cellblock/image_builder.hpp"
 
@@ -39,8 +40,6 @@ namespace cellblock::image_detail {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-std::string errno_text();
 
 std::string read_file_bytes(const fs::path& path);
 

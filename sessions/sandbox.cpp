@@ -38,8 +38,6 @@
 namespace cellblock::sandbox_detail {
 namespace fs = std::filesystem;
 
-std::string errno_text() { return std::strerror(errno); }
-
 std::string read_text(const fs::path& path) {
     std::ifstream in(path);
     std::stringstream ss;

@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "cellblock/errno_text.hpp"
 #include "cellblock/runc_sandbox.hpp"
 
 namespace cellblock::sandbox_detail {
 namespace fs = std::filesystem;
 
-std::string errno_text();
 std::string read_text(const fs::path& path);
 std::uint64_t read_u64(const fs::path& path);
 std::string log_tail(const fs::path& log);
