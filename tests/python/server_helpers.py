@@ -70,9 +70,10 @@ def process_nice(pid):
     return int(stat[stat.rindex(")") + 2:].split()[16])
 
 
-def children_running(parent, exe_suffix):
+def children_running(parent, exe_suffix=""):
     """Pids of the processes whose parent is `parent` and whose executable's
-    path ends with `exe_suffix` (e.g. the gateway a server or kernel started)."""
+    path ends with `exe_suffix` (e.g. the gateway a server or kernel
+    started; any, by default)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -53,27 +53,13 @@ def host_ids(pid):
     return int(fields["Uid"].split()[0]), len(fields["NSpid"].split())
 
 
-def zygote_children(zygote_pid):
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == zygote_pid:
-            children.append(int(entry))
-    return children
-
-
 def the_spare(zserver):
     """The zygote's spare fork (made after each request), once it is there."""
     (zygote,) = zygotes(zserver)
     zpid = zygote["interpreter_pid"]
-    assert wait_for(lambda: len(zygote_children(zpid)) == 1, timeout=10), zygote_children(zpid)
-    return zpid, zygote_children(zpid)[0]
+    assert wait_for(lambda: len(sh.children_running(zpid)) == 1, timeout=10), \
+        sh.children_running(zpid)
+    return zpid, sh.children_running(zpid)[0]
 
 
 INSIDE = r"""
@@ -265,7 +251,7 @@ def test_a_lost_spare_fork_is_not_waited_for(zserver):
     zserver.open_session()
     zpid, spare = the_spare(zserver)
     os.kill(spare, signal.SIGKILL)
-    assert wait_for(lambda: spare not in zygote_children(zpid), timeout=10)
+    assert wait_for(lambda: spare not in sh.children_running(zpid), timeout=10)
     # The next request finds it gone: the zygote forks for it, then makes a
     # new spare.
     sid, kc, _ = zserver.open_session()
