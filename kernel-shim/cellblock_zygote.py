@@ -434,9 +434,9 @@ def close_all_but(keep, *sockets):
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
-def fork_session(conn, listener, payload, fds_received, bpf):
-    request = json.loads(payload)
-    fds = request_fds(request, fds_received)
+def fork_session(conn, listener, request, fds, fds_received, bpf):
+    """Forks A for a request whose descriptors are `fds` (request_fds) of
+    those received (`fds_received`, all that A keeps)."""
     pid = os.fork()
     if pid == 0:
         close_all_but(set(fds_received), conn, listener)
@@ -459,11 +459,9 @@ class Spare:
         if self.pid == 0:
             try:
                 close_all_but({theirs.fileno()}, conn, listener, ours)
-                payload, ancdata, _, _ = theirs.recvmsg(
-                    MAX_REQUEST, socket.CMSG_SPACE((len(REQUEST_FDS) + MAX_CGROUP_FDS) * 4))
+                payload, fds_received = receive(theirs)
                 if not payload:
                     os._exit(0)
-                fds_received = received_fds(ancdata)
                 theirs.close()
                 request = json.loads(payload)
                 child_a(request_fds(request, fds_received), request, bpf)
@@ -488,12 +486,15 @@ class Spare:
         self.sock.close()
 
 
-def received_fds(ancdata):
+def receive(sock):
+    """One message of the fork protocol: (its bytes, the descriptors it carried)."""
+    data, ancdata, _, _ = sock.recvmsg(
+        MAX_REQUEST, socket.CMSG_SPACE((len(REQUEST_FDS) + MAX_CGROUP_FDS) * 4))
     fds = []
     for level, kind, cdata in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.extend(struct.unpack(f"{len(cdata) // 4}i", cdata[:len(cdata) // 4 * 4]))
-    return fds
+    return data, fds
 
 
 def serve(path, bpf_holder, refused=None):
@@ -506,13 +507,11 @@ def serve(path, bpf_holder, refused=None):
         with conn:
             while True:
                 try:
-                    data, ancdata, _, _ = conn.recvmsg(
-                        MAX_REQUEST, socket.CMSG_SPACE((len(REQUEST_FDS) + MAX_CGROUP_FDS) * 4))
+                    data, fds = receive(conn)
                 except OSError:
                     break
                 if not data:
                     break
-                fds = received_fds(ancdata)
                 try:
                     if data.startswith(b"seccomp "):
                         bpf_holder[0] = data[len(b"seccomp "):]
@@ -524,7 +523,8 @@ def serve(path, bpf_holder, refused=None):
                     elif not bpf_holder[0]:
                         reply = {"error": "no seccomp filter was given before the fork request"}
                     else:
-                        request_fds(json.loads(data), fds)  # checked here, before a fork
+                        request = json.loads(data)
+                        named = request_fds(request, fds)  # checked before any fork
                         pid = None
                         if spare and spare.bpf == bpf_holder[0]:
                             pid = spare.take(data, fds)
@@ -532,7 +532,8 @@ def serve(path, bpf_holder, refused=None):
                             spare.drop()  # made for another seccomp filter
                         spare = None
                         if pid is None:
-                            pid = fork_session(conn, listener, data, fds, bpf_holder[0])
+                            pid = fork_session(conn, listener, request, named, fds,
+                                               bpf_holder[0])
                         reply = {"pid": pid}
                 except Exception as e:  # noqa: B902 - the server gets the reason
                     reply = {"error": f"{type(e).__name__}: {e}"}
