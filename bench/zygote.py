@@ -21,8 +21,8 @@ import shutil
 import time
 
 from client import BenchError
-from servers import (HOST_IMAGE, BareKernels, CellblockServer, mem_available, proc_status,
-                     pss_bytes, sessions_and_bare_kernels, wait_ready)
+from servers import (HOST_IMAGE, BareKernels, CellblockServer, mem_available, process_cpu_ns,
+                     proc_status, pss_bytes, sessions_and_bare_kernels, wait_ready)
 from stats import Row, summary
 
 GIB = 1 << 30
@@ -101,12 +101,10 @@ def zygote_of(srv):
     return zygotes[0]
 
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
 def kernel_counters(srv, sid):
-    """(minor page faults, CPU ms) of a session's kernel process so far: its
-    largest sandbox process by CPU that is not the shim; None if not found."""
+    """(minor page faults, CPU ms of all its threads) of a session's kernel
+    process so far: its largest sandbox process by CPU that is not the shim;
+    None if not found."""
     best = None
     for pid in srv.session_pids(sid):
         try:
@@ -116,9 +114,9 @@ def kernel_counters(srv, sid):
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        minflt, cpu_ms = int(fields[7]), (int(fields[11]) + int(fields[12])) * 1000 / CLOCK_TICKS
-        if best is None or cpu_ms > best[1]:
-            best = (minflt, cpu_ms)
+        cpu_ns = process_cpu_ns(pid)
+        if cpu_ns is not None and (best is None or cpu_ns / 1e6 > best[1]):
+            best = (int(fields[7]), cpu_ns / 1e6)
     return best
 
 
@@ -180,8 +178,7 @@ def ready(bench, srv):
             "to its first 1+1 reply — breakdown, no target", "faults",
             summary([n for n, _ in forked_counters]), summary([n for n, _ in booted_counters]),
             "the booted kernel's, same run",
-            note=f"its CPU time meanwhile ({1000 / CLOCK_TICKS:.0f} ms ticks): {cpu_f:.0f} ms "
-                 f"forked, {cpu_b:.0f} ms booted "
+            note=f"its CPU time meanwhile: {cpu_f:.1f} ms forked, {cpu_b:.0f} ms booted "
                  f"(docs/performance.md: a fork pays in copy-on-write faults)"))
     return rows
 
