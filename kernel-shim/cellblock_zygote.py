@@ -423,8 +423,7 @@ def request_fds(request, fds_received):
 def close_all_but(keep, *sockets):
     # In a fork: the zygote's sockets and every other descriptor it held.
     for sock in sockets:
-        if sock is not None:
-            sock.detach()
+        sock.detach()
     for fd in os.listdir("/proc/self/fd"):
         if int(fd) > 2 and int(fd) not in keep:
             try:
