@@ -367,16 +367,16 @@ void Gateway::serve_connection(Session& session, int client_fd, const std::strin
     // Only addresses outside the reserved ranges are tried, and the one
     // connected to is the one checked (no second lookup to rebind).
     std::vector<IpAddress> usable;
-    std::string reserved_why;
+    std::optional<ReservedAddress> first_reserved;
     for (const auto& address : addresses) {
         if (auto reserved = reserved_address(address, config_.opted_in)) {
-            if (reserved_why.empty()) reserved_why = *reserved;
+            if (!first_reserved) first_reserved = std::move(reserved);
         } else {
             usable.push_back(address);
         }
     }
     if (usable.empty()) {
-        refuse(403, event.host + " resolves to " + reserved_why +
+        refuse(403, first_reserved->refusal(event.host) +
                         "; the gateway does not connect to private, loopback, link-local or "
                         "metadata addresses");
         return;

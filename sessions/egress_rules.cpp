@@ -303,18 +303,31 @@ std::string AddressRange::to_string() const {
     return base.to_string() + "/" + std::to_string(prefix);
 }
 
-std::optional<std::string> reserved_address(const IpAddress& address,
-                                            const std::vector<AddressRange>& opted_in) {
+std::optional<ReservedAddress> reserved_address(const IpAddress& address,
+                                                const std::vector<AddressRange>& opted_in) {
     const auto v4 = embedded_ipv4(address);
     if (in_any(address, opted_in) || (v4 && in_any(*v4, opted_in))) return std::nullopt;
     const IpAddress& judged = v4 ? *v4 : address;
     for (const auto& [range, what] : reserved_ranges()) {
         if (!range.contains(judged)) continue;
-        const std::string where = std::string(what) + " (" + range.to_string() + ")";
-        if (v4) return address.to_string() + " embeds " + v4->to_string() + ", " + where;
-        return address.to_string() + " is " + where;
+        return ReservedAddress{address.to_string(), v4 ? v4->to_string() : std::string(),
+                               std::string(what) + " (" + range.to_string() + ")"};
     }
     return std::nullopt;
+}
+
+std::string ReservedAddress::sentence() const {
+    if (!embedded.empty()) return address + " embeds " + embedded + ", " + range;
+    return address + " is " + range;
+}
+
+std::string ReservedAddress::refusal(std::string_view host) const {
+    const auto literal = IpAddress::parse(host);
+    if (literal && literal->to_string() == address) return sentence();
+    const std::string apposition = embedded.empty()
+                                       ? address + ", " + range
+                                       : address + ", which embeds " + embedded + ", " + range;
+    return std::string(host) + " resolves to " + apposition;
 }
 
 }  // namespace cellblock

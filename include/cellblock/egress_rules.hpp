@@ -62,14 +62,29 @@ struct AddressRange {
     std::string to_string() const;
 };
 
-// Why the gateway refuses to connect to `address` whatever the allowlist says:
-// "127.0.0.1 is a loopback address (127.0.0.0/8)". Covers 0/8, 10/8,
-// 100.64/10, 127/8, 169.254/16 (cloud metadata), 172.16/12, 192.0.0/24,
-// 192.168/16, 198.18/15, 224/4, 240/4, ::, ::1, ::/96 (deprecated
-// IPv4-compatible), fc00::/7, fe80::/10, ff00::/8, and an IPv4-mapped or NAT64
-// (64:ff9b::/96) address by the IPv4 it embeds.
+// Why the gateway refuses to connect to an address whatever the allowlist
+// says: the range it falls in, and the IPv4 it embeds when that is what was
+// judged. Covers 0/8, 10/8, 100.64/10, 127/8, 169.254/16 (cloud metadata),
+// 172.16/12, 192.0.0/24, 192.168/16, 198.18/15, 224/4, 240/4, ::, ::1, ::/96
+// (deprecated IPv4-compatible), fc00::/7, fe80::/10, ff00::/8, and an
+// IPv4-mapped or NAT64 (64:ff9b::/96) address by the IPv4 it embeds.
+struct ReservedAddress {
+    std::string address;   // "::ffff:127.0.0.1"
+    std::string embedded;  // "127.0.0.1" when judged by an embedded IPv4, else empty
+    std::string range;     // "a loopback address (127.0.0.0/8)"
+
+    // The address as the subject of a sentence: "127.0.0.1 is a loopback
+    // address (127.0.0.0/8)", "::ffff:127.0.0.1 embeds 127.0.0.1, a loopback
+    // address (127.0.0.0/8)".
+    std::string sentence() const;
+    // The gateway's refusal of `host` (a name, or the address itself):
+    // "api.example resolves to 10.1.2.3, a private address (10.0.0.0/8)", or
+    // sentence() when the client named the address.
+    std::string refusal(std::string_view host) const;
+};
+
 // nullopt for a public address, or one inside a range of `opted_in`.
-std::optional<std::string> reserved_address(const IpAddress& address,
-                                            const std::vector<AddressRange>& opted_in);
+std::optional<ReservedAddress> reserved_address(const IpAddress& address,
+                                                const std::vector<AddressRange>& opted_in);
 
 }  // namespace cellblock

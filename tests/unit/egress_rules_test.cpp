@@ -388,28 +388,43 @@ TEST(ReservedAddress, EveryListedRange) {
     for (const auto& c : cases) {
         const auto why = reserved_address(ip(c.address), {});
         ASSERT_TRUE(why) << c.address;
-        EXPECT_TRUE(why->starts_with(std::string(c.address) + " is ")) << *why;
-        EXPECT_TRUE(why->ends_with(std::string("(") + c.range + ")")) << *why;
+        const std::string sentence = why->sentence();
+        EXPECT_TRUE(sentence.starts_with(std::string(c.address) + " is ")) << sentence;
+        EXPECT_TRUE(sentence.ends_with(std::string("(") + c.range + ")")) << sentence;
     }
 }
 
 TEST(ReservedAddress, SaysWhatTheRangeIs) {
-    EXPECT_EQ(reserved_address(ip("127.0.0.1"), {}),
+    EXPECT_EQ(reserved_address(ip("127.0.0.1"), {})->sentence(),
               "127.0.0.1 is a loopback address (127.0.0.0/8)");
-    EXPECT_EQ(reserved_address(ip("169.254.169.254"), {}),
+    EXPECT_EQ(reserved_address(ip("169.254.169.254"), {})->sentence(),
               "169.254.169.254 is a link-local address (where cloud metadata services answer) "
               "(169.254.0.0/16)");
 }
 
 TEST(ReservedAddress, JudgesMappedAndNat64ByTheEmbeddedIpv4) {
-    EXPECT_EQ(reserved_address(ip("::ffff:127.0.0.1"), {}),
+    EXPECT_EQ(reserved_address(ip("::ffff:127.0.0.1"), {})->sentence(),
               "::ffff:127.0.0.1 embeds 127.0.0.1, a loopback address (127.0.0.0/8)");
-    EXPECT_EQ(reserved_address(ip("64:ff9b::a00:1"), {}),
+    EXPECT_EQ(reserved_address(ip("64:ff9b::a00:1"), {})->sentence(),
               "64:ff9b::a00:1 embeds 10.0.0.1, a private address (10.0.0.0/8)");
     EXPECT_TRUE(reserved_address(ip("::ffff:169.254.169.254"), {}));
     // Public IPv4 inside them is public (documentation ranges; nothing is sent).
     EXPECT_FALSE(reserved_address(ip("::ffff:192.0.2.1"), {}));
     EXPECT_FALSE(reserved_address(ip("64:ff9b::c000:201"), {}));
+}
+
+// The gateway's 403 text, as docs/network.md prints it: a name "resolves to"
+// an address described once; an address the client named is described alone.
+TEST(ReservedAddress, RefusalIsOneSentenceForANameOrALiteral) {
+    EXPECT_EQ(reserved_address(ip("10.1.2.3"), {})->refusal("api.example"),
+              "api.example resolves to 10.1.2.3, a private address (10.0.0.0/8)");
+    EXPECT_EQ(reserved_address(ip("127.0.0.2"), {})->refusal("127.0.0.2"),
+              "127.0.0.2 is a loopback address (127.0.0.0/8)");
+    EXPECT_EQ(reserved_address(ip("::ffff:127.0.0.1"), {})->refusal("mapped.example"),
+              "mapped.example resolves to ::ffff:127.0.0.1, which embeds 127.0.0.1, a loopback "
+              "address (127.0.0.0/8)");
+    EXPECT_EQ(reserved_address(ip("::ffff:127.0.0.1"), {})->refusal("::ffff:127.0.0.1"),
+              "::ffff:127.0.0.1 embeds 127.0.0.1, a loopback address (127.0.0.0/8)");
 }
 
 TEST(ReservedAddress, PublicAddressesPass) {
