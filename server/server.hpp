@@ -82,7 +82,6 @@ void write_server_file(const fs::path& path, const std::string& endpoint, const 
                        const fs::path& files_socket);
 UniqueFd hold_server_lock(const fs::path& state_dir);
 std::vector<pid_t> sandbox_pids(const std::string& container_id);
-void check_state_dir_reachable(const fs::path& state_dir);
 zmq::context_t make_server_context();
 std::vector<Image> load_images(const std::vector<fs::path>& dirs);
 
@@ -143,6 +142,11 @@ class Server final : public SessionObserver {
     void release_cold_start(std::uint64_t ticket, const std::string& kind);
     void expire_creates(Clock::time_point now);
     std::size_t open_sessions() const;
+    // A signal stops the server: every request in flight (creates waiting,
+    // local copies, executions and the requests queued behind them) is
+    // answered ServerShuttingDown naming `signal`, and the loop turns until
+    // those answers are written (at most kShutdownFlush).
+    void shut_down(const std::string& signal);
     SessionProxy& live_session(const json& content);
     void flush_audit();
     std::string session_id_of(const json& content) const;

@@ -58,21 +58,6 @@ std::vector<pid_t> sandbox_pids(const std::string& container_id) {
     return pids;
 }
 
-// runc maps the container's root to an unprivileged host id, which must be
-// able to reach the bundle: every ancestor of the state dir must be searchable.
-void check_state_dir_reachable(const fs::path& state_dir) {
-    for (fs::path p = state_dir.parent_path(); !p.empty() && p != p.root_path();
-         p = p.parent_path()) {
-        struct stat st {};
-        if (::stat(p.c_str(), &st) == 0 && !(st.st_mode & S_IXOTH)) {
-            throw std::runtime_error("state dir " + state_dir.string() + ": " + p.string() +
-                                     " is not searchable by the sandbox's mapped user (mode " +
-                                     std::to_string(st.st_mode & 0777) +
-                                     " octal-less); choose a state dir under /var/lib or /run");
-        }
-    }
-}
-
 // Each session holds about ten sockets and twenty-odd descriptors: lift the
 // process's descriptor limit to its hard maximum and size the ZMQ context by
 // it (libzmq's default is 1023 sockets per context). Must run before the
@@ -122,7 +107,6 @@ Server::Server(const ServeOptions& options)
     settings_.state_dir = options_.paths.state_dir;
     settings_.libexec_dir = options_.paths.libexec_dir;
     server_lock_ = hold_server_lock(settings_.state_dir);
-    check_state_dir_reachable(settings_.state_dir);
     ::chmod(settings_.state_dir.c_str(), 0711);
     if (!fs::exists(settings_.libexec_dir / "cellblock-shim")) {
         throw std::runtime_error("kernel-shim " +

@@ -2,11 +2,40 @@
 #include "cellblock/runc_backend.hpp"
 #include "cellblock/sandbox_tuning.hpp"
 
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <stdexcept>
+
 #include <spdlog/spdlog.h>
 
 #include "cellblock/sandbox_pool.hpp"
 
 namespace cellblock {
+namespace {
+
+// runc maps the container's root to an unprivileged host id, which must be
+// able to reach the bundle: every ancestor of the state dir must be searchable.
+// (A Swarm node has its own state; this is the runc backend's concern alone.)
+void check_state_dir_reachable(const std::filesystem::path& state_dir) {
+    for (auto p = state_dir.parent_path(); !p.empty() && p != p.root_path(); p = p.parent_path()) {
+        struct stat st {};
+        if (::stat(p.c_str(), &st) == 0 && !(st.st_mode & S_IXOTH)) {
+            char mode[8];
+            std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+            throw std::runtime_error("state dir " + state_dir.string() + ": " + p.string() +
+                                     " (mode " + mode +
+                                     ") is not searchable by the sandboxes' mapped users; "
+                                     "choose a state dir under /var/lib or /run, or chmod o+x it");
+        }
+    }
+}
+
+}  // namespace
+
+RuncBackend::RuncBackend(RuntimeSettings settings) : settings_(std::move(settings)) {
+    check_state_dir_reachable(settings_.state_dir);
+}
 
 RuncBackend::~RuncBackend() {
     std::lock_guard lock(zygotes_mutex_);

@@ -15,7 +15,9 @@ namespace cellblock {
 
 class RuncBackend final : public SandboxBackend {
   public:
-    explicit RuncBackend(RuntimeSettings settings) : settings_(std::move(settings)) {}
+    // Throws when a sandbox's mapped user could not reach the state dir's
+    // bundles (an ancestor that others cannot search), naming it and its mode.
+    explicit RuncBackend(RuntimeSettings settings);
     ~RuncBackend() override;
 
     std::string name() const override { return "runc"; }
