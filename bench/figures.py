@@ -1078,6 +1078,7 @@ from kernel_start import kernel_start  # noqa: E402  (figure 10 lives in its own
 from zygote import zygote_figure  # noqa: E402  (figure 11 lives in its own file)
 from egress import egress_figure  # noqa: E402  (figure 12 lives in its own file)
 from swarm import swarm_figure  # noqa: E402  (figure 13 lives in its own file)
+from floods import floods_figure  # noqa: E402  (figure 14 lives in its own file)
 
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
@@ -1093,6 +1094,7 @@ FIGURES = {
     "zygote": ("11. Zygote sessions", zygote_figure),
     "egress": ("12. Egress gateway", egress_figure),
     "swarm": ("13. Swarm backend", swarm_figure),
+    "floods": ("14. Output floods", floods_figure),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress", "swarm"]
+         "kernel", "zygote", "egress", "swarm", "floods"]

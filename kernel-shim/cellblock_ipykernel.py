@@ -9,6 +9,21 @@ about one time in three). With no stop_on_error_timeout configured, we queue
 the marker right after the requests that were already waiting, so only those
 are aborted, as the messaging spec intends.
 
+Output is cut at its source. The relay passes each execution's output budget
+in the request's `metadata.cellblock.output_bytes`; stdout, stderr (Python
+writes and descriptor-level output alike) and display data share it, and
+what passes it is dropped here, counted, and reported in the reply's
+`metadata.cellblock_source` ({dropped_bytes, dropped_messages}), so a flood
+costs neither this kernel's memory nor the relay's time. The relay still
+enforces the same budget on what arrives: this cut saves work, it is not the
+guarantee.
+
+Descriptor-level output (subprocesses, C libraries, `os.write(1, ...)`) is
+decoded incrementally with replacement: ipykernel 6.17 decodes each 1000-byte
+read strictly, and a UTF-8 character split across two reads (or any invalid
+byte) ended the forwarding for the rest of the session (upstream fix:
+ipykernel PR #1129).
+
 Packages: pip installs into PIP_TARGET (the session's home, on PYTHONPATH);
 the directory is made before ipykernel is imported and import caches are
 dropped after every cell, so `%pip install x` then `import x` works.
@@ -50,8 +65,99 @@ def _writable_connection_file(argv):
 
 _make_package_dir()
 
+import codecs  # noqa: E402
+import threading  # noqa: E402
+
+from ipykernel.iostream import OutStream  # noqa: E402
 from ipykernel.ipkernel import IPythonKernel  # noqa: E402
 from ipykernel.kernelapp import IPKernelApp  # noqa: E402
+from traitlets import DottedObjectName  # noqa: E402
+
+
+class OutputBudget:
+    """The running execution's output budget, shared by stdout, stderr and
+    display data. `cap` None: no budget (a request without one)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.cap = None
+        self.used = 0
+        self.dropped_bytes = 0
+        self.dropped_messages = 0
+
+    def reset(self, cap):
+        with self._lock:
+            self.cap = cap if isinstance(cap, int) and cap >= 0 else None
+            self.used = 0
+            self.dropped_bytes = 0
+            self.dropped_messages = 0
+
+    def admit(self, size):
+        """How many of `size` units may go on. One unit past the cap still
+        goes, so the relay sees the budget crossed and adds its marker."""
+        with self._lock:
+            if self.cap is None:
+                return size
+            room = max(0, self.cap + 1 - self.used)
+            kept = min(size, room)
+            self.used += kept
+            if kept < size:
+                self.dropped_bytes += size - kept
+                self.dropped_messages += 1
+            return kept
+
+    def report(self):
+        with self._lock:
+            return {"dropped_bytes": self.dropped_bytes,
+                    "dropped_messages": self.dropped_messages}
+
+
+BUDGET = OutputBudget()
+
+
+class SandboxOutStream(OutStream):
+    """ipykernel's OutStream, cut at the execution's budget before anything is
+    buffered, and with descriptor-level output decoded incrementally."""
+
+    def write(self, string):
+        if not isinstance(string, str):
+            raise TypeError(f"write() argument must be str, not {type(string)}")
+        # Characters, not bytes: never more than the UTF-8 bytes the relay
+        # counts, so what passes here always reaches the relay's own cut.
+        kept = BUDGET.admit(len(string))
+        if kept == 0:
+            return len(string)
+        if kept < len(string):
+            super().write(string[:kept])
+            return len(string)
+        return super().write(string)
+
+    def _watch_pipe_fd(self):
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            data = os.read(self._fid, 1000)
+            while data and self._should_watch:
+                text = decoder.decode(data)
+                if text:
+                    self.write(text)
+                os.write(self._original_stdstream_copy, data)
+                data = os.read(self._fid, 1000)
+            rest = decoder.decode(b"", final=True)
+            if rest:
+                self.write(rest)
+        except Exception:
+            self._exc = sys.exc_info()
+
+
+def _display_size(msg):
+    data = msg.get("content", {}).get("data", {})
+    return sum(len(v) if isinstance(v, str) else len(repr(v)) for v in data.values())
+
+
+def _budget_display(msg):
+    # A display publisher hook: None drops the message.
+    size = _display_size(msg)
+    return msg if BUDGET.admit(size) == size else None
 
 
 def prewarm(argv):
@@ -180,6 +286,18 @@ class SandboxKernel(IPythonKernel):
         _make_package_dir()
         _forget_finders_under(os.path.expanduser("~"))
         self.shell.events.register("post_execute", importlib.invalidate_caches)
+        self.shell.display_pub.register_hook(_budget_display)
+
+    def init_metadata(self, parent):
+        metadata = super().init_metadata(parent)
+        cellblock = (parent.get("metadata") or {}).get("cellblock")
+        BUDGET.reset(cellblock.get("output_bytes") if isinstance(cellblock, dict) else None)
+        return metadata
+
+    def finish_metadata(self, parent, metadata, reply_content):
+        metadata = super().finish_metadata(parent, metadata, reply_content)
+        metadata["cellblock_source"] = BUDGET.report()
+        return metadata
 
     def _abort_queues(self):
         if self.stop_on_error_timeout or not hasattr(self, "schedule_dispatch"):
@@ -195,6 +313,9 @@ class SandboxKernel(IPythonKernel):
 
 
 class SandboxKernelApp(IPKernelApp):
+    # This module's, by the name it runs under (__main__ when booted, imported
+    # by name in a zygote): one OutputBudget for the kernel and its streams.
+    outstream_class = DottedObjectName(f"{__name__}.SandboxOutStream").tag(config=True)
     # The command line the zygote parsed already (prewarm): not parsed again.
     prepared_argv = None
     # The image's preload, which a zygote imported (set there, for its forks).

@@ -204,6 +204,15 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
     e.deadline = decision.deadline;
     e.timeout_s = std::chrono::duration<double>(decision.deadline - now).count();
     execution_ = std::move(e);
+    // The kernel cuts output at its source past the same budget
+    // (kernel-shim/cellblock_ipykernel.py), so a flood costs the relay next
+    // to nothing; the relay's own cut stays the guarantee.
+    if (msg.metadata.is_object()) {
+        json& budget = msg.metadata["cellblock"];
+        if (!budget.is_object()) budget = json::object();
+        budget["output_bytes"] = governor_->limits().output_bytes;
+        msg.frames[msg.layout.metadata()] = zmq::message_t(msg.metadata.dump());
+    }
     background_bytes_ = 0;
     background_marker_sent_ = false;
     notify_state("busy");
@@ -279,6 +288,16 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     const SandboxUsage usage = attached_ ? io_.kernel_usage() : SandboxUsage{};
     const std::uint64_t cpu_ms =
         (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
+    // What the kernel dropped at its source: counted, and not shown as is.
+    if (const auto source = md.find("cellblock_source"); source != md.end()) {
+        if (source->is_object()) {
+            const auto dropped = source->find("dropped_bytes");
+            if (dropped != source->end() && dropped->is_number_unsigned()) {
+                governor_->on_dropped_at_source(dropped->get<std::uint64_t>());
+            }
+        }
+        md.erase(source);
+    }
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
     if (const NetworkLimits& network = governor_->limits().network; network.gateway()) {
         md["cellblock"]["network_bytes_used"] = network_bytes_;
@@ -503,12 +522,14 @@ void SessionCore::fail_pending(const std::string& ename, const std::string& eval
     }
 }
 
-void SessionCore::close(Clock::time_point now, const std::string& reason) {
+void SessionCore::close(Clock::time_point now, const std::string& reason, const char* ename,
+                        const std::string& why) {
     if (closed_) return;
+    const std::string evalue = why + ": " + reason;
     for (auto& queued : queue_) {
         PendingRequest request{queued.channel, queued.message.identities(), "execute_request",
                                queued.message.header};
-        refuse(request, ename::SessionClosed, "the session closed: " + reason);
+        refuse(request, ename, evalue);
     }
     queue_.clear();
     close_reason_ = reason;
@@ -516,8 +537,8 @@ void SessionCore::close(Clock::time_point now, const std::string& reason) {
     closed_at_ = now;
     if (held_reply_ && attached_) release_held_reply(now);
     held_reply_.reset();
-    if (execution_) finish_execution(now, "error", ename::SessionClosed);
-    if (!pending_.empty()) fail_pending(ename::SessionClosed, "the session closed: " + reason);
+    if (execution_) finish_execution(now, "error", ename);
+    if (!pending_.empty()) fail_pending(ename, evalue);
     if (attached_) {
         // The registry keeps the session's figures: its sandbox's whole life
         // since the hand-out, work between executions included.

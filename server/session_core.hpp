@@ -27,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/error_names.hpp"
 #include "cellblock/sandbox.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/session_store.hpp"
@@ -136,8 +137,12 @@ class SessionCore {
     // Earliest time on_tick() must run, if any.
     std::optional<Clock::time_point> next_deadline(Clock::time_point now) const;
     // Ends the session: answers what is pending and releases the kernel. The
-    // adapter keeps answering SessionClosed until expired().
-    void close(Clock::time_point now, const std::string& reason);
+    // adapter keeps answering SessionClosed until expired(). What was pending
+    // is answered `ename` (ServerShuttingDown when the server stops) with
+    // "<why>: <reason>".
+    void close(Clock::time_point now, const std::string& reason,
+               const char* ename = ename::SessionClosed,
+               const std::string& why = "the session closed");
 
     bool kernel_live() const { return attached_ && !closed_; }
     bool closed() const { return closed_; }
@@ -199,6 +204,8 @@ class SessionCore {
 
     // The iopub rules, by what the message is.
     void shape_outside_execution(InboundMessage& msg);
+    // Forwards a rich message with its content replaced by a text/plain notice.
+    void replace_with_notice(InboundMessage& msg, const std::string& what);
     void shape_execution_output(Clock::time_point now, InboundMessage& msg);
 
     void release_held_reply(Clock::time_point now);

@@ -130,22 +130,26 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
             return;
         }
         case IopubKind::rich: {
+            // Display data shares the execution's output budget with the
+            // streams (a display() loop is a flood too), whole or not at all.
+            const auto budget = governor_->on_display(msg.total_bytes);
+            if (!budget.keep) {
+                if (budget.add_notice) {
+                    replace_with_notice(
+                        msg, "a " + msg.msg_type + " message of " +
+                                 std::to_string(msg.total_bytes) +
+                                 " bytes was dropped: this execution's output passed its "
+                                 "output_bytes budget of " +
+                                 std::to_string(governor_->limits().output_bytes) +
+                                 "; the rest of its output is dropped");
+                }
+                return;
+            }
             const auto limit = static_cast<std::size_t>(options_.policy->max_message_bytes);
             if (msg.total_bytes <= limit) break;
-            json notice = {{"data",
-                            {{"text/plain", "[cellblock: a " + msg.msg_type + " message of " +
-                                                std::to_string(msg.total_bytes) +
-                                                " bytes was replaced: the limit is " +
-                                                std::to_string(limit) + " bytes]"}}},
-                           {"metadata", json::object()}};
-            if (msg.msg_type == "execute_result") {
-                notice["execution_count"] =
-                    execution_ ? execution_->count : governor_->executions();
-            }
-            const std::string new_content = notice.dump();
-            // Buffers go too: the notice replaces the whole message.
-            msg.frames.resize(msg.layout.first_buffer());
-            io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, &new_content);
+            replace_with_notice(
+                msg, "a " + msg.msg_type + " message of " + std::to_string(msg.total_bytes) +
+                         " bytes was replaced: the limit is " + std::to_string(limit) + " bytes");
             return;
         }
         case IopubKind::bookkeeping:
@@ -153,6 +157,18 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
             break;
     }
     io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+}
+
+void SessionCore::replace_with_notice(InboundMessage& msg, const std::string& what) {
+    json notice = {{"data", {{"text/plain", "[cellblock: " + what + "]"}}},
+                   {"metadata", json::object()}};
+    if (msg.msg_type == "execute_result") {
+        notice["execution_count"] = execution_ ? execution_->count : governor_->executions();
+    }
+    const std::string new_content = notice.dump();
+    // Buffers go too: the notice replaces the whole message.
+    msg.frames.resize(msg.layout.first_buffer());
+    io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, &new_content);
 }
 
 }  // namespace cellblock

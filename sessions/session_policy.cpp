@@ -558,6 +558,7 @@ SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
     interrupt_deadline_.reset();
     stream_bytes_ = 0;
     dropped_ = 0;
+    dropped_at_source_ = 0;
     marker_sent_ = false;
     decision.deadline = now + seconds(timeout_s);
     return decision;
@@ -588,6 +589,7 @@ json SessionGovernor::on_execute_reply(Clock::time_point now, std::uint64_t cpu_
             {"output_bytes", stream_bytes_},
             {"output_truncated", truncated()},
             {"output_dropped_bytes", dropped_},
+            {"output_dropped_in_kernel_bytes", dropped_at_source_},
             {"timeout_s", exec_timeout_s_}};
 }
 
@@ -605,7 +607,7 @@ SessionGovernor::StreamDecision SessionGovernor::shape_stream(std::size_t bytes,
         decision.add_marker = true;
         decision.marker = "\n[cellblock: output truncated at " +
                           std::to_string(limits_.output_bytes) +
-                          " bytes; the rest of this execution's stream output is dropped]\n";
+                          " bytes; the rest of this execution's output is dropped]\n";
     }
     return decision;
 }
@@ -621,6 +623,27 @@ SessionGovernor::StreamDecision SessionGovernor::on_stream(std::string_view text
     const std::uint64_t room = limit > stream_bytes_ ? limit - stream_bytes_ : 0;
     const auto max_keep = static_cast<std::size_t>(std::min<std::uint64_t>(room, text.size()));
     return shape_stream(text.size(), utf8_safe_prefix(text, max_keep));
+}
+
+SessionGovernor::DisplayDecision SessionGovernor::on_display(std::size_t bytes) {
+    const auto limit = static_cast<std::uint64_t>(std::max<std::int64_t>(0, limits_.output_bytes));
+    DisplayDecision decision;
+    if (dropped_ == 0 && stream_bytes_ + bytes <= limit) {
+        stream_bytes_ += bytes;
+        decision.keep = true;
+        return decision;
+    }
+    dropped_ += bytes;
+    decision.add_notice = !marker_sent_;
+    marker_sent_ = true;
+    return decision;
+}
+
+void SessionGovernor::on_dropped_at_source(std::uint64_t bytes) {
+    // The kernel's own figure: bounded so that a lying kernel cannot wrap the sum.
+    bytes = std::min<std::uint64_t>(bytes, std::uint64_t{1} << 52);
+    dropped_ += bytes;
+    dropped_at_source_ += bytes;
 }
 
 std::int64_t SessionGovernor::executions_left() const {

@@ -64,7 +64,7 @@ struct SessionLimits {
     // After a client's interrupt_request, how long the running execution may
     // go on before the kernel is killed (InterruptIgnored).
     double interrupt_grace_s = 5;
-    std::int64_t output_bytes = 1 << 20;  // stream output kept per execution
+    std::int64_t output_bytes = 1 << 20;  // output (streams, display data) kept per execution
     SandboxLimits sandbox;
     NetworkLimits network;
 
@@ -158,6 +158,19 @@ class SessionGovernor {
     StreamDecision on_stream(std::size_t bytes);
     // The same, given the text: `keep` is already at a UTF-8 character boundary.
     StreamDecision on_stream(std::string_view text);
+    // A display_data, update_display_data or execute_result message of the
+    // current execution, `bytes` long: it shares the stream text's budget and
+    // is kept whole or dropped whole. `add_notice`: the first thing dropped,
+    // to be replaced by a notice (no stream marker was sent yet).
+    struct DisplayDecision {
+        bool keep = false;
+        bool add_notice = false;
+    };
+    DisplayDecision on_display(std::size_t bytes);
+    // What the kernel dropped at its source past the same budget (its
+    // execute_reply's metadata.cellblock_source.dropped_bytes), counted with
+    // what the relay dropped.
+    void on_dropped_at_source(std::uint64_t bytes);
     // Bytes dropped in the current execution so far (for the reply and the audit).
     std::uint64_t dropped_bytes() const { return dropped_; }
     bool truncated() const { return dropped_ > 0; }
@@ -185,7 +198,9 @@ class SessionGovernor {
     std::optional<Clock::time_point> interrupt_deadline_;
     std::int64_t executions_ = 0;
     bool busy_ = false;
-    std::uint64_t stream_bytes_ = 0, dropped_ = 0;
+    // Output kept and dropped in this execution (streams and display data),
+    // and the part of dropped_ the kernel reported dropping at its source.
+    std::uint64_t stream_bytes_ = 0, dropped_ = 0, dropped_at_source_ = 0;
     bool marker_sent_ = false;
 };
 

@@ -224,7 +224,7 @@ def test_gigabyte_of_stdout_in_kernel_mode_is_cut_at_the_cap(fresh):
     assert reply["content"]["status"] == "ok", reply["content"]
     text = "".join(texts)
     marker = "\n[cellblock: output truncated at 1048576 bytes; the rest of this execution's " \
-             "stream output is dropped]\n"
+             "output is dropped]\n"
     assert text.count("[cellblock: output truncated") == 1 and text.endswith(marker), text[-300:]
     assert len(text) - len(marker) == 1 << 20, len(text)
     budget = reply["metadata"]["cellblock"]

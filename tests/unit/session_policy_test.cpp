@@ -455,7 +455,7 @@ TEST(SessionGovernor, StreamIsCutOnceWithOneMarkerAndExactDropCount) {
     EXPECT_EQ(d.keep, 10U);
     EXPECT_TRUE(d.add_marker);
     EXPECT_EQ(d.marker,
-              "\n[cellblock: output truncated at 100 bytes; the rest of this execution's stream "
+              "\n[cellblock: output truncated at 100 bytes; the rest of this execution's "
               "output is dropped]\n");
     EXPECT_EQ(gov.dropped_bytes(), 15U);
 
@@ -503,6 +503,53 @@ TEST(SessionGovernor, MessageEndingExactlyAtTheLimitAddsNoMarker) {
     EXPECT_EQ(d.keep, 0U);
     EXPECT_TRUE(d.add_marker);
     EXPECT_EQ(gov.dropped_bytes(), 7U);
+}
+
+// Display data shares the streams' budget, whole or not at all; the first
+// thing dropped (a stream byte or a display) is the one that carries a notice.
+TEST(SessionGovernor, DisplayDataSharesTheBudgetAndIsDroppedWhole) {
+    const ServerPolicy policy;
+    SessionGovernor gov(small_limits(), policy, t0);  // 100 bytes per execution
+    ASSERT_TRUE(gov.on_execute_request(t0, std::nullopt).forward);
+    EXPECT_EQ(gov.on_stream(std::size_t{40}).keep, 40U);
+    auto d = gov.on_display(50);
+    EXPECT_TRUE(d.keep);
+    EXPECT_FALSE(d.add_notice);
+    d = gov.on_display(20);  // 110 > 100: dropped whole, with the notice
+    EXPECT_FALSE(d.keep);
+    EXPECT_TRUE(d.add_notice);
+    d = gov.on_display(5);  // would fit, but nothing resumes after a cut
+    EXPECT_FALSE(d.keep);
+    EXPECT_FALSE(d.add_notice);
+    const auto s = gov.on_stream(std::size_t{3});
+    EXPECT_EQ(s.keep, 0U);
+    EXPECT_FALSE(s.add_marker);  // the notice was the one marker
+    EXPECT_EQ(gov.dropped_bytes(), 28U);
+    const json meta = gov.on_execute_reply(t0 + 1s, 0, 0);
+    EXPECT_EQ(meta.at("output_bytes"), 90);
+    EXPECT_EQ(meta.at("output_truncated"), true);
+    EXPECT_EQ(meta.at("output_dropped_bytes"), 28);
+}
+
+// What the kernel reports it dropped at its source counts as dropped, apart too.
+TEST(SessionGovernor, OutputDroppedAtTheSourceIsCountedAndReported) {
+    const ServerPolicy policy;
+    SessionGovernor gov(small_limits(), policy, t0);
+    ASSERT_TRUE(gov.on_execute_request(t0, std::nullopt).forward);
+    EXPECT_EQ(gov.on_stream(std::size_t{101}).keep, 100U);
+    gov.on_dropped_at_source(5000);
+    EXPECT_EQ(gov.dropped_bytes(), 5001U);
+    json meta = gov.on_execute_reply(t0 + 1s, 0, 0);
+    EXPECT_EQ(meta.at("output_dropped_bytes"), 5001);
+    EXPECT_EQ(meta.at("output_dropped_in_kernel_bytes"), 5000);
+    EXPECT_EQ(meta.at("output_truncated"), true);
+    // A kernel's figure cannot wrap the sum.
+    ASSERT_TRUE(gov.on_execute_request(t0 + 2s, std::nullopt).forward);
+    gov.on_dropped_at_source(UINT64_MAX);
+    gov.on_dropped_at_source(UINT64_MAX);
+    EXPECT_EQ(gov.dropped_bytes(), std::uint64_t{2} << 52);
+    meta = gov.on_execute_reply(t0 + 3s, 0, 0);
+    EXPECT_EQ(meta.at("output_dropped_in_kernel_bytes"), std::uint64_t{2} << 52);
 }
 
 TEST(Utf8SafePrefix, NeverEndsInsideACharacter) {
