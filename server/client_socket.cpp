@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -132,6 +133,10 @@ class ZmtpListener final : public RelaySocket {
     }
 
     bool is_open() const override { return !closed_; }
+    bool unsent() const override {
+        return std::any_of(peers_.begin(), peers_.end(),
+                           [](const auto& peer) { return peer.second->stream.unsent(); });
+    }
 
   private:
     struct Peer {

@@ -21,6 +21,7 @@
 #include "manager_paths.hpp"
 #include "relay_priority.hpp"
 #include "session_proxy.hpp"
+#include "signal_name.hpp"
 
 #ifndef CELLBLOCK_SOURCE_DIR
 #define CELLBLOCK_SOURCE_DIR ""
@@ -167,8 +168,9 @@ int run_kernel_mode(const KernelModeOptions& options) {
     loop.watch_fd(signal_fd.get(), [&] {
         signalfd_siginfo info;
         if (::read(signal_fd.get(), &info, sizeof info) == static_cast<ssize_t>(sizeof info)) {
-            proxy->close(std::string("the server received ") +
-                         strsignal(static_cast<int>(info.ssi_signo)));
+            const std::string why = "the server is shutting down (" +
+                                    signal_name(static_cast<int>(info.ssi_signo)) + ")";
+            proxy->close("server_shutdown", ename::ServerShuttingDown, why);
         }
     });
     // The gateway's per-connection events: the kernel's log (there is no
@@ -181,6 +183,11 @@ int run_kernel_mode(const KernelModeOptions& options) {
         });
     }
     while (!proxy->closed()) loop.run_once();
+    // The answers the close owes its client, written before the sockets go.
+    for (const auto until = Clock::now() + kShutdownFlush;
+         proxy->unsent() && Clock::now() < until;) {
+        loop.run_once(std::chrono::milliseconds(20));
+    }
     egress_events.reset();
     const int exit_code = kernel_was_lost(proxy->close_reason()) ? 1 : 0;
     proxy.reset();

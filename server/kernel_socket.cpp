@@ -50,6 +50,7 @@ class ZmtpKernelSocket final : public RelaySocket {
     }
     void close() override { stream_.close(); }
     bool is_open() const override { return stream_.is_open(); }
+    bool unsent() const override { return stream_.unsent(); }
 
   private:
     ZmtpStream stream_;

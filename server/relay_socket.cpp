@@ -32,6 +32,7 @@ class ZmqRelaySocket final : public RelaySocket {
         if (socket_) socket_.close();
     }
     bool is_open() const override { return static_cast<bool>(socket_); }
+    bool unsent() const override { return false; }
 
   private:
     zmq::socket_t socket_;

@@ -49,6 +49,10 @@ class RelaySocket {
     // and receives do nothing afterwards.
     virtual void close() = 0;
     virtual bool is_open() const = 0;
+    // Bytes queued in user space for a peer still connected (the ZMTP
+    // transport; libzmq's queues drain on its own thread and linger at close):
+    // a server that stops turns its loop until none are left, or a bound.
+    virtual bool unsent() const = 0;
 };
 
 // A libzmq socket, already configured and connected or bound.

@@ -3,6 +3,7 @@
 #include "cellblock/runc_sandbox.hpp"
 #include "relay_priority.hpp"
 #include "server.hpp"
+#include "signal_name.hpp"
 
 namespace cellblock {
 
@@ -177,11 +178,12 @@ int Server::run() {
         egress_events_ = std::make_unique<EgressEvents>(
             loop_, *egress_, [this](const EgressEvent& event) { on_egress(event); });
     }
+    std::string signal_name;
     loop_.watch_fd(signal_fd_.get(), [&] {
         signalfd_siginfo info;
         [[maybe_unused]] auto n = ::read(signal_fd_.get(), &info, sizeof info);
-        spdlog::info("cellblock serve: {}; closing {} session(s)",
-                     strsignal(static_cast<int>(info.ssi_signo)), sessions_.size());
+        signal_name = cellblock::signal_name(static_cast<int>(info.ssi_signo));
+        spdlog::info("cellblock serve: {}; closing {} session(s)", signal_name, sessions_.size());
         signalled = true;
     });
     // The server's own clock: CPU fairness, image versions, creates waiting.
@@ -211,9 +213,43 @@ int Server::run() {
         // the pages (a 300-session soak left the RSS 16 MB above its start).
         ::malloc_trim(0);
     }
+    shut_down(signal_name);
     // What is left on the host without this server's sessions.
     if (options_.weigh_sandboxes) weigh_sandboxes(0, 0);
     return 0;
+}
+
+void Server::shut_down(const std::string& signal) {
+    const std::string why = "the server is shutting down (" + signal + ")";
+    for (auto& [order, pending] : creating_) {
+        reply_error(pending.request, ename::ServerShuttingDown,
+                    why + "; the session was not created");
+        release_cold_start(pending.ticket, pending.kind);
+    }
+    creating_.clear();
+    // Local copies: those with a request are answered; a connection that
+    // sent none yet is only closed.
+    std::vector<std::uint64_t> local;
+    for (const auto& [id, client] : local_clients_) local.push_back(id);
+    for (const auto id : local) {
+        if (local_clients_.at(id)->request && !local_clients_.at(id)->gone) {
+            refuse_local(id, ename::ServerShuttingDown, why);
+        } else {
+            close_local_client(id);
+        }
+    }
+    for (auto& [id, session] : sessions_) {
+        session->close("server_shutdown", ename::ServerShuttingDown, why);
+    }
+    flush_audit();
+    // The answers wait in the client sockets' queues: write them before the
+    // sockets go (a client that stopped reading is not waited for past the bound).
+    const auto until = Clock::now() + kShutdownFlush;
+    const auto unsent = [this] {
+        return std::any_of(sessions_.begin(), sessions_.end(),
+                           [](const auto& s) { return s.second->unsent(); });
+    };
+    while (unsent() && Clock::now() < until) loop_.run_once(std::chrono::milliseconds(20));
 }
 
 int run_server(const ServeOptions& options) {

@@ -261,7 +261,16 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     core_->on_kernel_attached(Clock::now(), channels.probe_msg_ids);
 }
 
-void SessionProxy::close(const std::string& reason) { core_->close(Clock::now(), reason); }
+void SessionProxy::close(const std::string& reason, const char* ename, const std::string& why) {
+    core_->close(Clock::now(), reason, ename, why);
+}
+
+bool SessionProxy::unsent() const {
+    for (const auto* s : {&outer_shell_, &outer_control_, &outer_stdin_, &outer_iopub_}) {
+        if (*s && (*s)->unsent()) return true;
+    }
+    return false;
+}
 
 RelaySocket* SessionProxy::outer_socket(Channel channel) {
     RelaySocket* socket = nullptr;

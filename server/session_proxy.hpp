@@ -37,6 +37,10 @@
 
 namespace cellblock {
 
+// How long a stopping server (either mode) turns its loop to write the
+// answers it owes its clients; one that stopped reading is not waited for.
+inline constexpr auto kShutdownFlush = std::chrono::seconds(2);
+
 struct ProxyOptions {
     WireLimits outer_limits;
     WireLimits inner_limits;
@@ -75,8 +79,11 @@ class SessionProxy {
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering
     // SessionClosed, until expired() (policy closed_channels_s).
-    void close(const std::string& reason);
+    void close(const std::string& reason, const char* ename = ename::SessionClosed,
+               const std::string& why = "the session closed");
     bool closed() const { return core_->closed(); }
+    // Replies and statuses still queued for this session's clients.
+    bool unsent() const;
     // True once a closed session has answered SessionClosed long enough.
     bool expired(Clock::time_point now) const { return core_->expired(now); }
     const std::string& close_reason() const { return core_->close_reason(); }

@@ -57,6 +57,8 @@ class ZmtpStream {
     }
 
     bool is_open() const { return static_cast<bool>(fd_); }
+    // Output queued for a peer still connected.
+    bool unsent() const { return fd_ && !broken_ && !zmtp_.output().empty(); }
     // The peer left or broke the protocol: nothing more is read or written.
     bool broken() const { return broken_; }
     zmtp::Connection& zmtp() { return zmtp_; }

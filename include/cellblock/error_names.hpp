@@ -44,6 +44,9 @@ enum class ErrorChannel { manager, session, both };
     X(InvalidOffset, manager, "a chunk's offset is not where the transfer stands")              \
     X(MessageTooLarge, manager, "a manager message is over the frame limit; stream instead")    \
     X(UnknownRequest, manager, "the manager does not know the message type")                    \
+    X(ServerShuttingDown, both,                                                                 \
+      "the server is stopping (a signal): the request was not carried out, or its session "     \
+      "closed; evalue names the signal")                                                        \
     X(ServerError, manager, "the server failed; evalue says where")
 
 namespace ename {

@@ -1,4 +1,8 @@
-"""A stopping `cellblock serve` does not wait out a kernel that is slow to start.
+"""A stopping `cellblock serve`: it does not wait out a kernel that is slow to
+start, it answers every request in flight (ServerShuttingDown), and its
+state dir checks are the chosen backend's.
+
+A stopping `cellblock serve` does not wait out a kernel that is slow to start.
 
 The pool's workers probe each new kernel for up to 60 s. A server told to stop
 while a probe waits used to hold its shutdown for the rest of that minute (seen
@@ -9,8 +13,12 @@ its sockets: only the abandonment can end its probe before 60 s.
 import json
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import time
+
+import pytest
 
 import server_helpers as sh
 
@@ -61,3 +69,85 @@ def test_sigterm_abandons_a_kernel_start_still_being_probed(monkeypatch):
         # The server's log is kept only when the test failed (it was left in /run before).
         if passed and os.path.exists(srv.log_path):
             os.unlink(srv.log_path)
+
+
+@pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_every_request_in_flight_at_a_shutdown_is_answered_naming_it(signo, monkeypatch):
+    """A stopping server owes an answer to everything in flight: the running
+    execution, the one queued behind it, and a create still waiting for its
+    sandbox each get ServerShuttingDown naming the signal, never silence
+    (SIGHUP used to end the server with the request unanswered)."""
+    images = slow_image_dir()
+    monkeypatch.setenv("CELLBLOCK_IMAGES_DIR", images)
+    srv = sh.start_server(["--pool", "host=1", "--pool", "slowstart=0"])
+    name = signal.Signals(signo).name
+    try:
+        sid, kc, _ = srv.open_session()
+        running = kc.execute("import time; time.sleep(60)")
+        queued = kc.execute("print('never')")
+        # The kernel has the first one: its busy status came back.
+        def busy():
+            msg = kc.get_iopub_msg(timeout=10)
+            return (msg["parent_header"].get("msg_id") == running and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "busy")
+        assert sh.wait_for(busy, timeout=30, interval=0), "the execution never started"
+        waiting = srv.send("session_create_request", {"image": "slowstart"})
+        time.sleep(1.0)  # the create is queued behind the slow kernel's start
+        srv.proc.send_signal(signo)
+        replies = {}
+        deadline = time.monotonic() + 60
+        while len(replies) < 2 and time.monotonic() < deadline:
+            try:
+                msg = kc.get_shell_msg(timeout=1)
+            except Exception:
+                continue
+            replies[msg["parent_header"].get("msg_id")] = msg["content"]
+        for msg_id in (running, queued):
+            content = replies.get(msg_id)
+            assert content is not None, f"no reply to {msg_id} after {name}: {replies}"
+            assert content["status"] == "error" and content["ename"] == "ServerShuttingDown", content
+            assert f"the server is shutting down ({name})" in content["evalue"], content
+        create = srv.receive(waiting, timeout=30)
+        assert create is not None, f"no session_create_reply after {name}"
+        assert create["content"]["ename"] == "ServerShuttingDown", create["content"]
+        assert name in create["content"]["evalue"], create["content"]
+        assert srv.terminate(timeout=60) == 0
+        assert sh.state_dir_residue(srv.state_dir, {sid}) == {}, sh.state_dir_residue(srv.state_dir)
+    finally:
+        srv.close_clients()
+        if srv.proc.poll() is None:
+            srv.kill9()
+        shutil.rmtree(images, ignore_errors=True)
+        shutil.rmtree(srv.state_dir, ignore_errors=True)
+        if os.path.exists(srv.log_path):
+            os.unlink(srv.log_path)
+
+
+def serve_refusal(args, parent_mode=0o700):
+    """`cellblock serve` with its state dir under a parent of `parent_mode`:
+    its exit status and what it printed (it must not start)."""
+    parent = tempfile.mkdtemp(prefix="cb-closed-parent-", dir="/run")
+    os.chmod(parent, parent_mode)
+    try:
+        result = subprocess.run([sh.CELLBLOCK_BIN, "serve", "--state-dir",
+                                 os.path.join(parent, "state"), *args],
+                                capture_output=True, text=True, timeout=60)
+        return result.returncode, result.stdout + result.stderr, parent
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_runc_refuses_a_state_dir_its_sandboxes_cannot_reach_naming_the_mode_in_octal():
+    code, out, parent = serve_refusal([])
+    assert code != 0, out
+    assert f"{parent} (mode 0700) is not searchable by the sandboxes' mapped users" in out, out
+
+
+def test_swarm_does_not_apply_runcs_state_dir_check():
+    # No engine answers here: the refusal must be the engine's, not runc's
+    # concern about a parent only root can search.
+    code, out, _ = serve_refusal(["--backend", "swarm", "--swarm-docker-host",
+                                  "unix:///run/cellblock-test-no-engine.sock"])
+    assert code != 0, out
+    assert "not searchable" not in out, out
+    assert "no-engine.sock" in out, out

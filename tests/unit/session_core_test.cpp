@@ -57,6 +57,7 @@ class RecordingIo final : public SessionIo {
     }
     bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
         Action a("kernel", channel, msg.msg_type, msg.parent_id);
+        a.metadata = json::parse(msg.frame(msg.layout.metadata()));
         a.content = json::parse(msg.frame(msg.layout.content()));
         actions.push_back(std::move(a));
         return !queue_full;
@@ -504,6 +505,58 @@ TEST_F(CoreTest, ARichMessagePastTheLimitIsReplacedWithItsBuffers) {
     EXPECT_EQ(shown[1].content["data"]["text/plain"], "small");
 }
 
+TEST_F(CoreTest, ADisplayLoopSharesTheOutputBudgetAndGetsOneNotice) {
+    SessionLimits limits;
+    limits.output_bytes = 4000;
+    start(limits);
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    const json png = {{"data", {{"image/png", std::string(1000, 'A')}}},
+                      {"metadata", json::object()}};
+    for (int i = 0; i < 50; ++i) core->on_kernel_iopub(t0, from_kernel("display_data", "e1", png));
+    core->on_kernel_iopub(t0, stream("e1", "after"));
+    const auto shown = io.to_client("display_data");
+    ASSERT_GE(shown.size(), 2u);
+    ASSERT_LE(shown.size(), 4u) << "about 1,300 bytes each against 4,000";
+    for (std::size_t i = 0; i + 1 < shown.size(); ++i) {
+        EXPECT_TRUE(shown[i].content["data"].contains("image/png"));
+    }
+    const std::string notice = shown.back().content["data"]["text/plain"];
+    EXPECT_NE(notice.find("passed its output_bytes budget of 4000"), std::string::npos) << notice;
+    EXPECT_TRUE(io.to_client("stream").empty()) << "nothing resumes after the cut";
+    core->on_kernel_iopub(t0, status("e1", "idle"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
+    const auto reply = io.to_client("execute_reply");
+    ASSERT_EQ(reply.size(), 1u);
+    EXPECT_EQ(reply[0].metadata["cellblock"]["output_truncated"], true);
+    EXPECT_GT(reply[0].metadata["cellblock"]["output_dropped_bytes"], 40000);
+}
+
+TEST_F(CoreTest, TheKernelIsToldTheBudgetAndWhatItDroppedIsCounted) {
+    SessionLimits limits;
+    limits.output_bytes = 100;
+    start(limits);
+    // A client's own figure is replaced with the session's.
+    core->on_client_request(
+        t0, Channel::shell,
+        execute("e1", {{"code", "1+1"}}, {{"cellblock", {{"output_bytes", 1 << 30}}}}));
+    const auto sent = io.of("kernel", "execute_request");
+    ASSERT_EQ(sent.size(), 1u);
+    EXPECT_EQ(sent[0].metadata["cellblock"]["output_bytes"], 100);
+    core->on_kernel_iopub(t0, stream("e1", std::string(101, 'x')));  // as the kernel cuts
+    core->on_kernel_iopub(t0, status("e1", "idle"));
+    core->on_kernel_reply(
+        t0, Channel::shell,
+        inbound({}, "execute_reply", "k-reply", "e1", {{"status", "ok"}, {"execution_count", 1}},
+                {{"cellblock_source", {{"dropped_bytes", 5000}, {"dropped_messages", 3}}}}));
+    const auto reply = io.to_client("execute_reply");
+    ASSERT_EQ(reply.size(), 1u);
+    const json& md = reply[0].metadata;
+    EXPECT_FALSE(md.contains("cellblock_source"));
+    EXPECT_EQ(md["cellblock"]["output_dropped_bytes"], 5001);
+    EXPECT_EQ(md["cellblock"]["output_dropped_in_kernel_bytes"], 5000);
+    EXPECT_EQ(md["cellblock"]["output_truncated"], true);
+}
+
 TEST_F(CoreTest, AnUnansweredShutdownIsAnsweredByTheServerAfterTheGrace) {
     core->on_client_request(t0, Channel::control, request("shutdown_request", "sd"));
     EXPECT_EQ(io.of("kernel", "shutdown_request").size(), 1u);
@@ -573,6 +626,27 @@ TEST_F(CoreTest, AClosedSessionAnswersSessionClosedAndQueuedExecutesToo) {
     EXPECT_TRUE(info[0].content.contains("protocol_version"));
     EXPECT_FALSE(core->expired(t0 + 29s));
     EXPECT_TRUE(core->expired(t0 + 30s));
+}
+
+// A server that stops answers everything in flight with its own name: the
+// running execution, the one queued behind it and another open request.
+TEST_F(CoreTest, AShutdownAnswersEveryRequestInFlightServerShuttingDown) {
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    core->on_client_request(t0, Channel::shell, execute("e2"));
+    core->on_client_request(t0, Channel::shell, request("complete_request", "c1"));
+    core->close(t0, "server_shutdown", ename::ServerShuttingDown,
+                "the server is shutting down (SIGHUP)");
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 2u);
+    for (const auto& r : replies) {
+        EXPECT_EQ(r.content["ename"], "ServerShuttingDown");
+        EXPECT_EQ(r.content["evalue"], "the server is shutting down (SIGHUP): server_shutdown");
+    }
+    const auto complete = io.to_client("complete_reply");
+    ASSERT_EQ(complete.size(), 1u);
+    EXPECT_EQ(complete[0].content["ename"], "ServerShuttingDown");
+    EXPECT_EQ(io.to_client("error").size(), 2u) << "each execution shows its error on iopub";
+    EXPECT_EQ(audit.closed, std::vector<std::string>{"server_shutdown"});
 }
 
 TEST_F(CoreTest, AStartingSessionRefusesRequests) {

@@ -179,18 +179,24 @@ class ServerError(ManagerError):
     pass
 
 
+class ServerShuttingDown(ManagerError, PolicyError):
+    """The server is stopping (a signal): a request in flight was not carried
+    out, or its session closed with it; evalue names the signal."""
+
+
 #: the class of each ename the server sends (its catalogue, and nothing else)
 _BY_NAME = {cls.__name__: cls for cls in (
     ExecutionLimitExceeded, ExecutionTimeout, InterruptIgnored, SessionClosed, MemoryLimitExceeded, KernelDied,
     SessionBusy, UnknownImage, ImageNotBuilt, UnknownRuntime, LimitAboveMaximum, InvalidLimits,
     TooManySessions, ServerBusy, SandboxStartFailed, NoSuchSession, InvalidRequest, InvalidPath,
     FileNotFound, FileTooLarge, FileError, ChecksumMismatch, FileChanged, TransferNotFound,
-    TooManyTransfers, InvalidOffset, MessageTooLarge, UnknownRequest, ServerError)}
+    TooManyTransfers, InvalidOffset, MessageTooLarge, UnknownRequest, ServerError,
+    ServerShuttingDown)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",
                            "SessionClosed", "MemoryLimitExceeded", "KernelDied", "SessionBusy",
-                           "InvalidLimits", "LimitAboveMaximum"})
+                           "InvalidLimits", "LimitAboveMaximum", "ServerShuttingDown"})
 
 
 def error_for(ename, evalue="", traceback=None, execution=None, default=CellblockError):
