@@ -4,10 +4,16 @@ booted sessions and bare ipykernels in the same run.
 - ready: create → execute_reply of the first 1+1 with no pre-booted kernel
   (pool 0): forked from the image's running zygote, against a cold runc boot
   of the same image without a zygote.
-- density: idle sessions with numpy, pandas and matplotlib imported, PSS of
-  each session's processes measured from the host (the pages shared with the
-  zygote count once, divided among those who map them), against bare
-  ipykernels with the same imports; sessions per 24 GiB.
+- density: idle sessions that ran what every plotting cell runs (numpy,
+  pandas, matplotlib with the agg backend, pyplot), PSS of each session's
+  processes measured from the host (the pages shared with the zygote count
+  once, divided among those who map them), against bare ipykernels with the
+  same imports; sessions per 24 GiB. The forked image preloads what the
+  shipped `python-datasci` definition preloads (read from
+  images/python-datasci/image.json, on the host's root: the image users get,
+  not a definition of the bench's own); when a built `python-datasci` is in
+  the store named by CELLBLOCK_BENCH_IMAGE_STORE (default
+  /var/lib/cellblock/images), its sessions are measured too.
 - growth: a session's private memory (Private_Clean + Private_Dirty) before
   and after a typical analysis (a 200,000-row DataFrame grouped, described and
   plotted), i.e. what a session stops sharing as it works.
@@ -29,8 +35,14 @@ GIB = 1 << 30
 MB = 1 << 20
 IMAGES_DIR = "/run/cellblock-bench-zygote-images"
 FORKED, BOOTED = "bench-zygote", "bench-booted"
-PRELOAD = ["numpy", "pandas", "matplotlib", "matplotlib.pyplot"]
-IMPORTS = "import numpy, pandas, matplotlib\nimport matplotlib.pyplot as plt\nimport gc; gc.collect()"
+DATASCI = "python-datasci"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+with open(os.path.join(SOURCE, "images", DATASCI, "image.json")) as _f:
+    SHIPPED = json.load(_f)
+PRELOAD = SHIPPED["preload"]
+IMPORTS = ("import numpy, pandas, matplotlib\nmatplotlib.use('agg')\n"
+           "import matplotlib.pyplot as plt\nimport gc; gc.collect()")
+IMAGE_STORE = os.environ.get("CELLBLOCK_BENCH_IMAGE_STORE", "/var/lib/cellblock/images")
 ANALYSIS = """
 import numpy as np, pandas as pd, matplotlib.pyplot as plt
 rng = np.random.default_rng(1)
@@ -54,7 +66,8 @@ def write_images():
     for name, zygote in ((FORKED, True), (BOOTED, False)):
         os.makedirs(os.path.join(IMAGES_DIR, name))
         with open(os.path.join(IMAGES_DIR, name, "image.json"), "w") as f:
-            json.dump(dict(spec, name=name, zygote=zygote, preload=PRELOAD), f, indent=1)
+            json.dump(dict(spec, name=name, zygote=zygote, preload=PRELOAD,
+                           env=dict(spec.get("env", {}), **SHIPPED.get("env", {}))), f, indent=1)
 
 
 def smaps(pid):
@@ -183,13 +196,15 @@ def ready(bench, srv):
     return rows
 
 
-def density(bench, srv):
+def density(bench, srv, image=FORKED, what=None):
+    what = what or f"host root, {DATASCI}'s preload"
     k = bench.n(50, 8)
     bare = BareKernels(bench.zmq)
     try:
         rss0 = proc_status(srv.pid, "VmRSS")
-        bench.log(f"zygote density: {k} forked sessions and {k} bare kernels, imports in each")
-        replies, chans, _ = sessions_and_bare_kernels(srv, bare, k, IMPORTS, {"image": FORKED})
+        bench.log(f"zygote density ({what}): {k} forked sessions and {k} bare kernels, a "
+              "plotting cell's imports in each")
+        replies, chans, _ = sessions_and_bare_kernels(srv, bare, k, IMPORTS, {"image": image})
         time.sleep(2)
         rss = proc_status(srv.pid, "VmRSS")
         forked = [session_memory(srv, r["session_id"]) for r in replies]
@@ -217,7 +232,7 @@ def density(bench, srv):
     private = [v for _, v, _ in forked]
     per_24 = [24 * GIB / (p + server_share) for p in pss]
     bare_24 = [24 * GIB / p for p in bare_pss if p]
-    bench.raw["zygote_density"] = {
+    bench.raw[f"zygote_density_{image}"] = {
         "sessions": k, "forked": forked, "bare_pss_bytes": bare_pss, "server_rss0": rss0,
         "server_rss": rss, "zygote_pss_bytes": zygote_pss, "growth": growth}
     to_mb = lambda xs: [x / MB for x in xs]  # noqa: E731
@@ -225,19 +240,21 @@ def density(bench, srv):
     g_before = [b[1] for b, _ in growth]
     g_after = [a[1] for _, a in growth]
     return [
-        Row("11", f"Zygote: PSS of an idle forked session ({k} sessions, numpy, pandas, "
-                  "matplotlib imported)", "MB", summary(to_mb(pss)), summary(to_mb(bare_pss)),
+        Row("11", f"Zygote ({what}): PSS of an idle forked session ({k} sessions, numpy, "
+                  "pandas, matplotlib (agg) and pyplot imported)", "MB", summary(to_mb(pss)),
+            summary(to_mb(bare_pss)),
             "bare ipykernel, same imports",
             note=f"private (USS) median {summary(to_mb(private))['median']:.1f} MB; the "
                  f"zygote's own PSS {zygote_pss / MB:.1f} MB; processes per session "
                  f"{max(n for _, _, n in forked)}"),
-        Row("11", "Zygote: sessions that 24 GiB holds (24 GiB / (session PSS + server share))",
+        Row("11", f"Zygote ({what}): sessions that 24 GiB holds (24 GiB / (session PSS + "
+                  "server share))",
             "sessions", s24, b24, "bare ipykernels by PSS", higher_is_better=True,
             target="≥ 1000 and ≥ 4× bare",
             met=s24["median"] >= 1000 and s24["median"] >= 4 * b24["median"],
             note=f"forked ÷ bare = {s24['median'] / b24['median']:.1f}×; server "
                  f"{server_share / MB:.2f} MB per session"),
-        Row("11", "Zygote: a session's private memory before → after a typical analysis "
+        Row("11", f"Zygote ({what}): a session's private memory before → after a typical analysis "
                   "(200k-row DataFrame, groupby, describe, a plot)", "MB",
             summary(to_mb(g_after)), summary(to_mb(g_before)), "the same sessions before it",
             note="baseline column: before; cellblock column: after"),
@@ -297,6 +314,19 @@ def zygote_figure(bench):
             rows = ready(bench, srv)
             rows += density(bench, srv)
             rows += at_once(bench, srv)
-            return rows
     finally:
         shutil.rmtree(IMAGES_DIR, ignore_errors=True)
+    return rows + built_datasci_density(bench)
+
+
+def built_datasci_density(bench):
+    """Figure 11's density on the shipped python-datasci itself, when it is built."""
+    if not os.path.lexists(os.path.join(IMAGE_STORE, "names", DATASCI)):
+        bench.log(f"zygote density: {DATASCI} is not built in {IMAGE_STORE} "
+                  f"(cellblock image build {DATASCI}); its rows are left out")
+        return [Row("11", f"Zygote ({DATASCI}, built): density", "", summary([]),
+                    note=f"not measured: {DATASCI} is not built in {IMAGE_STORE} (cellblock "
+                         f"image build {DATASCI} --state-dir {os.path.dirname(IMAGE_STORE)})")]
+    with CellblockServer("zygote-datasci", {"host": 0, DATASCI: 0},
+                         extra_args=["--max-sessions", "600", "--image-store", IMAGE_STORE]) as srv:
+        return density(bench, srv, DATASCI, f"{DATASCI}, built")
