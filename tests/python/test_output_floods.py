@@ -12,7 +12,7 @@ What is checked:
   time (it was a whole core, discarding 1.4 MB/s of backlog);
 - every kind counts against the same budget: the client gets at most the
   budget (and one marker or notice), and the reply says truncated;
-- the verdict (ExecutionTimeout) arrives soon after the deadline (it came
+- the verdict (interrupted at the deadline) arrives soon after it (it came
   26-200 s late), and the session keeps its state afterwards (a flood is not
   a memory kill);
 - the neighbour's steps all answer, none of them late by seconds.
@@ -91,7 +91,10 @@ def test_a_flood_is_cut_at_its_source_and_slows_no_one(server, kind):  # noqa: F
           f"slowest {max(neighbour.steps, default=0) * 1000:.0f} ms")
 
     content = reply["content"]
-    assert content["status"] == "error" and content["ename"] == "ExecutionTimeout", content
+    # Interrupted at its deadline (the kernel's KeyboardInterrupt), or killed
+    # when the interrupt did not stop it (ExecutionTimeout).
+    assert content["status"] == "error", content
+    assert content["ename"] in ("KeyboardInterrupt", "ExecutionTimeout"), content
     budget = reply["metadata"]["cellblock"]
     assert budget["output_truncated"] is True, budget
     assert budget["output_dropped_in_kernel_bytes"] > 0, budget
