@@ -613,6 +613,7 @@ TEST(SessionGovernor, ReplyMetadataCarriesTheBudget) {
                           {"output_bytes", 42},
                           {"output_truncated", false},
                           {"output_dropped_bytes", 0},
+                          {"output_dropped_in_kernel_bytes", 0},
                           {"timeout_s", 30.0}}));
 }
 
