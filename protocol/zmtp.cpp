@@ -132,6 +132,20 @@ bool Connection::feed(std::string_view bytes) {
     return state_ != State::failed;
 }
 
+void Connection::release() {
+    state_ = State::failed;
+    if (error_.empty()) error_ = "closed";
+    std::string().swap(in_);
+    std::string().swap(body_);
+    std::string().swap(out_);
+    in_pos_ = in_end_ = body_have_ = body_size_ = out_sent_ = 0;
+    in_body_ = false;
+    partial_ = Message{};
+    std::deque<Message>().swap(inbox_);
+    inbox_bytes_ = 0;
+    std::vector<std::string>().swap(queued_);
+}
+
 Message Connection::pop() {
     Message m = std::move(inbox_.front());
     inbox_.pop_front();

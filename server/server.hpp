@@ -193,6 +193,10 @@ class Server final : public SessionObserver {
     // Closed sessions whose channels have answered SessionClosed long
     // enough; destroyed after the loop's turn, not from their own deadline.
     std::vector<std::string> expired_;
+    // Memory was freed (a session closed or expired): glibc is asked to give
+    // it back, at most once a second (run()).
+    bool trim_due_ = false;
+    Clock::time_point next_trim_{};
     // Creates waiting for a sandbox, in the order they came in.
     std::map<std::uint64_t, PendingCreate> creating_;
     std::uint64_t next_create_ = 0;

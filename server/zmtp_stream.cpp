@@ -102,6 +102,7 @@ void ZmtpStream::stop_watching() {
 void ZmtpStream::close() {
     stop_watching();
     fd_.reset();
+    zmtp_.release();
 }
 
 void ZmtpStream::set_writable(bool writable) {

@@ -86,6 +86,10 @@ class Connection {
     // Bytes waiting to be written, and how many were written.
     std::string_view output() const { return std::string_view(out_).substr(out_sent_); }
     void consumed(std::size_t n);
+    // The transport closed: frees every buffer (a closed session keeps its
+    // connection objects for the rest of its SessionClosed window, not their
+    // 16 KiB of staging each). Nothing is read or written afterwards.
+    void release();
 
   private:
     enum class State { greeting, handshake, ready, failed };
