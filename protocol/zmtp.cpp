@@ -146,6 +146,12 @@ void Connection::release() {
     std::vector<std::string>().swap(queued_);
 }
 
+std::size_t Connection::held_bytes() const {
+    std::size_t held = in_.capacity() + body_.capacity() + out_.capacity() + inbox_bytes_;
+    for (const auto& q : queued_) held += q.capacity();
+    return held;
+}
+
 Message Connection::pop() {
     Message m = std::move(inbox_.front());
     inbox_.pop_front();

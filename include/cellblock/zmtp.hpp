@@ -90,6 +90,9 @@ class Connection {
     // connection objects for the rest of its SessionClosed window, not their
     // 16 KiB of staging each). Nothing is read or written afterwards.
     void release();
+    // Bytes of memory its buffers hold (staging, a large frame's body, output,
+    // whole messages waiting).
+    std::size_t held_bytes() const;
 
   private:
     enum class State { greeting, handshake, ready, failed };

@@ -311,6 +311,26 @@ TEST(ZmtpCodec, MessagesShortLongMultiFrameAndEmpty) {
     EXPECT_FALSE(c.failed());
 }
 
+// A closed session keeps its connection objects for its SessionClosed window:
+// released, they hold no buffer (16 KiB of staging each before: ~116 kB per
+// closed session with a client connected).
+TEST(ZmtpCodec, AReleasedConnectionHoldsNoBufferAndReadsNothing) {
+    zmtp::Connection c("DEALER", "");
+    ASSERT_TRUE(c.feed(handshake()));
+    ASSERT_TRUE(c.feed(message({"waiting"})));
+    c.send({pattern(70000, 5)});
+    EXPECT_GE(c.held_bytes(), std::size_t{16} << 10);
+    c.release();
+    EXPECT_LT(c.held_bytes(), 64u);  // the strings' inline capacity only
+    EXPECT_TRUE(c.failed());
+    EXPECT_FALSE(c.has_message());
+    EXPECT_TRUE(c.output().empty());
+    EXPECT_EQ(c.read_buffer().size, 0u);
+    c.send({"after"});
+    EXPECT_TRUE(c.output().empty());
+    EXPECT_FALSE(c.feed(message({"after"})));
+}
+
 TEST(ZmtpCodec, PartialMessageIsNotDeliveredUntilItsLastFrame) {
     zmtp::Connection c("DEALER", "");
     ASSERT_TRUE(c.feed(handshake()));
