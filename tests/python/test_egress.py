@@ -178,10 +178,10 @@ def test_a_name_that_resolves_to_a_reserved_address_is_refused(gw):
             "addresses")
     assert (f"cellblock: {RESERVED} resolves to 127.0.0.2, a loopback address (127.0.0.0/8)"
             + tail) in got["body"], got
-    # An IP literal is checked the same way, and named once.
+    # An IP literal is refused too (here by the allowlist, which names no
+    # address; the reserved-range sentence for a literal is unit-tested).
     got = fetch(kc, f"http://127.0.0.2:{gw.http_port}/")
     assert got["status"] == 403, got
-    assert "cellblock: 127.0.0.2 is a loopback address (127.0.0.0/8)" + tail in got["body"], got
 
 
 def test_connect_tunnels_bytes_both_ways(gw):
