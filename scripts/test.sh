@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
 # Sets everything up and runs all tests: unit tests and the integration suite
 # (real runc sandboxes, real jupyter_client, jupyter_kernel_test, nbclient),
-# then the whole suite again under ASan+UBSan, a clang-format check, and a short
+# after a clang-format check; then the whole suite again under ASan+UBSan, and a short
 # run of the libFuzzer targets (tests/fuzz, built with clang into build-fuzz).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 bash scripts/setup.sh
+
+# Formatting first: a file clang-format would change fails the run in
+# seconds, not after an hour of tests.
+echo "== clang-format"
+files=$(git ls-files '*.cpp' '*.hpp')
+if ! clang-format --dry-run --Werror $files; then
+  echo "clang-format: the files above need formatting (clang-format -i)" >&2
+  exit 1
+fi
 
 echo "== build"
 bash scripts/build.sh "$root/build"
@@ -29,13 +38,6 @@ CELLBLOCK_SANITIZE=ON bash scripts/build.sh "$root/build-asan"
 # kernelspec in build-asan: a sanitizer report aborts the server and fails them.
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir "$root/build-asan" --output-on-failure --timeout 1800 --label-exclude 'heavy|once'
-
-echo "== clang-format"
-files=$(git ls-files '*.cpp' '*.hpp')
-if ! clang-format --dry-run --Werror $files; then
-  echo "clang-format: the files above need formatting (clang-format -i)" >&2
-  exit 1
-fi
 
 echo "== fuzz (short)"
 bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20
