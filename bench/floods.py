@@ -33,6 +33,10 @@ FLOODS = [
 ]
 
 
+def size(n):
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
 def steps_until(quiet, flood_ch, flood):
     """1+1 round trips on `quiet` until the flood's reply and idle are in;
     pumps the flooding client's channels meanwhile. Returns the round trips."""
@@ -97,9 +101,9 @@ def floods_figure(bench):
                       "deadline", "s", summary([late]), target="≤ 1 s, interrupted, "
                       "truncated, session alive", met=late <= 1.0 and verdict_ok,
                 note=f"{content.get('ename')}; truncated {meta.get('output_truncated')}; dropped "
-                     f"{meta.get('output_dropped_bytes', 0) / 1e6:.1f} MB, "
-                     f"{meta.get('output_dropped_in_kernel_bytes', 0) / 1e6:.1f} MB of it in the "
-                     f"kernel; {received / 1e6:.2f} MB reached the client; session "
+                     f"{size(meta.get('output_dropped_bytes', 0))}, "
+                     f"{size(meta.get('output_dropped_in_kernel_bytes', 0))} of it in the "
+                     f"kernel; {size(received)} reached the client; session "
                      f"{'alive' if alive else 'lost'}"))
             rows.append(Row(
                 "14", f"Output flood ({name}): the server's CPU during the flood", "% of a core",

@@ -149,9 +149,16 @@ class SandboxOutStream(OutStream):
             self._exc = sys.exc_info()
 
 
+# What a display message costs beyond its data (header, parent header,
+# metadata, signature): the relay counts whole messages against the budget, so
+# the kernel's estimate must reach the budget no later than the relay does.
+DISPLAY_OVERHEAD = 512
+
+
 def _display_size(msg):
     data = msg.get("content", {}).get("data", {})
-    return sum(len(v) if isinstance(v, str) else len(repr(v)) for v in data.values())
+    return DISPLAY_OVERHEAD + sum(len(v) if isinstance(v, str) else len(repr(v))
+                                  for v in data.values())
 
 
 def _budget_display(msg):
