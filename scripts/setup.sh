@@ -19,6 +19,9 @@ PACKAGES=(
   mmdebstrap
   # the default image's kernel and data stack
   python3 python3-ipykernel python3-numpy python3-pandas python3-matplotlib fonts-dejavu-core
+  # what python-datasci preloads beyond them, so the host image can mirror its
+  # preload (tests/python/test_datasci_preload.py, bench figure 11)
+  python3-scipy python3-seaborn
   # clients and tests
   python3-jupyter-client python3-jupyter-kernel-test python3-nbclient python3-nbformat
   jupyter-console python3-pytest python3-zmq python3-pexpect tmux iproute2 procps

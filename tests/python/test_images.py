@@ -161,7 +161,8 @@ def test_server_info_lists_images_and_a_warm_pool_on_a_built_image(minimal, serv
     assert info["images"]["host"]["rootfs"] == "host"
     assert "content_id" not in info["images"]["host"]
     assert info["images"]["python-datasci"]["preload"] == [
-        "numpy", "pandas", "matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg"]
+        "numpy", "pandas", "matplotlib", "matplotlib.pyplot", "matplotlib.backends.backend_agg",
+        "scipy.stats", "seaborn"]
     # A warm sandbox of the built image, handed out with its content id.
     sid, kc, created = srv.open_session(image="python-minimal")
     assert created["warm"] is True and created["image_id"] == minimal, created

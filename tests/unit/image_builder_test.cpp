@@ -72,9 +72,9 @@ TEST(ImageDefinition, TheShippedDefinitionsLoad) {
     }
     const Image datasci = Image::load(std::string(CELLBLOCK_FIXTURES_DIR) +
                                       "/../../images/python-datasci/image.json");
-    EXPECT_EQ(datasci.preload,
-              (std::vector<std::string>{"numpy", "pandas", "matplotlib", "matplotlib.pyplot",
-                                        "matplotlib.backends.backend_agg"}));
+    EXPECT_EQ(datasci.preload, (std::vector<std::string>{
+                                   "numpy", "pandas", "matplotlib", "matplotlib.pyplot",
+                                   "matplotlib.backends.backend_agg", "scipy.stats", "seaborn"}));
 }
 
 TEST(ImageDefinition, BadBuildSectionsNameTheField) {
