@@ -218,12 +218,15 @@ def test_sigterm_leaves_nothing_and_answers_the_pending_request():
         assert _wait_busy(kernel.kc, msg_id), "the long cell never started"
         os.kill(kernel.proc.pid, signal.SIGTERM)
         assert kernel.proc.wait(timeout=20) == 0, kernel.log()
-        assert closed_line(kernel, "Terminated"), kernel.log()
-        # The client is told, rather than left waiting for a reply forever.
+        assert closed_line(kernel, "server_shutdown"), kernel.log()
+        # The client is told, rather than left waiting for a reply forever,
+        # with the server's own name for it and the signal.
         reply = _shell_reply(kernel.kc, msg_id, timeout=5)
         assert reply is not None, "the pending execute_request got no reply on SIGTERM"
         assert reply["content"]["status"] == "error", reply["content"]
-        assert reply["content"]["ename"] == "SessionClosed", reply["content"]
+        assert reply["content"]["ename"] == "ServerShuttingDown", reply["content"]
+        assert "the server is shutting down (SIGTERM)" in reply["content"]["evalue"], \
+            reply["content"]
         assert_nothing_left(sid, pids)
     finally:
         kernel.close()
