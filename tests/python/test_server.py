@@ -142,9 +142,11 @@ def test_large_outputs_arrive_whole_and_signed(clients):
     """A kernel message past 256 KiB has the client's signature computed on a
     second thread while the kernel's is checked: each arrives byte for byte,
     signed with the session's key (jupyter_client refuses any other), and a
-    large stream the policy cuts is re-signed over what it became."""
+    large stream the policy cuts is re-signed over what it became. Display
+    data counts against the execution's output budget too: 6 MB lets the
+    largest display through whole."""
     server = clients
-    reply = server.create(limits={"output_bytes": 100000})
+    reply = server.create(limits={"output_bytes": 6_000_000})
     kc = BlockingKernelClient()
     kc.load_connection_info(reply["connection"])
     kc.start_channels()
@@ -157,11 +159,11 @@ def test_large_outputs_arrive_whole_and_signed(clients):
         assert len(shown) == 1, msg_types(iopub)
         digest = stream_text(iopub).strip()
         assert hashlib.sha256(shown[0].encode()).hexdigest() == digest, (n, len(shown[0]))
-    # A 600 kB print is cut to the session's 100 kB: a new content, a new signature.
-    rep, iopub = execute(kc, "print('y' * 600_000)")
+    # An 8 MB print is cut to the session's 6 MB: a new content, a new signature.
+    rep, iopub = execute(kc, "print('y' * 8_000_000)")
     assert rep["content"]["status"] == "ok", rep["content"]
     text = stream_text(iopub)
-    assert text.startswith("y" * 1000) and len(text) < 200_000, len(text)
+    assert text.startswith("y" * 1000) and 6_000_000 <= len(text) < 6_100_000, len(text)
     assert rep["metadata"]["cellblock"]["output_truncated"] is True, rep["metadata"]
 
 
