@@ -260,6 +260,9 @@ int main(int argc, char** argv) {
                           "IMAGE=REF: the engine image of a cellblock image (repeatable; default "
                           "cellblock/IMAGE:CONTENT12-SHIM12, as `cellblock image export` tags "
                           "it)");
+    serve_cmd->add_option("--metrics", serve.metrics_address,
+                          "serve Prometheus metrics (/metrics), /healthz and /readyz over HTTP "
+                          "at ADDR:PORT (a PORT alone: 127.0.0.1; docs/operations.md)");
     serve_cmd
         ->add_option("--closed-window", serve.policy.closed_channels_s,
                      "seconds a closed session's channels still answer SessionClosed")
