@@ -1080,6 +1080,125 @@ from egress import egress_figure  # noqa: E402  (figure 12 lives in its own file
 from swarm import swarm_figure  # noqa: E402  (figure 13 lives in its own file)
 from floods import floods_figure  # noqa: E402  (figure 14 lives in its own file)
 
+# ------------------------------------------------------------------ 15: metrics on and off
+
+METRICS_SCRAPE_S = 0.2  # five scrapes a second: far above a Prometheus's usual 15 s
+
+
+class Scraper:
+    """GETs a server's /metrics every `interval` seconds on a thread, as Prometheus would."""
+
+    def __init__(self, address, interval):
+        import threading
+        self.url = f"http://{address}/metrics"
+        self.interval = interval
+        self.scrapes, self.failures, self.bytes = 0, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import urllib.request
+        while not self._stop.wait(self.interval):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    self.bytes += len(r.read())
+                self.scrapes += 1
+            except OSError:
+                self.failures += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        return False
+
+
+def metrics_endpoint(srv):
+    import re
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = re.search(r"metrics: http://([0-9.]+:[0-9]+)/metrics", srv.log_tail(1 << 20))
+        if m:
+            return m.group(1)
+        time.sleep(0.05)
+    raise BenchError("the --metrics server logged no endpoint address")
+
+
+def metrics_cost(bench):
+    """The same steps and throughput on two servers side by side, one with
+    --metrics scraped every METRICS_SCRAPE_S, one without."""
+    reps = bench.n(200, 40)
+    warmup = bench.n(30, 10)
+    n = bench.n(10, 4)
+    seconds = bench.n(10, 4)
+    rows = []
+    with CellblockServer("metrics-on", {"host": 1}, ["--metrics", "127.0.0.1:0"]) as on, \
+            CellblockServer("metrics-off", {"host": 1}) as off:
+        on.wait_pool()
+        off.wait_pool()
+        with Scraper(metrics_endpoint(on), METRICS_SCRAPE_S) as scraper:
+            chans = {}
+            for name, srv in (("on", on), ("off", off)):
+                reply = srv.create({"limits": MANY_STEPS})
+                ch = srv.open_channels(reply["connection"])
+                wait_ready(ch, time.monotonic() + 120)
+                chans[name] = ch
+            for _ in range(warmup):
+                chans["on"].execute(ONE_PLUS_ONE)
+                chans["off"].execute(ONE_PLUS_ONE)
+            bench.log(f"metrics: 1+1, {reps} reps on each server, interleaved")
+            onx, offx, _, _ = ab_blocks(lambda: chans["on"].execute(ONE_PLUS_ONE),
+                                        lambda: chans["off"].execute(ONE_PLUS_ONE), reps)
+            a, b = summary(ms([x.round_trip for x in onx])), summary(ms([x.round_trip
+                                                                          for x in offx]))
+            rows.append(Row("15", "Metrics: execute round trip of 1+1, --metrics on (scraped "
+                                  f"every {METRICS_SCRAPE_S:g} s) vs off", "ms", a, b,
+                            "metrics off", target="median ≤ 1.05× off (noise)",
+                            met=a["median"] <= 1.05 * b["median"],
+                            note=f"{a['median'] - b['median']:+.3f} ms at the median"))
+            for ch in chans.values():
+                ch.close()
+            bench.log(f"metrics: throughput, {n} sessions on each server")
+            groups = {}
+            for name, srv in (("on", on), ("off", off)):
+                replies, _ = srv.create_many(n, {"limits": MANY_STEPS})
+                groups[name] = [srv.open_channels(r["connection"]) for r in replies]
+                for ch in groups[name]:
+                    wait_ready(ch, time.monotonic() + 300)
+            runs = {"on": [], "off": []}
+            for order in range(2):
+                pair = [("on", on), ("off", off)]
+                if order:
+                    pair.reverse()
+                for name, srv in pair:
+                    runs[name].append(window(groups[name], seconds / 2, 1, srv.pid))
+            rates = {k: summary(sum((r["per_second"] for r in v), [])) for k, v in runs.items()}
+            total = {k: sum(r["executions"] for r in v) / seconds for k, v in runs.items()}
+            server = {k: max((r["server_cpu_share"] or 0) for r in v) for k, v in runs.items()}
+            rows.append(Row("15", f"Metrics: throughput, {n} sessions × 1+1 back to back, "
+                                  "--metrics on vs off", "exec/s", rates["on"], rates["off"],
+                            "metrics off", higher_is_better=True,
+                            target="median ≥ 0.95× off (noise)",
+                            met=rates["on"]["median"] >= 0.95 * rates["off"]["median"],
+                            note=f"total {total['on']:.0f} vs {total['off']:.0f} exec/s",
+                            detail=f"the servers used {server['on']:.0%} and {server['off']:.0%} "
+                                   f"of a core; {scraper.scrapes} scrapes of "
+                                   f"{scraper.bytes / max(1, scraper.scrapes) / 1024:.1f} KiB, "
+                                   f"{scraper.failures} failed"))
+            for group in groups.values():
+                for ch in group:
+                    ch.close()
+            bench.raw["metrics"] = {"step_on_ms": ms([x.round_trip for x in onx]),
+                                    "step_off_ms": ms([x.round_trip for x in offx]),
+                                    "throughput": runs, "scrapes": scraper.scrapes,
+                                    "scrape_failures": scraper.failures,
+                                    "scrape_interval_s": METRICS_SCRAPE_S}
+    return rows
+
+
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
     "step": ("2. Step overhead", step_overhead),
@@ -1095,6 +1214,7 @@ FIGURES = {
     "egress": ("12. Egress gateway", egress_figure),
     "swarm": ("13. Swarm backend", swarm_figure),
     "floods": ("14. Output floods", floods_figure),
+    "metrics": ("15. Metrics cost", metrics_cost),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress", "swarm", "floods"]
+         "kernel", "zygote", "egress", "swarm", "floods", "metrics"]

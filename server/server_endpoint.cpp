@@ -24,6 +24,7 @@ void Server::start_metrics() {
 
 void Server::tick_metrics(Clock::time_point now, bool stopping) {
     ServerMetrics::Snapshot snapshot;
+    for (const auto& [name, image] : images_) snapshot.images.push_back(name);
     for (const auto& [id, session] : sessions_) {
         if (session->closed()) continue;
         ++snapshot.sessions[{metrics_->image_of(id), session->state()}];

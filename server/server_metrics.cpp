@@ -289,8 +289,11 @@ void ServerMetrics::file_bytes(const char* direction, const char* via, std::uint
 
 void ServerMetrics::tick(Clock::time_point now, const Snapshot& snapshot) {
     sessions_.clear();
-    // Every state of every image the server knows keeps a series (0 too):
-    // a rate or an alert over it does not see a series vanish.
+    // Every state of every image the server has keeps a series (0 too): a
+    // sum or an alert over it does not see a series vanish.
+    for (const auto& image : snapshot.images) {
+        for (const char* state : {"starting", "idle", "busy"}) sessions_.set({image, state}, 0);
+    }
     for (const auto& [key, count] : snapshot.sessions) {
         sessions_.set({key.first, key.second}, count);
     }

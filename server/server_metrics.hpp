@@ -20,6 +20,7 @@
 #include <string_view>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -79,6 +80,7 @@ class ServerMetrics {
     // creates waiting by image; whether a create would be taken now, and why
     // not. It also proves the loop turns (healthz).
     struct Snapshot {
+        std::vector<std::string> images;  // every image the server has: its series stay at 0
         std::map<std::pair<std::string, std::string>, int> sessions;
         std::map<std::string, int> waiting;
         std::size_t max_sessions = 0;

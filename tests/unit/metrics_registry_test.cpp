@@ -174,6 +174,7 @@ TEST(ServerMetrics, CountsWhatTheObserversSee) {
     m.egress({{"verdict", "refused"}, {"status", 403}, {"bytes_up", 10}, {"bytes_down", 0}});
     m.file_bytes("in", "manager", 1024);
     ServerMetrics::Snapshot snap;
+    snap.images = {"host", "data"};
     snap.sessions[{"host", "idle"}] = 1;
     snap.waiting["host"] = 2;
     snap.max_sessions = 3;
@@ -205,6 +206,8 @@ TEST(ServerMetrics, CountsWhatTheObserversSee) {
              "cellblock_file_transfer_bytes_total{direction=\"in\",via=\"manager\"} 1024\n",
              "cellblock_sessions{image=\"host\",state=\"idle\"} 1\n",
              "cellblock_sessions{image=\"host\",state=\"starting\"} 2\n",
+             "cellblock_sessions{image=\"host\",state=\"busy\"} 0\n",
+             "cellblock_sessions{image=\"data\",state=\"idle\"} 0\n",
              "cellblock_sessions_max 3\n",
              "cellblock_pool_sandboxes{image=\"host\",state=\"ready\"} 2\n",
              "cellblock_zygotes{image=\"host\",state=\"running\"} 1\n",
