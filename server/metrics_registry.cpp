@@ -142,6 +142,12 @@ void MetricFamily::clear() {
     series_.clear();
 }
 
+void MetricFamily::replace(const std::map<LabelValues, double>& values) {
+    std::lock_guard lock(mutex_);
+    series_.clear();
+    for (const auto& [labels, value] : values) series(labels).value = value;
+}
+
 void MetricFamily::render(std::string& out, MetricsFormat format) const {
     const bool om = format == MetricsFormat::openmetrics;
     const char* type = kind_ == Kind::counter ? "counter"

@@ -42,8 +42,11 @@ class MetricFamily {
     void set(const LabelValues& labels, double value);
     // Histogram: counts one observation.
     void observe(const LabelValues& labels, double value);
-    // Drops every series (a gauge set afresh from a snapshot).
+    // Drops every series.
     void clear();
+    // Gauge: every series at once, from a snapshot; a scrape sees the old
+    // set or the new one, never a half.
+    void replace(const std::map<LabelValues, double>& values);
 
     const std::string& name() const { return name_; }
     Kind kind() const { return kind_; }

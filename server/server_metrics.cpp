@@ -288,16 +288,15 @@ void ServerMetrics::file_bytes(const char* direction, const char* via, std::uint
 }
 
 void ServerMetrics::tick(Clock::time_point now, const Snapshot& snapshot) {
-    sessions_.clear();
     // Every state of every image the server has keeps a series (0 too): a
     // sum or an alert over it does not see a series vanish.
+    std::map<LabelValues, double> sessions;
     for (const auto& image : snapshot.images) {
-        for (const char* state : {"starting", "idle", "busy"}) sessions_.set({image, state}, 0);
+        for (const char* state : {"starting", "idle", "busy"}) sessions[{image, state}] = 0;
     }
-    for (const auto& [key, count] : snapshot.sessions) {
-        sessions_.set({key.first, key.second}, count);
-    }
-    for (const auto& [image, count] : snapshot.waiting) sessions_.set({image, "starting"}, count);
+    for (const auto& [key, count] : snapshot.sessions) sessions[{key.first, key.second}] = count;
+    for (const auto& [image, count] : snapshot.waiting) sessions[{image, "starting"}] = count;
+    sessions_.replace(sessions);
     sessions_max_.set({}, static_cast<double>(snapshot.max_sessions));
     std::size_t open = 0, waiting = 0;
     for (const auto& [key, count] : snapshot.sessions) open += static_cast<std::size_t>(count);

@@ -60,6 +60,11 @@ TEST(MetricsRegistry, GaugeSetAddClearAndNoLabels) {
               "# HELP cellblock_sessions_max the maximum\n"
               "# TYPE cellblock_sessions_max gauge\n"
               "cellblock_sessions_max 100\n");
+    g.replace({{{"idle"}, 7}});
+    EXPECT_NE(r.render(MetricsFormat::prometheus_text)
+                  .find("cellblock_sessions{state=\"idle\"} 7\n"
+                        "# HELP cellblock_sessions_max"),
+              std::string::npos);
     g.clear();
     EXPECT_EQ(r.render(MetricsFormat::openmetrics),
               "# TYPE cellblock_sessions gauge\n"
