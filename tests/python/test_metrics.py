@@ -148,6 +148,8 @@ def scrape_counts(srv, address):
     b, kc_b, _ = srv.open_session()
     run_ok(kc_b, "x = 1")
     run_ok(kc_b, "print(x)")
+    # 1000 bytes in through the manager socket.
+    srv.ok("file_put_request", {"session_id": b, "path": "in.bin"}, buffers=[b"x" * 1000])
     # A create the server refuses.
     refused = srv.call("session_create_request", {"image": "no-such-image"})
     assert refused["content"]["ename"] == "UnknownImage"
@@ -169,12 +171,15 @@ def scrape_counts(srv, address):
         - total(before, "cellblock_executions_total", **labels_code),
         "cap": total(after, "cellblock_executions_total", **labels_cap)
         - total(before, "cellblock_executions_total", **labels_cap),
+        "file_in": total(after, "cellblock_file_transfer_bytes_total", direction="in",
+                         via="manager")
+        - total(before, "cellblock_file_transfer_bytes_total", direction="in", via="manager"),
         "closed": total(after, "cellblock_session_closes_total", image="host",
                         reason="closed_by_request")
         - total(before, "cellblock_session_closes_total", image="host",
                 reason="closed_by_request"),
     }
-    assert delta == {"ok": 4, "code": 1, "cap": 1, "closed": 2}, delta
+    assert delta == {"ok": 4, "code": 1, "cap": 1, "file_in": 1000, "closed": 2}, delta
     assert sample(after, "cellblock_session_creates_total", image="", outcome="UnknownImage") == 1
     assert (sample(after, "cellblock_sessions", image="host", state="idle") or 0) == 0
     assert sample(after, "process_resident_memory_bytes") > 1e6
