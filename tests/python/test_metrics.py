@@ -2,7 +2,9 @@
 
 A real server with its own state dir runs a known workload (two sessions,
 cells that succeed, one that raises, one refused at the execution cap, a
-create for an image that does not exist, both sessions closed); then
+file put, a message with a forged signature, a create for an image that
+does not exist, both sessions closed, then a third killed past its memory
+limit); then
 `promtool check metrics` lints the scrape, Debian's `prometheus` scrapes the
 endpoint every second and PromQL through its HTTP API returns the expected
 counts. /healthz and /readyz answer with the right codes (readiness follows
@@ -22,6 +24,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import zmq
 
 from server_helpers import run_ok, start_server, wait_for, execute
 
@@ -144,8 +147,16 @@ def scrape_counts(srv, address):
     run_ok(kc_a, "2+2")
     reply, _ = execute(kc_a, "3+3")
     assert reply["content"]["ename"] == "ExecutionLimitExceeded", reply["content"]
-    # Session B: two cells.
-    b, kc_b, _ = srv.open_session()
+    # Session B: two cells, and a message with a forged signature on its shell.
+    b, kc_b, reply_b = srv.open_session()
+    forged = zmq.Context.instance().socket(zmq.DEALER)
+    forged.linger = 0
+    conn = reply_b["connection"]
+    forged.connect(f"tcp://{conn['ip']}:{conn['shell_port']}")
+    header = json.dumps({"msg_id": "forged-1", "msg_type": "execute_request", "session": "x",
+                         "username": "x", "date": "2026-11-27T00:00:00Z", "version": "5.3"})
+    forged.send_multipart([b"<IDS|MSG>", b"0" * 64, header.encode(), b"{}", b"{}",
+                           json.dumps({"code": "1"}).encode()])
     run_ok(kc_b, "x = 1")
     run_ok(kc_b, "print(x)")
     # 1000 bytes in through the manager socket.
@@ -155,6 +166,12 @@ def scrape_counts(srv, address):
     assert refused["content"]["ename"] == "UnknownImage"
     for sid in (a, b):
         srv.ok("session_close_request", {"session_id": sid})
+    srv.close_clients()
+    forged.close()
+    # Session C: past its memory limit, killed by the cgroup.
+    c, kc_c, _ = srv.open_session(limits={"memory_mb": 128})
+    reply, _ = execute(kc_c, "hog = b'x' * (512 << 20)", timeout=120)
+    assert reply["content"]["ename"] == "MemoryLimitExceeded", reply["content"]
     srv.close_clients()
     # Closes are counted as they happen, sessions by state within a second.
     time.sleep(1.5)
@@ -174,12 +191,23 @@ def scrape_counts(srv, address):
         "file_in": total(after, "cellblock_file_transfer_bytes_total", direction="in",
                          via="manager")
         - total(before, "cellblock_file_transfer_bytes_total", direction="in", via="manager"),
+        "memory": total(after, "cellblock_memory_kills_total", image="host")
+        - total(before, "cellblock_memory_kills_total", image="host"),
+        "forged": total(after, "cellblock_relay_dropped_messages_total", side="client",
+                        reason="bad_signature")
+        - total(before, "cellblock_relay_dropped_messages_total", side="client",
+                reason="bad_signature"),
         "closed": total(after, "cellblock_session_closes_total", image="host",
                         reason="closed_by_request")
         - total(before, "cellblock_session_closes_total", image="host",
                 reason="closed_by_request"),
     }
-    assert delta == {"ok": 4, "code": 1, "cap": 1, "file_in": 1000, "closed": 2}, delta
+    assert delta == {"ok": 4, "code": 1, "cap": 1, "file_in": 1000, "memory": 1, "forged": 1,
+                     "closed": 2}, delta
+    assert sample(after, "cellblock_session_closes_total", image="host",
+                  reason="memory_limit") >= 1
+    assert sample(after, "cellblock_executions_total", image="host", outcome="error",
+                  error="MemoryLimitExceeded") >= 1
     assert sample(after, "cellblock_session_creates_total", image="", outcome="UnknownImage") == 1
     assert (sample(after, "cellblock_sessions", image="host", state="idle") or 0) == 0
     assert sample(after, "process_resident_memory_bytes") > 1e6
@@ -248,6 +276,9 @@ def test_workload_linted_and_queried_by_prometheus(workload, tmp_path):
         assert ok == sample(text, "cellblock_executions_total", image="host", outcome="ok",
                             error=""), ok
         waits_for('sum(cellblock_session_creates_total{outcome="UnknownImage"})', 1.0)
+        waits_for("sum(cellblock_memory_kills_total)",
+                  sample(text, "cellblock_memory_kills_total", image="host"))
+        waits_for('sum(cellblock_relay_dropped_messages_total{reason="bad_signature"})', 1.0)
         p99 = query('histogram_quantile(0.99, sum by (le) (cellblock_session_create_seconds_bucket))')
         assert p99 is not None and 0 < p99 <= 60, p99
         assert query("process_resident_memory_bytes") > 1e6
