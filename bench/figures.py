@@ -1079,6 +1079,7 @@ from zygote import zygote_figure  # noqa: E402  (figure 11 lives in its own file
 from egress import egress_figure  # noqa: E402  (figure 12 lives in its own file)
 from swarm import swarm_figure  # noqa: E402  (figure 13 lives in its own file)
 from floods import floods_figure  # noqa: E402  (figure 14 lives in its own file)
+from metrics_cost import metrics_cost  # noqa: E402  (figure 15 lives in its own file)
 
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
@@ -1095,6 +1096,7 @@ FIGURES = {
     "egress": ("12. Egress gateway", egress_figure),
     "swarm": ("13. Swarm backend", swarm_figure),
     "floods": ("14. Output floods", floods_figure),
+    "metrics": ("15. Metrics cost", metrics_cost),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress", "swarm", "floods"]
+         "kernel", "zygote", "egress", "swarm", "floods", "metrics"]

@@ -33,6 +33,8 @@ PACKAGES=(
   jupyter-notebook jupyter-nbconvert python3-nbconvert chromium nodejs
   # the Swarm backend's tests (tests/swarm: a private three-node swarm on this host)
   docker.io
+  # serve --metrics is scraped by the real Prometheus, and linted by promtool (test_metrics.py)
+  prometheus
 )
 
 if [[ $(id -u) -ne 0 ]]; then

@@ -277,6 +277,10 @@ void Server::finish_local_copy(std::uint64_t id) {
         SessionProxy& s = live_session(c.request->content);
         auto done = transfers_.finish_local(job->copy.id, job->sha256, session_files(s));
         if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
+        if (metrics_) {
+            metrics_->file_bytes(type.starts_with("file_put") ? "in" : "out", "local",
+                                 job->copy.size);
+        }
         if (c.gone) {
             spdlog::info("local file socket: copy {} ended after its client left", job->copy.id);
         } else {

@@ -21,6 +21,7 @@
 #include "kernel_mode.hpp"
 #include "manager_client.hpp"
 #include "manager_paths.hpp"
+#include "metrics_http.hpp"
 #include "server_mode.hpp"
 
 namespace {
@@ -260,6 +261,18 @@ int main(int argc, char** argv) {
                           "IMAGE=REF: the engine image of a cellblock image (repeatable; default "
                           "cellblock/IMAGE:CONTENT12-SHIM12, as `cellblock image export` tags "
                           "it)");
+    serve_cmd
+        ->add_option("--metrics", serve.metrics_address,
+                     "serve Prometheus metrics (/metrics), /healthz and /readyz over HTTP at "
+                     "ADDR:PORT (a PORT alone: 127.0.0.1; docs/operations.md)")
+        ->check([](const std::string& address) {
+            try {
+                cellblock::parse_listen_address(address);
+                return std::string();
+            } catch (const std::exception& e) {
+                return std::string(e.what());
+            }
+        });
     serve_cmd
         ->add_option("--closed-window", serve.policy.closed_channels_s,
                      "seconds a closed session's channels still answer SessionClosed")

@@ -4,6 +4,7 @@
 namespace cellblock {
 
 void Server::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
+    if (metrics_) count_create_reply(request, content);
     WireMessage msg =
         make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
     // The buffers (a download's chunk, megabytes) are not signed: they go out
@@ -307,6 +308,13 @@ json Server::file_request(Request& r, std::vector<std::string>& buffers) {
                                   session_files(s), Clock::now());
     if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
     buffers = std::move(done.buffers);
+    if (metrics_) {
+        std::uint64_t in = 0, out = 0;
+        for (const auto& b : r.buffers) in += b.size();
+        for (const auto& b : buffers) out += b.size();
+        if (in > 0) metrics_->file_bytes("in", "manager", in);
+        if (out > 0) metrics_->file_bytes("out", "manager", out);
+    }
     return std::move(done.content);
 }
 

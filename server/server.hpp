@@ -43,6 +43,7 @@
 #include "local_files.hpp"
 #include "manager_paths.hpp"
 #include "multipart.hpp"
+#include "server_metrics.hpp"
 #include "session_proxy.hpp"
 
 namespace cellblock {
@@ -97,6 +98,7 @@ class Server final : public SessionObserver {
     void on_event(const std::string& session_id, const std::string& kind,
                   const std::string& detail) override;
     void on_closed(const std::string& session_id, const std::string& reason) override;
+    void on_rejected(std::string_view where, std::string_view why) override;
 
   private:
     struct Request {
@@ -247,6 +249,14 @@ class Server final : public SessionObserver {
     UniqueFd local_wake_;  // written by the copies' threads
     std::map<std::uint64_t, std::unique_ptr<LocalClient>> local_clients_;
     std::uint64_t next_local_ = 0;
+    // --metrics (server_endpoint.cpp): what the observers count, and the
+    // endpoint's thread, stopped first when the server ends. Null without it.
+    void start_metrics();
+    void tick_metrics(Clock::time_point now, bool stopping);
+    // A session_create answered: counted by outcome.
+    void count_create_reply(const WireMessage& request, const json& content);
+    std::unique_ptr<ServerMetrics> metrics_;
+    std::unique_ptr<MetricsHttpServer> metrics_http_;
 };
 
 }  // namespace cellblock

@@ -7,7 +7,14 @@
 
 namespace cellblock {
 
-void Server::on_execution(const ExecutionRecord& record) { audit_queue_.push_back(record); }
+void Server::on_execution(const ExecutionRecord& record) {
+    audit_queue_.push_back(record);
+    if (metrics_) metrics_->execution(record);
+}
+
+void Server::on_rejected(std::string_view where, std::string_view why) {
+    if (metrics_) metrics_->dropped(where, why);
+}
 
 void Server::follow_image_version(const std::string& name) {
     const auto image = images_.find(name);
@@ -125,6 +132,7 @@ void Server::on_state(const std::string& session_id, const std::string& state) {
 
 void Server::on_event(const std::string& session_id, const std::string& kind,
                       const std::string& detail) {
+    if (metrics_) metrics_->event(session_id, kind, detail);
     try {
         store_.add_event({session_id, unix_now(), kind, detail});
     } catch (const std::exception& e) {
@@ -141,6 +149,7 @@ void Server::on_egress(const EgressEvent& event) {
     if (auto it = sessions_.find(event.session_id); it != sessions_.end()) {
         it->second->add_network_bytes(event.bytes);
     }
+    if (metrics_) metrics_->egress(event.detail);
     on_event(event.session_id, "egress", event.detail.dump());
 }
 
@@ -158,6 +167,7 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
         memory_peak_bytes = it->second->memory_peak_bytes();
         cpu_ms = it->second->cpu_ms();
     }
+    if (metrics_) metrics_->closed(session_id, reason);
     try {
         store_.close_session(session_id, reason, unix_now(), executions, memory_peak_bytes, cpu_ms);
         store_.add_event({session_id, unix_now(), "closed", reason});
@@ -204,6 +214,17 @@ int Server::run() {
                 next_version_check_ = now + kPoolVersionCheck;
             }
         });
+    // --metrics: sessions by state, and the proof that the loop turns (/healthz).
+    auto next_tick = Clock::now();
+    std::optional<EventLoop::WatchId> metrics_tick;
+    if (metrics_) {
+        metrics_tick = loop_.add_deadline(
+            [&next_tick]() -> std::optional<Clock::time_point> { return next_tick; },
+            [&, this](Clock::time_point now) {
+                tick_metrics(now, signalled);
+                next_tick = now + ServerMetrics::kTick;
+            });
+    }
     while (!signalled) {
         loop_.run_once();
         flush_audit();
@@ -222,6 +243,9 @@ int Server::run() {
             next_trim_ = now + std::chrono::seconds(1);
         }
     }
+    // /readyz: shutting down; the flush below turns the loop without the tick.
+    if (metrics_tick) loop_.remove_deadline(*metrics_tick);
+    if (metrics_) tick_metrics(Clock::now(), true);
     shut_down(signal_name);
     // What is left on the host without this server's sessions.
     if (options_.weigh_sandboxes) weigh_sandboxes(0, 0);

@@ -41,6 +41,9 @@ struct ServeOptions {
     // The egress gateway (docs/network.md): started when policy.maxima.network
     // is gateway, i.e. when --egress-allow named what sessions may reach.
     EgressSettings egress;
+    // --metrics: where the Prometheus and health endpoints listen
+    // (metrics_http.hpp, "PORT" or "ADDR:PORT"); empty: none.
+    std::string metrics_address;
 };
 
 // Runs until SIGTERM/SIGINT; returns the process exit code.

@@ -238,11 +238,14 @@ Server::Server(const ServeOptions& options)
     manager_.bind(options_.manager_endpoint);
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
     open_local_files();
+    if (!options_.metrics_address.empty()) start_metrics();
     write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_,
                       local_listener_ ? local_files_socket(settings_.state_dir) : fs::path());
 }
 
 Server::~Server() {
+    // The metrics endpoint's thread reads the pool: it stops first.
+    metrics_http_.reset();
     stopping_ = true;  // kernel starts still being probed give up now
     for (auto& [id, session] : sessions_) session->close("server_shutdown");
     sessions_.clear();

@@ -45,6 +45,8 @@ class SessionObserver {
     virtual void on_event(const std::string& session_id, const std::string& kind,
                           const std::string& detail) = 0;
     virtual void on_closed(const std::string& session_id, const std::string& reason) = 0;
+    // A message the relay dropped (SessionIo::rejected), for the metrics.
+    virtual void on_rejected(std::string_view /*where*/, std::string_view /*why*/) {}
 };
 
 // How the kernel ended, read once its process is gone.

@@ -259,6 +259,11 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
                  warm_start ? "warm" : "cold", pending.image, runtime);
     SessionProxy& session = *proxy;
     sessions_.emplace(pending.session_id, std::move(proxy));
+    if (metrics_) {
+        metrics_->session_created(
+            pending.session_id, pending.image, warm_start,
+            std::chrono::duration<double>(Clock::now() - pending.started).count());
+    }
     reply(pending.request, {{"status", "ok"},
                             {"session_id", pending.session_id},
                             {"connection", connection},

@@ -157,6 +157,7 @@ class SessionProxy::Io final : public SessionIo {
 
     void rejected(std::string_view where, std::string_view identity,
                   const std::string& why) override {
+        if (p_.options_.observer) p_.options_.observer->on_rejected(where, why);
         spdlog::warn("session {} {}: rejected message from {}: {}", p_.session_id_, where,
                      identity_text(identity), why);
     }
