@@ -25,7 +25,8 @@ def served(server_factory, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_every_channel_works(server_factory, transport):
     srv = served(server_factory, transport)
-    _, kc, _ = srv.open_session()
+    # Display data counts against the output budget: room for the 3 MB display.
+    _, kc, _ = srv.open_session(limits={"output_bytes": 6_000_000})
     # shell and iopub: results, streams and an ordered stream of prints.
     out = run_ok(kc, "for i in range(300): print(i)")
     assert out == "".join(f"{i}\n" for i in range(300))
@@ -76,8 +77,12 @@ def test_a_message_over_the_frame_cap_is_dropped_and_the_session_goes_on(server_
     cuts the connection instead and loses what it held.)"""
     srv = served(server_factory, "zmtp")
     _, kc, _ = srv.open_session(limits={"memory_mb": 1024})
-    code = ("import sys\nfrom IPython.display import display\n"
-            "display({'text/plain': 'x' * (70 << 20)}, raw=True)\n"
+    # Sent on the kernel's iopub directly, as a kernel that ignores its output
+    # budget would (cellblock's launcher drops a display past it at the source).
+    code = ("k = get_ipython().kernel\n"
+            "k.session.send(k.iopub_socket, 'display_data', {'data': {'text/plain': "
+            "'x' * (70 << 20)}, 'metadata': {}}, parent=k.get_parent('shell'), "
+            "ident=b'display_data')\n"
             "print('after')")
     reply, msgs = execute(kc, code, timeout=120)
     assert reply["content"]["status"] == "ok"
