@@ -61,3 +61,5 @@ fi
 bash "$(dirname "$0")/../tests/frontend/install.sh"
 # kubernetes-models and yaml from the npm registry (pinned): offline checks of deploy/kubernetes.
 bash "$(dirname "$0")/../deploy/kubernetes/validate/install.sh"
+# The MCP TypeScript SDK and Inspector from the npm registry (pinned): tests/python/test_mcp.py.
+bash "$(dirname "$0")/../tests/mcp/install.sh"

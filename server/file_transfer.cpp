@@ -37,7 +37,8 @@ const std::vector<std::string>& FileTransfers::request_types() {
     static const std::vector<std::string> types = {
         "file_put_request",       "file_get_request",        "file_put_begin_request",
         "file_put_chunk_request", "file_put_commit_request", "file_put_abort_request",
-        "file_get_begin_request", "file_get_chunk_request",  "file_get_end_request"};
+        "file_get_begin_request", "file_get_chunk_request",  "file_get_end_request",
+        "file_list_request"};
     return types;
 }
 
@@ -68,6 +69,7 @@ FileTransfers::Reply FileTransfers::handle(std::string_view t, const json& c,
         downloads_.erase(id);
         return {{{"status", "ok"}}, {}, {}, {}};
     }
+    if (t == "file_list_request") return {list_output_files(s), {}, {}, {}};
     throw FileRequestError(ename::UnknownRequest, "not a file request: " + std::string(t));
 }
 

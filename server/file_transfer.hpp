@@ -57,6 +57,13 @@ struct SessionFiles {
 // leading "<prefix>/" is taken off. Throws FileRequestError("InvalidPath").
 std::string checked_relative_path(std::string path, const std::string& prefix);
 
+// file_list_request: the regular files beneath the output dir, walked
+// without following a symlink (the code writes it: everything is hostile),
+// at most `max_files` of them and `max_depth` directories deep:
+// {"status": "ok", "files": [{"path", "size", "mtime"}], "truncated"}.
+nlohmann::json list_output_files(const SessionFiles& session, std::size_t max_files = 1000,
+                                 int max_depth = 8);
+
 class FileTransfers {
   public:
     using Clock = std::chrono::steady_clock;

@@ -21,6 +21,7 @@
 #include "kernel_mode.hpp"
 #include "manager_client.hpp"
 #include "manager_paths.hpp"
+#include "mcp_command.hpp"
 #include "metrics_http.hpp"
 #include "server_mode.hpp"
 
@@ -288,6 +289,9 @@ int main(int argc, char** argv) {
     // image build | ls | rm | import
     cellblock::ImageCommands image_cli(app);
 
+    // mcp (docs/mcp.md)
+    cellblock::mcp::McpCommand mcp_cli(app);
+
     CLI11_PARSE(app, argc, argv);
     setup_logging(log_level);
 
@@ -370,6 +374,7 @@ int main(int argc, char** argv) {
         }
 
         if (client_cli.parsed()) return client_cli.run();
+        if (mcp_cli.parsed()) return mcp_cli.run(cellblock::parse_limits(mcp_cli.limit_items()));
     } catch (const std::exception& e) {
         spdlog::error("{}", e.what());
         return 1;
