@@ -105,8 +105,10 @@ void Execution::on_iopub(const WireMessage& msg) {
             execution_count = c["execution_count"].get<int>();
         outputs.push_back(std::move(out));
     } else if (kind == "error") {
-        error = ExecutionError{string_of(c, "ename"), string_of(c, "evalue"),
-                               strings_of(c, "traceback"), false};
+        // The reply may have come first (two sockets): what it said of the error stays.
+        const std::string name = string_of(c, "ename");
+        const bool by_server = error && error->ename == name && error->by_server;
+        error = ExecutionError{name, string_of(c, "evalue"), strings_of(c, "traceback"), by_server};
     } else if (kind == "clear_output") {
         outputs.clear();
         stdout_text.clear();
@@ -121,8 +123,12 @@ void Execution::on_reply(const WireMessage& msg) {
     status = string_of(c, "status");
     if (c.contains("execution_count") && c["execution_count"].is_number_integer())
         execution_count = c["execution_count"].get<int>();
-    if (msg.metadata.contains("cellblock") && msg.metadata["cellblock"].is_object())
+    // The server's own refusals carry theirs in the content.
+    if (msg.metadata.contains("cellblock") && msg.metadata["cellblock"].is_object()) {
         budget = msg.metadata["cellblock"];
+    } else if (c.contains("cellblock") && c["cellblock"].is_object()) {
+        budget = c["cellblock"];
+    }
     if (status == "ok") return;
     const std::string ename = status == "aborted" ? "Aborted" : string_of(c, "ename");
     // The server's own replies carry no wall_ms: the kernel never answered them.

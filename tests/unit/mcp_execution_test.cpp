@@ -106,6 +106,22 @@ TEST(McpExecution, APolicyRefusalIsTheServers) {
               std::string::npos);
 }
 
+TEST(McpExecution, AReplyBeforeItsIopubErrorStillSaysWhoStoppedIt) {
+    Execution ex("m");
+    ex.on_reply(message("execute_reply", "m",
+                        {{"status", "error"},
+                         {"ename", "ExecutionLimitExceeded"},
+                         {"evalue", "all 1 are used"},
+                         {"cellblock", {{"executions_left", 0}}}}));
+    ex.on_iopub(message("error", "m",
+                        {{"ename", "ExecutionLimitExceeded"},
+                         {"evalue", "all 1 are used"},
+                         {"traceback", {"ExecutionLimitExceeded: all 1 are used"}}}));
+    ASSERT_TRUE(ex.error);
+    EXPECT_TRUE(ex.error->by_server);
+    EXPECT_EQ(ex.budget["executions_left"], 0);
+}
+
 TEST(McpExecution, ClearOutputDropsWhatCameBefore) {
     Execution ex("m");
     ex.on_iopub(message("stream", "m", {{"name", "stdout"}, {"text", "old"}}));
