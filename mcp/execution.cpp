@@ -171,7 +171,7 @@ json execution_result(const Execution& ex, const std::string& session_id, bool c
         }
         results.push_back(std::move(entry));
     }
-    json error = nullptr;
+    json error;  // null: no error, and then absent from the result
     if (ex.error) {
         const auto& e = *ex.error;
         std::string text = e.ename + ": " + e.evalue;
@@ -190,15 +190,17 @@ json execution_result(const Execution& ex, const std::string& session_id, bool c
             {{"type", "text"}, {"text", "(cancelled: the execution was interrupted)"}});
     }
     if (content.empty()) content.push_back({{"type", "text"}, {"text", "(no output)"}});
+    // Absent rather than null: a nullable type is not portable across model providers'
+    // schema dialects (the Inspector's --strict says so).
     json structured = {{"session_id", session_id},
                        {"status", ex.status.empty() ? "unknown" : ex.status},
-                       {"execution_count", ex.execution_count ? json(*ex.execution_count) : json()},
                        {"stdout", ex.stdout_text},
                        {"stderr", ex.stderr_text},
                        {"results", std::move(results)},
                        {"images", images},
-                       {"error", std::move(error)},
                        {"budget", ex.budget}};
+    if (ex.execution_count) structured["execution_count"] = *ex.execution_count;
+    if (!error.is_null()) structured["error"] = std::move(error);
     return {{"content", std::move(content)},
             {"structuredContent", std::move(structured)},
             {"isError", ex.error.has_value()}};

@@ -229,18 +229,17 @@ json Conversation::list_sessions(const json& args) {
         for (const auto& s : reply.value("sessions", json::array())) {
             const std::string id = s.value("session_id", "");
             const bool attached = sessions_.contains(id);
-            json entry = {
-                {"session_id", id},
-                {"image", s.value("image", "")},
-                {"state", s.value("state", "")},
-                {"created_at", s.value("created_at", json())},
-                {"executions", s.contains("executions") && s["executions"].is_number_integer()
-                                   ? s["executions"]
-                                   : json()},
-                {"close_reason", s.value("close_reason", json())},
-                {"attached", attached}};
-            if (entry["close_reason"].is_string() && entry["close_reason"] == "")
-                entry["close_reason"] = nullptr;
+            json entry = {{"session_id", id},
+                          {"image", s.value("image", "")},
+                          {"state", s.value("state", "")},
+                          {"attached", attached}};
+            if (s.contains("created_at") && s["created_at"].is_number())
+                entry["created_at"] = s["created_at"];
+            if (s.contains("executions") && s["executions"].is_number_integer())
+                entry["executions"] = s["executions"];
+            if (s.contains("close_reason") && s["close_reason"].is_string() &&
+                !s["close_reason"].get<std::string>().empty())
+                entry["close_reason"] = s["close_reason"];
             text += id + "  " + entry["state"].get<std::string>() + "  " +
                     entry["image"].get<std::string>() +
                     (id == default_session ? "  (default)"
@@ -251,9 +250,9 @@ json Conversation::list_sessions(const json& args) {
         }
     }
     if (text.empty()) text = "no sessions\n";
-    return tool_result(
-        text, {{"default_session", default_session.empty() ? json() : json(default_session)},
-               {"sessions", std::move(sessions)}});
+    json structured = {{"sessions", std::move(sessions)}};
+    if (!default_session.empty()) structured["default_session"] = default_session;
+    return tool_result(text, std::move(structured));
 }
 
 json Conversation::close_session(const json& args) {

@@ -26,7 +26,7 @@ constexpr const char* kCatalog = R"json([
     "properties": {
       "session_id": {"type": "string"},
       "status": {"type": "string", "description": "ok, error or aborted (the execute_reply's status)"},
-      "execution_count": {"type": ["integer", "null"]},
+      "execution_count": {"type": "integer", "description": "Absent when the kernel gave none (a refused execution)"},
       "stdout": {"type": "string"},
       "stderr": {"type": "string"},
       "results": {
@@ -45,7 +45,8 @@ constexpr const char* kCatalog = R"json([
       },
       "images": {"type": "integer", "description": "How many image content items the result carries"},
       "error": {
-        "type": ["object", "null"],
+        "type": "object",
+        "description": "Present when the code raised or the server stopped or refused it",
         "properties": {
           "ename": {"type": "string"},
           "evalue": {"type": "string"},
@@ -56,7 +57,7 @@ constexpr const char* kCatalog = R"json([
       },
       "budget": {"type": "object", "description": "The server's figures: executions_used, executions_left, wall_ms, cpu_ms, memory_peak_bytes, output_truncated, ..."}
     },
-    "required": ["session_id", "status", "execution_count", "stdout", "stderr", "results", "images", "error", "budget"]
+    "required": ["session_id", "status", "stdout", "stderr", "results", "images", "budget"]
   },
   "annotations": {"readOnlyHint": false, "destructiveHint": false, "idempotentHint": false, "openWorldHint": false}
 },
@@ -100,7 +101,7 @@ constexpr const char* kCatalog = R"json([
   "outputSchema": {
     "type": "object",
     "properties": {
-      "default_session": {"type": ["string", "null"]},
+      "default_session": {"type": "string", "description": "Absent until this connection has a session"},
       "sessions": {
         "type": "array",
         "items": {
@@ -109,16 +110,16 @@ constexpr const char* kCatalog = R"json([
             "session_id": {"type": "string"},
             "image": {"type": "string"},
             "state": {"type": "string"},
-            "created_at": {"type": ["string", "number", "null"]},
-            "executions": {"type": ["integer", "null"]},
-            "close_reason": {"type": ["string", "null"]},
+            "created_at": {"type": "number", "description": "Unix seconds"},
+            "executions": {"type": "integer"},
+            "close_reason": {"type": "string", "description": "Absent while the session is open"},
             "attached": {"type": "boolean", "description": "Created by this connection: run_code can use it"}
           },
           "required": ["session_id", "state", "attached"]
         }
       }
     },
-    "required": ["default_session", "sessions"]
+    "required": ["sessions"]
   },
   "annotations": {"readOnlyHint": true, "openWorldHint": false}
 },

@@ -238,15 +238,26 @@ def test_http_off_loopback_needs_a_token(server):
 def test_inspector_cli(server):
     if not os.path.exists(INSPECTOR):
         pytest.fail("@modelcontextprotocol/inspector is not installed (tests/mcp/install.sh)")
-    base = [NODE, INSPECTOR, "--cli", CELLBLOCK_BIN, "mcp", "--state-dir", server.state_dir]
-    listed = subprocess.run(base + ["--method", "tools/list"], capture_output=True, text=True,
-                            timeout=120, cwd=MCP_DIR)
+    target = [CELLBLOCK_BIN, "mcp", "--state-dir", server.state_dir]
+    catalog = tempfile.mkdtemp(prefix="cb-inspector-")
+    env = {**os.environ, "MCP_CATALOG_PATH": os.path.join(catalog, "mcp.json")}
+
+    def inspector(*args):
+        return subprocess.run([NODE, INSPECTOR, "--cli", *args, "--", *target], capture_output=True,
+                              text=True, timeout=120, cwd=MCP_DIR, env=env)
+
+    try:
+        # --strict: the tools' schemas checked for portability across model providers.
+        listed = inspector("--method", "tools/list", "--strict")
+        called = inspector("--method", "tools/call", "--tool-name", "run_code",
+                           "--tool-arg", "code=print(6 * 7)")
+    finally:
+        shutil.rmtree(catalog, ignore_errors=True)
     assert listed.returncode == 0, listed.stdout + listed.stderr
     names = {t["name"] for t in json.loads(listed.stdout)["tools"]}
     assert {"run_code", "upload_file", "download_file"} <= names
-    called = subprocess.run(base + ["--method", "tools/call", "--tool-name", "run_code",
-                                    "--tool-arg", "code=print(6 * 7)"],
-                            capture_output=True, text=True, timeout=120, cwd=MCP_DIR)
+    # It prints each portability problem ("Warning: tool ...", "Error: ...") and a count.
+    assert "Warning:" not in listed.stderr and "Error:" not in listed.stderr, listed.stderr
     assert called.returncode == 0, called.stdout + called.stderr
     result = json.loads(called.stdout)
     assert result["structuredContent"]["stdout"] == "42\n", result
