@@ -223,8 +223,7 @@ json Conversation::initialize(const json& params) {
         {"protocolVersion", version},
         {"capabilities",
          {{"tools", {{"listChanged", false}}},
-          {"resources", {{"listChanged", false}, {"subscribe", false}}},
-          {"logging", json::object()}}},
+          {"resources", {{"listChanged", false}, {"subscribe", false}}}}},
         {"serverInfo",
          {{"name", "cellblock"}, {"title", "cellblock: sandboxed Python"}, {"version", "0.1.0"}}},
         {"instructions", kInstructions}};

@@ -42,6 +42,23 @@ bool send_all(int fd, std::string_view bytes) {
     return true;
 }
 
+// Ends a connection whose request may not have been read whole (a refusal
+// before the body): closing with unread bytes would send a reset that can
+// destroy the response on its way, so the rest is read and dropped first
+// (at most 1 MiB, at most a second).
+void linger_close(int fd) {
+    ::shutdown(fd, SHUT_WR);
+    const timeval wait{1, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+    char sink[65536];
+    for (std::size_t dropped = 0; dropped < (1u << 20);) {
+        const ssize_t n = ::recv(fd, sink, sizeof sink, 0);
+        if (n <= 0) break;
+        dropped += static_cast<std::size_t>(n);
+    }
+    ::shutdown(fd, SHUT_RD);
+}
+
 std::string dump(const json& message) {
     return message.dump(-1, ' ', false, json::error_handler_t::replace);
 }
@@ -120,6 +137,9 @@ class HttpServer {
     void close_all();
 
   private:
+    // The token and the Origin, checked before a byte of the body is read;
+    // false once refused (the connection then closes).
+    bool admit(int fd, const HttpRequest& request);
     bool respond(int fd, HttpRequest& request);
     bool simple(int fd, int status, const std::string& body,
                 std::vector<std::pair<std::string, std::string>> extra = {});
@@ -152,16 +172,23 @@ std::shared_ptr<HttpSession> HttpServer::find_session(const std::string& id) {
     return it->second;
 }
 
-bool HttpServer::respond(int fd, HttpRequest& request) {
+bool HttpServer::admit(int fd, const HttpRequest& request) {
     if (!http_.token.empty() && !bearer_matches(request.header("authorization"), http_.token)) {
-        return simple(fd, 401,
-                      dump(make_error(nullptr, rpc_error::kInvalidRequest,
-                                      "Unauthorized: a bearer token is required")),
-                      {{"WWW-Authenticate", "Bearer realm=\"cellblock-mcp\""}});
+        simple(fd, 401,
+               dump(make_error(nullptr, rpc_error::kInvalidRequest,
+                               "Unauthorized: a bearer token is required")),
+               {{"WWW-Authenticate", "Bearer realm=\"cellblock-mcp\""}});
+        return false;
     }
     const std::string origin = request.header("origin");
-    if (!origin.empty() && !origin_allowed(origin, http_.allowed_origins))
-        return rpc_error_reply(fd, 403, rpc_error::kInvalidRequest, "Forbidden: Origin " + origin);
+    if (!origin.empty() && !origin_allowed(origin, http_.allowed_origins)) {
+        rpc_error_reply(fd, 403, rpc_error::kInvalidRequest, "Forbidden: Origin " + origin);
+        return false;
+    }
+    return true;
+}
+
+bool HttpServer::respond(int fd, HttpRequest& request) {
     if (request.path != "/mcp") return simple(fd, 404, "");
     const std::string version = request.header("mcp-protocol-version");
     if (!version.empty() && !supported_protocol_version(version)) {
@@ -272,6 +299,7 @@ void HttpServer::serve_connection(int fd) {
             return;
         }
         buffer.erase(0, head_end + 4);
+        if (!admit(fd, *request)) return;
         if (!request->header("transfer-encoding").empty()) {
             simple(fd, 411, "");  // MCP clients send a Content-Length
             return;
@@ -412,7 +440,7 @@ int serve_http(const McpOptions& options, const HttpOptions& http, zmq::context_
         connection.fd = std::move(fd);
         connection.thread = std::thread([&server, &connection] {
             server.serve_connection(connection.fd.get());
-            ::shutdown(connection.fd.get(), SHUT_RDWR);
+            linger_close(connection.fd.get());
             connection.done = true;
         });
     }

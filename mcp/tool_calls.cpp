@@ -115,8 +115,7 @@ std::shared_ptr<Conversation::Attached> Conversation::start_session(const std::s
 
 std::shared_ptr<Conversation::Attached> Conversation::session_for(const json& args, bool create) {
     const std::string named = string_arg(args, "session_id", false);
-    const std::lock_guard creating(create_mutex_);
-    {
+    const auto lookup = [&]() -> std::shared_ptr<Attached> {
         const std::lock_guard lock(mutex_);
         const std::string id = named.empty() ? default_session_ : named;
         if (const auto it = sessions_.find(id); it != sessions_.end()) return it->second;
@@ -131,7 +130,12 @@ std::shared_ptr<Conversation::Attached> Conversation::session_for(const json& ar
                             "this MCP connection has no session yet (run_code or "
                             "create_session makes one)"};
         }
-    }
+        return nullptr;
+    };
+    if (auto session = lookup()) return session;
+    // Two first calls at once make one default session: the second finds the first's.
+    const std::lock_guard creating(create_mutex_);
+    if (auto session = lookup()) return session;
     return start_session("", json::object());
 }
 

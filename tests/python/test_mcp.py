@@ -200,6 +200,14 @@ def test_http_refusals(server):
         status, headers, _ = mcp.post(init, token=None)
         assert status == 401 and headers.get("WWW-Authenticate", "").startswith("Bearer")
         assert mcp.post(init, token="x" * 48)[0] == 401
+        # Refused from the head alone: a body announced but never sent is not waited for.
+        conn = http.client.HTTPConnection("127.0.0.1", mcp.port, timeout=10)
+        conn.putrequest("POST", "/mcp")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(50 << 20))
+        conn.endheaders()
+        assert conn.getresponse().status == 401
+        conn.close()
         assert mcp.post(init, headers={"Authorization": "Basic " + mcp.token})[0] == 401
         assert mcp.post(init, headers={"Origin": "http://evil.example"})[0] == 403
         status, headers, body = mcp.post(init, headers={"Origin": "http://localhost:3000"})
