@@ -169,9 +169,13 @@ std::optional<json> Conversation::handle(const RpcMessage& message, Outbox& out)
         response = make_result(message.id, dispatch(message, out, *flight));
     } catch (const RpcFailure& f) {
         response = make_error(message.id, f.code, f.message);
+    } catch (const ToolError& e) {
+        response = make_error(message.id, rpc_error::kInternalError, e.ename + ": " + e.evalue);
     } catch (const std::exception& e) {
         // Never a crash: whatever escaped a method is an internal error.
         response = make_error(message.id, rpc_error::kInternalError, e.what());
+    } catch (...) {
+        response = make_error(message.id, rpc_error::kInternalError, "an unknown failure");
     }
     --busy_;
     {

@@ -55,17 +55,19 @@ bool is_image(const std::string& mime) {
 
 }  // namespace
 
-bool is_policy_ename(const std::string& ename) {
-    static const std::array<std::string_view, 9> names = {ename::ExecutionLimitExceeded,
-                                                          ename::ExecutionTimeout,
-                                                          ename::InterruptIgnored,
-                                                          ename::SessionClosed,
-                                                          ename::MemoryLimitExceeded,
-                                                          ename::KernelDied,
-                                                          ename::SessionBusy,
-                                                          ename::InvalidLimits,
-                                                          ename::LimitAboveMaximum};
-    return std::find(names.begin(), names.end(), ename) != names.end();
+bool is_policy_ename(const std::string& name) {
+    // clients/python/cellblock/errors.py's POLICY_ENAMES.
+    static const std::array<std::string_view, 10> names = {ename::ExecutionLimitExceeded,
+                                                           ename::ExecutionTimeout,
+                                                           ename::InterruptIgnored,
+                                                           ename::SessionClosed,
+                                                           ename::MemoryLimitExceeded,
+                                                           ename::KernelDied,
+                                                           ename::SessionBusy,
+                                                           ename::InvalidLimits,
+                                                           ename::LimitAboveMaximum,
+                                                           ename::ServerShuttingDown};
+    return std::find(names.begin(), names.end(), name) != names.end();
 }
 
 std::string strip_ansi(const std::string& text) {

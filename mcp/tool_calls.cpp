@@ -53,7 +53,7 @@ json tool_result(std::string text, json structured) {
 bool closes_session(const std::string& name) {
     return name == ename::SessionClosed || name == ename::KernelDied ||
            name == ename::MemoryLimitExceeded || name == ename::ExecutionTimeout ||
-           name == ename::InterruptIgnored;
+           name == ename::InterruptIgnored || name == ename::ServerShuttingDown;
 }
 
 // A private file in the scratch directory, removed when it goes out of scope.
