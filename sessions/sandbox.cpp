@@ -120,6 +120,15 @@ void reap_child(pid_t pid) {
         if (r == pid || (r < 0 && errno == ECHILD)) return;
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
+    // A killed PID namespace init ends only once the kernel has torn down
+    // every process of its namespace, which takes seconds while dozens of
+    // sandboxes close at once on a loaded host. Left unreaped it would stay a
+    // zombie, still counted as running as the sandbox's host ids, for the
+    // server's whole life: a thread waits for it instead.
+    std::thread([pid] {
+        while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+        }
+    }).detach();
 }
 }  // namespace cellblock::sandbox_detail
 

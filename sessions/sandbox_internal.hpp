@@ -34,7 +34,8 @@ void write_runtime_file(const fs::path& dir, const std::string& runtime);
 // as those files require; throws SandboxError naming the file and errno.
 void write_value(const fs::path& file, const std::string& value);
 // Waits up to a second for `pid`, a child of this process (or an orphan
-// whose subreaper it is) that was killed, and reaps it.
+// whose subreaper it is) that was killed, and reaps it; one that takes longer
+// to die is reaped by a thread that waits for it.
 void reap_child(pid_t pid);
 // What runtime_file says of a session forked from a zygote.
 inline constexpr const char* kForkedRuntime = "zygote";
