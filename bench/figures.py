@@ -1080,6 +1080,7 @@ from egress import egress_figure  # noqa: E402  (figure 12 lives in its own file
 from swarm import swarm_figure  # noqa: E402  (figure 13 lives in its own file)
 from floods import floods_figure  # noqa: E402  (figure 14 lives in its own file)
 from metrics_cost import metrics_cost  # noqa: E402  (figure 15 lives in its own file)
+from host_share import host_share  # noqa: E402  (figure 16 lives in its own file)
 
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
@@ -1097,6 +1098,7 @@ FIGURES = {
     "swarm": ("13. Swarm backend", swarm_figure),
     "floods": ("14. Output floods", floods_figure),
     "metrics": ("15. Metrics cost", metrics_cost),
+    "hostshare": ("16. Sessions beside host processes", host_share),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress", "swarm", "floods", "metrics"]
+         "kernel", "zygote", "egress", "swarm", "floods", "metrics", "hostshare"]
