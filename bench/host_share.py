@@ -3,7 +3,9 @@ cannot slow another", §4).
 
 A pandas computation calibrated to about `target` seconds alone runs beside 2
 sessions spinning in their own cells and 2 processes spinning on the host
-outside cellblock (plain `/usr/bin/python3` loops at the default nice). Five
+outside cellblock (plain `/usr/bin/python3` loops at the default nice, each in
+a session of its own: with the scheduler's autogroups, as Debian enables them,
+each login or service session weighs one process whatever it runs). Five
 runnable things on the machine's cores: an equal share of the machine would
 take (5 / cores) × alone on a 2-core host (2.5×); the target is ≤ 3×, which
 holds only if no session gets less than a host process does.
@@ -49,7 +51,7 @@ def host_share(bench):
         bench.log(f"host share: {n} groupby rounds, {alone[0]:.1f} s alone")
         for ch in spinners:
             ch.send_execute(CPU_SPIN)
-        host = [subprocess.Popen(["/usr/bin/python3", "-c", "while True: pass"])
+        host = [subprocess.Popen(["/usr/bin/python3", "-c", "while True: pass"], start_new_session=True)
                 for _ in range(HOST_SPINNERS)]
         try:
             time.sleep(3)   # the spinners are under way, as in the issue's report

@@ -99,6 +99,7 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     // refused (no such cgroup: no local sandboxes).
     if (weight == sandboxes_weight_) return;
     const bool set = set_sandboxes_cpu_weight(weight);
+    set_servers_cpu_weight(weight);
     spdlog::debug(
         "sandboxes' CPU weight {}{} (on the host: {} interactive sessions, {} hogging, "
         "{} servers)",

@@ -64,21 +64,50 @@ std::string weight_text(int shares, bool v2) {
 
 }  // namespace
 
-bool set_sandboxes_cpu_weight(int shares) {
+namespace {
+
+constexpr const char* kSandboxesGroup = "cellblock";
+constexpr const char* kServersGroup = "cellblock-servers";
+
+// The CPU controller's directory of a top-level cgroup `group` (v1: whichever
+// mount holds the cpu controller; v2: the unified tree), whether it exists or
+// not; empty if the host has no CPU controller.
+fs::path cpu_group_dir(const char* group, bool& v2) {
     const fs::path root = "/sys/fs/cgroup";
-    const bool v2 = fs::exists(root / "cgroup.controllers");
-    fs::path file;
-    if (v2) {
-        file = root / "cellblock" / "cpu.weight";
-    } else {
-        for (const char* controller : {"cpu", "cpu,cpuacct"})
-            if (fs::exists(root / controller / "cellblock" / "cpu.shares"))
-                file = root / controller / "cellblock" / "cpu.shares";
-    }
-    if (file.empty()) return false;
+    v2 = fs::exists(root / "cgroup.controllers");
+    if (v2) return root / group;
+    for (const char* controller : {"cpu", "cpu,cpuacct"})
+        if (fs::exists(root / controller / "cpu.shares")) return root / controller / group;
+    return {};
+}
+
+bool write_cpu_weight(const char* group, int shares) {
+    bool v2 = false;
+    const fs::path dir = cpu_group_dir(group, v2);
+    if (dir.empty()) return false;
+    const fs::path file = dir / (v2 ? "cpu.weight" : "cpu.shares");
     const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
     const std::string text = weight_text(shares, v2);
     return fd && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
+}
+
+}  // namespace
+
+bool set_sandboxes_cpu_weight(int shares) { return write_cpu_weight(kSandboxesGroup, shares); }
+
+bool set_servers_cpu_weight(int shares) { return write_cpu_weight(kServersGroup, shares); }
+
+std::string join_servers_cgroup() {
+    bool v2 = false;
+    const fs::path dir = cpu_group_dir(kServersGroup, v2);
+    if (dir.empty()) return "no CPU controller";
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
+        return "mkdir " + dir.string() + ": " + errno_text();
+    const UniqueFd fd(::open((dir / "cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC));
+    const std::string self = std::to_string(::getpid());
+    if (!fd || ::write(fd.get(), self.data(), self.size()) != static_cast<ssize_t>(self.size()))
+        return "join " + (dir / "cgroup.procs").string() + ": " + errno_text();
+    return "";
 }
 
 void RuncSandbox::open_counters() {

@@ -70,14 +70,21 @@ struct CpuFairnessPolicy {
     double active_share = 0.002;
     // Interactive: active, at the normal level, and no execution running longer.
     Seconds interactive_run{1.0};
+    // A long execution's first step needs it busy over the whole of long_after.
+    Seconds long_after{2.0};
     struct LongStep {
-        Seconds after;  // one execution has run this long, busy over background_after
+        Seconds after;  // one execution has run this long, busy over long_after
         int weight;
     };
-    // Halving every 10-15 s: a cell that has run a minute weighs 1/32 of a new
-    // one, so work begun later is not held back by a spin begun earlier.
-    std::vector<LongStep> long_steps{{Seconds{10}, 512}, {Seconds{20}, 256}, {Seconds{30}, 128},
-                                     {Seconds{45}, 64},  {Seconds{60}, 32},  {Seconds{90}, 16}};
+    // An eighth after 2 s: a quiet session next to ten spinning cells then
+    // outweighs them all (at 10 s, as before, its p99 was 4-8x its quiet p99
+    // from the third second of the noise on: bench figure 6); halving every
+    // 20-45 s from there, so that work begun later is not held back by a
+    // spin begun earlier. The parent's weight keeps counting the session as
+    // one process (sandboxes_weight): the step moves its time to its
+    // neighbours, never to the host.
+    std::vector<LongStep> long_steps{
+        {Seconds{2}, 128}, {Seconds{20}, 64}, {Seconds{45}, 32}, {Seconds{90}, 16}};
 };
 
 // What the cgroup is set to. cpus 0: the session's own quota.
@@ -125,8 +132,9 @@ class CpuFairness {
     // Active, at the normal level, and no execution had run interactive_run
     // at the last sample: it weighs on the sandboxes' parent.
     bool interactive() const;
-    // Active but not interactive: it holds the CPU.
-    bool hogging() const { return active() && !interactive(); }
+    // Active, not interactive and not demoted: it holds the CPU in a long
+    // execution (normal or yielding), runnable throughout.
+    bool hogging() const { return active() && !interactive() && !demoted(); }
     bool demoted() const { return setting_.level == CpuSetting::Level::demoted; }
     const CpuFairnessPolicy& policy() const { return policy_; }
     Clock::time_point last_sample() const { return last_ ? last_->at : Clock::time_point{}; }

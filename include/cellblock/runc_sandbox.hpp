@@ -130,6 +130,18 @@ std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds mi
 // on the host: the last writer's figure holds.
 bool set_sandboxes_cpu_weight(int shares);
 
+// Moves this process (all its threads, and the children it starts later) into
+// the servers' cgroup (`cellblock-servers`, beside the sandboxes' parent),
+// created if missing. Every server on the host shares it. Returns why not, or
+// "" once joined.
+std::string join_servers_cgroup();
+
+// Sets the servers' cgroup's CPU weight (v1 cpu.shares units): the servers
+// relay every message of every session, so they weigh what the sandboxes do
+// (a server uses CPU only for the messages it is given, so the weight costs
+// no one anything while it is idle). False if there is no such cgroup.
+bool set_servers_cpu_weight(int shares);
+
 // The cgroup directories (one per v1 controller, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
 
