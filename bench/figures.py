@@ -1,6 +1,7 @@
 """The figures of the benchmark. Each returns rows for the table and keeps its raw
 samples in bench.raw for the JSON; nothing here prints a number it did not measure."""
 import base64
+import glob
 import json
 import os
 import resource
@@ -701,6 +702,46 @@ def neighbour_outcome(noisy, runs, replies):
 
 
 NOISE_SETTLE_S = 3.0   # figure 6 is measured from this long after the noise starts
+VMSTAT_KEYS = ("pgfault", "pgmajfault", "pgscan_direct", "pgsteal_direct", "pgscan_kswapd",
+               "allocstall_normal", "compact_stall", "oom_kill", "thp_fault_alloc")
+
+
+def vmstat():
+    with open("/proc/vmstat") as f:
+        return {k: int(v) for k, v in (line.split() for line in f) if k in VMSTAT_KEYS}
+
+
+def noise_cost(sids):
+    """What the neighbours' cgroups say they cost: CPU seconds in user and
+    system mode (page zeroing and reclaim are system time charged to them),
+    memory limit hits and OOM kills, summed."""
+    out = {"user_s": 0.0, "system_s": 0.0, "failcnt": 0, "oom_kill": 0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for sid in sids:
+        for path in glob.glob(f"/sys/fs/cgroup/cpuacct*/cellblock/cb-{sid}/cpuacct.stat"):
+            with open(path) as f:
+                stat = dict(line.split() for line in f)
+            out["user_s"] += int(stat.get("user", 0)) / tick
+            out["system_s"] += int(stat.get("system", 0)) / tick
+            break
+        base = f"/sys/fs/cgroup/memory/cellblock/cb-{sid}"
+        try:
+            with open(f"{base}/memory.failcnt") as f:
+                out["failcnt"] += int(f.read())
+            with open(f"{base}/memory.oom_control") as f:
+                out["oom_kill"] += int(dict(line.split() for line in f).get("oom_kill", 0))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def describe_cost(c0, c1, v0, v1, seconds):
+    d = {k: c1[k] - c0[k] for k in c0}
+    v = {k: v1.get(k, 0) - v0.get(k, 0) for k in VMSTAT_KEYS}
+    return (f"the neighbours used {d['user_s'] / seconds:.2f} core in user mode and "
+            f"{d['system_s'] / seconds:.2f} in the kernel (page zeroing, faults, reclaim, forks), "
+            f"hit their memory limit {d['failcnt']} times, {d['oom_kill']} OOM kills; the host "
+            "meanwhile: " + ", ".join(f"{k} {n}" for k, n in v.items() if n))
 
 
 def noisy_neighbours(bench):
@@ -740,7 +781,8 @@ def noisy_neighbours(bench):
             quiet_pids = srv.session_pids(qid)
 
             def sched():
-                return process_sched(quiet_pids) + process_sched([srv.pid])
+                return (process_sched(quiet_pids) + process_sched([srv.pid]) +
+                        process_sched([os.getpid()]))
 
             s0 = sched()
             quiet_rt, failed = round_trips(quiet, reps)
@@ -761,8 +803,12 @@ def noisy_neighbours(bench):
                 raise BenchError(f"{name}: the quiet session failed in the noise's first "
                                  f"{NOISE_SETTLE_S:.0f} s: {failed}")
             s2 = sched()
+            noisy_ids = [r["session_id"] for r in replies]
+            cost0, vm0, t0 = noise_cost(noisy_ids), vmstat(), time.monotonic()
             loud_rt, failed = round_trips(quiet, reps, min_seconds=loud_seconds, max_seconds=25)
             s3 = sched()
+            cost = describe_cost(cost0, noise_cost(noisy_ids), vm0, vmstat(),
+                                 time.monotonic() - t0)
             outcome, pids_at_end, memory_at_end = neighbour_outcome(noisy, runs, replies)
             quiet_state = None
             if failed:
@@ -788,7 +834,10 @@ def noisy_neighbours(bench):
                       f"sandbox {per_rt(s0, s1, 0, nq)} / {per_rt(s0, s1, 1, nq)} → "
                       f"{per_rt(s2, s3, 0, nl)} / {per_rt(s2, s3, 1, nl)}, the server "
                       f"{per_rt(s0, s1, 2, nq)} / {per_rt(s0, s1, 3, nq)} → "
-                      f"{per_rt(s2, s3, 2, nl)} / {per_rt(s2, s3, 3, nl)}")
+                      f"{per_rt(s2, s3, 2, nl)} / {per_rt(s2, s3, 3, nl)}, this client "
+                      f"{per_rt(s0, s1, 4, nq)} / {per_rt(s0, s1, 5, nq)} → "
+                      f"{per_rt(s2, s3, 4, nl)} / {per_rt(s2, s3, 5, nl)}; over the "
+                      f"measured window, {cost}")
             for ch, r in zip(noisy, replies):
                 ch.close()
                 srv.close_session(r["session_id"])

@@ -51,8 +51,8 @@ def host_share(bench):
         bench.log(f"host share: {n} groupby rounds, {alone[0]:.1f} s alone")
         for ch in spinners:
             ch.send_execute(CPU_SPIN)
-        host = [subprocess.Popen(["/usr/bin/python3", "-c", "while True: pass"], start_new_session=True)
-                for _ in range(HOST_SPINNERS)]
+        host = [subprocess.Popen(["/usr/bin/python3", "-c", "while True: pass"],
+                                 start_new_session=True) for _ in range(HOST_SPINNERS)]
         try:
             time.sleep(3)   # the spinners are under way, as in the report
             ids = {"the computation": [replies[0]["session_id"]],
