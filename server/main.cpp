@@ -22,6 +22,7 @@
 #include "manager_client.hpp"
 #include "manager_paths.hpp"
 #include "mcp_command.hpp"
+#include "version.hpp"
 #include "metrics_http.hpp"
 #include "server_mode.hpp"
 
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
     }
     CLI::App app{"cellblock: sandboxed Jupyter sessions for untrusted code"};
     app.require_subcommand(1);
+    app.set_version_flag("--version", std::string("cellblock ") + cellblock::kVersion);
     // Listed for --help; `cellblock eval` itself is handled above, before parsing.
     app.add_subcommand("eval", "run notebooks as tests, each in a fresh session (eval --help)");
     std::string log_level = "info";
