@@ -104,12 +104,10 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
     if (!fs::exists(settings.sessions_dir(), ec)) return reaped;
     for (const auto& entry : fs::directory_iterator(settings.sessions_dir(), ec)) {
         const std::string session_id = entry.path().filename().string();
-        const int fd = ::open((entry.path() / "lock").c_str(), O_RDWR | O_CLOEXEC);
-        if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-            ::close(fd);  // its owner is alive
-            continue;
-        }
-        if (fd < 0) {
+        // Held until the session is removed, so that no one else reaps it meanwhile.
+        const UniqueFd lock(::open((entry.path() / "lock").c_str(), O_RDWR | O_CLOEXEC));
+        if (lock && ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // its owner is alive
+        if (!lock) {
             // No lock yet: another process may be creating it right now.
             std::error_code age_ec;
             const auto mtime = fs::last_write_time(entry.path(), age_ec);
@@ -125,7 +123,6 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
             }
         }
         remove_session(settings, session_id, entry.path());
-        if (fd >= 0) ::close(fd);
         reaped.push_back(session_id);
     }
     return reaped;
