@@ -101,10 +101,10 @@ class RuncSandbox final : public Sandbox {
     bool reaped_ = false;
     std::string shim_status_;
     std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
-    // Kept-open cgroup files (-1 where the controller or file is absent).
+    // Kept-open cgroup files (none where the controller or file is absent).
     struct CounterFiles {
-        int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
-        int cpu_weight = -1, cpu_quota = -1, pids_current = -1;
+        UniqueFd memory_peak, memory_usage, oom_control, cpu_usage;
+        UniqueFd cpu_weight, cpu_quota, pids_current;
         bool cpu_weight_v2 = false, cpu_quota_v2 = false;
     } counters_;
     void open_counters();
