@@ -22,9 +22,9 @@
 #include "manager_client.hpp"
 #include "manager_paths.hpp"
 #include "mcp_command.hpp"
-#include "version.hpp"
 #include "metrics_http.hpp"
 #include "server_mode.hpp"
+#include "version.hpp"
 
 namespace {
 namespace fs = std::filesystem;
