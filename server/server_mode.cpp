@@ -248,6 +248,13 @@ int Server::run() {
     if (metrics_tick) loop_.remove_deadline(*metrics_tick);
     if (metrics_) tick_metrics(Clock::now(), true);
     shut_down(signal_name);
+    // Sandboxes whose processes were slow to die: their cgroups go before we do.
+    if (!await_cgroup_removals(kShutdownCgroupWait)) {
+        spdlog::warn(
+            "cellblock serve: some closed sandboxes' cgroups still hold processes "
+            "after {} s; the next start removes them",
+            kShutdownCgroupWait.count() / 1000);
+    }
     // What is left on the host without this server's sessions.
     if (options_.weigh_sandboxes) weigh_sandboxes(0, 0);
     return 0;

@@ -116,6 +116,11 @@ class RuncSandbox final : public Sandbox {
 // Returns the ids of the sessions reaped.
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
 
+// Waits up to `timeout` until the cgroups of closed sandboxes whose last
+// processes were slow to die are removed (a server waits for them before it
+// exits, so that it leaves nothing behind). True when none are left.
+bool await_cgroup_removals(std::chrono::milliseconds timeout);
+
 // Removes cellblock's empty `cb-*` cgroups (every controller) that are older
 // than `min_age`: what runs killed mid-way leave when their session
 // directory is already gone. A cgroup with tasks is never removed (the
