@@ -237,7 +237,7 @@ json make_oci_config(const SandboxSpec& spec) {
         args.push_back(spec.image.kernel_argv.at(0));
         args.push_back(std::string(kSandboxLibexec) + "/cellblock_zygote.py");
         args.push_back("--socket");
-        args.push_back(std::string(kSandboxIpcDir) + "/zygote.sock");
+        args.push_back(kSandboxZygoteSocket);
         std::string preload;
         for (const auto& module : spec.image.preload)
             preload += (preload.empty() ? "" : ",") + module;
