@@ -166,8 +166,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     box->limits_ = limits;
     box->image_name_ = image.name;
     box->preload_ = image.preload;
-    box->dir_ = settings.sessions_dir() / session_id;
-    const fs::path& dir = box->dir_;
+    box->dir_ = SessionDir(settings.sessions_dir() / session_id);
+    const fs::path& dir = box->dir();
     if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
         // Kept from here until destroy(): `image rm` leaves this version alone.
         try {
@@ -253,7 +253,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
                                                 const SandboxLimits& limits,
                                                 const RuntimeSettings& settings, SandboxRole role) {
     std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
-    const fs::path& dir = box->dir_;
+    const fs::path& dir = box->dir();
     const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
     SandboxSpec spec;
@@ -393,9 +393,7 @@ bool RuncSandbox::read_lifeline() {
     return false;
 }
 
-std::string RuncSandbox::log_tail() const {
-    return sandbox_detail::log_tail(SessionDir(dir_).shim_log());
-}
+std::string RuncSandbox::log_tail() const { return sandbox_detail::log_tail(dir_.shim_log()); }
 
 bool RuncSandbox::memory_limit_hit() const {
     const auto u = usage();
@@ -464,7 +462,7 @@ void RuncSandbox::destroy() {
     kill();
     reap_init();
     lifeline_.reset();
-    remove_session(settings_, session_id_, dir_);
+    remove_session(settings_, session_id_, dir());
     // By now (runsc delete has run) the Sentry's stubs are dead: reap them.
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) reap_runsc_orphans();
     lock_fd_.reset();
