@@ -155,7 +155,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
             // As in serve: the session's way out is a listener in its ipc dir
             // (/run/cellblock/egress.sock inside), handed to the gateway.
             egress->add_session(
-                session_id, SessionDir(sandbox->dir()).ipc(), limits.network,
+                session_id, sandbox->session_dir().ipc(), limits.network,
                 std::chrono::seconds(static_cast<std::int64_t>(limits.lifetime_s) + 3600));
         }
         proxy->attach(std::move(sandbox), std::move(*channels));

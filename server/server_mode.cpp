@@ -54,13 +54,15 @@ void Server::balance_cpu(Clock::time_point now) {
     for (auto& [id, session] : sessions_) {
         Sandbox* box = session->sandbox();
         if (session->closed() || !box) continue;
+        SandboxCpu* cpu = box->cpu();
+        if (!cpu) continue;  // a backend without CPU controls: nothing to balance
         auto& fairness = fairness_[id];
         CpuSample sample;
         sample.at = now;
         sample.cpu_ns = box->usage().cpu_ns;
-        sample.tasks = box->task_count();
+        sample.tasks = cpu->task_count();
         // Only a demoted session needs it (to tell calm from starved): /proc reads per task.
-        if (fairness.demoted()) sample.runnable = box->any_task_runnable();
+        if (fairness.demoted()) sample.runnable = cpu->any_task_runnable();
         if (const auto running = session->running_since()) sample.running_for = now - *running;
         sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);
@@ -72,8 +74,8 @@ void Server::balance_cpu(Clock::time_point now) {
         const double cpus = change->setting.cpus <= 0 ? own
                             : own > 0                 ? std::min(change->setting.cpus, own)
                                                       : change->setting.cpus;
-        const bool weighted = box->set_cpu_weight(change->setting.weight);
-        const bool capped = box->set_cpu_quota(cpus);
+        const bool weighted = cpu->set_cpu_weight(change->setting.weight);
+        const bool capped = cpu->set_cpu_quota(cpus);
         if (!weighted && !capped) continue;  // no CPU controller for this sandbox
         spdlog::info("session {}: {}: {}", id, change->event, change->detail);
         on_event(id, change->event, change->detail);

@@ -222,10 +222,11 @@ Server::Server(const ServeOptions& options)
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
         [ctx, stopping = &stopping_, transport = options_.kernel_transport](
-            Sandbox& box, bool background) -> std::shared_ptr<void> {
+            Sandbox& box, bool background) -> std::shared_ptr<InnerChannels> {
             // A fork a client waits for skips the warm-up: it would cost the
             // create about 8 ms to save the first execution 2-4 (zygote.md).
-            const bool warm_up = background || !box.forked();
+            const HostProcess* host = box.host_process();
+            const bool warm_up = background || !host || !host->forked();
             return std::shared_ptr<InnerChannels>(
                 probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping, transport, warm_up));
         },

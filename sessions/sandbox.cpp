@@ -104,12 +104,11 @@ void write_runtime_file(const fs::path& dir, const std::string& runtime) {
 }
 
 void write_value(const fs::path& file, const std::string& value) {
-    const int fd = ::open(file.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) throw SandboxError("write " + file.string() + " = " + value + ": " + errno_text());
-    const ssize_t n = ::write(fd, value.data(), value.size());
-    const std::string why = errno_text();
-    ::close(fd);
+    const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd) throw SandboxError("write " + file.string() + " = " + value + ": " + errno_text());
+    const ssize_t n = ::write(fd.get(), value.data(), value.size());
     if (n != static_cast<ssize_t>(value.size())) {
+        const std::string why = errno_text();
         throw SandboxError("write " + file.string() + " = " + value + ": " + why);
     }
 }
@@ -166,8 +165,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     box->limits_ = limits;
     box->image_name_ = image.name;
     box->preload_ = image.preload;
-    box->dir_ = settings.sessions_dir() / session_id;
-    const fs::path& dir = box->dir_;
+    box->dir_ = SessionDir(settings.sessions_dir() / session_id);
+    const fs::path& dir = box->dir();
     if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
         // Kept from here until destroy(): `image rm` leaves this version alone.
         try {
@@ -253,7 +252,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
                                                 const SandboxLimits& limits,
                                                 const RuntimeSettings& settings, SandboxRole role) {
     std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
-    const fs::path& dir = box->dir_;
+    const fs::path& dir = box->dir();
     const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
     SandboxSpec spec;
@@ -305,32 +304,26 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     write_runtime_file(dir, settings.runtime);
 
     const fs::path log = paths.shim_log();
-    const int log_fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
-    if (log_fd < 0) throw SandboxError("open " + log.string() + ": " + errno_text());
+    UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
+    if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
     const fs::path pid_file = dir / "init.pid";
     std::vector<std::string> run_args{"run", "--detach", "--pid-file", pid_file.string()};
-    int pass_fd = -1;
-    int listener = -1;
+    UniqueFd pass_fd;   // the init's end of the lifeline (runc, crun)
+    UniqueFd listener;  // where the shim connects its lifeline (runsc)
     const fs::path lifeline_socket = paths.lifeline_socket();
     if (runtime_passes_fds(runtime_kind(settings.runtime))) {
         // One end of a socketpair becomes the init's fd 3.
         int pair[2];
         if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
-            ::close(log_fd);
             throw SandboxError("lifeline socketpair: " + errno_text());
         }
         box->lifeline_.reset(pair[0]);
-        pass_fd = pair[1];
+        pass_fd.reset(pair[1]);
         run_args.insert(run_args.end(), {"--preserve-fds", "1"});
     } else {
         // The shim connects to this socket as its first act, before the kernel
         // (the first untrusted code) exists; see accept_lifeline below.
-        try {
-            listener = listen_lifeline(lifeline_socket, sandbox_host_uid);
-        } catch (...) {
-            ::close(log_fd);
-            throw;
-        }
+        listener.reset(listen_lifeline(lifeline_socket, sandbox_host_uid));
     }
     run_args.insert(run_args.end(), {"--bundle", paths.bundle().string(), box->container_id_});
     const bool runsc = runtime_kind(settings.runtime) == RuntimeKind::runsc;
@@ -338,7 +331,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         std::lock_guard lock(runsc_children().mutex);
         ++runsc_children().starting;
     }
-    const auto result = run_process(runtime_argv(settings, run_args), pass_fd, log_fd);
+    const auto result = run_process(runtime_argv(settings, run_args), pass_fd.get(), log_fd.get());
     box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
     if (runsc) {
         const pid_t gofer = find_child_gofer(paths.bundle());
@@ -348,23 +341,22 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         if (gofer > 0) runsc_children().owned.insert(gofer);
         box->gofer_pid_ = gofer;
     }
-    if (pass_fd >= 0) ::close(pass_fd);
-    ::close(log_fd);
+    pass_fd.reset();
+    log_fd.reset();
     if (result.exit_code != 0) {
-        if (listener >= 0) ::close(listener);
         throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " +
                            sandbox_detail::log_tail(log));
     }
     if (box->init_pid_ <= 0) {
-        if (listener >= 0) ::close(listener);
         throw SandboxError("pid file " + pid_file.string() + ": no pid");
     }
-    if (listener >= 0) {
+    if (listener) {
         // Only the first connection is taken; the socket is then closed and
         // unlinked, so nothing started later in the sandbox can reach it. The
         // shim connects before it starts the kernel, so the first is the shim's.
-        box->lifeline_.reset(accept_lifeline(listener, box->init_pid_, std::chrono::seconds(30)));
-        ::close(listener);
+        box->lifeline_.reset(
+            accept_lifeline(listener.get(), box->init_pid_, std::chrono::seconds(30)));
+        listener.reset();
         ::unlink(lifeline_socket.c_str());
         if (!box->lifeline_) {
             throw SandboxError(settings.runtime + " run " + box->container_id_ +
@@ -393,9 +385,7 @@ bool RuncSandbox::read_lifeline() {
     return false;
 }
 
-std::string RuncSandbox::log_tail() const {
-    return sandbox_detail::log_tail(SessionDir(dir_).shim_log());
-}
+std::string RuncSandbox::log_tail() const { return sandbox_detail::log_tail(dir_.shim_log()); }
 
 bool RuncSandbox::memory_limit_hit() const {
     const auto u = usage();
@@ -464,7 +454,7 @@ void RuncSandbox::destroy() {
     kill();
     reap_init();
     lifeline_.reset();
-    remove_session(settings_, session_id_, dir_);
+    remove_session(settings_, session_id_, dir());
     // By now (runsc delete has run) the Sentry's stubs are dead: reap them.
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) reap_runsc_orphans();
     lock_fd_.reset();

@@ -303,9 +303,11 @@ nlohmann::json SandboxPool::warm_sandboxes() const {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& [name, slot] : slots_) {
         for (const auto& warm : slot.ready) {
-            out.push_back({{"image", name},
-                           {"container_id", warm.sandbox->container_id()},
-                           {"init_pid", warm.sandbox->init_pid()}});
+            out.push_back(
+                {{"image", name},
+                 {"container_id", warm.sandbox->container_id()},
+                 {"init_pid",
+                  warm.sandbox->host_process() ? warm.sandbox->host_process()->init_pid() : -1}});
         }
     }
     return out;

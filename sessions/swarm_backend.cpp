@@ -14,6 +14,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/signer.hpp"
@@ -204,6 +205,13 @@ class SwarmSandbox final : public Sandbox {
         std::lock_guard lock(mutex_);
         return node_lost_;
     }
+    // The engine's per-task figures are not read yet (docs/scale-out.md):
+    // no usage, and a task the OOM killer ended reads as a task that ended.
+    bool memory_limit_hit() const override { return false; }
+    SandboxUsage usage() const override { return {}; }
+    // No capability: its files, cgroups and processes are on another node
+    // (files(), cpu() and host_process() are null).
+
     // The engine has no way to signal a task's process from the manager:
     // the relay asks the kernel on its control channel.
     bool interrupt() override { return false; }
@@ -401,6 +409,14 @@ SwarmBackend::~SwarmBackend() {
     }
     wake_.notify_all();
     if (watcher_.joinable()) watcher_.join();
+}
+
+std::optional<BackendRefusal> SwarmBackend::refuse(const Image& image) const {
+    if (runtime_kind(image.runtime) == RuntimeKind::runc) return std::nullopt;
+    return BackendRefusal{ename::UnknownRuntime,
+                          "runtime '" + image.runtime +
+                              "' is not available on the swarm backend: its services run on each "
+                              "node engine's default runtime (runc)"};
 }
 
 bool SwarmBackend::can_serve(const Image&, const SandboxLimits& a, const SandboxLimits& b) const {

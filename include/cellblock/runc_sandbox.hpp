@@ -15,7 +15,32 @@
 
 namespace cellblock {
 
-class RuncSandbox final : public Sandbox {
+struct RuntimeSettings {
+    std::string runtime = "runc";       // runc, crun or runsc (a binary on PATH or a path)
+    std::filesystem::path state_dir;    // root of everything cellblock keeps
+    std::filesystem::path libexec_dir;  // holds cellblock-shim and the kernel launcher
+    // Where each sandbox leases its own host id range (host_ids.hpp).
+    HostIdPool host_ids;
+    // The CPU weight (cgroup v1 cpu.shares) a sandbox starts with; 0 leaves
+    // the runtime's default. The pool starts its refills at a low weight so
+    // that a kernel booting in the background does not slow the sessions in
+    // use; the sandbox gets the default back when a session takes it.
+    int start_cpu_shares = 0;
+    std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
+    std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
+};
+
+// The runtimes a session may ask for by name.
+bool runtime_allowed(const std::string& name);  // runc, runsc, crun
+// Whether `runtime` (a name looked up on the PATH cellblock gives its helpers,
+// or a path) is an executable file on this host.
+bool runtime_installed(const std::string& runtime);
+
+// A sandbox of this host's OCI runtime: every capability (sandbox.hpp).
+class RuncSandbox final : public Sandbox,
+                          public SandboxFiles,
+                          public SandboxCpu,
+                          public HostProcess {
   public:
     // Creates the session directory (lock, bundle, capped ipc and output
     // mounts), writes the inner connection file, and starts the container
@@ -30,7 +55,13 @@ class RuncSandbox final : public Sandbox {
 
     // The runtime this sandbox runs on ("runc", "runsc", ...).
     const std::string& runtime() const override { return settings_.runtime; }
-    std::filesystem::path dir() const override { return dir_; }
+    SandboxFiles* files() override { return this; }
+    SandboxCpu* cpu() override { return this; }
+    HostProcess* host_process() override { return this; }
+
+    // HostProcess.
+    const SessionDir& session_dir() const override { return dir_; }
+    const std::filesystem::path& dir() const { return dir_.root(); }
     pid_t init_pid() const override { return init_pid_; }
     // The host ids this sandbox's container ids map to, leased for its
     // lifetime: no other sandbox on the host runs as them meanwhile.
@@ -48,7 +79,8 @@ class RuncSandbox final : public Sandbox {
     bool exited() const override { return exited_; }
     std::string exit_description() const override;
     bool memory_limit_hit() const override;
-    std::string log_tail() const override;  // log/shim.log
+    std::string log_tail() const override;             // log/shim.log
+    bool node_lost() const override { return false; }  // this host runs it
 
     // SIGINT to the kernel (through the shim: a signal, or a lifeline line).
     bool interrupt() override;
@@ -64,6 +96,12 @@ class RuncSandbox final : public Sandbox {
     // execution's reply path, where a path lookup in cgroupfs (kernfs
     // revalidation per component) cost more than the read itself.
     SandboxUsage usage() const override;
+    // SandboxFiles: the session directory's input/, output/ and partial/.
+    std::filesystem::path input_dir() const override { return dir_.input(); }
+    std::filesystem::path output_dir() const override { return dir_.output(); }
+    std::filesystem::path staging_dir() const override { return dir_.staging(); }
+
+    // SandboxCpu.
     // cgroup v1 cpu.shares (v2 cpu.weight is scaled to match). False when
     // the sandbox has no CPU controller to write.
     bool set_cpu_weight(int shares) override;
@@ -88,7 +126,7 @@ class RuncSandbox final : public Sandbox {
     // A forked session's zygote, kept (with the root it runs on) until the
     // session is destroyed, whatever the pool does with it meanwhile.
     std::shared_ptr<void> keep_;
-    std::filesystem::path dir_;
+    SessionDir dir_;
     RuntimeSettings settings_;
     pid_t init_pid_ = -1;
     pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns

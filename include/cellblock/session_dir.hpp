@@ -42,6 +42,9 @@ class SessionDir {
     // size-capped tmpfs).
     std::filesystem::path input() const { return root_ / "input"; }
     std::filesystem::path output() const { return root_ / "output"; }
+    // Where an upload is written before it is renamed into input() (the
+    // sandbox cannot see it there).
+    std::filesystem::path staging() const { return root_ / "partial"; }
     // The init's stdout and stderr, on a 1 MB tmpfs.
     std::filesystem::path log() const { return root_ / "log"; }
     std::filesystem::path shim_log() const { return log() / "shim.log"; }

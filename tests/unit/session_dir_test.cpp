@@ -25,6 +25,7 @@ TEST(SessionDir, EveryPathIsUnderTheRootAndDistinct) {
                               dir.zygote_socket(),
                               dir.lifeline_socket(),
                               dir.input(),
+                              dir.staging(),
                               dir.output(),
                               dir.log(),
                               dir.shim_log(),
