@@ -9,11 +9,17 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cellblock/sandbox.hpp"
 
 namespace cellblock {
+
+// Why the kernel ended, in words, from everything the shim wrote on its
+// lifeline (its last "kernel-exit" line, sandbox_protocol.hpp): "the kernel
+// exited with status 1", "the kernel was killed by signal 9", ...
+std::string describe_kernel_exit(std::string_view lifeline_text);
 
 class RuncSandbox final : public Sandbox {
   public:
