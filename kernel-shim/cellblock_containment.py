@@ -8,18 +8,18 @@ cellblock_protocol's):
   A (the fork): closes every other descriptor, joins the session's cgroup
     in each v1 hierarchy (writes 0 to the `tasks` files the server opened),
     unshares user, mount, PID, IPC, UTS and network namespaces at once ->
-    "userns"; forks B -> "init PID"; meanwhile the server writes the user
-    namespace's id maps (the session's own host id range) -> "mapped"; A
+    `userns`; forks B -> `init PID`; meanwhile the server writes the user
+    namespace's id maps (the session's own host id range) -> `mapped`; A
     tells B so and exits.
   B (PID 1 of the new PID namespace): becomes root of its user namespace
     once A says the maps are written; the server moves it into the
     session's v2 cgroup while B sets up; B unshares its cgroup namespace
-    once told "cgrouped". Private mounts, its own /proc with
+    once told `cgrouped`. Private mounts, its own /proc with
     the usual paths masked, fresh /tmp, home, /dev/shm, /dev/mqueue and
     /dev/pts, the session's ipc, input (read-only) and output directories
     moved in over the zygote's, hostname, loopback up, rlimits; drops the
     bounding set, becomes uid 1000 (no capabilities left), installs the
-    session's seccomp filter; forks C -> "ready"; execs cellblock-shim
+    session's seccomp filter; forks C -> `ready`; execs cellblock-shim
     --adopt C, which is the session's init from then on, as in a booted one.
   C: re-seeds every random generator, takes the session's environment and
     starts the kernel on /run/cellblock/kernel.json.

