@@ -191,6 +191,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
     egress_events.reset();
     const int exit_code = kernel_was_lost(proxy->close_reason()) ? 1 : 0;
     proxy.reset();
+    await_cgroup_removals(kShutdownCgroupWait);  // a slow-dying sandbox's cgroups
     return exit_code;
 }
 

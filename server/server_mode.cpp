@@ -99,6 +99,7 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     // refused (no such cgroup: no local sandboxes).
     if (weight == sandboxes_weight_) return;
     const bool set = set_sandboxes_cpu_weight(weight);
+    set_servers_cpu_weight(weight);
     spdlog::debug(
         "sandboxes' CPU weight {}{} (on the host: {} interactive sessions, {} hogging, "
         "{} servers)",
@@ -247,6 +248,13 @@ int Server::run() {
     if (metrics_tick) loop_.remove_deadline(*metrics_tick);
     if (metrics_) tick_metrics(Clock::now(), true);
     shut_down(signal_name);
+    // Sandboxes whose processes were slow to die: their cgroups go before we do.
+    if (!await_cgroup_removals(kShutdownCgroupWait)) {
+        spdlog::warn(
+            "cellblock serve: some closed sandboxes' cgroups still hold processes "
+            "after {} s; the next start removes them",
+            kShutdownCgroupWait.count() / 1000);
+    }
     // What is left on the host without this server's sessions.
     if (options_.weigh_sandboxes) weigh_sandboxes(0, 0);
     return 0;

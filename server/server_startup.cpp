@@ -133,6 +133,12 @@ Server::Server(const ServeOptions& options)
     egress_ = start_egress_gateway(options_.egress, options_.policy.maxima.network,
                                    options_.paths.egress_gateway);
     if (options_.weigh_sandboxes) {
+        // The server relays every session's messages: next to sandboxes that
+        // weigh many processes it must weigh as much, or each message waits
+        // behind their spins (bench figure 6: 30-65 ms of run-queue wait per
+        // round trip in the server once ten spinning sessions weighed ten).
+        if (const std::string why = join_servers_cgroup(); !why.empty())
+            spdlog::warn("the server keeps the host's CPU weight: {}", why);
         try {
             cpu_demand_ = std::make_unique<HostCpuDemand>(options_.cpu_demand_dir);
         } catch (const std::exception& e) {

@@ -107,10 +107,10 @@ class RuncSandbox final : public Sandbox {
     bool reaped_ = false;
     std::string shim_status_;
     std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
-    // Kept-open cgroup files (-1 where the controller or file is absent).
+    // Kept-open cgroup files (none where the controller or file is absent).
     struct CounterFiles {
-        int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
-        int cpu_weight = -1, cpu_quota = -1, pids_current = -1;
+        UniqueFd memory_peak, memory_usage, oom_control, cpu_usage;
+        UniqueFd cpu_weight, cpu_quota, pids_current;
         bool cpu_weight_v2 = false, cpu_quota_v2 = false;
     } counters_;
     void open_counters();
@@ -121,6 +121,11 @@ class RuncSandbox final : public Sandbox {
 // is not held (their owner died) are killed, deleted, unmounted and removed.
 // Returns the ids of the sessions reaped.
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
+
+// Waits up to `timeout` until the cgroups of closed sandboxes whose last
+// processes were slow to die are removed (a server waits for them before it
+// exits, so that it leaves nothing behind). True when none are left.
+bool await_cgroup_removals(std::chrono::milliseconds timeout);
 
 // Removes cellblock's empty `cb-*` cgroups (every controller) that are older
 // than `min_age`: what runs killed mid-way leave when their session
@@ -135,6 +140,18 @@ std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds mi
 // there is no such cgroup or it refused. The parent is shared by every server
 // on the host: the last writer's figure holds.
 bool set_sandboxes_cpu_weight(int shares);
+
+// Moves this process (all its threads, and the children it starts later) into
+// the servers' cgroup (`cellblock-servers`, beside the sandboxes' parent),
+// created if missing. Every server on the host shares it. Returns why not, or
+// "" once joined.
+std::string join_servers_cgroup();
+
+// Sets the servers' cgroup's CPU weight (v1 cpu.shares units): the servers
+// relay every message of every session, so they weigh what the sandboxes do
+// (a server uses CPU only for the messages it is given, so the weight costs
+// no one anything while it is idle). False if there is no such cgroup.
+bool set_servers_cpu_weight(int shares);
 
 // The cgroup directories (one per v1 controller, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);

@@ -1,0 +1,75 @@
+// remove_cgroup_dirs: a cgroup whose last process outlives the short wait at
+// a sandbox's close is removed once that process is gone, instead of being
+// left on the host until the next server start.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "../../sessions/sandbox_internal.hpp"
+#include "cellblock/runc_sandbox.hpp"
+
+namespace cellblock::sandbox_detail {
+namespace {
+namespace fs = std::filesystem;
+
+// A fresh cgroup in a hierarchy this test may use, or empty.
+fs::path make_cgroup() {
+    const std::string name = "cellblock-unit-sweeper-" + std::to_string(::getpid());
+    for (const fs::path parent :
+         {"/sys/fs/cgroup/pids", "/sys/fs/cgroup/memory", "/sys/fs/cgroup"}) {
+        if (!fs::exists(parent / "cgroup.procs")) continue;
+        std::error_code ec;
+        if (fs::create_directory(parent / name, ec)) return parent / name;
+    }
+    return {};
+}
+
+TEST(CgroupSweeper, ACgroupEmptiedAfterTheWaitIsStillRemoved) {
+    const fs::path dir = make_cgroup();
+    if (dir.empty()) GTEST_SKIP() << "no cgroup hierarchy this process may write to";
+    int pipe_fds[2];
+    ASSERT_EQ(::pipe(pipe_fds), 0);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        ::close(pipe_fds[1]);
+        char byte;
+        while (::read(pipe_fds[0], &byte, 1) < 0 && errno == EINTR) {
+        }
+        ::_exit(0);
+    }
+    ::close(pipe_fds[0]);
+    {
+        std::ofstream procs(dir / "cgroup.procs");
+        procs << pid << "\n";
+    }
+    const auto before = cgroups_pending_removal();
+    remove_cgroup_dirs({dir});  // the child still runs in it: the kernel refuses
+    EXPECT_TRUE(fs::exists(dir));
+    EXPECT_EQ(cgroups_pending_removal(), before + 1);
+    ::close(pipe_fds[1]);  // now the child ends
+    ASSERT_EQ(::waitpid(pid, nullptr, 0), pid);
+    EXPECT_TRUE(await_cgroup_removals(std::chrono::seconds(60)));
+    EXPECT_FALSE(fs::exists(dir)) << "the emptied cgroup was left on the host";
+    std::error_code ec;
+    fs::remove(dir, ec);
+}
+
+TEST(CgroupSweeper, AnEmptyCgroupIsRemovedAtOnce) {
+    const fs::path dir = make_cgroup();
+    if (dir.empty()) GTEST_SKIP() << "no cgroup hierarchy this process may write to";
+    const auto before = cgroups_pending_removal();
+    remove_cgroup_dirs({dir, dir.parent_path() / "cellblock-unit-never-made"});
+    EXPECT_FALSE(fs::exists(dir));
+    EXPECT_EQ(cgroups_pending_removal(), before) << "nothing to wait for";
+}
+
+}  // namespace
+}  // namespace cellblock::sandbox_detail
