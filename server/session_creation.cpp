@@ -214,7 +214,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
             if (!egress_) throw std::runtime_error("the server has no egress gateway");
             const auto lifetime =
                 std::chrono::seconds(static_cast<std::int64_t>(pending.limits.lifetime_s) + 3600);
-            egress_->add_session(pending.session_id, warm.sandbox->dir() / "ipc",
+            egress_->add_session(pending.session_id, SessionDir(warm.sandbox->dir()).ipc(),
                                  pending.limits.network, lifetime);
         } catch (const std::exception& e) {
             spdlog::error("session {}: egress gateway: {}", pending.session_id, e.what());

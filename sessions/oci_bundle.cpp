@@ -239,7 +239,7 @@ json make_oci_config(const SandboxSpec& spec) {
         args.push_back(spec.image.kernel_argv.at(0));
         args.push_back(std::string(kSandboxLibexec) + "/cellblock_zygote.py");
         args.push_back(sandbox_protocol::kZygoteSocketOption);
-        args.push_back(std::string(kSandboxIpcDir) + "/" + sandbox_protocol::kZygoteSocketName);
+        args.push_back(kSandboxZygoteSocket);
         std::string preload;
         for (const auto& module : spec.image.preload)
             preload += (preload.empty() ? "" : ",") + module;

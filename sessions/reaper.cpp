@@ -30,6 +30,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/session_dir.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 
@@ -145,9 +146,7 @@ void remove_session(RuntimeSettings settings, const std::string& session_id, con
             spdlog::warn("session {}: {} delete: {}", session_id, settings.runtime, result.output);
         }
     }
-    unmount_if_mounted(dir / "ipc");
-    unmount_if_mounted(dir / "output");
-    unmount_if_mounted(dir / "log");
+    for (const fs::path& mount : SessionDir(dir).mounts()) unmount_if_mounted(mount);
     remove_cgroups(cid);
     std::error_code ec;
     fs::remove_all(dir, ec);
@@ -167,10 +166,7 @@ bool await_cgroup_removals(std::chrono::milliseconds timeout) {
 
 std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {
     std::vector<fs::path> removed;
-    std::vector<fs::path> parents = {"/sys/fs/cgroup/cellblock"};
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/sys/fs/cgroup", ec))
-        parents.push_back(entry.path() / "cellblock");
+    const std::vector<fs::path> parents = sandboxes_cgroup_parents();
     const auto now = fs::file_time_type::clock::now();
     for (const auto& parent : parents) {
         std::error_code it_ec;
@@ -193,7 +189,7 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
     for (const auto& entry : fs::directory_iterator(settings.sessions_dir(), ec)) {
         const std::string session_id = entry.path().filename().string();
         // Held until the session is removed, so that no one else reaps it meanwhile.
-        const UniqueFd lock(::open((entry.path() / "lock").c_str(), O_RDWR | O_CLOEXEC));
+        const UniqueFd lock(::open(SessionDir(entry.path()).lock().c_str(), O_RDWR | O_CLOEXEC));
         if (lock && ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // its owner is alive
         if (!lock) {
             // No lock yet: another process may be creating it right now.

@@ -3,6 +3,7 @@
 // of their own (sandbox_internal.hpp).
 #include "cellblock/runc_sandbox.hpp"
 #include "cellblock/sandbox_tuning.hpp"
+#include "cellblock/session_dir.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -95,7 +96,7 @@ std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std:
 }
 
 // Which runtime created a session dir (written at start, read by the reaper).
-fs::path runtime_file(const fs::path& dir) { return dir / "runtime"; }
+fs::path runtime_file(const fs::path& dir) { return SessionDir(dir).runtime_file(); }
 
 void write_runtime_file(const fs::path& dir, const std::string& runtime) {
     std::ofstream out(runtime_file(dir));
@@ -201,30 +202,31 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     }
     // The lock appears under its final name only once held, so a reaper in
     // another cellblock process never sees an unlocked lock of a live session.
-    box->lock_fd_.reset(::open((dir / "lock.new").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
+    const SessionDir paths(dir);
+    box->lock_fd_.reset(::open(paths.lock_staging().c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
     if (!box->lock_fd_ || ::flock(box->lock_fd_.get(), LOCK_EX | LOCK_NB) != 0 ||
-        ::rename((dir / "lock.new").c_str(), (dir / "lock").c_str()) != 0) {
-        throw SandboxError("session lock " + (dir / "lock").string() + ": " + errno_text());
+        ::rename(paths.lock_staging().c_str(), paths.lock().c_str()) != 0) {
+        throw SandboxError("session lock " + paths.lock().string() + ": " + errno_text());
     }
 
-    for (const char* sub : {"ipc", "input", "output", "bundle", "log"}) {
-        if (::mkdir((dir / sub).c_str(), 0711) != 0) {
-            throw SandboxError("mkdir " + (dir / sub).string() + ": " + errno_text());
+    for (const fs::path& sub : paths.subdirectories()) {
+        if (::mkdir(sub.c_str(), 0711) != 0) {
+            throw SandboxError("mkdir " + sub.string() + ": " + errno_text());
         }
     }
     // The kernel creates its sockets in ipc/, so the sandbox can write there;
     // the directory is root's and sticky, and holds .server/ (root only) where
     // the server links the kernel's sockets before connecting: a socket the
     // sandbox later swaps for a symlink never redirects the server.
-    mount_tmpfs(dir / "ipc", tuning::kIpcTmpfsMb, 0, "1777");
-    if (::mkdir((dir / "ipc" / ".server").c_str(), 0700) != 0) {
-        throw SandboxError("mkdir " + (dir / "ipc" / ".server").string() + ": " + errno_text());
+    mount_tmpfs(paths.ipc(), tuning::kIpcTmpfsMb, 0, "1777");
+    if (::mkdir(paths.server_links().c_str(), 0700) != 0) {
+        throw SandboxError("mkdir " + paths.server_links().string() + ": " + errno_text());
     }
-    mount_tmpfs(dir / "output", limits.output_mb, sandbox_host_uid);
+    mount_tmpfs(paths.output(), limits.output_mb, sandbox_host_uid);
     // The init's stdout and stderr: its own 1 MB tmpfs, so nothing the sandbox
     // does can grow a file on the host's disk.
-    mount_tmpfs(dir / "log", tuning::kLogTmpfsMb, 0);
-    ::chmod((dir / "input").c_str(), 0755);
+    mount_tmpfs(paths.log(), tuning::kLogTmpfsMb, 0);
+    ::chmod(paths.input().c_str(), 0755);
 
     // The inner connection: ipc sockets in the session's own directory and a
     // key of its own. The client's key never enters the sandbox.
@@ -238,13 +240,13 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     inner.hb_port = 5;
     inner.key = make_random_key();
     inner.kernel_name = image.name;
-    const fs::path conn_file = dir / "ipc" / "kernel.json";
+    const fs::path conn_file = paths.connection_file();
     inner.write(conn_file);
     if (::chown(conn_file.c_str(), sandbox_host_uid, sandbox_host_uid) != 0) {
         throw SandboxError("chown " + conn_file.string() + ": " + errno_text());
     }
     box->inner_ = inner;
-    box->inner_.ip = (dir / "ipc" / "k").string();
+    box->inner_.ip = paths.kernel_sockets().string();
     return box;
 }
 
@@ -280,10 +282,11 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     }
     spec.limits = limits;
     spec.ids = box->host_ids();
-    spec.rootfs = image.rootfs == "host" ? dir / "bundle" / "rootfs" : fs::path(image.rootfs);
-    spec.ipc_dir = dir / "ipc";
-    spec.input_dir = dir / "input";
-    spec.output_dir = dir / "output";
+    const SessionDir paths(dir);
+    spec.rootfs = image.rootfs == "host" ? paths.bundle_rootfs() : fs::path(image.rootfs);
+    spec.ipc_dir = paths.ipc();
+    spec.input_dir = paths.input();
+    spec.output_dir = paths.output();
     spec.libexec_dir = settings.libexec_dir;
     spec.runtime = settings.runtime;
     json config = make_oci_config(spec);
@@ -295,21 +298,21 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         throw SandboxError(std::string("session ") + session_id + ": " + e.what());
     }
     {
-        std::ofstream out(dir / "bundle" / "config.json");
+        std::ofstream out(paths.bundle_config());
         out << config.dump(1);
-        if (!out) throw SandboxError("write " + (dir / "bundle" / "config.json").string());
+        if (!out) throw SandboxError("write " + paths.bundle_config().string());
     }
 
     write_runtime_file(dir, settings.runtime);
 
-    const fs::path log = dir / "log" / "shim.log";
+    const fs::path log = paths.shim_log();
     const int log_fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
     if (log_fd < 0) throw SandboxError("open " + log.string() + ": " + errno_text());
     const fs::path pid_file = dir / "init.pid";
     std::vector<std::string> run_args{"run", "--detach", "--pid-file", pid_file.string()};
     int pass_fd = -1;
     int listener = -1;
-    const fs::path lifeline_socket = dir / "ipc" / fs::path(kSandboxLifelineSocket).filename();
+    const fs::path lifeline_socket = paths.lifeline_socket();
     if (runtime_passes_fds(runtime_kind(settings.runtime))) {
         // One end of a socketpair becomes the init's fd 3.
         int pair[2];
@@ -330,7 +333,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
             throw;
         }
     }
-    run_args.insert(run_args.end(), {"--bundle", (dir / "bundle").string(), box->container_id_});
+    run_args.insert(run_args.end(), {"--bundle", paths.bundle().string(), box->container_id_});
     const bool runsc = runtime_kind(settings.runtime) == RuntimeKind::runsc;
     if (runsc) {
         std::lock_guard lock(runsc_children().mutex);
@@ -339,7 +342,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     const auto result = run_process(runtime_argv(settings, run_args), pass_fd, log_fd);
     box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
     if (runsc) {
-        const pid_t gofer = find_child_gofer(dir / "bundle");
+        const pid_t gofer = find_child_gofer(paths.bundle());
         std::lock_guard lock(runsc_children().mutex);
         --runsc_children().starting;
         if (box->init_pid_ > 0) runsc_children().owned.insert(box->init_pid_);
@@ -392,7 +395,7 @@ bool RuncSandbox::read_lifeline() {
 }
 
 std::string RuncSandbox::log_tail() const {
-    return sandbox_detail::log_tail(dir_ / "log" / "shim.log");
+    return sandbox_detail::log_tail(SessionDir(dir_).shim_log());
 }
 
 bool RuncSandbox::memory_limit_hit() const {

@@ -39,17 +39,33 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace sandbox_detail;
 
+bool cgroup_v2() { return fs::exists(fs::path(kCgroupRoot) / "cgroup.controllers"); }
+
+std::vector<fs::path> cgroup_hierarchies() {
+    if (cgroup_v2()) return {kCgroupRoot};
+    std::vector<fs::path> hierarchies;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(kCgroupRoot, ec)) {
+        std::error_code type_ec;
+        if (!entry.is_directory(type_ec) || entry.is_symlink(type_ec)) continue;
+        hierarchies.push_back(entry.path());
+    }
+    return hierarchies;
+}
+
+std::vector<fs::path> sandboxes_cgroup_parents() {
+    std::vector<fs::path> parents;
+    for (const auto& hierarchy : cgroup_hierarchies())
+        parents.push_back(hierarchy / kSandboxesCgroup);
+    return parents;
+}
+
 std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
     std::vector<fs::path> dirs;
-    const fs::path root = "/sys/fs/cgroup";
-    if (fs::exists(root / "cgroup.controllers")) {
-        dirs.push_back(root / "cellblock" / container_id);
-        return dirs;
-    }
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(root, ec)) {
-        const fs::path dir = entry.path() / "cellblock" / container_id;
-        if (fs::exists(dir)) dirs.push_back(dir);
+    const bool v2 = cgroup_v2();
+    for (const auto& parent : sandboxes_cgroup_parents()) {
+        const fs::path dir = parent / container_id;
+        if (v2 || fs::exists(dir)) dirs.push_back(dir);
     }
     return dirs;
 }
@@ -66,15 +82,12 @@ std::string weight_text(int shares, bool v2) {
 
 namespace {
 
-constexpr const char* kSandboxesGroup = "cellblock";
-constexpr const char* kServersGroup = "cellblock-servers";
-
 // The CPU controller's directory of a top-level cgroup `group` (v1: whichever
 // mount holds the cpu controller; v2: the unified tree), whether it exists or
 // not; empty if the host has no CPU controller.
 fs::path cpu_group_dir(const char* group, bool& v2) {
-    const fs::path root = "/sys/fs/cgroup";
-    v2 = fs::exists(root / "cgroup.controllers");
+    const fs::path root = kCgroupRoot;
+    v2 = cgroup_v2();
     if (v2) return root / group;
     for (const char* controller : {"cpu", "cpu,cpuacct"})
         if (fs::exists(root / controller / "cpu.shares")) return root / controller / group;
@@ -93,13 +106,13 @@ bool write_cpu_weight(const char* group, int shares) {
 
 }  // namespace
 
-bool set_sandboxes_cpu_weight(int shares) { return write_cpu_weight(kSandboxesGroup, shares); }
+bool set_sandboxes_cpu_weight(int shares) { return write_cpu_weight(kSandboxesCgroup, shares); }
 
-bool set_servers_cpu_weight(int shares) { return write_cpu_weight(kServersGroup, shares); }
+bool set_servers_cpu_weight(int shares) { return write_cpu_weight(kServersCgroup, shares); }
 
 std::string join_servers_cgroup() {
     bool v2 = false;
-    const fs::path dir = cpu_group_dir(kServersGroup, v2);
+    const fs::path dir = cpu_group_dir(kServersCgroup, v2);
     if (dir.empty()) return "no CPU controller";
     if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
         return "mkdir " + dir.string() + ": " + errno_text();

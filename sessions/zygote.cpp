@@ -31,6 +31,7 @@
 #include "cellblock/sandbox_pool.hpp"
 #include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/sandbox_tuning.hpp"
+#include "cellblock/session_dir.hpp"
 #include "sandbox_internal.hpp"
 
 namespace cellblock {
@@ -162,20 +163,15 @@ std::jthread take_threadgroup_lock_early(const fs::path& v2_root) {
 std::vector<fs::path> create_session_cgroups(const std::string& container_id,
                                              const std::string& zygote_id) {
     std::vector<fs::path> dirs;
-    const fs::path root = "/sys/fs/cgroup";
-    if (fs::exists(root / "cgroup.controllers")) {
-        const fs::path parent = root / "cellblock";
-        ::mkdir(parent.c_str(), 0755);
-        std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
-        dirs.push_back(parent / container_id);
-    } else {
-        std::error_code ec;
-        for (const auto& entry : fs::directory_iterator(root, ec)) {
-            std::error_code type_ec;
-            if (!entry.is_directory(type_ec) || entry.is_symlink(type_ec)) continue;
-            if (!fs::exists(entry.path() / "cellblock" / zygote_id)) continue;
-            dirs.push_back(entry.path() / "cellblock" / container_id);
+    const bool v2 = cgroup_v2();
+    for (const auto& parent : sandboxes_cgroup_parents()) {
+        if (v2) {
+            ::mkdir(parent.c_str(), 0755);
+            std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
+        } else if (!fs::exists(parent / zygote_id)) {
+            continue;
         }
+        dirs.push_back(parent / container_id);
     }
     for (const auto& dir : dirs) {
         if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
@@ -305,8 +301,8 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     zygote->box_ =
         RuncSandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
     RuncSandbox& box = *zygote->box_;
-    const fs::path socket_path = box.dir() / "ipc" / protocol::kZygoteSocketName;
-    const fs::path log = box.dir() / "log" / "shim.log";
+    const fs::path socket_path = SessionDir(box.dir()).zygote_socket();
+    const fs::path log = SessionDir(box.dir()).shim_log();
     // The socket appears once the zygote has imported everything.
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
@@ -428,13 +424,14 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
     }
     box->lifeline_.reset(lifeline_pair[0]);
     UniqueFd lifeline_child(lifeline_pair[1]);
-    const fs::path log = dir / "log" / "shim.log";
+    const SessionDir paths(dir);
+    const fs::path log = paths.shim_log();
     UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
     if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
     const std::uint64_t quiet = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-    UniqueFd ipc = detached_tree(dir / "ipc", quiet);
-    UniqueFd input = detached_tree(dir / "input", quiet | MOUNT_ATTR_RDONLY);
-    UniqueFd output = detached_tree(dir / "output", quiet);
+    UniqueFd ipc = detached_tree(paths.ipc(), quiet);
+    UniqueFd input = detached_tree(paths.input(), quiet | MOUNT_ATTR_RDONLY);
+    UniqueFd output = detached_tree(paths.output(), quiet);
 
     errno = 0;
     int nice = ::getpriority(PRIO_PROCESS, 0);  // this thread's (Linux)

@@ -153,7 +153,19 @@ std::string join_servers_cgroup();
 // no one anything while it is idle). False if there is no such cgroup.
 bool set_servers_cpu_weight(int shares);
 
-// The cgroup directories (one per v1 controller, or the v2 one) of a container.
+// The cgroup layout, named once: sandboxes live in the `cellblock` cgroup
+// (kSandboxesCgroup, oci_bundle.hpp) of every hierarchy; the servers in
+// `cellblock-servers` beside it (cpu only).
+inline constexpr const char* kCgroupRoot = "/sys/fs/cgroup";
+inline constexpr const char* kServersCgroup = "cellblock-servers";
+// Whether the host mounts the unified (v2) hierarchy alone at kCgroupRoot.
+bool cgroup_v2();
+// The hierarchies' roots: kCgroupRoot on v2; on v1 each mounted hierarchy
+// under it (the named and hybrid ones too), without the symlinked aliases.
+std::vector<std::filesystem::path> cgroup_hierarchies();
+// The `cellblock` cgroup in each hierarchy, whether it exists or not.
+std::vector<std::filesystem::path> sandboxes_cgroup_parents();
+// The cgroup directories (one per v1 hierarchy, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
 
 // Applies memory, pids and CPU limits to a running sandbox's cgroup (a warm

@@ -16,6 +16,7 @@
 #include "cellblock/connection_info.hpp"
 #include "cellblock/host_ids.hpp"
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/session_dir.hpp"
 #include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
@@ -85,8 +86,12 @@ class Sandbox {
     // The session directory on this host (input, output, ipc), or empty
     // where the sandbox has none here (a Swarm service on another node).
     virtual std::filesystem::path dir() const { return {}; }
-    std::filesystem::path input_dir() const { return dir().empty() ? dir() : dir() / "input"; }
-    std::filesystem::path output_dir() const { return dir().empty() ? dir() : dir() / "output"; }
+    std::filesystem::path input_dir() const {
+        return dir().empty() ? dir() : SessionDir(dir()).input();
+    }
+    std::filesystem::path output_dir() const {
+        return dir().empty() ? dir() : SessionDir(dir()).output();
+    }
     // The init's pid on this host; -1 where it runs elsewhere.
     virtual pid_t init_pid() const { return -1; }
     // The host ids its container ids map to (empty where not on this host).

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -69,6 +70,23 @@ TEST(CgroupSweeper, AnEmptyCgroupIsRemovedAtOnce) {
     remove_cgroup_dirs({dir, dir.parent_path() / "cellblock-unit-never-made"});
     EXPECT_FALSE(fs::exists(dir));
     EXPECT_EQ(cgroups_pending_removal(), before) << "nothing to wait for";
+}
+
+TEST(CgroupLayout, EachHierarchyOnceWithTheSandboxesParentInEach) {
+    const auto hierarchies = cgroup_hierarchies();
+    if (hierarchies.empty()) GTEST_SKIP() << "no cgroup hierarchy mounted";
+    std::set<fs::path> seen;
+    for (const auto& hierarchy : hierarchies) {
+        EXPECT_FALSE(fs::is_symlink(hierarchy)) << hierarchy << ": an alias of another";
+        EXPECT_TRUE(seen.insert(fs::canonical(hierarchy)).second) << hierarchy << " twice";
+    }
+    const auto parents = sandboxes_cgroup_parents();
+    ASSERT_EQ(parents.size(), hierarchies.size());
+    for (std::size_t i = 0; i < parents.size(); ++i) {
+        EXPECT_EQ(parents[i], hierarchies[i] / kSandboxesCgroup);
+    }
+    // A container that does not exist has no cgroup but on v2 (one path, made by the runtime).
+    EXPECT_EQ(sandbox_cgroup_dirs("cb-unit-never-made").size(), cgroup_v2() ? 1U : 0U);
 }
 
 }  // namespace
