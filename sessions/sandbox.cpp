@@ -32,6 +32,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 #include "sandbox_internal.hpp"
@@ -394,19 +395,27 @@ bool RuncSandbox::memory_limit_hit() const {
                (static_cast<std::uint64_t>(limits_.memory_mb) << 20) - (1u << 20);
 }
 
-std::string RuncSandbox::exit_description() const {
-    std::string status = shim_status_;
-    while (!status.empty() && status.back() == '\n') status.pop_back();
-    const auto pos = status.rfind("kernel-exit ");
-    std::string what = pos == std::string::npos ? "" : status.substr(pos + 12);
-    std::string text;
-    if (what.rfind("signal=", 0) == 0) {
-        text = "the kernel was killed by signal " + what.substr(7);
-    } else if (what.rfind("status=", 0) == 0) {
-        text = "the kernel exited with status " + what.substr(7);
-    } else {
-        text = "the sandbox ended";
+std::string describe_kernel_exit(std::string_view lifeline_text) {
+    using How = sandbox_protocol::KernelExit::How;
+    const auto exit = sandbox_protocol::parse_kernel_exit(lifeline_text);
+    switch (exit.how) {
+        case How::exited:
+            return "the kernel exited with status " + std::to_string(exit.value);
+        case How::signaled:
+            return "the kernel was killed by signal " + std::to_string(exit.value);
+        case How::terminated:
+            return "the sandbox's init was told to stop, and the kernel had not ended " +
+                   std::to_string(sandbox_protocol::kShimTermGraceMs / 1000) +
+                   " s after its SIGTERM";
+        case How::unknown:
+            break;
     }
+    // No line: the init was killed, or it ended before the kernel had.
+    return "the sandbox ended";
+}
+
+std::string RuncSandbox::exit_description() const {
+    std::string text = describe_kernel_exit(shim_status_);
     if (memory_limit_hit()) {
         text += " (memory limit of " + std::to_string(limits_.memory_mb) + " MB reached)";
     }
@@ -418,9 +427,9 @@ bool RuncSandbox::interrupt() {
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) {
         // The init pid is gVisor's Sentry, which a SIGINT would end: ask the
         // shim over the lifeline instead (it forwards SIGINT to the kernel).
-        static const char line[] = "interrupt\n";
+        const std::string line = std::string(sandbox_protocol::kInterruptLine) + "\n";
         [[maybe_unused]] auto n =
-            ::send(lifeline_.get(), line, sizeof line - 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+            ::send(lifeline_.get(), line.data(), line.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
         return true;
     }
     ::kill(init_pid_, SIGINT);

@@ -291,7 +291,9 @@ std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
 
 std::string libexec_digest(const fs::path& libexec_dir) {
     std::string all;
-    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py"}) {
+    // Every file the sandbox runs from there (kernel-shim/CMakeLists.txt).
+    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
+                             "cellblock_containment.py", "cellblock_protocol.py"}) {
         std::ifstream in(libexec_dir / name, std::ios::binary);
         if (!in) throw SandboxError("no " + (libexec_dir / name).string());
         std::stringstream bytes;
@@ -305,7 +307,8 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
                         const std::string& session_id, const Image& image,
                         const SandboxLimits& limits, const std::string& secret_id,
                         const std::string& secret_name) {
-    json command = {kSandboxShim, "--engine", std::to_string(kSandboxUid), "--"};
+    json command = {kSandboxShim, sandbox_protocol::kShimEngineOption, std::to_string(kSandboxUid),
+                    sandbox_protocol::kShimArgvEnd};
     for (const auto& arg : image.kernel_argv) {
         command.push_back(arg == "{connection_file}" ? std::string(kSecretPath) : arg);
     }

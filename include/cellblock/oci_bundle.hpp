@@ -9,16 +9,17 @@
 #include <nlohmann/json.hpp>
 
 #include "cellblock/image.hpp"
+#include "cellblock/sandbox_protocol.hpp"
 
 namespace cellblock {
 
 // Paths inside every sandbox.
-inline constexpr const char* kSandboxIpcDir = "/run/cellblock";
+inline constexpr const char* kSandboxIpcDir = sandbox_protocol::kIpcDir;
 // The shim's egress forwarder, on the sandbox's own loopback (shim.cpp).
 inline constexpr const char* kSandboxEgressProxy = "http://127.0.0.1:3128";
-inline constexpr const char* kSandboxConnectionFile = "/run/cellblock/kernel.json";
+inline constexpr const char* kSandboxConnectionFile = sandbox_protocol::kConnectionFile;
 inline constexpr const char* kSandboxLibexec = "/opt/cellblock";
-inline constexpr const char* kSandboxShim = "/opt/cellblock/cellblock-shim";
+inline constexpr const char* kSandboxShim = sandbox_protocol::kShimPath;
 inline constexpr const char* kSandboxHome = "/home/sandbox";
 // Where pip installs a session's packages (PIP_TARGET, on PYTHONPATH): its home.
 inline constexpr const char* kSandboxPackages = "/home/sandbox/.packages";
@@ -27,7 +28,7 @@ inline constexpr const char* kSandboxOutputDir = "/data/output";
 inline constexpr std::uint32_t kSandboxUid = 1000;
 // Where the shim finds the server's lifeline socket when the runtime cannot pass
 // it an fd (runsc): the server listens there, accepts one connection, unlinks it.
-inline constexpr const char* kLifelineEnv = "CELLBLOCK_LIFELINE";
+inline constexpr const char* kLifelineEnv = sandbox_protocol::kLifelineEnv;
 inline constexpr const char* kSandboxLifelineSocket = "/run/cellblock/lifeline.sock";
 // The cgroup every sandbox's own cgroup is made in, in each hierarchy (the
 // bundle's cgroupsPath is /cellblock/<container id>; runc_sandbox.hpp has

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cellblock/sandbox.hpp"
@@ -35,6 +36,11 @@ bool runtime_allowed(const std::string& name);  // runc, runsc, crun
 // Whether `runtime` (a name looked up on the PATH cellblock gives its helpers,
 // or a path) is an executable file on this host.
 bool runtime_installed(const std::string& runtime);
+
+// Why the kernel ended, in words, from everything the shim wrote on its
+// lifeline (its last "kernel-exit" line, sandbox_protocol.hpp): "the kernel
+// exited with status 1", "the kernel was killed by signal 9", ...
+std::string describe_kernel_exit(std::string_view lifeline_text);
 
 // A sandbox of this host's OCI runtime: every capability (sandbox.hpp).
 class RuncSandbox final : public Sandbox,
