@@ -102,8 +102,12 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
     try {
         box.apply_limits(limits);
         box.set_limits(limits);
-        box.set_cpu_weight(tuning::kNormalCpuShares);
-        box.renice(0);
+        // A refill booted at a low weight and nice (RuncBackend::start): a
+        // session gets the normal ones.
+        if (SandboxCpu* cpu = box.cpu()) {
+            cpu->set_cpu_weight(tuning::kNormalCpuShares);
+            cpu->renice(0);
+        }
     } catch (const std::exception& e) {
         spdlog::warn("pool {}: {}; not handed out", image, e.what());
         warm.channels.reset();

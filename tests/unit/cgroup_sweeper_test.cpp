@@ -15,6 +15,7 @@
 
 #include "../../sessions/sandbox_internal.hpp"
 #include "cellblock/runc_sandbox.hpp"
+#include "held_child.hpp"
 
 namespace cellblock::sandbox_detail {
 namespace {
@@ -35,18 +36,7 @@ fs::path make_cgroup() {
 TEST(CgroupSweeper, ACgroupEmptiedAfterTheWaitIsStillRemoved) {
     const fs::path dir = make_cgroup();
     if (dir.empty()) GTEST_SKIP() << "no cgroup hierarchy this process may write to";
-    int pipe_fds[2];
-    ASSERT_EQ(::pipe(pipe_fds), 0);
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-        ::close(pipe_fds[1]);
-        char byte;
-        while (::read(pipe_fds[0], &byte, 1) < 0 && errno == EINTR) {
-        }
-        ::_exit(0);
-    }
-    ::close(pipe_fds[0]);
+    auto [pid, hold] = testing::fork_held_child();
     {
         std::ofstream procs(dir / "cgroup.procs");
         procs << pid << "\n";
@@ -55,7 +45,7 @@ TEST(CgroupSweeper, ACgroupEmptiedAfterTheWaitIsStillRemoved) {
     remove_cgroup_dirs({dir});  // the child still runs in it: the kernel refuses
     EXPECT_TRUE(fs::exists(dir));
     EXPECT_EQ(cgroups_pending_removal(), before + 1);
-    ::close(pipe_fds[1]);  // now the child ends
+    hold.reset();  // now the child ends
     ASSERT_EQ(::waitpid(pid, nullptr, 0), pid);
     EXPECT_TRUE(await_cgroup_removals(std::chrono::seconds(60)));
     EXPECT_FALSE(fs::exists(dir)) << "the emptied cgroup was left on the host";
