@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cellblock/sandbox_protocol.hpp"
+#include "cellblock/unique_fd.hpp"
 #include "shim.hpp"
 
 namespace cellblock::shim {
@@ -44,7 +45,7 @@ constexpr size_t kPipeBuffer = 64 * 1024;
 constexpr size_t kMaxPipes = 128;
 
 struct Pipe {
-    int fd[2] = {-1, -1};           // client, gateway (-1: refusing)
+    UniqueFd fd[2];                 // client, gateway (none: refusing)
     std::string out[2];             // to write to fd[i]
     bool eof[2] = {false, false};   // fd[i] sent EOF (or failed)
     bool shut[2] = {false, false};  // SHUT_WR done on fd[i]
@@ -83,26 +84,22 @@ bool pass_to_gateway(int gateway, int client) {
 // or a pipe that copies it to the gateway (copy_mode) or answers that there is
 // no gateway.
 bool open_pipe(int client, bool copy_mode, Pipe& p) {
-    p.fd[0] = client;
+    p.fd[0].reset(client);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     const std::string path =
         std::string(sandbox_protocol::kIpcDir) + "/" + sandbox_protocol::kEgressSocketName;
     strcpy(addr.sun_path, path.c_str());
-    const int gateway = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    UniqueFd gateway(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     // Blocking connect: the gateway accepts at once (its backlog is 64).
-    if (gateway >= 0 && connect(gateway, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
-        if (!copy_mode && pass_to_gateway(gateway, client)) {
-            close(gateway);
-            close(client);
-            return true;
-        }
+    if (gateway && connect(gateway.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+        // Handed over: both ends close here (the client's with the unused pipe).
+        if (!copy_mode && pass_to_gateway(gateway.get(), client)) return true;
         set_nonblocking(client);
-        set_nonblocking(gateway);
-        p.fd[1] = gateway;
+        set_nonblocking(gateway.get());
+        p.fd[1] = std::move(gateway);
         return false;
     }
-    if (gateway >= 0) close(gateway);
     set_nonblocking(client);
     char head[256];
     const int n = snprintf(head, sizeof head,
@@ -119,14 +116,14 @@ bool open_pipe(int client, bool copy_mode, Pipe& p) {
 bool pump(Pipe& p, const pollfd* polled) {
     static char buf[kPipeBuffer];
     for (int i = 0; i < 2; ++i) {
-        const int from = p.fd[i], other = 1 - i;
+        const int from = p.fd[i].get(), other = 1 - i;
         if (from < 0) continue;
         const short ev = polled[i].revents;
         // Read from fd[i] into out[other] while there is room.
         if (!p.eof[i] && (ev & (POLLIN | POLLHUP | POLLERR)) && p.out[other].size() < kPipeBuffer) {
             const ssize_t n = recv(from, buf, kPipeBuffer - p.out[other].size(), 0);
             if (n > 0) {
-                if (p.fd[other] >= 0) p.out[other].append(buf, static_cast<size_t>(n));
+                if (p.fd[other]) p.out[other].append(buf, static_cast<size_t>(n));
             } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
                 p.eof[i] = true;
             }
@@ -146,12 +143,12 @@ bool pump(Pipe& p, const pollfd* polled) {
     // A side that ended and whose bytes are delivered: end the other's writing.
     for (int i = 0; i < 2; ++i) {
         const int other = 1 - i;
-        if (p.eof[i] && p.out[other].empty() && p.fd[other] >= 0 && !p.shut[other]) {
-            shutdown(p.fd[other], SHUT_WR);
+        if (p.eof[i] && p.out[other].empty() && p.fd[other] && !p.shut[other]) {
+            shutdown(p.fd[other].get(), SHUT_WR);
             p.shut[other] = true;
         }
     }
-    if (p.fd[1] < 0) {  // refusing: the answer is out, the client's rest read briefly
+    if (!p.fd[1]) {  // refusing: the answer is out, the client's rest read briefly
         return !(p.out[0].empty() && (p.eof[0] || p.drain_ms <= 0));
     }
     // The gateway is done and its bytes are delivered: the connection is over.
@@ -171,7 +168,7 @@ void start_egress_forwarder() {
     const int devnull = open("/dev/null", O_RDWR);
     if (devnull < 0) _exit(1);
     for (int fd = 0; fd < 3; ++fd) dup2(devnull, fd);
-    for (int fd = 3; fd < 1024; ++fd) close(fd);
+    close_inherited(3);
     prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
     signal(SIGINT, SIG_IGN);
     signal(SIGPIPE, SIG_IGN);
@@ -197,25 +194,23 @@ void start_egress_forwarder() {
         for (const Pipe& p : pipes) {
             for (int i = 0; i < 2; ++i) {
                 short events = 0;
-                if (p.fd[i] >= 0 && !p.eof[i] && p.out[1 - i].size() < kPipeBuffer)
-                    events |= POLLIN;
-                if (p.fd[i] >= 0 && !p.out[i].empty()) events |= POLLOUT;
-                fds.push_back({events ? p.fd[i] : -1, events, 0});
+                if (p.fd[i] && !p.eof[i] && p.out[1 - i].size() < kPipeBuffer) events |= POLLIN;
+                if (p.fd[i] && !p.out[i].empty()) events |= POLLOUT;
+                fds.push_back({events ? p.fd[i].get() : -1, events, 0});
             }
-            draining = draining || (p.fd[1] < 0 && p.out[0].empty());
+            draining = draining || (!p.fd[1] && p.out[0].empty());
         }
         const int wait_ms = draining ? kDrainStepMs : -1;
         if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) _exit(1);
         for (size_t k = 0; k < pipes.size();) {
             Pipe& p = pipes[k];
-            if (p.fd[1] < 0 && p.out[0].empty()) p.drain_ms -= kDrainStepMs;
+            if (!p.fd[1] && p.out[0].empty()) p.drain_ms -= kDrainStepMs;
             if (pump(p, &fds[1 + 2 * k])) {
                 ++k;
                 continue;
             }
-            for (int fd : p.fd)
-                if (fd >= 0) close(fd);
-            // Keep the poll slots lined up with the pipes still open.
+            // Its descriptors close with it. Keep the poll slots lined up
+            // with the pipes still open.
             fds.erase(fds.begin() + 1 + 2 * static_cast<long>(k),
                       fds.begin() + 3 + 2 * static_cast<long>(k));
             pipes.erase(pipes.begin() + static_cast<long>(k));

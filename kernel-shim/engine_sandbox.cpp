@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <initializer_list>
 
+#include "cellblock/unique_fd.hpp"
 #include "shim.hpp"
 
 namespace cellblock::shim {
@@ -28,8 +29,9 @@ constexpr int kMaxDefaultRoutes = 8;
 // published kernel ports, which arrive from the node on the local subnet: the
 // default routes go, so nothing leaves even where the node forwards.
 bool delete_default_route(int family) {
-    const int fd = socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE);
-    if (fd < 0) return false;
+    const UniqueFd netlink(socket(AF_NETLINK, SOCK_RAW | SOCK_CLOEXEC, NETLINK_ROUTE));
+    if (!netlink) return false;
+    const int fd = netlink.get();
     struct {
         nlmsghdr header;
         rtmsg route;
@@ -54,7 +56,6 @@ bool delete_default_route(int family) {
         ok = err->error == -ESRCH || err->error == -ENOENT || err->error == -EAFNOSUPPORT;
         break;
     }
-    close(fd);
     return ok;
 }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cellblock/sandbox_protocol.hpp"
+#include "cellblock/unique_fd.hpp"
 #include "shim.hpp"
 
 extern char** environ;
@@ -39,17 +40,22 @@ void make_dir(const char* path) {
     if (mkdir(path, 0700) != 0 && errno != EEXIST) say("mkdir %s failed", path);
 }
 
+void close_inherited(int first) {
+    // The shim holds a few descriptors, all low: none reaches this.
+    constexpr int kMaxInheritedFd = 1024;
+    for (int fd = first; fd < kMaxInheritedFd; ++fd) close(fd);
+}
+
 }  // namespace cellblock::shim
 
 namespace {
 
 using namespace cellblock::shim;
+using cellblock::UniqueFd;
 namespace protocol = cellblock::sandbox_protocol;
 
 constexpr int kLifelineFd = protocol::kLifelineFd;
 constexpr size_t kMaxKernelStderr = 64 * 1024;
-// Everything the kernel could inherit is closed up to here before its exec.
-constexpr int kMaxInheritedFd = 1024;
 // What the runtime gave the shim alone (the lifeline's path), not the kernel.
 constexpr const char* kOwnVariables = "CELLBLOCK_";
 
@@ -67,20 +73,16 @@ bool connect_lifeline(const char* path) {
     addr.sun_family = AF_UNIX;
     if (strlen(path) >= sizeof addr.sun_path) return false;
     strcpy(addr.sun_path, path);
-    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return false;
-    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-        close(fd);
+    UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd || connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
         return false;
     }
-    if (fd != kLifelineFd) {
-        if (dup3(fd, kLifelineFd, O_CLOEXEC) != kLifelineFd) {
-            close(fd);
-            return false;
-        }
-        close(fd);
+    if (fd.get() == kLifelineFd) {
+        fd.release();  // it is the lifeline now, for the init's whole life
+        return true;
     }
-    return true;
+    // The copy at kLifelineFd stays; `fd` closes.
+    return dup3(fd.get(), kLifelineFd, O_CLOEXEC) == kLifelineFd;
 }
 
 std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
@@ -182,14 +184,14 @@ int main(int argc, char** argv) {
             dup2(devnull, STDOUT_FILENO);
         }
         // The kernel inherits nothing but stdio: not the lifeline, not the pipe ends.
-        for (int fd = 3; fd < kMaxInheritedFd; ++fd) close(fd);
+        close_inherited(3);
         execve(argv[first], argv + first, env.data());
         const char* why = strerror(errno);
         [[maybe_unused]] ssize_t n = write(STDERR_FILENO, "cellblock-shim: exec failed: ", 29);
         n = write(STDERR_FILENO, why, strlen(why));
         _exit(127);
     }
-    if (err_pipe[1] >= 0) close(err_pipe[1]);
+    UniqueFd(err_pipe[1]).reset();  // the kernel's end: end of file once it exits
     fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
 
     std::string lifeline_line;  // what the server sent, up to a newline

@@ -13,6 +13,12 @@ void say(const char* fmt, const char* arg = "");
 // Makes a directory of the sandbox's user (0700); an existing one is fine.
 void make_dir(const char* path);
 
+// In a child about to exec or to serve alone: closes every descriptor from
+// `first` up (below the shim's own ceiling), none of which it owns as an
+// object. The one place the shim calls close() itself; elsewhere a UniqueFd
+// owns each descriptor.
+void close_inherited(int first);
+
 // Starts the egress forwarder (docs/network.md): one process listening on
 // 127.0.0.1:3128 that hands each connection to the gateway through
 // /run/cellblock/egress.sock (or, under runsc, copies it), or answers that
