@@ -7,6 +7,11 @@
 
 #include "cellblock/signer.hpp"
 
+// The pure core holds the project's frames, never libzmq's.
+#ifdef ZMQ_VERSION
+#error "session_core.hpp must not include libzmq"
+#endif
+
 namespace cellblock {
 namespace {
 using nlohmann::json;
