@@ -42,7 +42,7 @@ ssize_t receive_with_fd(int socket, char* data, std::size_t size, UniqueFd& fd, 
             int received;
             std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
             if (fd) {
-                ::close(received);  // one fd per message; more is not ours to keep
+                const UniqueFd extra(received);  // one fd per message; more is not ours
             } else {
                 fd.reset(received);
             }

@@ -188,47 +188,6 @@ bool listed(std::string_view name, auto const& names) {
                        [&](std::string_view n) { return iequals(n, name); });
 }
 
-const char* reason_phrase(int status) {
-    switch (status) {
-        case 200:
-            return "OK";
-        case 400:
-            return "Bad Request";
-        case 403:
-            return "Forbidden";
-        case 404:
-            return "Not Found";
-        case 405:
-            return "Method Not Allowed";
-        case 407:
-            return "Proxy Authentication Required";
-        case 408:
-            return "Request Timeout";
-        case 413:
-            return "Content Too Large";
-        case 414:
-            return "URI Too Long";
-        case 429:
-            return "Too Many Requests";
-        case 431:
-            return "Request Header Fields Too Large";
-        case 500:
-            return "Internal Server Error";
-        case 501:
-            return "Not Implemented";
-        case 502:
-            return "Bad Gateway";
-        case 503:
-            return "Service Unavailable";
-        case 504:
-            return "Gateway Timeout";
-        case 505:
-            return "HTTP Version Not Supported";
-        default:
-            return "Error";
-    }
-}
-
 }  // namespace
 
 HeadParse parse_request_head(std::string_view buffer, const HttpLimits& limits) {
@@ -445,11 +404,63 @@ std::size_t ChunkedScanner::feed(std::string_view data) {
     return state_ == State::failed ? 0 : used;
 }
 
+std::string_view http_reason_phrase(int status) {
+    switch (status) {
+        case 200:
+            return "OK";
+        case 202:
+            return "Accepted";
+        case 204:
+            return "No Content";
+        case 400:
+            return "Bad Request";
+        case 401:
+            return "Unauthorized";
+        case 403:
+            return "Forbidden";
+        case 404:
+            return "Not Found";
+        case 405:
+            return "Method Not Allowed";
+        case 406:
+            return "Not Acceptable";
+        case 407:
+            return "Proxy Authentication Required";
+        case 408:
+            return "Request Timeout";
+        case 411:
+            return "Length Required";
+        case 413:
+            return "Content Too Large";
+        case 414:
+            return "URI Too Long";
+        case 415:
+            return "Unsupported Media Type";
+        case 429:
+            return "Too Many Requests";
+        case 431:
+            return "Request Header Fields Too Large";
+        case 500:
+            return "Internal Server Error";
+        case 501:
+            return "Not Implemented";
+        case 502:
+            return "Bad Gateway";
+        case 503:
+            return "Service Unavailable";
+        case 504:
+            return "Gateway Timeout";
+        case 505:
+            return "HTTP Version Not Supported";
+    }
+    return "Error";
+}
+
 std::string error_response(int status, std::string_view body) {
     if (status < 100 || status > 999) status = 500;
     std::string text(body);
     if (!text.ends_with('\n')) text += '\n';
-    return "HTTP/1.1 " + std::to_string(status) + " " + reason_phrase(status) +
+    return "HTTP/1.1 " + std::to_string(status) + " " + std::string(http_reason_phrase(status)) +
            "\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: " +
            std::to_string(text.size()) + "\r\nConnection: close\r\n\r\n" + text;
 }

@@ -72,6 +72,11 @@ TargetParse proxy_target(const HttpRequestHead& head);
 // "Connection: close" (one request per connection).
 std::string forward_head(const HttpRequestHead& head, const ProxyTarget& target);
 
+// The reason phrase of an HTTP status (RFC 9110 section 15) for every status
+// the gateway, the metrics endpoint and `cellblock mcp` answer with; "Error"
+// for others.
+std::string_view http_reason_phrase(int status);
+
 // A complete response the gateway itself answers with: "HTTP/1.1 <status>
 // <reason>", Content-Type text/plain, Content-Length, Connection: close, and
 // `body` (a line ending in "\n" is added when missing).

@@ -7,37 +7,16 @@ no_new_privs and a seccomp profile that lets a child create namespaces. It
 never runs session code and never holds a session's key or data: the server
 sends it, per session, a socket to report on, the session's lifeline and log,
 and the session's three directories as detached mounts (open_tree), all as
-file descriptors; it forks and forgets them.
+file descriptors (in the order of cellblock_protocol.FORK_FDS); it forks and
+forgets them. What each fork then does to contain itself is
+cellblock_containment.py.
 
 The zygote forks each request's child ahead of time: after every answer it
 makes a spare fork, which closes what it inherited and waits for the next
 request's descriptors (Spare).
-
-The forked child does the containment itself, in this order, each step
-reported to the server on the session's report socket (the kernel attaches
-the sender's pid, which the child cannot forge):
-  A (the fork): closes every other descriptor, joins the session's cgroup
-    in each v1 hierarchy (writes 0 to the `tasks` files the server opened),
-    unshares user, mount, PID, IPC, UTS and network namespaces at once ->
-    "userns"; forks B -> "init PID"; meanwhile the server writes the user
-    namespace's id maps (the session's own host id range) -> "mapped"; A
-    tells B so and exits.
-  B (PID 1 of the new PID namespace): becomes root of its user namespace
-    once A says the maps are written; the server moves it into the
-    session's v2 cgroup while B sets up; B unshares its cgroup namespace
-    once told "cgrouped". Private mounts, its own /proc with
-    the usual paths masked, fresh /tmp, home, /dev/shm, /dev/mqueue and
-    /dev/pts, the session's ipc, input (read-only) and output directories
-    moved in over the zygote's, hostname, loopback up, rlimits; drops the
-    bounding set, becomes uid 1000 (no capabilities left), installs the
-    session's seccomp filter; forks C -> "ready"; execs cellblock-shim
-    --adopt C, which is the session's init from then on, as in a booted one.
-  C: re-seeds every random generator, takes the session's environment and
-    starts the kernel on /run/cellblock/kernel.json.
 """
 import ctypes
 import errno
-import fcntl
 import gc
 import importlib
 import json
@@ -48,279 +27,13 @@ import struct
 import sys
 import time
 
-LIBC = ctypes.CDLL(None, use_errno=True)
-LIBC.syscall.restype = ctypes.c_long
-LIBC.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-LIBC.unshare.argtypes = [ctypes.c_int]
-LIBC.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-LIBC.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+import cellblock_containment as containment
+import cellblock_protocol as protocol
+from cellblock_containment import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID,
+                                   CLONE_NEWUSER, CLONE_NEWUTS, LIBC, MS_NODEV, MS_NOSUID,
+                                   MS_PRIVATE, MS_REC, check, mount, prctl)
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWCGROUP = 0x02000000
-CLONE_NEWUTS = 0x04000000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-SYS_MOVE_MOUNT = 429
-MOVE_MOUNT_F_EMPTY_PATH = 0x4
-AT_FDCWD = -100
-
-PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
-PR_CAPBSET_DROP = 24
-PR_SET_SECCOMP = 22
-SECCOMP_MODE_FILTER = 2
-PR_SET_NO_NEW_PRIVS = 38
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-
-SANDBOX_UID = 1000
-SHIM = "/opt/cellblock/cellblock-shim"
-CONNECTION_FILE = "/run/cellblock/kernel.json"
-MAX_REQUEST = 65536
-# The fds of a fork request, in order; then one `tasks` file per v1 cgroup.
-REQUEST_FDS = ("report", "lifeline", "log", "ipc", "input", "output")
-MAX_CGROUP_FDS = 32
-
-# What runc masks and makes read-only in every session's /proc and /sys.
-MASKED = ["/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys",
-          "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list",
-          "/proc/timer_stats", "/sys/firmware", "/sys/devices/virtual/powercap"]
-READ_ONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
-
-
-def check(result, step):
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{step}: {os.strerror(err)}")
-    return result
-
-
-def mount(source, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    check(LIBC.mount(enc(source), enc(target), enc(fstype), flags, enc(data)),
-          f"mount {fstype or source} on {target}")
-
-
-def move_mount(tree_fd, target):
-    check(LIBC.syscall(SYS_MOVE_MOUNT, tree_fd, b"", AT_FDCWD, target.encode(),
-                       MOVE_MOUNT_F_EMPTY_PATH), f"move_mount onto {target}")
-
-
-def prctl(option, a=0, b=0, c=0, d=0):
-    return check(LIBC.prctl(option, a, b, c, d), f"prctl {option}")
-
-
-# --- the three processes of a fork ---------------------------------------
-
-
-def report(sock, text):
-    sock.send(text.encode()[:4000])
-
-
-def child_a(fds, request, bpf):
-    """Runs in the fork; never returns."""
-    report_sock = socket.socket(fileno=fds["report"])
-    try:
-        os.setsid()
-        # Into the session's v1 cgroups: a single-threaded task moving itself
-        # (pid 0) takes no global lock; the server opened the files.
-        for fd in fds["cgroups"]:
-            os.write(fd, b"0")
-            os.close(fd)
-        # All of the session's namespaces but its cgroup namespace, in one
-        # call: the others are owned by the new user namespace, in which A has
-        # every capability even before its ids are mapped.
-        check(LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC |
-                           CLONE_NEWUTS | CLONE_NEWNET), "unshare namespaces")
-        report(report_sock, "userns")
-        # B is forked while the server writes the maps (into A's /proc: A
-        # lives until they are written). B waits until A has reported it and
-        # heard "mapped": its own reports come after, and its ids exist.
-        reported, report_done = os.pipe()
-        pid = os.fork()
-        if pid:
-            report(report_sock, f"init {pid}")
-            if report_sock.recv(64) != b"mapped":
-                os._exit(1)
-            os.write(report_done, b"x")
-            os._exit(0)
-        os.close(report_done)
-        if os.read(reported, 1) != b"x":
-            os._exit(1)
-        os.close(reported)
-        os.setresgid(0, 0, 0)
-        os.setresuid(0, 0, 0)
-        init_b(fds, report_sock, request, bpf)
-    except BaseException as e:  # noqa: B902 - everything ends here, reported
-        try:
-            report(report_sock, f"error {type(e).__name__}: {e}")
-        finally:
-            os._exit(1)
-
-
-def setup_mounts(fds, limits):
-    # Nothing done here reaches the zygote's mounts (or the host's).
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    # Its own sysfs too, read-only: /sys/class/net shows this namespace's lo.
-    mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    for path in MASKED:
-        if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", MS_RDONLY, "size=4k,mode=755")
-        elif os.path.exists(path):
-            mount("/dev/null", path, None, MS_BIND)
-    for path in READ_ONLY:
-        if os.path.exists(path):
-            mount(path, path, None, MS_BIND | MS_REC)
-            mount(None, path, None,
-                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    disk = f"size={int(limits['disk_mb'])}m"
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{disk}")
-    home = os.environ.get("HOME", "/home/sandbox")
-    mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV,
-          f"mode=700,uid={SANDBOX_UID},gid={SANDBOX_UID},{disk}")
-    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-          f"mode=1777,size={int(limits['shm_mb'])}m")
-    mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-          "newinstance,ptmxmode=0666,mode=0620")
-    # The server made these read-only, nosuid, nodev and noexec as it wished.
-    move_mount(fds["ipc"], "/run/cellblock")
-    move_mount(fds["input"], "/data/input")
-    move_mount(fds["output"], "/data/output")
-    for name in ("ipc", "input", "output"):
-        os.close(fds[name])
-    return home
-
-
-def loopback_up():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        iff_up, iff_loopback, iff_running = 0x1, 0x8, 0x40
-        fcntl.ioctl(s, 0x8914,  # SIOCSIFFLAGS
-                    struct.pack("16sh14x", b"lo", iff_up | iff_loopback | iff_running))
-
-
-def drop_privileges(limits):
-    import resource
-
-    nofile = int(limits["nofile"])
-    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # As a booted session's: the pids cgroup is the limit that binds.
-    nproc = int(limits["nproc"])
-    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    # The priority of the server thread that asked for it (a pool refill
-    # boots at 19, as a booted refill does; a client's create at 0).
-    nice = int(limits.get("nice", 0))
-    if nice > os.getpriority(os.PRIO_PROCESS, 0):
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    # First to go when the host runs out of memory, as a booted session.
-    # (The id change in A made this process non-dumpable, which hides its
-    # /proc files from itself; the uid change below makes it so again.)
-    prctl(PR_SET_DUMPABLE, 1)
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write("1000")
-    for cap in range(64):
-        if LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 and ctypes.get_errno() == 22:
-            break  # EINVAL: past the last capability this kernel knows
-    os.setgroups([])
-    os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-    # From root to a non-root uid: the permitted and effective sets empty.
-    os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
-    prctl(PR_SET_NO_NEW_PRIVS, 1)
-
-
-def install_seccomp(bpf):
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    program = ctypes.create_string_buffer(bpf, len(bpf))
-    fprog = SockFprog(len(bpf) // 8, ctypes.addressof(program))
-    check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fprog), 0, 0),
-          "install the seccomp filter")
-
-
-def init_b(fds, report_sock, request, bpf):
-    limits = request["limits"]
-    home = setup_mounts(fds, limits)
-    hostname = request.get("hostname", "sandbox").encode()
-    check(LIBC.sethostname(hostname, len(hostname)), "sethostname")
-    loopback_up()
-    # The server moved this process into the session's v2 cgroup meanwhile:
-    # the cgroup namespace is rooted there.
-    if report_sock.recv(64) != b"cgrouped":
-        os._exit(1)
-    check(LIBC.unshare(CLONE_NEWCGROUP), "unshare cgroup namespace")
-    drop_privileges(limits)
-    os.chdir(home)
-    install_seccomp(bpf)
-    err_read, err_write = os.pipe()
-    kernel = os.fork()
-    if kernel == 0:
-        run_kernel(request, err_write)
-    os.close(err_write)
-    report(report_sock, "ready")
-    report_sock.close()
-    # The session's init from now on: cellblock-shim adopts the kernel. Its
-    # descriptors are moved clear of 2-4 first, where any of them may be.
-    lifeline = fcntl.fcntl(fds["lifeline"], fcntl.F_DUPFD, 10)
-    err_read = fcntl.fcntl(err_read, fcntl.F_DUPFD, 10)
-    log = fcntl.fcntl(fds["log"], fcntl.F_DUPFD, 10)
-    os.dup2(lifeline, 3)
-    os.dup2(err_read, 4)
-    os.dup2(log, 2)
-    devnull = os.open("/dev/null", os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.closerange(5, os.sysconf("SC_OPEN_MAX"))
-    env = dict(e.split("=", 1) for e in request["env"])
-    os.execve(SHIM, [SHIM, "--adopt", str(kernel), "4"], env)
-
-
-def reseed():
-    import random
-
-    random.seed()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-
-
-def run_kernel(request, err_write):
-    try:
-        prctl(PR_SET_DUMPABLE, 1)  # as a booted kernel: its own /proc is its uid's
-        os.setpgid(0, 0)
-        os.dup2(err_write, 2)
-        devnull = os.open("/dev/null", os.O_RDWR)
-        os.dup2(devnull, 0)
-        os.dup2(devnull, 1)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.environ.clear()
-        os.environ.update(dict(e.split("=", 1) for e in request["env"]))
-        reseed()
-        from cellblock_ipykernel import SandboxKernel, SandboxKernelApp
-
-        sys.argv = ["cellblock_ipykernel.py", "-f", CONNECTION_FILE]
-        # The application and shell the zygote prepared (prewarm) are this
-        # kernel's; the rest of its start is a booted kernel's.
-        SandboxKernelApp.launch_instance(argv=["-f", CONNECTION_FILE], kernel_class=SandboxKernel)
-        os._exit(0)
-    except BaseException as e:  # noqa: B902
-        try:
-            os.write(2, f"cellblock-zygote: the kernel failed: {type(e).__name__}: {e}\n".encode())
-        finally:
-            os._exit(1)
-
-
-# --- the zygote ------------------------------------------------------------
+FD_BYTES = struct.calcsize("i")  # one descriptor in SCM_RIGHTS
 
 # What a host that forbids a fork's containment answers (unlike ENOSPC,
 # ENOMEM or EAGAIN, which say "not now").
@@ -411,12 +124,15 @@ def forking_refused():
 
 
 def request_fds(request, fds_received):
+    """A fork request's descriptors by name (protocol.FORK_FDS), and its v1
+    cgroups' `tasks` files as "cgroups"."""
     cgroups = int(request.get("cgroups", 0))
-    if not 0 <= cgroups <= MAX_CGROUP_FDS or len(fds_received) != len(REQUEST_FDS) + cgroups:
-        raise ValueError(f"a fork request carries {len(REQUEST_FDS)} descriptors and one per "
+    named = len(protocol.FORK_FDS)
+    if not 0 <= cgroups <= protocol.MAX_CGROUP_FDS or len(fds_received) != named + cgroups:
+        raise ValueError(f"a fork request carries {named} descriptors and one per "
                          f"v1 cgroup ({cgroups}), not {len(fds_received)}")
-    fds = dict(zip(REQUEST_FDS, fds_received))
-    fds["cgroups"] = fds_received[len(REQUEST_FDS):]
+    fds = dict(zip(protocol.FORK_FDS, fds_received))
+    fds["cgroups"] = fds_received[named:]
     return fds
 
 
@@ -439,7 +155,7 @@ def fork_session(conn, listener, request, fds, fds_received, bpf):
     pid = os.fork()
     if pid == 0:
         close_all_but(set(fds_received), conn, listener)
-        child_a(fds, request, bpf)
+        containment.child_a(fds, request, bpf)
     return pid
 
 
@@ -463,7 +179,7 @@ class Spare:
                     os._exit(0)
                 theirs.close()
                 request = json.loads(payload)
-                child_a(request_fds(request, fds_received), request, bpf)
+                containment.child_a(request_fds(request, fds_received), request, bpf)
             finally:
                 os._exit(1)
         theirs.close()
@@ -488,15 +204,18 @@ class Spare:
 def receive(sock):
     """One message of the fork protocol: (its bytes, the descriptors it carried)."""
     data, ancdata, _, _ = sock.recvmsg(
-        MAX_REQUEST, socket.CMSG_SPACE((len(REQUEST_FDS) + MAX_CGROUP_FDS) * 4))
+        protocol.MAX_REQUEST,
+        socket.CMSG_SPACE((len(protocol.FORK_FDS) + protocol.MAX_CGROUP_FDS) * FD_BYTES))
     fds = []
     for level, kind, cdata in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(struct.unpack(f"{len(cdata) // 4}i", cdata[:len(cdata) // 4 * 4]))
+            count = len(cdata) // FD_BYTES
+            fds.extend(struct.unpack(f"{count}i", cdata[:count * FD_BYTES]))
     return data, fds
 
 
 def serve(path, bpf_holder, refused=None):
+    seccomp = f"{protocol.SECCOMP} ".encode()
     spare = None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -512,15 +231,17 @@ def serve(path, bpf_holder, refused=None):
                 if not data:
                     break
                 try:
-                    if data.startswith(b"seccomp "):
-                        bpf_holder[0] = data[len(b"seccomp "):]
-                        reply = {"ok": True, "pid": os.getpid()}
+                    if data.startswith(seccomp):
+                        bpf_holder[0] = data[len(seccomp):]
+                        reply = {"ok": True, protocol.REPLY_PID: os.getpid()}
                         if refused:
-                            reply["refused"] = refused
+                            reply[protocol.REPLY_REFUSED] = refused
                     elif refused:
-                        reply = {"error": f"this host does not let a fork contain itself: {refused}"}
+                        reply = {protocol.REPLY_ERROR:
+                                 f"this host does not let a fork contain itself: {refused}"}
                     elif not bpf_holder[0]:
-                        reply = {"error": "no seccomp filter was given before the fork request"}
+                        reply = {protocol.REPLY_ERROR:
+                                 "no seccomp filter was given before the fork request"}
                     else:
                         request = json.loads(data)
                         named = request_fds(request, fds)  # checked before any fork
@@ -533,9 +254,9 @@ def serve(path, bpf_holder, refused=None):
                         if pid is None:
                             pid = fork_session(conn, listener, request, named, fds,
                                                bpf_holder[0])
-                        reply = {"pid": pid}
+                        reply = {protocol.REPLY_PID: pid}
                 except Exception as e:  # noqa: B902 - the server gets the reason
-                    reply = {"error": f"{type(e).__name__}: {e}"}
+                    reply = {protocol.REPLY_ERROR: f"{type(e).__name__}: {e}"}
                 finally:
                     for fd in fds:
                         os.close(fd)
@@ -549,11 +270,12 @@ def main(argv):
     # The zygote has no PID namespace whose end would end it: it ends with
     # its container's init (the shim), which ends with the server's lifeline.
     parent = os.getppid()
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(containment.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         sys.exit("cellblock-zygote: the container's init is gone")
-    socket_path = argv[argv.index("--socket") + 1]
-    preload = argv[argv.index("--preload") + 1].split(",") if "--preload" in argv else []
+    socket_path = argv[argv.index(protocol.SOCKET_OPTION) + 1]
+    preload = (argv[argv.index(protocol.PRELOAD_OPTION) + 1].split(",")
+               if protocol.PRELOAD_OPTION in argv else [])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     # What a kernel imports to start, and the image's preload, once.
     import cellblock_ipykernel
@@ -571,7 +293,7 @@ def main(argv):
     # kernel builds its own, as a booted one does: slower, not broken.
     cellblock_ipykernel.SandboxKernelApp.preloaded = tuple(filter(None, preload))
     try:
-        cellblock_ipykernel.prewarm(["-f", CONNECTION_FILE])
+        cellblock_ipykernel.prewarm(["-f", protocol.CONNECTION_FILE])
     except Exception as e:  # noqa: B902 - reported, then done without
         print(f"cellblock-zygote: the kernel's start is not prepared "
               f"({type(e).__name__}: {e}); each session builds its own", file=sys.stderr)

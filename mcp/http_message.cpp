@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <charconv>
 
+#include "http_head.hpp"
+
 namespace cellblock::mcp {
 
 namespace {
@@ -23,11 +25,6 @@ std::string lower(std::string_view s) {
     return out;
 }
 
-bool is_token_char(char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) ||
-           std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
-}
-
 }  // namespace
 
 std::string HttpRequest::header(const std::string& lowercase_name) const {
@@ -36,79 +33,29 @@ std::string HttpRequest::header(const std::string& lowercase_name) const {
 }
 
 std::optional<HttpRequest> parse_request_head(std::string_view head) {
+    // The gateway's parser (every size bounded, fuzzed), on the head with its
+    // blank line; the caller bounded the head's size already.
+    const std::string whole = std::string(head) + "\r\n\r\n";
+    gateway::HttpLimits limits;
+    limits.max_head_bytes = whole.size() + 1;
+    limits.max_line_bytes = whole.size();
+    const gateway::HeadParse parse = gateway::parse_request_head(whole, limits);
+    if (parse.status != gateway::HeadParse::Status::complete) return std::nullopt;
     HttpRequest request;
-    const auto line_end = head.find("\r\n");
-    const std::string_view line = head.substr(0, line_end);
-    const auto sp1 = line.find(' ');
-    const auto sp2 = sp1 == std::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
-    if (sp1 == std::string_view::npos || sp2 == std::string_view::npos || sp1 == 0)
-        return std::nullopt;
-    request.method = std::string(line.substr(0, sp1));
-    const std::string_view target = line.substr(sp1 + 1, sp2 - sp1 - 1);
-    request.version = std::string(line.substr(sp2 + 1));
-    if (!std::all_of(request.method.begin(), request.method.end(), is_token_char) ||
-        target.empty() || (request.version != "HTTP/1.1" && request.version != "HTTP/1.0"))
-        return std::nullopt;
-    request.path = std::string(target.substr(0, target.find('?')));
-    std::size_t at = line_end == std::string_view::npos ? head.size() : line_end + 2;
-    while (at < head.size()) {
-        auto end = head.find("\r\n", at);
-        if (end == std::string_view::npos) end = head.size();
-        const std::string_view field = head.substr(at, end - at);
-        at = end + 2;
-        if (field.empty()) continue;
-        const auto colon = field.find(':');
-        if (colon == std::string_view::npos || colon == 0) return std::nullopt;
-        const std::string_view name = field.substr(0, colon);
-        if (!std::all_of(name.begin(), name.end(), is_token_char)) return std::nullopt;
-        const std::string key = lower(name);
-        std::string value = trim(field.substr(colon + 1));
-        auto [it, fresh] = request.headers.emplace(key, value);
+    request.method = parse.head.method;
+    request.version = parse.head.version;
+    request.path = parse.head.target.substr(0, parse.head.target.find('?'));
+    for (const auto& [name, value] : parse.head.headers) {
+        auto [it, fresh] = request.headers.emplace(lower(name), value);
         if (!fresh) it->second += ", " + value;
     }
     return request;
 }
 
-std::string status_text(int status) {
-    switch (status) {
-        case 200:
-            return "OK";
-        case 202:
-            return "Accepted";
-        case 204:
-            return "No Content";
-        case 400:
-            return "Bad Request";
-        case 401:
-            return "Unauthorized";
-        case 403:
-            return "Forbidden";
-        case 404:
-            return "Not Found";
-        case 405:
-            return "Method Not Allowed";
-        case 406:
-            return "Not Acceptable";
-        case 411:
-            return "Length Required";
-        case 413:
-            return "Content Too Large";
-        case 415:
-            return "Unsupported Media Type";
-        case 431:
-            return "Request Header Fields Too Large";
-        case 500:
-            return "Internal Server Error";
-        case 503:
-            return "Service Unavailable";
-        default:
-            return "Status";
-    }
-}
-
 std::string response_head(int status,
                           const std::vector<std::pair<std::string, std::string>>& headers) {
-    std::string head = "HTTP/1.1 " + std::to_string(status) + " " + status_text(status) + "\r\n";
+    std::string head = "HTTP/1.1 " + std::to_string(status) + " " +
+                       std::string(gateway::http_reason_phrase(status)) + "\r\n";
     for (const auto& [name, value] : headers) head += name + ": " + value + "\r\n";
     return head + "\r\n";
 }

@@ -26,7 +26,6 @@ struct HttpRequest {
 // nullopt for anything malformed.
 std::optional<HttpRequest> parse_request_head(std::string_view head);
 
-std::string status_text(int status);
 // "HTTP/1.1 <status> <text>\r\n" + headers + "\r\n" (the body follows).
 std::string response_head(int status,
                           const std::vector<std::pair<std::string, std::string>>& headers);

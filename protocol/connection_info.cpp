@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "cellblock/errno_text.hpp"
+#include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
 
@@ -175,29 +176,29 @@ void ConnectionInfo::write(const std::filesystem::path& path) const {
     hidden_name += path.filename().string();
     hidden_name += ".XXXXXX";
     std::string temp = (dir / hidden_name).string();
-    const int fd = ::mkstemp(temp.data());  // fills in the X's
-    if (fd < 0) {
+    UniqueFd fd(::mkstemp(temp.data()));  // fills in the X's
+    if (!fd) {
         fail(path, "cannot create temporary file in " + dir.string() + ": " + errno_text(errno));
     }
 
     auto abandon = [&](const std::string& step) {
         const int err = errno;
-        ::close(fd);
+        fd.reset();
         ::unlink(temp.c_str());
         fail(path, step + ": " + errno_text(err));
     };
-    if (::fchmod(fd, 0600) != 0) abandon("fchmod 0600");
+    if (::fchmod(fd.get(), 0600) != 0) abandon("fchmod 0600");
     std::size_t written = 0;
     while (written < text.size()) {
-        const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+        const ssize_t n = ::write(fd.get(), text.data() + written, text.size() - written);
         if (n < 0) {
             if (errno == EINTR) continue;
             abandon("write");
         }
         written += static_cast<std::size_t>(n);
     }
-    if (::fsync(fd) != 0) abandon("fsync");
-    if (::close(fd) != 0) {
+    if (::fsync(fd.get()) != 0) abandon("fsync");
+    if (!fd.close()) {
         const int err = errno;
         ::unlink(temp.c_str());
         fail(path, "close: " + errno_text(err));

@@ -318,7 +318,7 @@ std::vector<json> EgressGateway::read_events(bool& restarted) {
             spdlog::warn("egress gateway: {}", e.what());
             break;
         }
-        if (fd >= 0) ::close(fd);
+        const UniqueFd unused(fd);  // the control channel passes none this way
         if (!open) {
             int status = 0;
             ::waitpid(pid_, &status, 0);

@@ -19,13 +19,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "event_loop.hpp"
 
 namespace cellblock {
 
-inline constexpr const char* kEgressSocketName = "egress.sock";
+inline constexpr const char* kEgressSocketName = sandbox_protocol::kEgressSocketName;
 // The trust store a gateway session's code uses (SSL_CERT_FILE and friends
 // name it): the host's CA bundle, plus the session's own CA when it has secrets.
 inline constexpr const char* kEgressCaBundleName = "ca-certificates.crt";

@@ -15,6 +15,7 @@
 #include "cellblock/connection_info.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/runc_sandbox.hpp"
+#include "cellblock/session_dir.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "inner_channels.hpp"
@@ -154,7 +155,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
             // As in serve: the session's way out is a listener in its ipc dir
             // (/run/cellblock/egress.sock inside), handed to the gateway.
             egress->add_session(
-                session_id, sandbox->dir() / "ipc", limits.network,
+                session_id, sandbox->session_dir().ipc(), limits.network,
                 std::chrono::seconds(static_cast<std::int64_t>(limits.lifetime_s) + 3600));
         }
         proxy->attach(std::move(sandbox), std::move(*channels));
@@ -191,6 +192,7 @@ int run_kernel_mode(const KernelModeOptions& options) {
     egress_events.reset();
     const int exit_code = kernel_was_lost(proxy->close_reason()) ? 1 : 0;
     proxy.reset();
+    await_cgroup_removals(kShutdownCgroupWait);  // a slow-dying sandbox's cgroups
     return exit_code;
 }
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <sstream>
 
+#include "cellblock/session_dir.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
 #include "inner_channels.hpp"
@@ -43,8 +44,14 @@ zmq::socket_t inner_socket(zmq::context_t& ctx, zmq::socket_type type, int max_f
 // prefix of the links.
 std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline,
                                 const std::function<void()>& check_abandoned) {
-    const std::filesystem::path ipc = sandbox.dir() / "ipc";
-    const std::filesystem::path server_dir = ipc / ".server";
+    const HostProcess* host = sandbox.host_process();
+    if (!host) {
+        throw SandboxError("session " + sandbox.session_id() + ": an ipc connection from the " +
+                           sandbox.runtime() + " backend, whose sandboxes have no directory here");
+    }
+    const SessionDir& paths = host->session_dir();
+    const std::filesystem::path ipc = paths.ipc();
+    const std::filesystem::path server_dir = paths.server_links();
     int linked = 0;
     bool done[6] = {};
     while (linked < 5) {

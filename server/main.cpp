@@ -24,6 +24,7 @@
 #include "mcp_command.hpp"
 #include "metrics_http.hpp"
 #include "server_mode.hpp"
+#include "version.hpp"
 
 namespace {
 namespace fs = std::filesystem;
@@ -103,6 +104,7 @@ int main(int argc, char** argv) {
     }
     CLI::App app{"cellblock: sandboxed Jupyter sessions for untrusted code"};
     app.require_subcommand(1);
+    app.set_version_flag("--version", std::string("cellblock ") + cellblock::kVersion);
     // Listed for --help; `cellblock eval` itself is handled above, before parsing.
     app.add_subcommand("eval", "run notebooks as tests, each in a fresh session (eval --help)");
     std::string log_level = "info";

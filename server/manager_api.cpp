@@ -285,14 +285,14 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
 }
 
 SessionFiles Server::session_files(SessionProxy& s) const {
-    if (s.sandbox()->dir().empty()) {
+    const SandboxFiles* files = s.sandbox()->files();
+    if (!files) {
         throw RequestError{ename::FileError,
                            "session " + s.session_id() + " runs on the " + s.sandbox()->runtime() +
                                " backend, whose sandboxes have no directory on this host: file "
                                "transfer is not available there yet (docs/scale-out.md)"};
     }
-    return {s.session_id(), s.sandbox()->input_dir(), s.sandbox()->output_dir(),
-            s.sandbox()->input_dir().parent_path() / "partial",
+    return {s.session_id(), files->input_dir(), files->output_dir(), files->staging_dir(),
             static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb) << 20};
 }
 

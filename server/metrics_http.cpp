@@ -23,31 +23,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string_view reason_phrase(int status) {
-    switch (status) {
-        case 200:
-            return "OK";
-        case 400:
-            return "Bad Request";
-        case 404:
-            return "Not Found";
-        case 405:
-            return "Method Not Allowed";
-        case 408:
-            return "Request Timeout";
-        case 431:
-            return "Request Header Fields Too Large";
-        case 500:
-            return "Internal Server Error";
-        case 503:
-            return "Service Unavailable";
-        case 505:
-            return "HTTP Version Not Supported";
-        default:
-            return "Unknown";
-    }
-}
-
 std::string_view trim(std::string_view s) {
     while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
     while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
@@ -91,7 +66,7 @@ HealthCheck checked(const std::function<HealthCheck()>& check) {
 
 std::string HttpResponse::wire() const {
     std::string out = "HTTP/1.1 " + std::to_string(status) + " ";
-    out += reason_phrase(status);
+    out += gateway::http_reason_phrase(status);
     out += "\r\nContent-Type: " + content_type;
     out += "\r\nContent-Length: " + std::to_string(body.size());
     out += "\r\nConnection: close\r\nCache-Control: no-store";

@@ -45,12 +45,12 @@
 #include "multipart.hpp"
 #include "server_metrics.hpp"
 #include "session_proxy.hpp"
+#include "version.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-inline constexpr const char* kVersion = "0.1.0";
 inline constexpr auto kProbeTimeout = std::chrono::seconds(60);
 // How often the server checks whether a built image's name moved (a rebuild,
 // `image rm`): a readlink and a stat per built image (ImageStore::current_id).

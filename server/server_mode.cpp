@@ -54,13 +54,15 @@ void Server::balance_cpu(Clock::time_point now) {
     for (auto& [id, session] : sessions_) {
         Sandbox* box = session->sandbox();
         if (session->closed() || !box) continue;
+        SandboxCpu* cpu = box->cpu();
+        if (!cpu) continue;  // a backend without CPU controls: nothing to balance
         auto& fairness = fairness_[id];
         CpuSample sample;
         sample.at = now;
         sample.cpu_ns = box->usage().cpu_ns;
-        sample.tasks = box->task_count();
+        sample.tasks = cpu->task_count();
         // Only a demoted session needs it (to tell calm from starved): /proc reads per task.
-        if (fairness.demoted()) sample.runnable = box->any_task_runnable();
+        if (fairness.demoted()) sample.runnable = cpu->any_task_runnable();
         if (const auto running = session->running_since()) sample.running_for = now - *running;
         sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);
@@ -72,8 +74,8 @@ void Server::balance_cpu(Clock::time_point now) {
         const double cpus = change->setting.cpus <= 0 ? own
                             : own > 0                 ? std::min(change->setting.cpus, own)
                                                       : change->setting.cpus;
-        const bool weighted = box->set_cpu_weight(change->setting.weight);
-        const bool capped = box->set_cpu_quota(cpus);
+        const bool weighted = cpu->set_cpu_weight(change->setting.weight);
+        const bool capped = cpu->set_cpu_quota(cpus);
         if (!weighted && !capped) continue;  // no CPU controller for this sandbox
         spdlog::info("session {}: {}: {}", id, change->event, change->detail);
         on_event(id, change->event, change->detail);
@@ -99,6 +101,7 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     // refused (no such cgroup: no local sandboxes).
     if (weight == sandboxes_weight_) return;
     const bool set = set_sandboxes_cpu_weight(weight);
+    set_servers_cpu_weight(weight);
     spdlog::debug(
         "sandboxes' CPU weight {}{} (on the host: {} interactive sessions, {} hogging, "
         "{} servers)",
@@ -247,6 +250,13 @@ int Server::run() {
     if (metrics_tick) loop_.remove_deadline(*metrics_tick);
     if (metrics_) tick_metrics(Clock::now(), true);
     shut_down(signal_name);
+    // Sandboxes whose processes were slow to die: their cgroups go before we do.
+    if (!await_cgroup_removals(kShutdownCgroupWait)) {
+        spdlog::warn(
+            "cellblock serve: some closed sandboxes' cgroups still hold processes "
+            "after {} s; the next start removes them",
+            kShutdownCgroupWait.count() / 1000);
+    }
     // What is left on the host without this server's sessions.
     if (options_.weigh_sandboxes) weigh_sandboxes(0, 0);
     return 0;

@@ -133,6 +133,12 @@ Server::Server(const ServeOptions& options)
     egress_ = start_egress_gateway(options_.egress, options_.policy.maxima.network,
                                    options_.paths.egress_gateway);
     if (options_.weigh_sandboxes) {
+        // The server relays every session's messages: next to sandboxes that
+        // weigh many processes it must weigh as much, or each message waits
+        // behind their spins (bench figure 6: 30-65 ms of run-queue wait per
+        // round trip in the server once ten spinning sessions weighed ten).
+        if (const std::string why = join_servers_cgroup(); !why.empty())
+            spdlog::warn("the server keeps the host's CPU weight: {}", why);
         try {
             cpu_demand_ = std::make_unique<HostCpuDemand>(options_.cpu_demand_dir);
         } catch (const std::exception& e) {
@@ -216,10 +222,11 @@ Server::Server(const ServeOptions& options)
     pool_ = std::make_unique<SandboxPool>(
         std::move(backend),
         [ctx, stopping = &stopping_, transport = options_.kernel_transport](
-            Sandbox& box, bool background) -> std::shared_ptr<void> {
+            Sandbox& box, bool background) -> std::shared_ptr<InnerChannels> {
             // A fork a client waits for skips the warm-up: it would cost the
             // create about 8 ms to save the first execution 2-4 (zygote.md).
-            const bool warm_up = background || !box.forked();
+            const HostProcess* host = box.host_process();
+            const bool warm_up = background || !host || !host->forked();
             return std::shared_ptr<InnerChannels>(
                 probe_kernel(*ctx, box, kProbeTimeout, 64 << 20, stopping, transport, warm_up));
         },

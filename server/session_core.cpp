@@ -6,6 +6,7 @@
 #include "session_core.hpp"
 
 #include "cellblock/error_names.hpp"
+#include "version.hpp"
 
 #include <algorithm>
 
@@ -36,7 +37,7 @@ json error_content(const std::string& request_type, const std::string& ename,
     if (request_type == "kernel_info_request") {
         content["protocol_version"] = std::string(kProtocolVersion);
         content["implementation"] = "cellblock";
-        content["implementation_version"] = "0.1.0";
+        content["implementation_version"] = kVersion;
         content["language_info"] = {{"name", "python"}};
         content["banner"] = "cellblock: " + evalue;
     }

@@ -59,9 +59,8 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
         }
         image_def.runtime = c["runtime"].get<std::string>();
     }
-    if (!runtime_installed(image_def.runtime)) {
-        throw RequestError{ename::UnknownRuntime,
-                           "runtime '" + image_def.runtime + "' is not installed on this host"};
+    if (auto refusal = pool_->backend().refuse(image_def)) {
+        throw RequestError{std::string(refusal->ename), std::move(refusal->message)};
     }
     PendingCreate pending;
     pending.request = r.message;
@@ -214,7 +213,12 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
             if (!egress_) throw std::runtime_error("the server has no egress gateway");
             const auto lifetime =
                 std::chrono::seconds(static_cast<std::int64_t>(pending.limits.lifetime_s) + 3600);
-            egress_->add_session(pending.session_id, warm.sandbox->dir() / "ipc",
+            const HostProcess* host = warm.sandbox->host_process();
+            if (!host) {
+                throw std::runtime_error("the " + warm.sandbox->runtime() +
+                                         " backend's sandboxes have no ipc directory here");
+            }
+            egress_->add_session(pending.session_id, host->session_dir().ipc(),
                                  pending.limits.network, lifetime);
         } catch (const std::exception& e) {
             spdlog::error("session {}: egress gateway: {}", pending.session_id, e.what());
@@ -237,9 +241,10 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     opts.client_transport = options_.client_transport;
     SandboxPool* pool = pool_.get();
     opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
-    auto channels = std::static_pointer_cast<InnerChannels>(warm.channels);
+    std::shared_ptr<InnerChannels> channels = warm.channels;
     const std::string runtime = warm.sandbox->runtime();
-    const IdMapping host_ids = warm.sandbox->host_ids();
+    const HostProcess* host = warm.sandbox->host_process();
+    const IdMapping host_ids = host ? host->host_ids() : IdMapping{0, 0};
     opts.on_expired = [this, id = pending.session_id] { expired_.push_back(id); };
     auto proxy = std::make_unique<SessionProxy>(context_, loop_, pending.session_id, outer, opts);
     proxy->attach(std::move(warm.sandbox), std::move(*channels));

@@ -39,6 +39,9 @@ namespace cellblock {
 // How long a stopping server (either mode) turns its loop to write the
 // answers it owes its clients; one that stopped reading is not waited for.
 inline constexpr auto kShutdownFlush = std::chrono::seconds(2);
+// How long a stopping server waits for the cgroups of sandboxes whose last
+// processes are slow to die (see await_cgroup_removals).
+inline constexpr std::chrono::milliseconds kShutdownCgroupWait = std::chrono::seconds(30);
 
 struct ProxyOptions {
     WireLimits outer_limits;

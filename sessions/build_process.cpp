@@ -14,21 +14,17 @@ void write_file_bytes(const fs::path& path, const std::string& data, mode_t mode
     // A symlink the packages left at that path is replaced, never followed.
     std::error_code ec;
     fs::remove(path, ec);
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
-    if (fd < 0) throw std::runtime_error("write " + path.string() + ": " + errno_text());
+    const UniqueFd fd(
+        ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode));
+    if (!fd) throw std::runtime_error("write " + path.string() + ": " + errno_text());
     std::size_t done = 0;
     while (done < data.size()) {
-        const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+        const ssize_t n = ::write(fd.get(), data.data() + done, data.size() - done);
         if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            const std::string why = errno_text();
-            ::close(fd);
-            throw std::runtime_error("write " + path.string() + ": " + why);
-        }
+        if (n <= 0) throw std::runtime_error("write " + path.string() + ": " + errno_text());
         done += static_cast<std::size_t>(n);
     }
-    ::fchmod(fd, mode);
-    ::close(fd);
+    ::fchmod(fd.get(), mode);
 }
 
 double unix_now() {
@@ -51,6 +47,7 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
                    Clock::time_point started) {
     int pipe_fds[2];
     if (::pipe2(pipe_fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe: " + errno_text());
+    UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -60,10 +57,10 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fork: " + errno_text());
     if (pid == 0) {
-        const int devnull = ::open("/dev/null", O_RDONLY);
+        const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
         ::dup2(devnull, STDIN_FILENO);
-        ::dup2(pipe_fds[1], STDOUT_FILENO);
-        ::dup2(pipe_fds[1], STDERR_FILENO);
+        ::dup2(write_end.get(), STDOUT_FILENO);
+        ::dup2(write_end.get(), STDERR_FILENO);
         if (!root.empty()) {
             // The image's own code (an imported root is not trusted): in its
             // own mount, network (empty) and IPC namespaces, its root bound
@@ -97,7 +94,7 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
         ::execvpe(args[0], args.data(), env.data());
         _exit(127);
     }
-    ::close(pipe_fds[1]);
+    write_end.reset();
     Finished result;
     std::deque<std::string> tail;
     std::string pending;
@@ -108,7 +105,7 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
             ::kill(pid, SIGTERM);
             told = true;
         }
-        const ssize_t n = ::read(pipe_fds[0], buf, sizeof buf);
+        const ssize_t n = ::read(read_end.get(), buf, sizeof buf);
         if (n == 0) break;
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -132,7 +129,7 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
             if (tail.size() > 40) tail.pop_front();
         }
     }
-    ::close(pipe_fds[0]);
+    read_end.reset();
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
         if (g_stop_signal.load() && !told) {

@@ -118,8 +118,8 @@ bool CpuFairness::interactive() const {
 
 int sandboxes_weight(std::size_t interactive, std::size_t hogging,
                      const CpuFairnessPolicy& policy) {
-    if (hogging > 0) return policy.normal_weight;
-    const double weight = static_cast<double>(interactive) * policy.normal_weight;
+    const std::size_t processes = hogging > 0 ? hogging : interactive;
+    const double weight = static_cast<double>(processes) * policy.normal_weight;
     return static_cast<int>(std::clamp<double>(weight, policy.normal_weight, kMaxCpuShares));
 }
 
@@ -137,7 +137,7 @@ CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
     // nothing when a crowded host starves it, and a lower weight costs a cell
     // that waits on I/O nothing. Entering needs it busy over a whole window.
     if (setting_.level == CpuSetting::Level::yielding) return yielding;
-    const auto w = window(policy_.background_after);
+    const auto w = window(policy_.long_after);
     if (!w) return normal;
     double cpu = 0;
     bool all_executing = true;

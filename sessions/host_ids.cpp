@@ -91,22 +91,6 @@ std::set<std::uint32_t> host_ids_in_use() {
     return ids;
 }
 
-HostIdLease& HostIdLease::operator=(HostIdLease&& other) noexcept {
-    if (this != &other) {
-        release();
-        fd_ = other.fd_;
-        index_ = other.index_;
-        ids_ = other.ids_;
-        other.fd_ = -1;
-    }
-    return *this;
-}
-
-void HostIdLease::release() {
-    if (fd_ >= 0) ::close(fd_);  // drops the flock
-    fd_ = -1;
-}
-
 HostIdLease lease_host_ids(const HostIdPool& pool, const fs::path& holder) {
     std::error_code ec;
     fs::create_directories(pool.lease_dir, ec);
@@ -123,32 +107,29 @@ HostIdLease lease_host_ids(const HostIdPool& pool, const fs::path& holder) {
             continue;
         }
         const fs::path path = lease_file(pool, index);
-        const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-        if (fd < 0) {
+        UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+        if (!fd) {
             throw std::runtime_error("host id lease " + path.string() + ": " +
                                      std::strerror(errno));
         }
-        if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-            ::close(fd);
+        if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
             ++busy;
             continue;
         }
         // The last holder's session dir still there: its sandbox is not
         // cleaned up yet (its owner died and no reaper has run).
-        const std::string previous = read_holder(fd);
+        const std::string previous = read_holder(fd.get());
         if (!previous.empty() && fs::exists(previous, ec)) {
-            ::close(fd);
             ++leftovers;
             continue;
         }
         const std::string text = holder.string() + "\n";
-        if (::ftruncate(fd, 0) != 0 ||
-            ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
-            const std::string why = std::strerror(errno);
-            ::close(fd);
-            throw std::runtime_error("host id lease " + path.string() + ": " + why);
+        if (::ftruncate(fd.get(), 0) != 0 ||
+            ::pwrite(fd.get(), text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+            throw std::runtime_error("host id lease " + path.string() + ": " +
+                                     std::strerror(errno));
         }
-        return HostIdLease(fd, index, ids);
+        return HostIdLease(std::move(fd), index, ids);
     }
     throw std::runtime_error("host id pool " + pool.lease_dir.string() + ": all " +
                              std::to_string(pool.ranges) + " ranges of " +
@@ -163,10 +144,10 @@ std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
     if (ids.host_base < pool.first_id || (ids.host_base - pool.first_id) % pool.range_size != 0)
         return killed;  // not a range of this pool
     const std::uint32_t index = (ids.host_base - pool.first_id) / pool.range_size;
-    const int fd = ::open(lease_file(pool, index).c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) return killed;
+    const UniqueFd fd(::open(lease_file(pool, index).c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd) return killed;
     // Held while killing, so that no one leases the range meanwhile.
-    if (::flock(fd, LOCK_EX | LOCK_NB) == 0 && read_holder(fd) == holder.string()) {
+    if (::flock(fd.get(), LOCK_EX | LOCK_NB) == 0 && read_holder(fd.get()) == holder.string()) {
         std::error_code ec;
         for (const auto& entry : fs::directory_iterator("/proc", ec)) {
             const std::string name = entry.path().filename().string();
@@ -176,7 +157,6 @@ std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
             if (::kill(pid, SIGKILL) == 0) killed.push_back(pid);
         }
     }
-    ::close(fd);
     return killed;
 }
 

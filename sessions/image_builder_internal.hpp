@@ -35,6 +35,7 @@
 #include "cellblock/errno_text.hpp"
 #include "cellblock/image.hpp"
 #include "cellblock/image_builder.hpp"
+#include "cellblock/unique_fd.hpp"
 
 namespace cellblock::image_detail {
 namespace fs = std::filesystem;

@@ -115,17 +115,16 @@ std::vector<int> processes_using(const StoredImage& stored) {
 int hold_stored_version(const fs::path& rootfs) {
     const fs::path manifest = rootfs.parent_path() / "manifest.json";
     const std::string id = rootfs.parent_path().filename().string();
-    const int fd = ::open(manifest.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) {
+    UniqueFd fd(::open(manifest.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+    if (!fd) {
         throw std::runtime_error("image version " + id.substr(0, 12) + " is gone from the store (" +
                                  errno_text() + ")");
     }
-    if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
-        ::close(fd);
+    if (::flock(fd.get(), LOCK_SH | LOCK_NB) != 0) {
         throw std::runtime_error("image version " + id.substr(0, 12) +
                                  " is being removed (cellblock image rm)");
     }
-    return fd;
+    return fd.release();
 }
 
 std::vector<StoredImage> remove_image(const std::string& name, const ImageStore& store) {
@@ -143,19 +142,13 @@ std::vector<StoredImage> remove_image(const std::string& name, const ImageStore&
         // In use: a sandbox holds the version (hold_stored_version), from
         // before its runtime starts, or a process runs on its root (a
         // sandbox whose server is gone).
-        const int fd = ::open((v.dir / "manifest.json").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-        if ((fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) || !processes_using(v).empty()) {
-            if (fd >= 0) ::close(fd);
+        const UniqueFd fd(
+            ::open((v.dir / "manifest.json").c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW));
+        if ((fd && ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) || !processes_using(v).empty()) {
             kept.push_back(v);
             continue;
         }
-        try {
-            remove_tree(v.dir);  // still holding the lock: no sandbox starts on it meanwhile
-        } catch (...) {
-            if (fd >= 0) ::close(fd);
-            throw;
-        }
-        if (fd >= 0) ::close(fd);
+        remove_tree(v.dir);  // still holding the lock: no sandbox starts on it meanwhile
     }
     return kept;
 }

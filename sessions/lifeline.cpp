@@ -46,16 +46,14 @@ int listen_lifeline(const fs::path& path, std::uint32_t owner) {
         throw SandboxError("lifeline socket path too long: " + path.string());
     }
     std::memcpy(addr.sun_path, path.c_str(), path.string().size());
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) throw SandboxError("lifeline socket: " + errno_text());
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+    UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd) throw SandboxError("lifeline socket: " + errno_text());
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
         ::chown(path.c_str(), owner, owner) != 0 || ::chmod(path.c_str(), 0600) != 0 ||
-        ::listen(fd, 1) != 0 || ::fcntl(fd, F_SETFL, O_NONBLOCK) != 0) {
-        const std::string why = errno_text();
-        ::close(fd);
-        throw SandboxError("lifeline socket " + path.string() + ": " + why);
+        ::listen(fd.get(), 1) != 0 || ::fcntl(fd.get(), F_SETFL, O_NONBLOCK) != 0) {
+        throw SandboxError("lifeline socket " + path.string() + ": " + errno_text());
     }
-    return fd;
+    return fd.release();
 }
 
 bool process_gone(pid_t pid) {

@@ -1,9 +1,12 @@
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/sandbox_tuning.hpp"
 
+#include <sched.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <fstream>
 #include <set>
 #include <stdexcept>
@@ -128,11 +131,10 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
     // An allowlist: every x86_64 system call the build's kernel headers know,
     // less the denied ones, and nothing else. A call newer than the headers,
     // or one only the i386 ABI has, gets ENOSYS instead of reaching the kernel.
-    const std::uint64_t namespace_flags =
-        0x00000080 /* CLONE_NEWTIME */ | 0x00020000 /* CLONE_NEWNS */ |
-        0x02000000 /* CLONE_NEWCGROUP */ | 0x04000000 /* CLONE_NEWUTS */ |
-        0x08000000 /* CLONE_NEWIPC */ | 0x10000000 /* CLONE_NEWUSER */ |
-        0x20000000 /* CLONE_NEWPID */ | 0x40000000 /* CLONE_NEWNET */;
+    // The profile is x86_64's, whose numbers these headers are.
+    const std::uint64_t namespace_flags = CLONE_NEWTIME | CLONE_NEWNS | CLONE_NEWCGROUP |
+                                          CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER |
+                                          CLONE_NEWPID | CLONE_NEWNET;
     std::set<std::string> denied_set(denied.begin(), denied.end());
     if (role == SandboxRole::zygote) {
         for (const char* call : {"unshare", "mount", "umount2", "move_mount", "sethostname"})
@@ -155,18 +157,18 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
                            {"value", namespace_flags},
                            {"valueTwo", 0},
                            {"op", "SCMP_CMP_MASKED_EQ"}}}}});
-    // socket of any family but AF_VSOCK (40), which reaches the hypervisor's host side.
+    // socket of any family but AF_VSOCK, which reaches the hypervisor's host side.
     syscalls.push_back({{"names", {"socket"}},
                         {"action", "SCMP_ACT_ALLOW"},
-                        {"args", {{{"index", 0}, {"value", 40}, {"op", "SCMP_CMP_NE"}}}}});
+                        {"args", {{{"index", 0}, {"value", AF_VSOCK}, {"op", "SCMP_CMP_NE"}}}}});
     // The denied calls say EPERM, as under Docker's profile.
     syscalls.push_back({{"names", std::vector<std::string>(denied_set.begin(), denied_set.end())},
                         {"action", "SCMP_ACT_ERRNO"},
-                        {"errnoRet", 1 /* EPERM */}});
+                        {"errnoRet", EPERM}});
     // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
     if (kind != RuntimeKind::runsc) {
         syscalls.push_back(
-            {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", 38 /* ENOSYS */}});
+            {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", ENOSYS}});
     } else {
         // gVisor (runsc 2022) applies every SCMP_ACT_ERRNO, the default one
         // too, as EPERM whatever errnoRet says: glibc would then not fall back
@@ -175,7 +177,7 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
         syscalls.push_back({{"names", {"clone3"}}, {"action", "SCMP_ACT_ALLOW"}});
     }
     return {{"defaultAction", "SCMP_ACT_ERRNO"},
-            {"defaultErrnoRet", 38 /* ENOSYS */},
+            {"defaultErrnoRet", ENOSYS},
             {"architectures", {"SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"}},
             {"syscalls", syscalls}};
 }
@@ -231,17 +233,19 @@ json make_oci_config(const SandboxSpec& spec) {
     mounts.push_back(bind_mount(spec.output_dir.string(), kSandboxOutputDir, false));
     mounts.push_back(bind_mount(spec.libexec_dir.string(), kSandboxLibexec, true, /*exec=*/true));
 
-    std::vector<std::string> args{kSandboxShim, "--"};
+    std::vector<std::string> args{kSandboxShim, sandbox_protocol::kShimArgvEnd};
     if (zygote) {
         // The image's interpreter runs the zygote instead of the kernel launcher.
         args.push_back(spec.image.kernel_argv.at(0));
         args.push_back(std::string(kSandboxLibexec) + "/cellblock_zygote.py");
-        args.push_back("--socket");
-        args.push_back(std::string(kSandboxIpcDir) + "/zygote.sock");
+        args.push_back(sandbox_protocol::kZygoteSocketOption);
+        args.push_back(kSandboxZygoteSocket);
         std::string preload;
         for (const auto& module : spec.image.preload)
             preload += (preload.empty() ? "" : ",") + module;
-        if (!preload.empty()) args.insert(args.end(), {"--preload", preload});
+        if (!preload.empty()) {
+            args.insert(args.end(), {sandbox_protocol::kZygotePreloadOption, preload});
+        }
     } else {
         for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
     }

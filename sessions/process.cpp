@@ -10,13 +10,20 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "cellblock/unique_fd.hpp"
+
 namespace cellblock {
 
 ProcessResult run_process(const std::vector<std::string>& argv, int pass_fd, int stdio_fd) {
     if (argv.empty()) throw std::invalid_argument("run_process: empty argv");
-    int out_pipe[2] = {-1, -1};
-    if (stdio_fd < 0 && pipe2(out_pipe, O_CLOEXEC) != 0) {
-        throw std::runtime_error(std::string("run_process: pipe: ") + strerror(errno));
+    UniqueFd out_read, out_write;  // the child's stdout and stderr, read here
+    if (stdio_fd < 0) {
+        int out_pipe[2];
+        if (pipe2(out_pipe, O_CLOEXEC) != 0) {
+            throw std::runtime_error(std::string("run_process: pipe: ") + strerror(errno));
+        }
+        out_read.reset(out_pipe[0]);
+        out_write.reset(out_pipe[1]);
     }
     std::vector<char*> args;
     for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -34,7 +41,7 @@ ProcessResult run_process(const std::vector<std::string>& argv, int pass_fd, int
         if (getpriority(PRIO_PROCESS, 0) < 0 && errno == 0) setpriority(PRIO_PROCESS, 0, 0);
         const int devnull = open("/dev/null", O_RDONLY);
         dup2(devnull, STDIN_FILENO);
-        const int out = stdio_fd >= 0 ? stdio_fd : out_pipe[1];
+        const int out = stdio_fd >= 0 ? stdio_fd : out_write.get();
         dup2(out, STDOUT_FILENO);
         dup2(out, STDERR_FILENO);
         if (pass_fd >= 0) {
@@ -49,18 +56,17 @@ ProcessResult run_process(const std::vector<std::string>& argv, int pass_fd, int
         _exit(127);
     }
     ProcessResult result;
-    if (out_pipe[1] >= 0) {
-        close(out_pipe[1]);
+    if (out_read) {
+        out_write.reset();
         char buf[4096];
         ssize_t n;
-        while ((n = read(out_pipe[0], buf, sizeof buf)) != 0) {
+        while ((n = read(out_read.get(), buf, sizeof buf)) != 0) {
             if (n < 0) {
                 if (errno == EINTR) continue;
                 break;
             }
             if (result.output.size() < 65536) result.output.append(buf, static_cast<size_t>(n));
         }
-        close(out_pipe[0]);
     }
     int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {

@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -29,22 +30,106 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/session_dir.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 
 namespace cellblock::sandbox_detail {
 namespace fs = std::filesystem;
 
-void remove_cgroups(const std::string& container_id) {
-    for (const auto& dir : sandbox_cgroup_dirs(container_id)) {
-        // A cgroup is removed with rmdir once empty; retry briefly while the
-        // last processes are being torn down.
-        for (int i = 0; i < 50 && fs::exists(dir); ++i) {
-            if (::rmdir(dir.c_str()) == 0 || errno == ENOENT) break;
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
+namespace {
+
+// Removes what it can of `dirs` at once; returns those still there.
+std::vector<fs::path> rmdir_present(const std::vector<fs::path>& dirs) {
+    std::vector<fs::path> left;
+    for (const auto& dir : dirs) {
+        if (::rmdir(dir.c_str()) != 0 && errno != ENOENT) left.push_back(dir);
     }
+    return left;
 }
+
+// Cgroups whose last processes outlived remove_cgroups' short wait (a killed
+// PID-namespace init ends only once the kernel has torn down every process in
+// it, seconds while dozens of sandboxes close at once on a loaded host). One
+// thread retries them until they are empty, so that nothing is left behind
+// for the next server start to find.
+class CgroupSweeper {
+  public:
+    void add(std::vector<fs::path> dirs) {
+        std::lock_guard lock(mutex_);
+        const auto until = std::chrono::steady_clock::now() + kGiveUpAfter;
+        for (auto& dir : dirs) pending_.push_back({std::move(dir), until});
+        if (!running_) {
+            running_ = true;
+            std::thread([this] { sweep(); }).detach();
+        }
+        changed_.notify_all();
+    }
+
+    std::size_t pending() {
+        std::lock_guard lock(mutex_);
+        return pending_.size();
+    }
+
+    bool drain(std::chrono::milliseconds timeout) {
+        std::unique_lock lock(mutex_);
+        return changed_.wait_for(lock, timeout, [this] { return pending_.empty(); });
+    }
+
+  private:
+    struct Pending {
+        fs::path dir;
+        std::chrono::steady_clock::time_point give_up;
+    };
+    static constexpr auto kGiveUpAfter = std::chrono::minutes(10);
+    static constexpr auto kRetryEvery = std::chrono::milliseconds(100);
+
+    void sweep() {
+        std::unique_lock lock(mutex_);
+        while (!pending_.empty()) {
+            changed_.wait_for(lock, kRetryEvery);
+            const auto now = std::chrono::steady_clock::now();
+            std::erase_if(pending_, [now](const Pending& p) {
+                if (::rmdir(p.dir.c_str()) == 0 || errno == ENOENT) return true;
+                if (now < p.give_up) return false;
+                spdlog::warn("cgroup {} still holds processes after {} min; left in place",
+                             p.dir.string(), kGiveUpAfter.count());
+                return true;
+            });
+            changed_.notify_all();
+        }
+        running_ = false;
+    }
+
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    std::vector<Pending> pending_;
+    bool running_ = false;
+};
+
+CgroupSweeper& cgroup_sweeper() {
+    // Never destroyed: its detached thread may outlive static destruction.
+    static auto* sweeper = new CgroupSweeper;
+    return *sweeper;
+}
+
+}  // namespace
+
+void remove_cgroup_dirs(std::vector<fs::path> dirs) {
+    // A cgroup is removed with rmdir once empty; retry briefly while the last
+    // processes are being torn down, then hand what is left to the sweeper.
+    for (int i = 0; i < 50 && !dirs.empty(); ++i) {
+        if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        dirs = rmdir_present(dirs);
+    }
+    if (!dirs.empty()) cgroup_sweeper().add(std::move(dirs));
+}
+
+void remove_cgroups(const std::string& container_id) {
+    remove_cgroup_dirs(sandbox_cgroup_dirs(container_id));
+}
+
+std::size_t cgroups_pending_removal() { return cgroup_sweeper().pending(); }
 
 // Removes a session directory completely: the container, mounts, cgroups, files.
 void remove_session(RuntimeSettings settings, const std::string& session_id, const fs::path& dir) {
@@ -61,9 +146,7 @@ void remove_session(RuntimeSettings settings, const std::string& session_id, con
             spdlog::warn("session {}: {} delete: {}", session_id, settings.runtime, result.output);
         }
     }
-    unmount_if_mounted(dir / "ipc");
-    unmount_if_mounted(dir / "output");
-    unmount_if_mounted(dir / "log");
+    for (const fs::path& mount : SessionDir(dir).mounts()) unmount_if_mounted(mount);
     remove_cgroups(cid);
     std::error_code ec;
     fs::remove_all(dir, ec);
@@ -77,12 +160,13 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace sandbox_detail;
 
+bool await_cgroup_removals(std::chrono::milliseconds timeout) {
+    return cgroup_sweeper().drain(timeout);
+}
+
 std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {
     std::vector<fs::path> removed;
-    std::vector<fs::path> parents = {"/sys/fs/cgroup/cellblock"};
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator("/sys/fs/cgroup", ec))
-        parents.push_back(entry.path() / "cellblock");
+    const std::vector<fs::path> parents = sandboxes_cgroup_parents();
     const auto now = fs::file_time_type::clock::now();
     for (const auto& parent : parents) {
         std::error_code it_ec;
@@ -104,12 +188,10 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
     if (!fs::exists(settings.sessions_dir(), ec)) return reaped;
     for (const auto& entry : fs::directory_iterator(settings.sessions_dir(), ec)) {
         const std::string session_id = entry.path().filename().string();
-        const int fd = ::open((entry.path() / "lock").c_str(), O_RDWR | O_CLOEXEC);
-        if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-            ::close(fd);  // its owner is alive
-            continue;
-        }
-        if (fd < 0) {
+        // Held until the session is removed, so that no one else reaps it meanwhile.
+        const UniqueFd lock(::open(SessionDir(entry.path()).lock().c_str(), O_RDWR | O_CLOEXEC));
+        if (lock && ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // its owner is alive
+        if (!lock) {
             // No lock yet: another process may be creating it right now.
             std::error_code age_ec;
             const auto mtime = fs::last_write_time(entry.path(), age_ec);
@@ -125,7 +207,6 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
             }
         }
         remove_session(settings, session_id, entry.path());
-        if (fd >= 0) ::close(fd);
         reaped.push_back(session_id);
     }
     return reaped;

@@ -9,6 +9,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/error_names.hpp"
 #include "cellblock/sandbox_pool.hpp"
 
 namespace cellblock {
@@ -58,6 +59,12 @@ std::unique_ptr<Sandbox> RuncBackend::start(const std::string& session_id, const
         }
     }
     return RuncSandbox::start(session_id, image, limits, settings);
+}
+
+std::optional<BackendRefusal> RuncBackend::refuse(const Image& image) const {
+    if (runtime_installed(image.runtime)) return std::nullopt;
+    return BackendRefusal{ename::UnknownRuntime,
+                          "runtime '" + image.runtime + "' is not installed on this host"};
 }
 
 bool RuncBackend::can_serve(const Image& image, const SandboxLimits& a,

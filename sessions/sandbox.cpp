@@ -3,6 +3,7 @@
 // of their own (sandbox_internal.hpp).
 #include "cellblock/runc_sandbox.hpp"
 #include "cellblock/sandbox_tuning.hpp"
+#include "cellblock/session_dir.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -31,6 +32,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/image_builder.hpp"
+#include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 #include "sandbox_internal.hpp"
@@ -94,7 +96,7 @@ std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std:
 }
 
 // Which runtime created a session dir (written at start, read by the reaper).
-fs::path runtime_file(const fs::path& dir) { return dir / "runtime"; }
+fs::path runtime_file(const fs::path& dir) { return SessionDir(dir).runtime_file(); }
 
 void write_runtime_file(const fs::path& dir, const std::string& runtime) {
     std::ofstream out(runtime_file(dir));
@@ -103,12 +105,11 @@ void write_runtime_file(const fs::path& dir, const std::string& runtime) {
 }
 
 void write_value(const fs::path& file, const std::string& value) {
-    const int fd = ::open(file.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) throw SandboxError("write " + file.string() + " = " + value + ": " + errno_text());
-    const ssize_t n = ::write(fd, value.data(), value.size());
-    const std::string why = errno_text();
-    ::close(fd);
+    const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
+    if (!fd) throw SandboxError("write " + file.string() + " = " + value + ": " + errno_text());
+    const ssize_t n = ::write(fd.get(), value.data(), value.size());
     if (n != static_cast<ssize_t>(value.size())) {
+        const std::string why = errno_text();
         throw SandboxError("write " + file.string() + " = " + value + ": " + why);
     }
 }
@@ -165,8 +166,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     box->limits_ = limits;
     box->image_name_ = image.name;
     box->preload_ = image.preload;
-    box->dir_ = settings.sessions_dir() / session_id;
-    const fs::path& dir = box->dir_;
+    box->dir_ = SessionDir(settings.sessions_dir() / session_id);
+    const fs::path& dir = box->dir();
     if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
         // Kept from here until destroy(): `image rm` leaves this version alone.
         try {
@@ -200,30 +201,31 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     }
     // The lock appears under its final name only once held, so a reaper in
     // another cellblock process never sees an unlocked lock of a live session.
-    box->lock_fd_.reset(::open((dir / "lock.new").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
+    const SessionDir paths(dir);
+    box->lock_fd_.reset(::open(paths.lock_staging().c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600));
     if (!box->lock_fd_ || ::flock(box->lock_fd_.get(), LOCK_EX | LOCK_NB) != 0 ||
-        ::rename((dir / "lock.new").c_str(), (dir / "lock").c_str()) != 0) {
-        throw SandboxError("session lock " + (dir / "lock").string() + ": " + errno_text());
+        ::rename(paths.lock_staging().c_str(), paths.lock().c_str()) != 0) {
+        throw SandboxError("session lock " + paths.lock().string() + ": " + errno_text());
     }
 
-    for (const char* sub : {"ipc", "input", "output", "bundle", "log"}) {
-        if (::mkdir((dir / sub).c_str(), 0711) != 0) {
-            throw SandboxError("mkdir " + (dir / sub).string() + ": " + errno_text());
+    for (const fs::path& sub : paths.subdirectories()) {
+        if (::mkdir(sub.c_str(), 0711) != 0) {
+            throw SandboxError("mkdir " + sub.string() + ": " + errno_text());
         }
     }
     // The kernel creates its sockets in ipc/, so the sandbox can write there;
     // the directory is root's and sticky, and holds .server/ (root only) where
     // the server links the kernel's sockets before connecting: a socket the
     // sandbox later swaps for a symlink never redirects the server.
-    mount_tmpfs(dir / "ipc", tuning::kIpcTmpfsMb, 0, "1777");
-    if (::mkdir((dir / "ipc" / ".server").c_str(), 0700) != 0) {
-        throw SandboxError("mkdir " + (dir / "ipc" / ".server").string() + ": " + errno_text());
+    mount_tmpfs(paths.ipc(), tuning::kIpcTmpfsMb, 0, "1777");
+    if (::mkdir(paths.server_links().c_str(), 0700) != 0) {
+        throw SandboxError("mkdir " + paths.server_links().string() + ": " + errno_text());
     }
-    mount_tmpfs(dir / "output", limits.output_mb, sandbox_host_uid);
+    mount_tmpfs(paths.output(), limits.output_mb, sandbox_host_uid);
     // The init's stdout and stderr: its own 1 MB tmpfs, so nothing the sandbox
     // does can grow a file on the host's disk.
-    mount_tmpfs(dir / "log", tuning::kLogTmpfsMb, 0);
-    ::chmod((dir / "input").c_str(), 0755);
+    mount_tmpfs(paths.log(), tuning::kLogTmpfsMb, 0);
+    ::chmod(paths.input().c_str(), 0755);
 
     // The inner connection: ipc sockets in the session's own directory and a
     // key of its own. The client's key never enters the sandbox.
@@ -237,13 +239,13 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     inner.hb_port = 5;
     inner.key = make_random_key();
     inner.kernel_name = image.name;
-    const fs::path conn_file = dir / "ipc" / "kernel.json";
+    const fs::path conn_file = paths.connection_file();
     inner.write(conn_file);
     if (::chown(conn_file.c_str(), sandbox_host_uid, sandbox_host_uid) != 0) {
         throw SandboxError("chown " + conn_file.string() + ": " + errno_text());
     }
     box->inner_ = inner;
-    box->inner_.ip = (dir / "ipc" / "k").string();
+    box->inner_.ip = paths.kernel_sockets().string();
     return box;
 }
 
@@ -251,7 +253,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
                                                 const SandboxLimits& limits,
                                                 const RuntimeSettings& settings, SandboxRole role) {
     std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
-    const fs::path& dir = box->dir_;
+    const fs::path& dir = box->dir();
     const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
     SandboxSpec spec;
@@ -279,10 +281,11 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     }
     spec.limits = limits;
     spec.ids = box->host_ids();
-    spec.rootfs = image.rootfs == "host" ? dir / "bundle" / "rootfs" : fs::path(image.rootfs);
-    spec.ipc_dir = dir / "ipc";
-    spec.input_dir = dir / "input";
-    spec.output_dir = dir / "output";
+    const SessionDir paths(dir);
+    spec.rootfs = image.rootfs == "host" ? paths.bundle_rootfs() : fs::path(image.rootfs);
+    spec.ipc_dir = paths.ipc();
+    spec.input_dir = paths.input();
+    spec.output_dir = paths.output();
     spec.libexec_dir = settings.libexec_dir;
     spec.runtime = settings.runtime;
     json config = make_oci_config(spec);
@@ -294,74 +297,67 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         throw SandboxError(std::string("session ") + session_id + ": " + e.what());
     }
     {
-        std::ofstream out(dir / "bundle" / "config.json");
+        std::ofstream out(paths.bundle_config());
         out << config.dump(1);
-        if (!out) throw SandboxError("write " + (dir / "bundle" / "config.json").string());
+        if (!out) throw SandboxError("write " + paths.bundle_config().string());
     }
 
     write_runtime_file(dir, settings.runtime);
 
-    const fs::path log = dir / "log" / "shim.log";
-    const int log_fd = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
-    if (log_fd < 0) throw SandboxError("open " + log.string() + ": " + errno_text());
+    const fs::path log = paths.shim_log();
+    UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
+    if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
     const fs::path pid_file = dir / "init.pid";
     std::vector<std::string> run_args{"run", "--detach", "--pid-file", pid_file.string()};
-    int pass_fd = -1;
-    int listener = -1;
-    const fs::path lifeline_socket = dir / "ipc" / fs::path(kSandboxLifelineSocket).filename();
+    UniqueFd pass_fd;   // the init's end of the lifeline (runc, crun)
+    UniqueFd listener;  // where the shim connects its lifeline (runsc)
+    const fs::path lifeline_socket = paths.lifeline_socket();
     if (runtime_passes_fds(runtime_kind(settings.runtime))) {
         // One end of a socketpair becomes the init's fd 3.
         int pair[2];
         if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
-            ::close(log_fd);
             throw SandboxError("lifeline socketpair: " + errno_text());
         }
         box->lifeline_.reset(pair[0]);
-        pass_fd = pair[1];
+        pass_fd.reset(pair[1]);
         run_args.insert(run_args.end(), {"--preserve-fds", "1"});
     } else {
         // The shim connects to this socket as its first act, before the kernel
         // (the first untrusted code) exists; see accept_lifeline below.
-        try {
-            listener = listen_lifeline(lifeline_socket, sandbox_host_uid);
-        } catch (...) {
-            ::close(log_fd);
-            throw;
-        }
+        listener.reset(listen_lifeline(lifeline_socket, sandbox_host_uid));
     }
-    run_args.insert(run_args.end(), {"--bundle", (dir / "bundle").string(), box->container_id_});
+    run_args.insert(run_args.end(), {"--bundle", paths.bundle().string(), box->container_id_});
     const bool runsc = runtime_kind(settings.runtime) == RuntimeKind::runsc;
     if (runsc) {
         std::lock_guard lock(runsc_children().mutex);
         ++runsc_children().starting;
     }
-    const auto result = run_process(runtime_argv(settings, run_args), pass_fd, log_fd);
+    const auto result = run_process(runtime_argv(settings, run_args), pass_fd.get(), log_fd.get());
     box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
     if (runsc) {
-        const pid_t gofer = find_child_gofer(dir / "bundle");
+        const pid_t gofer = find_child_gofer(paths.bundle());
         std::lock_guard lock(runsc_children().mutex);
         --runsc_children().starting;
         if (box->init_pid_ > 0) runsc_children().owned.insert(box->init_pid_);
         if (gofer > 0) runsc_children().owned.insert(gofer);
         box->gofer_pid_ = gofer;
     }
-    if (pass_fd >= 0) ::close(pass_fd);
-    ::close(log_fd);
+    pass_fd.reset();
+    log_fd.reset();
     if (result.exit_code != 0) {
-        if (listener >= 0) ::close(listener);
         throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " +
                            sandbox_detail::log_tail(log));
     }
     if (box->init_pid_ <= 0) {
-        if (listener >= 0) ::close(listener);
         throw SandboxError("pid file " + pid_file.string() + ": no pid");
     }
-    if (listener >= 0) {
+    if (listener) {
         // Only the first connection is taken; the socket is then closed and
         // unlinked, so nothing started later in the sandbox can reach it. The
         // shim connects before it starts the kernel, so the first is the shim's.
-        box->lifeline_.reset(accept_lifeline(listener, box->init_pid_, std::chrono::seconds(30)));
-        ::close(listener);
+        box->lifeline_.reset(
+            accept_lifeline(listener.get(), box->init_pid_, std::chrono::seconds(30)));
+        listener.reset();
         ::unlink(lifeline_socket.c_str());
         if (!box->lifeline_) {
             throw SandboxError(settings.runtime + " run " + box->container_id_ +
@@ -390,9 +386,7 @@ bool RuncSandbox::read_lifeline() {
     return false;
 }
 
-std::string RuncSandbox::log_tail() const {
-    return sandbox_detail::log_tail(dir_ / "log" / "shim.log");
-}
+std::string RuncSandbox::log_tail() const { return sandbox_detail::log_tail(dir_.shim_log()); }
 
 bool RuncSandbox::memory_limit_hit() const {
     const auto u = usage();
@@ -401,19 +395,27 @@ bool RuncSandbox::memory_limit_hit() const {
                (static_cast<std::uint64_t>(limits_.memory_mb) << 20) - (1u << 20);
 }
 
-std::string RuncSandbox::exit_description() const {
-    std::string status = shim_status_;
-    while (!status.empty() && status.back() == '\n') status.pop_back();
-    const auto pos = status.rfind("kernel-exit ");
-    std::string what = pos == std::string::npos ? "" : status.substr(pos + 12);
-    std::string text;
-    if (what.rfind("signal=", 0) == 0) {
-        text = "the kernel was killed by signal " + what.substr(7);
-    } else if (what.rfind("status=", 0) == 0) {
-        text = "the kernel exited with status " + what.substr(7);
-    } else {
-        text = "the sandbox ended";
+std::string describe_kernel_exit(std::string_view lifeline_text) {
+    using How = sandbox_protocol::KernelExit::How;
+    const auto exit = sandbox_protocol::parse_kernel_exit(lifeline_text);
+    switch (exit.how) {
+        case How::exited:
+            return "the kernel exited with status " + std::to_string(exit.value);
+        case How::signaled:
+            return "the kernel was killed by signal " + std::to_string(exit.value);
+        case How::terminated:
+            return "the sandbox's init was told to stop, and the kernel had not ended " +
+                   std::to_string(sandbox_protocol::kShimTermGraceMs / 1000) +
+                   " s after its SIGTERM";
+        case How::unknown:
+            break;
     }
+    // No line: the init was killed, or it ended before the kernel had.
+    return "the sandbox ended";
+}
+
+std::string RuncSandbox::exit_description() const {
+    std::string text = describe_kernel_exit(shim_status_);
     if (memory_limit_hit()) {
         text += " (memory limit of " + std::to_string(limits_.memory_mb) + " MB reached)";
     }
@@ -425,9 +427,9 @@ bool RuncSandbox::interrupt() {
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) {
         // The init pid is gVisor's Sentry, which a SIGINT would end: ask the
         // shim over the lifeline instead (it forwards SIGINT to the kernel).
-        static const char line[] = "interrupt\n";
+        const std::string line = std::string(sandbox_protocol::kInterruptLine) + "\n";
         [[maybe_unused]] auto n =
-            ::send(lifeline_.get(), line, sizeof line - 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+            ::send(lifeline_.get(), line.data(), line.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
         return true;
     }
     ::kill(init_pid_, SIGINT);
@@ -461,7 +463,7 @@ void RuncSandbox::destroy() {
     kill();
     reap_init();
     lifeline_.reset();
-    remove_session(settings_, session_id_, dir_);
+    remove_session(settings_, session_id_, dir());
     // By now (runsc delete has run) the Sentry's stubs are dead: reap them.
     if (runtime_kind(settings_.runtime) == RuntimeKind::runsc) reap_runsc_orphans();
     lock_fd_.reset();

@@ -39,17 +39,33 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace sandbox_detail;
 
+bool cgroup_v2() { return fs::exists(fs::path(kCgroupRoot) / "cgroup.controllers"); }
+
+std::vector<fs::path> cgroup_hierarchies() {
+    if (cgroup_v2()) return {kCgroupRoot};
+    std::vector<fs::path> hierarchies;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(kCgroupRoot, ec)) {
+        std::error_code type_ec;
+        if (!entry.is_directory(type_ec) || entry.is_symlink(type_ec)) continue;
+        hierarchies.push_back(entry.path());
+    }
+    return hierarchies;
+}
+
+std::vector<fs::path> sandboxes_cgroup_parents() {
+    std::vector<fs::path> parents;
+    for (const auto& hierarchy : cgroup_hierarchies())
+        parents.push_back(hierarchy / kSandboxesCgroup);
+    return parents;
+}
+
 std::vector<fs::path> sandbox_cgroup_dirs(const std::string& container_id) {
     std::vector<fs::path> dirs;
-    const fs::path root = "/sys/fs/cgroup";
-    if (fs::exists(root / "cgroup.controllers")) {
-        dirs.push_back(root / "cellblock" / container_id);
-        return dirs;
-    }
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(root, ec)) {
-        const fs::path dir = entry.path() / "cellblock" / container_id;
-        if (fs::exists(dir)) dirs.push_back(dir);
+    const bool v2 = cgroup_v2();
+    for (const auto& parent : sandboxes_cgroup_parents()) {
+        const fs::path dir = parent / container_id;
+        if (v2 || fs::exists(dir)) dirs.push_back(dir);
     }
     return dirs;
 }
@@ -64,32 +80,58 @@ std::string weight_text(int shares, bool v2) {
 
 }  // namespace
 
-bool set_sandboxes_cpu_weight(int shares) {
-    const fs::path root = "/sys/fs/cgroup";
-    const bool v2 = fs::exists(root / "cgroup.controllers");
-    fs::path file;
-    if (v2) {
-        file = root / "cellblock" / "cpu.weight";
-    } else {
-        for (const char* controller : {"cpu", "cpu,cpuacct"})
-            if (fs::exists(root / controller / "cellblock" / "cpu.shares"))
-                file = root / controller / "cellblock" / "cpu.shares";
-    }
-    if (file.empty()) return false;
+namespace {
+
+// The CPU controller's directory of a top-level cgroup `group` (v1: whichever
+// mount holds the cpu controller; v2: the unified tree), whether it exists or
+// not; empty if the host has no CPU controller.
+fs::path cpu_group_dir(const char* group, bool& v2) {
+    const fs::path root = kCgroupRoot;
+    v2 = cgroup_v2();
+    if (v2) return root / group;
+    for (const char* controller : {"cpu", "cpu,cpuacct"})
+        if (fs::exists(root / controller / "cpu.shares")) return root / controller / group;
+    return {};
+}
+
+bool write_cpu_weight(const char* group, int shares) {
+    bool v2 = false;
+    const fs::path dir = cpu_group_dir(group, v2);
+    if (dir.empty()) return false;
+    const fs::path file = dir / (v2 ? "cpu.weight" : "cpu.shares");
     const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
     const std::string text = weight_text(shares, v2);
     return fd && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
+}
+
+}  // namespace
+
+bool set_sandboxes_cpu_weight(int shares) { return write_cpu_weight(kSandboxesCgroup, shares); }
+
+bool set_servers_cpu_weight(int shares) { return write_cpu_weight(kServersCgroup, shares); }
+
+std::string join_servers_cgroup() {
+    bool v2 = false;
+    const fs::path dir = cpu_group_dir(kServersCgroup, v2);
+    if (dir.empty()) return "no CPU controller";
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
+        return "mkdir " + dir.string() + ": " + errno_text();
+    const UniqueFd fd(::open((dir / "cgroup.procs").c_str(), O_WRONLY | O_CLOEXEC));
+    const std::string self = std::to_string(::getpid());
+    if (!fd || ::write(fd.get(), self.data(), self.size()) != static_cast<ssize_t>(self.size()))
+        return "join " + (dir / "cgroup.procs").string() + ": " + errno_text();
+    return "";
 }
 
 void RuncSandbox::open_counters() {
     auto open_first = [&](std::initializer_list<const char*> names, int flags) {
         for (const auto& dir : cgroup_dirs_) {
             for (const char* name : names) {
-                const int fd = ::open((dir / name).c_str(), flags | O_CLOEXEC);
-                if (fd >= 0) return fd;
+                UniqueFd fd(::open((dir / name).c_str(), flags | O_CLOEXEC));
+                if (fd) return fd;
             }
         }
-        return -1;
+        return UniqueFd();
     };
     // v1 names first, then v2's.
     counters_.memory_peak = open_first({"memory.max_usage_in_bytes", "memory.peak"}, O_RDONLY);
@@ -98,23 +140,22 @@ void RuncSandbox::open_counters() {
     counters_.cpu_usage = open_first({"cpuacct.usage"}, O_RDONLY);
     counters_.pids_current = open_first({"pids.current"}, O_RDONLY);
     counters_.cpu_weight = open_first({"cpu.shares"}, O_WRONLY);
-    if (counters_.cpu_weight < 0) {
+    if (!counters_.cpu_weight) {
         counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
-        counters_.cpu_weight_v2 = counters_.cpu_weight >= 0;
+        counters_.cpu_weight_v2 = static_cast<bool>(counters_.cpu_weight);
     }
     counters_.cpu_quota = open_first({"cpu.cfs_quota_us"}, O_WRONLY);
-    if (counters_.cpu_quota < 0) {
+    if (!counters_.cpu_quota) {
         counters_.cpu_quota = open_first({"cpu.max"}, O_WRONLY);
-        counters_.cpu_quota_v2 = counters_.cpu_quota >= 0;
+        counters_.cpu_quota_v2 = static_cast<bool>(counters_.cpu_quota);
     }
 }
 
 void RuncSandbox::close_counters() {
-    for (int* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
-                    &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
-                    &counters_.pids_current}) {
-        if (*fd >= 0) ::close(*fd);
-        *fd = -1;
+    for (UniqueFd* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
+                         &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
+                         &counters_.pids_current}) {
+        fd->reset();
     }
 }
 
@@ -152,10 +193,10 @@ SandboxUsage RuncSandbox::usage() const {
     SandboxUsage u;
     if (destroyed_) return u;
     char buf[512];
-    u.memory_peak_bytes = parse_u64(pread_text(counters_.memory_peak, buf));
-    u.memory_bytes = parse_u64(pread_text(counters_.memory_usage, buf));
-    u.oom_kills = keyed_u64(pread_text(counters_.oom_control, buf), "oom_kill");
-    u.cpu_ns = parse_u64(pread_text(counters_.cpu_usage, buf));
+    u.memory_peak_bytes = parse_u64(pread_text(counters_.memory_peak.get(), buf));
+    u.memory_bytes = parse_u64(pread_text(counters_.memory_usage.get(), buf));
+    u.oom_kills = keyed_u64(pread_text(counters_.oom_control.get(), buf), "oom_kill");
+    u.cpu_ns = parse_u64(pread_text(counters_.cpu_usage.get(), buf));
     return u;
 }
 
@@ -170,9 +211,9 @@ void RuncSandbox::renice(int nice) {
 }
 
 std::int64_t RuncSandbox::task_count() const {
-    if (destroyed_ || counters_.pids_current < 0) return -1;
+    if (destroyed_ || !counters_.pids_current) return -1;
     char buf[512];
-    const std::string_view text = pread_text(counters_.pids_current, buf);
+    const std::string_view text = pread_text(counters_.pids_current.get(), buf);
     return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
 }
 
@@ -196,7 +237,7 @@ int RuncSandbox::any_task_runnable() const {
 }
 
 bool RuncSandbox::set_cpu_quota(double cpus) {
-    if (destroyed_ || counters_.cpu_quota < 0) return false;
+    if (destroyed_ || !counters_.cpu_quota) return false;
     constexpr long period = tuning::kCpuPeriodUs;
     const long quota = std::max<long>(tuning::kMinCpuQuotaUs, std::lround(cpus * period));
     // cpus <= 0: no quota at all.
@@ -204,14 +245,14 @@ bool RuncSandbox::set_cpu_quota(double cpus) {
                               : counters_.cpu_quota_v2 ? "max"
                                                        : "-1";
     const std::string text = counters_.cpu_quota_v2 ? value + " " + std::to_string(period) : value;
-    return ::pwrite(counters_.cpu_quota, text.data(), text.size(), 0) ==
+    return ::pwrite(counters_.cpu_quota.get(), text.data(), text.size(), 0) ==
            static_cast<ssize_t>(text.size());
 }
 
 bool RuncSandbox::set_cpu_weight(int shares) {
-    if (destroyed_ || counters_.cpu_weight < 0) return false;
+    if (destroyed_ || !counters_.cpu_weight) return false;
     const std::string text = weight_text(shares, counters_.cpu_weight_v2);
-    return ::pwrite(counters_.cpu_weight, text.data(), text.size(), 0) ==
+    return ::pwrite(counters_.cpu_weight.get(), text.data(), text.size(), 0) ==
            static_cast<ssize_t>(text.size());
 }
 

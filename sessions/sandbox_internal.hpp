@@ -42,7 +42,13 @@ inline constexpr const char* kForkedRuntime = "zygote";
 int listen_lifeline(const fs::path& path, std::uint32_t owner);
 bool process_gone(pid_t pid);
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout);
+// Removes the cgroups (rmdir once empty); those whose last processes take
+// longer than half a second to go are retried by a thread until they are
+// empty (await_cgroup_removals waits for it).
+void remove_cgroup_dirs(std::vector<fs::path> dirs);
 void remove_cgroups(const std::string& container_id);
+// How many cgroups the thread still waits to remove.
+std::size_t cgroups_pending_removal();
 void remove_session(RuntimeSettings settings, const std::string& session_id, const fs::path& dir);
 
 // gVisor (gvisor.cpp).

@@ -102,8 +102,12 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
     try {
         box.apply_limits(limits);
         box.set_limits(limits);
-        box.set_cpu_weight(tuning::kNormalCpuShares);
-        box.renice(0);
+        // A refill booted at a low weight and nice (RuncBackend::start): a
+        // session gets the normal ones.
+        if (SandboxCpu* cpu = box.cpu()) {
+            cpu->set_cpu_weight(tuning::kNormalCpuShares);
+            cpu->renice(0);
+        }
     } catch (const std::exception& e) {
         spdlog::warn("pool {}: {}; not handed out", image, e.what());
         warm.channels.reset();
@@ -303,9 +307,11 @@ nlohmann::json SandboxPool::warm_sandboxes() const {
     nlohmann::json out = nlohmann::json::array();
     for (const auto& [name, slot] : slots_) {
         for (const auto& warm : slot.ready) {
-            out.push_back({{"image", name},
-                           {"container_id", warm.sandbox->container_id()},
-                           {"init_pid", warm.sandbox->init_pid()}});
+            out.push_back(
+                {{"image", name},
+                 {"container_id", warm.sandbox->container_id()},
+                 {"init_pid",
+                  warm.sandbox->host_process() ? warm.sandbox->host_process()->init_pid() : -1}});
         }
     }
     return out;

@@ -14,6 +14,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/signer.hpp"
@@ -204,6 +205,13 @@ class SwarmSandbox final : public Sandbox {
         std::lock_guard lock(mutex_);
         return node_lost_;
     }
+    // The engine's per-task figures are not read yet (docs/scale-out.md):
+    // no usage, and a task the OOM killer ended reads as a task that ended.
+    bool memory_limit_hit() const override { return false; }
+    SandboxUsage usage() const override { return {}; }
+    // No capability: its files, cgroups and processes are on another node
+    // (files(), cpu() and host_process() are null).
+
     // The engine has no way to signal a task's process from the manager:
     // the relay asks the kernel on its control channel.
     bool interrupt() override { return false; }
@@ -283,7 +291,9 @@ std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
 
 std::string libexec_digest(const fs::path& libexec_dir) {
     std::string all;
-    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py"}) {
+    // Every file the sandbox runs from there (kernel-shim/CMakeLists.txt).
+    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
+                             "cellblock_containment.py", "cellblock_protocol.py"}) {
         std::ifstream in(libexec_dir / name, std::ios::binary);
         if (!in) throw SandboxError("no " + (libexec_dir / name).string());
         std::stringstream bytes;
@@ -297,7 +307,8 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
                         const std::string& session_id, const Image& image,
                         const SandboxLimits& limits, const std::string& secret_id,
                         const std::string& secret_name) {
-    json command = {kSandboxShim, "--engine", std::to_string(kSandboxUid), "--"};
+    json command = {kSandboxShim, sandbox_protocol::kShimEngineOption, std::to_string(kSandboxUid),
+                    sandbox_protocol::kShimArgvEnd};
     for (const auto& arg : image.kernel_argv) {
         command.push_back(arg == "{connection_file}" ? std::string(kSecretPath) : arg);
     }
@@ -401,6 +412,14 @@ SwarmBackend::~SwarmBackend() {
     }
     wake_.notify_all();
     if (watcher_.joinable()) watcher_.join();
+}
+
+std::optional<BackendRefusal> SwarmBackend::refuse(const Image& image) const {
+    if (runtime_kind(image.runtime) == RuntimeKind::runc) return std::nullopt;
+    return BackendRefusal{ename::UnknownRuntime,
+                          "runtime '" + image.runtime +
+                              "' is not available on the swarm backend: its services run on each "
+                              "node engine's default runtime (runc)"};
 }
 
 bool SwarmBackend::can_serve(const Image&, const SandboxLimits& a, const SandboxLimits& b) const {

@@ -29,31 +29,42 @@
 
 #include "cellblock/fd_passing.hpp"
 #include "cellblock/sandbox_pool.hpp"
+#include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/sandbox_tuning.hpp"
+#include "cellblock/session_dir.hpp"
 #include "sandbox_internal.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace sandbox_detail;
+namespace protocol = sandbox_protocol;
 
 namespace {
 
 constexpr std::chrono::seconds kStepTimeout{10};
+// How often a starting zygote's socket is looked for.
+constexpr std::chrono::milliseconds kStartPoll{20};
+// The largest reply of the zygote that is read whole.
+constexpr size_t kMaxReplyBytes = 65536;
 // The zygote's RLIMIT_NOFILE bounds what a fork may set for its session (it
 // cannot raise it): as high as this process may give (runc sets it after it
-// has become the zygote's user).
+// has become the zygote's user), within the kernel's fs.nr_open default.
+constexpr int kNofileUnknown = 65536;
+constexpr rlim_t kMaxNofile = 1 << 20;
 int zygote_nofile() {
     rlimit limit{};
-    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_max == RLIM_INFINITY) return 65536;
-    return static_cast<int>(std::min<rlim_t>(limit.rlim_max, 1 << 20));
+    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_max == RLIM_INFINITY) {
+        return kNofileUnknown;
+    }
+    return static_cast<int>(std::min(limit.rlim_max, kMaxNofile));
 }
 
 std::uint32_t scmp_action(const json& rule) {
     const std::string action = rule.at("action");
     if (action == "SCMP_ACT_ALLOW") return SCMP_ACT_ALLOW;
     if (action == "SCMP_ACT_ERRNO")
-        return SCMP_ACT_ERRNO(static_cast<std::uint16_t>(rule.value("errnoRet", 1)));
+        return SCMP_ACT_ERRNO(static_cast<std::uint16_t>(rule.value("errnoRet", EPERM)));
     throw SandboxError("seccomp: action " + action + " is not supported here");
 }
 
@@ -107,8 +118,9 @@ Report receive_report(int fd, const std::string& step) {
             report.pid = cred.pid;
         }
     }
-    if (report.text.rfind("error ", 0) == 0) {
-        throw SandboxError("zygote fork: " + report.text.substr(6));
+    const std::string error = std::string(protocol::kReportError) + " ";
+    if (report.text.starts_with(error)) {
+        throw SandboxError("zygote fork: " + report.text.substr(error.size()));
     }
     return report;
 }
@@ -151,20 +163,15 @@ std::jthread take_threadgroup_lock_early(const fs::path& v2_root) {
 std::vector<fs::path> create_session_cgroups(const std::string& container_id,
                                              const std::string& zygote_id) {
     std::vector<fs::path> dirs;
-    const fs::path root = "/sys/fs/cgroup";
-    if (fs::exists(root / "cgroup.controllers")) {
-        const fs::path parent = root / "cellblock";
-        ::mkdir(parent.c_str(), 0755);
-        std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
-        dirs.push_back(parent / container_id);
-    } else {
-        std::error_code ec;
-        for (const auto& entry : fs::directory_iterator(root, ec)) {
-            std::error_code type_ec;
-            if (!entry.is_directory(type_ec) || entry.is_symlink(type_ec)) continue;
-            if (!fs::exists(entry.path() / "cellblock" / zygote_id)) continue;
-            dirs.push_back(entry.path() / "cellblock" / container_id);
+    const bool v2 = cgroup_v2();
+    for (const auto& parent : sandboxes_cgroup_parents()) {
+        if (v2) {
+            ::mkdir(parent.c_str(), 0755);
+            std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
+        } else if (!fs::exists(parent / zygote_id)) {
+            continue;
         }
+        dirs.push_back(parent / container_id);
     }
     for (const auto& dir : dirs) {
         if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
@@ -204,6 +211,11 @@ UniqueFd detached_tree(const fs::path& dir, std::uint64_t attributes) {
 }
 
 void send_request(int socket, const std::string& data, const std::vector<int>& fds) {
+    if (data.size() > static_cast<size_t>(protocol::kMaxRequestBytes)) {
+        throw SandboxError("zygote: a request of " + std::to_string(data.size()) +
+                           " bytes, more than the zygote reads (" +
+                           std::to_string(protocol::kMaxRequestBytes) + ")");
+    }
     if (send_with_fds(socket, data, fds) != static_cast<ssize_t>(data.size())) {
         throw SandboxError("zygote: send: " + errno_text());
     }
@@ -211,14 +223,14 @@ void send_request(int socket, const std::string& data, const std::vector<int>& f
 
 json receive_reply(int socket, std::chrono::milliseconds timeout) {
     if (!wait_readable(socket, timeout)) throw SandboxError("zygote: no reply");
-    std::string buf(65536, '\0');
+    std::string buf(kMaxReplyBytes, '\0');
     const ssize_t n = ::recv(socket, buf.data(), buf.size(), 0);
     if (n <= 0) throw SandboxError("zygote: the zygote closed its socket");
     buf.resize(static_cast<size_t>(n));
     json reply = json::parse(buf, nullptr, false);
     if (!reply.is_object()) throw SandboxError("zygote: a reply that is not a JSON object");
-    if (reply.contains("error")) {
-        throw SandboxError("zygote: " + reply["error"].get<std::string>());
+    if (reply.contains(protocol::kReplyError)) {
+        throw SandboxError("zygote: " + reply[protocol::kReplyError].get<std::string>());
     }
     return reply;
 }
@@ -228,7 +240,7 @@ json receive_reply(int socket, std::chrono::milliseconds timeout) {
 std::string compile_seccomp_bpf(const json& profile) {
     const std::uint32_t default_action =
         scmp_action({{"action", profile.at("defaultAction")},
-                     {"errnoRet", profile.value("defaultErrnoRet", 1)}});
+                     {"errnoRet", profile.value("defaultErrnoRet", EPERM)}});
     scmp_filter_ctx ctx = seccomp_init(default_action);
     if (!ctx) throw SandboxError("seccomp_init failed");
     std::unique_ptr<void, void (*)(void*)> owner(ctx, [](void* c) { seccomp_release(c); });
@@ -289,8 +301,8 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     zygote->box_ =
         RuncSandbox::start(make_session_id(), image, limits, settings, SandboxRole::zygote);
     RuncSandbox& box = *zygote->box_;
-    const fs::path socket_path = box.dir() / "ipc" / "zygote.sock";
-    const fs::path log = box.dir() / "log" / "shim.log";
+    const fs::path socket_path = SessionDir(box.dir()).zygote_socket();
+    const fs::path log = SessionDir(box.dir()).shim_log();
     // The socket appears once the zygote has imported everything.
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
@@ -303,7 +315,7 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
                                     : " did not start in time") +
                                ": " + log_tail(log));
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        std::this_thread::sleep_for(kStartPoll);
     }
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -318,12 +330,12 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     }
     // The filter every session installs on itself before its first own code.
     const std::string bpf = compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc));
-    send_request(zygote->control_.get(), "seccomp " + bpf, {});
+    send_request(zygote->control_.get(), std::string(protocol::kSeccompRequest) + " " + bpf, {});
     const json reply = receive_reply(zygote->control_.get(), kStepTimeout);
-    zygote->interpreter_pid_ = reply.value("pid", -1);
-    if (reply.contains("refused")) {
-        const std::string why = reply["refused"].is_string() ? reply["refused"].get<std::string>()
-                                                             : reply["refused"].dump();
+    zygote->interpreter_pid_ = reply.value(protocol::kReplyPid, -1);
+    if (reply.contains(protocol::kReplyRefused)) {
+        const json& refused = reply[protocol::kReplyRefused];
+        const std::string why = refused.is_string() ? refused.get<std::string>() : refused.dump();
         throw ForkingRefused("this host does not let a zygote's fork contain itself: " + why);
     }
     // A pool worker that started it may run at a low priority; its forks take
@@ -412,13 +424,14 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
     }
     box->lifeline_.reset(lifeline_pair[0]);
     UniqueFd lifeline_child(lifeline_pair[1]);
-    const fs::path log = dir / "log" / "shim.log";
+    const SessionDir paths(dir);
+    const fs::path log = paths.shim_log();
     UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
     if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
     const std::uint64_t quiet = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-    UniqueFd ipc = detached_tree(dir / "ipc", quiet);
-    UniqueFd input = detached_tree(dir / "input", quiet | MOUNT_ATTR_RDONLY);
-    UniqueFd output = detached_tree(dir / "output", quiet);
+    UniqueFd ipc = detached_tree(paths.ipc(), quiet);
+    UniqueFd input = detached_tree(paths.input(), quiet | MOUNT_ATTR_RDONLY);
+    UniqueFd output = detached_tree(paths.output(), quiet);
 
     errno = 0;
     int nice = ::getpriority(PRIO_PROCESS, 0);  // this thread's (Linux)
@@ -433,8 +446,19 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
                             {"nproc", limits.pids * tuning::kRuncNprocFactor},
                             {"nice", nice}}},
                           {"cgroups", v1_tasks.size()}};
-    std::vector<int> passed = {report_child.get(), lifeline_child.get(), log_fd.get(),
-                               ipc.get(),          input.get(),          output.get()};
+    if (v1_tasks.size() > static_cast<size_t>(protocol::kMaxCgroupFds)) {
+        throw SandboxError("zygote fork: " + std::to_string(v1_tasks.size()) +
+                           " v1 cgroup hierarchies, more than a fork request carries (" +
+                           std::to_string(protocol::kMaxCgroupFds) + ")");
+    }
+    // In the order the zygote names them (sandbox_protocol.hpp).
+    std::vector<int> passed(protocol::kForkFdCount, -1);
+    passed[protocol::position(protocol::ForkFd::report)] = report_child.get();
+    passed[protocol::position(protocol::ForkFd::lifeline)] = lifeline_child.get();
+    passed[protocol::position(protocol::ForkFd::log)] = log_fd.get();
+    passed[protocol::position(protocol::ForkFd::ipc)] = ipc.get();
+    passed[protocol::position(protocol::ForkFd::input)] = input.get();
+    passed[protocol::position(protocol::ForkFd::output)] = output.get();
     for (const auto& fd : v1_tasks) passed.push_back(fd.get());
     try {
         send_request(control_.get(), request.dump(), passed);
@@ -467,7 +491,7 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         const Report userns = receive_report(report.get(), "the user namespace");
         forked = userns.pid;
         userns_ms = ms_since();
-        if (userns.text != "userns" || forked <= 0) {
+        if (userns.text != protocol::kReportUserns || forked <= 0) {
             throw SandboxError("zygote fork: unexpected report '" + userns.text + "'");
         }
         const IdMapping& ids = box->host_ids();
@@ -476,13 +500,14 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         const fs::path proc = "/proc/" + std::to_string(forked);
         write_value(proc / "uid_map", map);
         write_value(proc / "gid_map", map);
-        tell("mapped");
+        tell(protocol::kAnswerMapped);
         mapped_ms = ms_since();
         const Report init = receive_report(report.get(), "the session's init");
         pid_t init_pid = -1;
-        const char* digits = init.text.data() + std::min<size_t>(5, init.text.size());
+        const std::string init_word = std::string(protocol::kReportInit) + " ";
+        const char* digits = init.text.data() + std::min(init_word.size(), init.text.size());
         const auto parsed = std::from_chars(digits, init.text.data() + init.text.size(), init_pid);
-        if (init.pid != forked || init.text.rfind("init ", 0) != 0 || parsed.ec != std::errc() ||
+        if (init.pid != forked || !init.text.starts_with(init_word) || parsed.ec != std::errc() ||
             parsed.ptr != init.text.data() + init.text.size() || init_pid <= 0) {
             throw SandboxError("zygote fork: unexpected report '" + init.text + "'");
         }
@@ -493,10 +518,10 @@ std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
         for (const auto& cgroup : v2_dirs) {
             write_value(cgroup / "cgroup.procs", std::to_string(init_pid));
         }
-        tell("cgrouped");
+        tell(protocol::kAnswerCgrouped);
         cgrouped_ms = ms_since();
         const Report ready = receive_report(report.get(), "the contained session");
-        if (ready.text != "ready" || ready.pid != box->init_pid_) {
+        if (ready.text != protocol::kReportReady || ready.pid != box->init_pid_) {
             throw SandboxError("zygote fork: unexpected report '" + ready.text + "' from pid " +
                                std::to_string(ready.pid));
         }

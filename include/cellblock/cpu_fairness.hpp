@@ -18,27 +18,32 @@
 // `calm_after`: no storm, and without an execution at most `calm_share` of a
 // core used and a runnable task in at most `calm_runnable` of the samples. A
 // demoted spinner keeps wanting CPU, so it stays demoted rather than flapping.
-// A long execution is legitimate and is never demoted: past each of
-// `long_steps` of CPU-bound running it only yields a step of weight (its
-// quota stays, and a weight matters only when CPU is contended), so a cell
-// that has burned CPU for a minute gives way to newer work; the default
-// weight returns when the execution ends. Short cells and bursts (a pandas
-// import) never change anything.
+// A long execution is legitimate and is never demoted: once it has been
+// CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
+// quota stays, and a weight matters only when CPU is contended), so a quiet
+// session next to ten spinning cells still answers at once and work begun
+// later is not held back by a spin begun earlier; the default weight returns
+// when the execution ends. Short cells and bursts (a pandas import) never
+// change anything.
 //
 // The sandboxes' common parent cgroup (`cellblock`) is one entity among the
-// host's processes: at the kernel's default weight, a hundred busy sessions
-// together weigh what one process does, the server and a client on the host
-// preempt them on every message, and each execution costs ~40% more CPU
-// (bench figure 4: 0.65x the throughput of a hundred bare kernels). So the
-// server gives the parent what its interactive sessions weigh
-// (`sandboxes_weight`): each session that used CPU lately in executions of
-// under `interactive_run` counts as one process; idle ones add nothing. But
-// the parent's weight goes to whatever inside it runs, so while any session
-// holds the CPU (a long computation, a demoted or yielding one: `hogging`)
-// the parent weighs one process again. Otherwise the interactive sessions'
-// weight served the spins beside them: counted, ten CPU spins outweighed
-// the server and a client on the host and a quiet session's p99 grew 2-5x
-// (figure 6); lent to hogs, the interactive p99 of figure 8 grew 10-30x.
+// host's processes, and its weight goes to whatever inside it runs. The
+// server gives it (`sandboxes_weight`) one process's weight per session
+// holding the CPU (`hogging`: an execution past `interactive_run`, normal or
+// yielding; a demoted one is owed nothing), so that no runnable session gets
+// less than a host process does (one process for all of them let two host
+// spinners take 0.65 of a core each while a pandas cell beside two spinning
+// sessions got 0.2: bench figure 16); a yielding step moves a session's time
+// to its neighbours, never to the host. While no session holds the CPU, one
+// per interactive session (one that used CPU lately in executions of under
+// `interactive_run`): a hundred sessions stepping weighed one process at the
+// kernel's default and lost 35% of their throughput to preemption (figure
+// 4). Interactive sessions are not counted beside hogs: they sleep between
+// steps, and their weight served the spins beside them (the interactive p99
+// of figure 8 grew 22-65x). The server itself joins a cgroup weighted as the
+// sandboxes (runc_sandbox.hpp, join_servers_cgroup): it relays every
+// message, and at one process's weight beside ten spinning sessions each
+// round trip waited 30-65 ms for it.
 #pragma once
 
 #include <chrono>
@@ -70,14 +75,21 @@ struct CpuFairnessPolicy {
     double active_share = 0.002;
     // Interactive: active, at the normal level, and no execution running longer.
     Seconds interactive_run{1.0};
+    // A long execution's first step needs it busy over the whole of long_after.
+    Seconds long_after{2.0};
     struct LongStep {
-        Seconds after;  // one execution has run this long, busy over background_after
+        Seconds after;  // one execution has run this long, busy over long_after
         int weight;
     };
-    // Halving every 10-15 s: a cell that has run a minute weighs 1/32 of a new
-    // one, so work begun later is not held back by a spin begun earlier.
-    std::vector<LongStep> long_steps{{Seconds{10}, 512}, {Seconds{20}, 256}, {Seconds{30}, 128},
-                                     {Seconds{45}, 64},  {Seconds{60}, 32},  {Seconds{90}, 16}};
+    // An eighth after 2 s: a quiet session next to ten spinning cells then
+    // outweighs them all (at 10 s, as before, its p99 was 4-8x its quiet p99
+    // from the third second of the noise on: bench figure 6); halving every
+    // 20-45 s from there, so that work begun later is not held back by a
+    // spin begun earlier. The parent's weight keeps counting the session as
+    // one process (sandboxes_weight): the step moves its time to its
+    // neighbours, never to the host.
+    std::vector<LongStep> long_steps{
+        {Seconds{2}, 128}, {Seconds{20}, 64}, {Seconds{45}, 32}, {Seconds{90}, 16}};
 };
 
 // What the cgroup is set to. cpus 0: the session's own quota.
@@ -125,8 +137,9 @@ class CpuFairness {
     // Active, at the normal level, and no execution had run interactive_run
     // at the last sample: it weighs on the sandboxes' parent.
     bool interactive() const;
-    // Active but not interactive: it holds the CPU.
-    bool hogging() const { return active() && !interactive(); }
+    // Active, not interactive and not demoted: it holds the CPU in a long
+    // execution (normal or yielding), runnable throughout.
+    bool hogging() const { return active() && !interactive() && !demoted(); }
     bool demoted() const { return setting_.level == CpuSetting::Level::demoted; }
     const CpuFairnessPolicy& policy() const { return policy_; }
     Clock::time_point last_sample() const { return last_ ? last_->at : Clock::time_point{}; }
@@ -161,8 +174,8 @@ class CpuFairness {
 inline constexpr int kMaxCpuShares = 262144;
 
 // The weight for the sandboxes' parent cgroup (v1 cpu.shares units): one
-// normal session's per interactive session, at least one, at most cgroup v1's
-// ceiling (kMaxCpuShares); one normal session's while any session is hogging.
+// normal session's per hogging session while any is, else one per interactive
+// session; at least one, at most cgroup v1's ceiling (kMaxCpuShares).
 int sandboxes_weight(std::size_t interactive, std::size_t hogging,
                      const CpuFairnessPolicy& policy = {});
 

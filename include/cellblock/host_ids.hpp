@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
 
@@ -43,20 +44,16 @@ std::set<std::uint32_t> host_ids_in_use();
 class HostIdLease {
   public:
     HostIdLease() = default;
-    HostIdLease(int fd, std::uint32_t index, IdMapping ids) : fd_(fd), index_(index), ids_(ids) {}
-    ~HostIdLease() { release(); }
-    HostIdLease(HostIdLease&& other) noexcept { *this = std::move(other); }
-    HostIdLease& operator=(HostIdLease&& other) noexcept;
-    HostIdLease(const HostIdLease&) = delete;
-    HostIdLease& operator=(const HostIdLease&) = delete;
+    HostIdLease(UniqueFd fd, std::uint32_t index, IdMapping ids)
+        : fd_(std::move(fd)), index_(index), ids_(ids) {}
 
-    bool held() const { return fd_ >= 0; }
+    bool held() const { return static_cast<bool>(fd_); }
     std::uint32_t index() const { return index_; }
     const IdMapping& ids() const { return ids_; }
-    void release();
+    void release() { fd_.reset(); }  // drops the flock
 
   private:
-    int fd_ = -1;
+    UniqueFd fd_;  // the lease file, flock'ed
     std::uint32_t index_ = 0;
     IdMapping ids_;
 };

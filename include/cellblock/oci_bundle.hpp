@@ -9,16 +9,17 @@
 #include <nlohmann/json.hpp>
 
 #include "cellblock/image.hpp"
+#include "cellblock/sandbox_protocol.hpp"
 
 namespace cellblock {
 
 // Paths inside every sandbox.
-inline constexpr const char* kSandboxIpcDir = "/run/cellblock";
+inline constexpr const char* kSandboxIpcDir = sandbox_protocol::kIpcDir;
 // The shim's egress forwarder, on the sandbox's own loopback (shim.cpp).
 inline constexpr const char* kSandboxEgressProxy = "http://127.0.0.1:3128";
-inline constexpr const char* kSandboxConnectionFile = "/run/cellblock/kernel.json";
+inline constexpr const char* kSandboxConnectionFile = sandbox_protocol::kConnectionFile;
 inline constexpr const char* kSandboxLibexec = "/opt/cellblock";
-inline constexpr const char* kSandboxShim = "/opt/cellblock/cellblock-shim";
+inline constexpr const char* kSandboxShim = sandbox_protocol::kShimPath;
 inline constexpr const char* kSandboxHome = "/home/sandbox";
 // Where pip installs a session's packages (PIP_TARGET, on PYTHONPATH): its home.
 inline constexpr const char* kSandboxPackages = "/home/sandbox/.packages";
@@ -27,8 +28,14 @@ inline constexpr const char* kSandboxOutputDir = "/data/output";
 inline constexpr std::uint32_t kSandboxUid = 1000;
 // Where the shim finds the server's lifeline socket when the runtime cannot pass
 // it an fd (runsc): the server listens there, accepts one connection, unlinks it.
-inline constexpr const char* kLifelineEnv = "CELLBLOCK_LIFELINE";
+inline constexpr const char* kLifelineEnv = sandbox_protocol::kLifelineEnv;
 inline constexpr const char* kSandboxLifelineSocket = "/run/cellblock/lifeline.sock";
+// The cgroup every sandbox's own cgroup is made in, in each hierarchy (the
+// bundle's cgroupsPath is /cellblock/<container id>; runc_sandbox.hpp has
+// the rest of the layout).
+inline constexpr const char* kSandboxesCgroup = "cellblock";
+// A zygote's control socket (SessionDir::zygote_socket on the host).
+inline constexpr const char* kSandboxZygoteSocket = "/run/cellblock/zygote.sock";
 
 // The family of an OCI runtime, from the basename of its name or path: what
 // the bundle and the runtime's command line depend on.
@@ -75,7 +82,7 @@ struct SandboxSpec {
     std::filesystem::path input_dir;    // host dir mounted read-only at /data/input
     std::filesystem::path output_dir;   // host dir mounted at /data/output
     std::filesystem::path libexec_dir;  // host dir with cellblock-shim, mounted at /opt/cellblock
-    std::string cgroup_parent = "cellblock";
+    std::string cgroup_parent = kSandboxesCgroup;
     // RLIMIT_NPROC when not 0 (else from limits.pids). A zygote's: the
     // server's own hard limit. The user namespace of each fork is charged,
     // one level up, to the zygote's uid, bounded by the zygote's limit at the

@@ -29,6 +29,8 @@ class RuncBackend final : public SandboxBackend {
     // Mount sizes and rlimits are fixed at start; under runsc the pids limit
     // is an rlimit too (enforced inside the Sentry, where the host cannot
     // change it).
+    // The image's runtime must be installed on this host.
+    std::optional<BackendRefusal> refuse(const Image& image) const override;
     bool can_serve(const Image& image, const SandboxLimits& pooled,
                    const SandboxLimits& wanted) const override;
     // The zygotes running: [{kind: zygote, image, container_id, init_pid, interpreter_pid}],

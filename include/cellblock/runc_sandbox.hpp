@@ -9,13 +9,44 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cellblock/sandbox.hpp"
 
 namespace cellblock {
 
-class RuncSandbox final : public Sandbox {
+struct RuntimeSettings {
+    std::string runtime = "runc";       // runc, crun or runsc (a binary on PATH or a path)
+    std::filesystem::path state_dir;    // root of everything cellblock keeps
+    std::filesystem::path libexec_dir;  // holds cellblock-shim and the kernel launcher
+    // Where each sandbox leases its own host id range (host_ids.hpp).
+    HostIdPool host_ids;
+    // The CPU weight (cgroup v1 cpu.shares) a sandbox starts with; 0 leaves
+    // the runtime's default. The pool starts its refills at a low weight so
+    // that a kernel booting in the background does not slow the sessions in
+    // use; the sandbox gets the default back when a session takes it.
+    int start_cpu_shares = 0;
+    std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
+    std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
+};
+
+// The runtimes a session may ask for by name.
+bool runtime_allowed(const std::string& name);  // runc, runsc, crun
+// Whether `runtime` (a name looked up on the PATH cellblock gives its helpers,
+// or a path) is an executable file on this host.
+bool runtime_installed(const std::string& runtime);
+
+// Why the kernel ended, in words, from everything the shim wrote on its
+// lifeline (its last "kernel-exit" line, sandbox_protocol.hpp): "the kernel
+// exited with status 1", "the kernel was killed by signal 9", ...
+std::string describe_kernel_exit(std::string_view lifeline_text);
+
+// A sandbox of this host's OCI runtime: every capability (sandbox.hpp).
+class RuncSandbox final : public Sandbox,
+                          public SandboxFiles,
+                          public SandboxCpu,
+                          public HostProcess {
   public:
     // Creates the session directory (lock, bundle, capped ipc and output
     // mounts), writes the inner connection file, and starts the container
@@ -30,7 +61,13 @@ class RuncSandbox final : public Sandbox {
 
     // The runtime this sandbox runs on ("runc", "runsc", ...).
     const std::string& runtime() const override { return settings_.runtime; }
-    std::filesystem::path dir() const override { return dir_; }
+    SandboxFiles* files() override { return this; }
+    SandboxCpu* cpu() override { return this; }
+    HostProcess* host_process() override { return this; }
+
+    // HostProcess.
+    const SessionDir& session_dir() const override { return dir_; }
+    const std::filesystem::path& dir() const { return dir_.root(); }
     pid_t init_pid() const override { return init_pid_; }
     // The host ids this sandbox's container ids map to, leased for its
     // lifetime: no other sandbox on the host runs as them meanwhile.
@@ -48,7 +85,8 @@ class RuncSandbox final : public Sandbox {
     bool exited() const override { return exited_; }
     std::string exit_description() const override;
     bool memory_limit_hit() const override;
-    std::string log_tail() const override;  // log/shim.log
+    std::string log_tail() const override;             // log/shim.log
+    bool node_lost() const override { return false; }  // this host runs it
 
     // SIGINT to the kernel (through the shim: a signal, or a lifeline line).
     bool interrupt() override;
@@ -64,6 +102,12 @@ class RuncSandbox final : public Sandbox {
     // execution's reply path, where a path lookup in cgroupfs (kernfs
     // revalidation per component) cost more than the read itself.
     SandboxUsage usage() const override;
+    // SandboxFiles: the session directory's input/, output/ and partial/.
+    std::filesystem::path input_dir() const override { return dir_.input(); }
+    std::filesystem::path output_dir() const override { return dir_.output(); }
+    std::filesystem::path staging_dir() const override { return dir_.staging(); }
+
+    // SandboxCpu.
     // cgroup v1 cpu.shares (v2 cpu.weight is scaled to match). False when
     // the sandbox has no CPU controller to write.
     bool set_cpu_weight(int shares) override;
@@ -88,7 +132,7 @@ class RuncSandbox final : public Sandbox {
     // A forked session's zygote, kept (with the root it runs on) until the
     // session is destroyed, whatever the pool does with it meanwhile.
     std::shared_ptr<void> keep_;
-    std::filesystem::path dir_;
+    SessionDir dir_;
     RuntimeSettings settings_;
     pid_t init_pid_ = -1;
     pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
@@ -101,10 +145,10 @@ class RuncSandbox final : public Sandbox {
     bool reaped_ = false;
     std::string shim_status_;
     std::vector<std::filesystem::path> cgroup_dirs_;  // found once the container exists
-    // Kept-open cgroup files (-1 where the controller or file is absent).
+    // Kept-open cgroup files (none where the controller or file is absent).
     struct CounterFiles {
-        int memory_peak = -1, memory_usage = -1, oom_control = -1, cpu_usage = -1;
-        int cpu_weight = -1, cpu_quota = -1, pids_current = -1;
+        UniqueFd memory_peak, memory_usage, oom_control, cpu_usage;
+        UniqueFd cpu_weight, cpu_quota, pids_current;
         bool cpu_weight_v2 = false, cpu_quota_v2 = false;
     } counters_;
     void open_counters();
@@ -115,6 +159,11 @@ class RuncSandbox final : public Sandbox {
 // is not held (their owner died) are killed, deleted, unmounted and removed.
 // Returns the ids of the sessions reaped.
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
+
+// Waits up to `timeout` until the cgroups of closed sandboxes whose last
+// processes were slow to die are removed (a server waits for them before it
+// exits, so that it leaves nothing behind). True when none are left.
+bool await_cgroup_removals(std::chrono::milliseconds timeout);
 
 // Removes cellblock's empty `cb-*` cgroups (every controller) that are older
 // than `min_age`: what runs killed mid-way leave when their session
@@ -130,7 +179,31 @@ std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds mi
 // on the host: the last writer's figure holds.
 bool set_sandboxes_cpu_weight(int shares);
 
-// The cgroup directories (one per v1 controller, or the v2 one) of a container.
+// Moves this process (all its threads, and the children it starts later) into
+// the servers' cgroup (`cellblock-servers`, beside the sandboxes' parent),
+// created if missing. Every server on the host shares it. Returns why not, or
+// "" once joined.
+std::string join_servers_cgroup();
+
+// Sets the servers' cgroup's CPU weight (v1 cpu.shares units): the servers
+// relay every message of every session, so they weigh what the sandboxes do
+// (a server uses CPU only for the messages it is given, so the weight costs
+// no one anything while it is idle). False if there is no such cgroup.
+bool set_servers_cpu_weight(int shares);
+
+// The cgroup layout, named once: sandboxes live in the `cellblock` cgroup
+// (kSandboxesCgroup, oci_bundle.hpp) of every hierarchy; the servers in
+// `cellblock-servers` beside it (cpu only).
+inline constexpr const char* kCgroupRoot = "/sys/fs/cgroup";
+inline constexpr const char* kServersCgroup = "cellblock-servers";
+// Whether the host mounts the unified (v2) hierarchy alone at kCgroupRoot.
+bool cgroup_v2();
+// The hierarchies' roots: kCgroupRoot on v2; on v1 each mounted hierarchy
+// under it (the named and hybrid ones too), without the symlinked aliases.
+std::vector<std::filesystem::path> cgroup_hierarchies();
+// The `cellblock` cgroup in each hierarchy, whether it exists or not.
+std::vector<std::filesystem::path> sandboxes_cgroup_parents();
+// The cgroup directories (one per v1 hierarchy, or the v2 one) of a container.
 std::vector<std::filesystem::path> sandbox_cgroup_dirs(const std::string& container_id);
 
 // Applies memory, pids and CPU limits to a running sandbox's cgroup (a warm

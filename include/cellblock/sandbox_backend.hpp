@@ -5,7 +5,9 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -13,6 +15,13 @@
 #include "cellblock/sandbox.hpp"
 
 namespace cellblock {
+
+// A session a backend cannot run, said before anything starts: the ename the
+// client gets (error_names.hpp) and why, in words.
+struct BackendRefusal {
+    std::string_view ename;
+    std::string message;
+};
 
 class SandboxBackend {
   public:
@@ -30,6 +39,10 @@ class SandboxBackend {
     virtual std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
                                            const SandboxLimits& limits, bool background) = 0;
 
+    // Why this backend cannot run a session of `image` (on the runtime the
+    // image names, or the request chose), or nullopt when it can. Asked
+    // before a create is queued, so a client learns it at once.
+    virtual std::optional<BackendRefusal> refuse(const Image& image) const = 0;
     // Whether a warm sandbox started with `pooled` limits can serve a
     // session that asks for `wanted` (what apply_limits cannot change later).
     virtual bool can_serve(const Image& image, const SandboxLimits& pooled,

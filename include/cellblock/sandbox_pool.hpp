@@ -19,17 +19,21 @@
 
 namespace cellblock {
 
+// The server's connected channels to a kernel (server/inner_channels.hpp):
+// made by the server's probe, carried here with the sandbox, never opened.
+struct InnerChannels;
+
 // Waits until the sandbox's kernel answers (kernel_info), or throws
-// SandboxError. Provided by the server (it needs ZMQ); what it returns (the
-// server's connected channels to the kernel) travels with the sandbox,
-// opaque to this library. `background` is true for a pool refill, which no
-// client waits for (the probe may then do more, e.g. warm the kernel up).
-using ReadinessProbe = std::function<std::shared_ptr<void>(Sandbox&, bool background)>;
+// SandboxError. Provided by the server (it needs ZMQ); the channels it
+// returns travel with the sandbox. `background` is true for a pool refill,
+// which no client waits for (the probe may then do more, e.g. warm the
+// kernel up).
+using ReadinessProbe = std::function<std::shared_ptr<InnerChannels>(Sandbox&, bool background)>;
 
 // A started sandbox whose kernel answered, with the probe's channels.
 struct WarmSandbox {
     std::unique_ptr<Sandbox> sandbox;
-    std::shared_ptr<void> channels;
+    std::shared_ptr<InnerChannels> channels;
     explicit operator bool() const { return sandbox != nullptr; }
 };
 

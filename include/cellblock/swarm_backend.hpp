@@ -78,6 +78,8 @@ class SwarmBackend final : public SandboxBackend {
                                    const SandboxLimits& limits, bool background) override;
     // A service's limits are fixed at its creation (an update re-creates its
     // task, and the kernel's state with it): only equal limits are served.
+    // Only runc: a Swarm service runs on its node engine's default runtime.
+    std::optional<BackendRefusal> refuse(const Image& image) const override;
     bool can_serve(const Image& image, const SandboxLimits& pooled,
                    const SandboxLimits& wanted) const override;
     // The nodes: [{kind: node, hostname, state, availability, sessions}].

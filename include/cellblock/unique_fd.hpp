@@ -37,6 +37,13 @@ class UniqueFd {
         fd_ = fd;
     }
 
+    // Closes it and says whether close(2) succeeded (errno set when not): for
+    // a file just written, where a failed close can mean lost data.
+    bool close() {
+        const int fd = std::exchange(fd_, -1);
+        return fd < 0 || ::close(fd) == 0;
+    }
+
   private:
     int fd_ = -1;
 };

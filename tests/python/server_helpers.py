@@ -26,8 +26,26 @@ import time
 
 import pytest
 import zmq
+import zmq.asyncio
 from jupyter_client import BlockingKernelClient
 from jupyter_client.session import Session
+
+# The zmq contexts of the tests' clients, one of each kind, living as long
+# as the test process. A context that becomes garbage is destroyed from its
+# __del__, whenever the collector runs and in whatever thread, and pyzmq 24's
+# term() blocks for good when a socket of it is garbage in the same cycle
+# (its weak reference is cleared first, so destroy() does not close it).
+# That happened inside jupyter_client's heartbeat thread, which the next
+# stop_channels() then joined forever: a whole test file hung. Contexts that
+# are never collected cannot do that; garbage sockets close on their own.
+CLIENT_CONTEXT = zmq.asyncio.Context()  # kernel clients (jupyter_client's kind)
+MANAGER_CONTEXT = zmq.Context()  # ServerProcess's manager sockets
+
+
+def kernel_client():
+    """A BlockingKernelClient on the tests' shared context (see CLIENT_CONTEXT)."""
+    return BlockingKernelClient(context=CLIENT_CONTEXT)
+
 
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -419,7 +437,7 @@ class ServerProcess:
         self.proc = None
         self.clients = []
         self.session_ids = set()   # every session this object saw created
-        self.ctx = zmq.Context()
+        self.ctx = MANAGER_CONTEXT
         self.socket = None
         self.session = None
         self.info = None
@@ -575,7 +593,7 @@ class ServerProcess:
 
     def connect(self, connection, ready_timeout=60):
         """A started, ready BlockingKernelClient on a session's connection dict."""
-        kc = BlockingKernelClient()
+        kc = kernel_client()
         kc.load_connection_info(connection)
         kc.cellblock_server = self   # collect_execution stops waiting when the server is gone
         kc.start_channels()
@@ -629,7 +647,6 @@ class ServerProcess:
             problems.append(f"after SIGTERM the server left: {left}")
         if os.path.exists(os.path.join(self.state_dir, "server.json")):
             problems.append("server.json still exists after a clean exit")
-        self.ctx.term()
         shutil.rmtree(self.state_dir, ignore_errors=True)
         if os.path.exists(self.state_dir):
             problems.append(f"state dir {self.state_dir} could not be removed")

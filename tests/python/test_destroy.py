@@ -351,3 +351,28 @@ def test_kernel_death_closes_the_session_and_leaves_nothing():
         assert_nothing_left(sid, pids)
     finally:
         kernel.close()
+
+
+def test_a_kernel_that_outlives_its_inits_sigterm_is_ended_and_named_so():
+    """The init told to stop (here by its own kernel: a signal the shim blocks
+    is queued even from inside its PID namespace) passes SIGTERM on; a kernel
+    that ignores it is ended with the sandbox 2 s later, and the shim's
+    `kernel-exit terminated` reaches the client in words
+    (include/cellblock/sandbox_protocol.hpp)."""
+    kernel = LoggedKernel()
+    try:
+        sid = kernel.sid
+        pids = sandbox_pids(sid)
+        code = ("import os, signal, time\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "os.kill(1, signal.SIGTERM)\n"
+                "time.sleep(60)")
+        reply, outputs = run_cell(kernel.kc, code, timeout=30)
+        assert reply["status"] == "error", reply
+        assert reply["ename"] == "KernelDied", reply
+        assert "told to stop" in reply["evalue"] and "SIGTERM" in reply["evalue"], reply
+        assert kernel.proc.wait(timeout=15) == 1, kernel.log()
+        assert closed_line(kernel, "told to stop"), kernel.log()
+        assert_nothing_left(sid, pids)
+    finally:
+        kernel.close()

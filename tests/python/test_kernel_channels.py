@@ -3,9 +3,8 @@ through a real cellblock kernel started by jupyter_client."""
 import queue
 import time
 
-from jupyter_client import BlockingKernelClient
-
 from conftest import run_cell, stream_text
+from server_helpers import kernel_client
 
 
 def reply_to(kc, msg_id, timeout=30):
@@ -22,7 +21,7 @@ def reply_to(kc, msg_id, timeout=30):
 
 def second_client(km):
     """Another frontend on the same kernel (same key, same ports)."""
-    kc = BlockingKernelClient()
+    kc = kernel_client()
     kc.load_connection_info(km.get_connection_info())
     kc.start_channels()
     kc.wait_for_ready(timeout=30)

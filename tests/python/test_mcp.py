@@ -26,7 +26,7 @@ import http.client
 
 import pytest
 
-from server_helpers import start_server, wait_for
+from server_helpers import server, wait_for  # noqa: F401 (server: a fixture)
 
 SOURCE_DIR = os.environ.get(
     "CELLBLOCK_SOURCE_DIR", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -38,18 +38,11 @@ INSPECTOR = os.path.join(MCP_DIR, "node_modules", "@modelcontextprotocol", "insp
                          "clients", "launcher", "build", "index.js")
 
 
-@pytest.fixture(scope="module")
-def server(request):
+@pytest.fixture(scope="module", autouse=True)
+def sdk_installed():
+    """Checked before the module's server (server_helpers.server) starts."""
     if not os.path.isdir(os.path.join(MCP_DIR, "node_modules", "@modelcontextprotocol", "sdk")):
         pytest.fail("the MCP SDK is not installed: run tests/mcp/install.sh (scripts/setup.sh does)")
-    failed_before = request.session.testsfailed
-    srv = start_server(())
-    yield srv
-    keep = request.session.testsfailed > failed_before
-    problems = srv.shutdown(keep_log=keep)
-    if keep:
-        print(f"cellblock serve log kept: {srv.log_path}")
-    assert not problems, "\n".join(problems)
 
 
 def open_sessions(srv):

@@ -15,11 +15,11 @@ import re
 import time
 
 import pexpect
-from jupyter_client import BlockingKernelClient
 from jupyter_client.session import Session
 
 from server_helpers import (alive, assert_session_gone, assert_session_present, clients,  # noqa: F401
-                            drain, execute, is_forked, sandbox_running, server, server_factory,
+                            drain, execute, is_forked, kernel_client, sandbox_running, server,
+                            server_factory,
                             session_pids,
                             session_residue, stream_text, wait_for)
 
@@ -92,7 +92,7 @@ def test_create_execute_list_info(clients):
     assert reply["limits"]["max_executions"] == 1000, reply["limits"]
 
     # The connection dict loads unchanged into jupyter_client.
-    kc = BlockingKernelClient()
+    kc = kernel_client()
     kc.load_connection_info(conn)
     kc.start_channels()
     server.clients.append(kc)
@@ -147,7 +147,7 @@ def test_large_outputs_arrive_whole_and_signed(clients):
     largest display through whole."""
     server = clients
     reply = server.create(limits={"output_bytes": 6_000_000})
-    kc = BlockingKernelClient()
+    kc = kernel_client()
     kc.load_connection_info(reply["connection"])
     kc.start_channels()
     server.clients.append(kc)
@@ -635,7 +635,7 @@ def test_cli(clients, tmp_path):
                 "transport", "signature_scheme"):
         assert key in conn, conn
 
-    kc = BlockingKernelClient()
+    kc = kernel_client()
     kc.load_connection_file(str(conn_file))
     kc.start_channels()
     server.clients.append(kc)

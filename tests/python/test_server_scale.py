@@ -10,7 +10,8 @@ import threading
 import time
 
 from server_helpers import (assert_session_present, execute, mounts_under, pids_rooted_in,  # noqa: F401
-                            is_zygote, running_sandboxes, server_factory, session_pids,
+                            is_zygote, kernel_client, running_sandboxes, server_factory,
+                            session_pids,
                             session_residue,
                             sessions_on_disk, stream_text, wait_for)
 
@@ -29,8 +30,7 @@ def thread_count(pid):
 
 def run_session(srv, sid, connection, results, errors):
     """One client thread: CELLS cells, every message it receives kept for the checks."""
-    from jupyter_client import BlockingKernelClient
-    kc = BlockingKernelClient()
+    kc = kernel_client()
     try:
         kc.load_connection_info(connection)
         kc.start_channels()

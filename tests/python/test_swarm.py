@@ -194,6 +194,15 @@ def test_a_swarm_session_is_contained(bed, swarm):
     swarm.ok("session_close_request", {"session_id": sid})
 
 
+def test_a_runtime_the_swarm_cannot_run_is_refused(swarm):
+    # Services run on each node engine's default runtime: a session that asks
+    # for gVisor is told so at once, not run on runc without a word.
+    reply = swarm.call("session_create_request", {"runtime": "runsc"})
+    ename, evalue = error_of(reply)
+    assert ename == "UnknownRuntime", reply["content"]
+    assert "not available on the swarm backend" in evalue, evalue
+
+
 def test_png_analysis_through_a_swarm_session(swarm):
     sid, kc, _ = swarm.open_session()
     rep, iopub = execute(kc, conformance.PLOT_CODE)

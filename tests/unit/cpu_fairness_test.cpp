@@ -70,12 +70,12 @@ TEST(CpuFairness, APandasImportLikeBurstThenIdleNeverFlaps) {
 
 TEST(CpuFairness, ALongComputationIsNeverDemotedOnlyYieldsStepsOfWeightKeepingItsQuota) {
     Feeder x;
-    x.run(9.0, 1.0, true);
-    EXPECT_TRUE(x.changes.empty()) << "a 9 s cell is not even weighted";
-    x.run(61.0, 1.0, true);
-    // One event per step (10, 20, 30, 45, 60 s), each halving the weight.
-    ASSERT_EQ(x.events(), std::vector<std::string>(5, "cpu_yielding"));
-    const std::vector<int> weights{512, 256, 128, 64, 32};
+    x.run(1.75, 1.0, true);
+    EXPECT_TRUE(x.changes.empty()) << "a cell of under 2 s is not even weighted";
+    x.run(89.0, 1.0, true);
+    // One event per step (2, 20, 45, 90 s): an eighth, then halving.
+    ASSERT_EQ(x.events(), std::vector<std::string>(4, "cpu_yielding"));
+    const std::vector<int> weights{128, 64, 32, 16};
     for (std::size_t i = 0; i < weights.size(); ++i) {
         EXPECT_EQ(x.changes[i].setting.weight, weights[i]);
         EXPECT_EQ(x.changes[i].setting.level, Level::yielding);
@@ -83,16 +83,17 @@ TEST(CpuFairness, ALongComputationIsNeverDemotedOnlyYieldsStepsOfWeightKeepingIt
     }
     // The cell ends: the default weight at once, and it says for how long.
     x.run(0.25, 0.0, false);
-    ASSERT_EQ(x.changes.size(), 6u);
-    EXPECT_EQ(x.changes[5].event, "cpu_restored");
-    EXPECT_EQ(x.changes[5].setting.weight, 1024);
-    EXPECT_NE(x.changes[5].detail.find("yielding for"), std::string::npos) << x.changes[5].detail;
+    ASSERT_EQ(x.changes.size(), 5u);
+    EXPECT_EQ(x.changes[4].event, "cpu_restored");
+    EXPECT_EQ(x.changes[4].setting.weight, 1024);
+    EXPECT_NE(x.changes[4].detail.find("yielding for"), std::string::npos) << x.changes[4].detail;
 }
 
 TEST(CpuFairness, ALongCellThatPausesOrIsStarvedDoesNotToggle) {
     Feeder x;
     x.run(12.0, 1.0, true);
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_yielding"});
+    EXPECT_EQ(x.changes[0].setting.weight, 128);
     // Same execution: waits on I/O for 2 s, computes 1 s, over and over.
     for (int i = 0; i < 5; ++i) {
         x.run(2.0, 0.0, true);
@@ -101,10 +102,9 @@ TEST(CpuFairness, ALongCellThatPausesOrIsStarvedDoesNotToggle) {
     // A crowded host gives it 1% of a core for 8 s: not taken for an end.
     x.run(8.0, 0.01, true);
     x.run(2.0, 1.0, true);
-    // Only the next steps (at 20 and 30 s), never a restore in between.
-    ASSERT_EQ(x.events(), std::vector<std::string>(3, "cpu_yielding"));
-    EXPECT_EQ(x.changes[1].setting.weight, 256);
-    EXPECT_EQ(x.changes[2].setting.weight, 128);
+    // Only the next step (at 20 s), never a restore in between.
+    ASSERT_EQ(x.events(), std::vector<std::string>(2, "cpu_yielding"));
+    EXPECT_EQ(x.changes[1].setting.weight, 64);
 }
 
 TEST(CpuFairness, WorkLeftInTheBackgroundIsDemotedAfterSecondsWithAGuaranteedShare) {
@@ -186,18 +186,19 @@ TEST(CpuFairness, AThreadStormSeenAsGrowthIsDemotedButOneBurstOfThreadsIsNot) {
     Feeder x;
     // A pool of 40 threads started once: one sample of growth.
     x.tasks = 48;
-    x.cell(5.0, 1.0);
+    x.cell(1.75, 1.0);
     EXPECT_TRUE(x.changes.empty());
-    // Tasks keep appearing (and exiting), below the count threshold.
+    // Tasks keep appearing (and exiting), below the count threshold, in
+    // short cells (a long one would yield, which is another matter).
     for (int i = 0; i < 6; ++i) {
         x.tasks = i % 2 ? 10 : 100;
-        x.run(0.25, 0.5, true);
+        x.cell(0.25, 0.5);
     }
     // Growth every other sample is not yet sustained; every sample is.
     EXPECT_TRUE(x.changes.empty());
     for (int i = 0; i < 6; ++i) {
         x.tasks += 40;
-        x.run(0.25, 0.5, true);
+        x.cell(0.25, 0.5);
         if (!x.changes.empty()) break;
     }
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
@@ -274,16 +275,24 @@ TEST(CpuFairness, ALongComputationIsActiveButNotInteractiveAfterASecond) {
     EXPECT_TRUE(x.f.interactive());
 }
 
-TEST(CpuFairness, ADemotedSessionIsActiveButNotInteractive) {
+TEST(CpuFairness, ADemotedSessionIsActiveButNeitherInteractiveNorHogging) {
     Feeder x;
     x.run(3.25, 1.0, false);
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
     EXPECT_TRUE(x.f.active());
     EXPECT_FALSE(x.f.interactive());
-    EXPECT_TRUE(x.f.hogging());
+    // Abuse is owed no share: it adds nothing to the sandboxes' weight.
+    EXPECT_FALSE(x.f.hogging());
 }
 
-TEST(CpuFairness, TheSandboxesWeighOneProcessPerInteractiveSessionWithinTheCgroupBounds) {
+TEST(CpuFairness, AYieldingLongCellStillHogs) {
+    Feeder x;
+    x.run(30.0, 1.0, true);
+    ASSERT_EQ(x.f.setting().level, Level::yielding);
+    EXPECT_TRUE(x.f.hogging()) << "it still counts as one process against the host";
+}
+
+TEST(CpuFairness, TheSandboxesWeighOneProcessPerRunnableSessionWithinTheCgroupBounds) {
     const CpuFairnessPolicy p;
     // None: the kernel's default for one entity, not less.
     EXPECT_EQ(sandboxes_weight(0, 0), p.normal_weight);
@@ -292,8 +301,13 @@ TEST(CpuFairness, TheSandboxesWeighOneProcessPerInteractiveSessionWithinTheCgrou
     EXPECT_EQ(sandboxes_weight(100, 0), 102400);
     // cgroup v1's ceiling.
     EXPECT_EQ(sandboxes_weight(1000, 0), 262144);
-    // One session holding the CPU: its neighbours' weight would be its own.
+    // Sessions holding the CPU: one process each, whatever their own weight
+    // inside (a yielding one gives way to its neighbours, never to the host);
+    // the interactive ones' weight would be theirs while they sleep.
     EXPECT_EQ(sandboxes_weight(100, 1), p.normal_weight);
+    EXPECT_EQ(sandboxes_weight(100, 3), 3 * p.normal_weight);
+    EXPECT_EQ(sandboxes_weight(0, 5), 5 * p.normal_weight);
+    EXPECT_EQ(sandboxes_weight(0, 1000), 262144);
 }
 
 }  // namespace

@@ -428,5 +428,18 @@ TEST(ChunkedScanner, MalformedOrUnboundedFails) {
     EXPECT_TRUE(trailers.failed());
 }
 
+TEST(HttpReasonPhrase, OneTableForEveryAnswer) {
+    // What the gateway, the metrics endpoint and cellblock mcp answer with.
+    EXPECT_EQ(http_reason_phrase(200), "OK");
+    EXPECT_EQ(http_reason_phrase(202), "Accepted");
+    EXPECT_EQ(http_reason_phrase(401), "Unauthorized");
+    EXPECT_EQ(http_reason_phrase(407), "Proxy Authentication Required");
+    EXPECT_EQ(http_reason_phrase(413), "Content Too Large");
+    EXPECT_EQ(http_reason_phrase(505), "HTTP Version Not Supported");
+    EXPECT_EQ(http_reason_phrase(299), "Error");
+    EXPECT_TRUE(
+        error_response(431, "x").starts_with("HTTP/1.1 431 Request Header Fields Too Large\r\n"));
+}
+
 }  // namespace
 }  // namespace cellblock::gateway

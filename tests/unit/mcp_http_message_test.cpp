@@ -25,6 +25,10 @@ TEST(McpHttp, RefusesMalformedHeads) {
     EXPECT_FALSE(parse_request_head("POST /mcp HTTP/1.1\r\nNoColon"));
     EXPECT_FALSE(parse_request_head("POST /mcp HTTP/1.1\r\nBad Name: x"));
     EXPECT_FALSE(parse_request_head(""));
+    // As the gateway's parser (which this one is): no whitespace before a
+    // colon (RFC 9112 5.1), no folded line.
+    EXPECT_FALSE(parse_request_head("POST /mcp HTTP/1.1\r\nHost : x"));
+    EXPECT_FALSE(parse_request_head("POST /mcp HTTP/1.1\r\nA: b\r\n c"));
 }
 
 TEST(McpHttp, WritesAResponseHead) {

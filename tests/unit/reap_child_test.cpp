@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "../../sessions/sandbox_internal.hpp"
+#include "held_child.hpp"
 
 namespace cellblock::sandbox_detail {
 namespace {
@@ -24,22 +25,10 @@ bool still_our_child(pid_t pid) {
 }
 
 TEST(ReapChild, AChildThatOutlivesTheWaitIsReapedWhenItEnds) {
-    int pipe_fds[2];
-    ASSERT_EQ(::pipe(pipe_fds), 0);
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-        ::close(pipe_fds[1]);
-        char byte;
-        // Lives until the parent closes its end, however slow the machine is.
-        while (::read(pipe_fds[0], &byte, 1) < 0 && errno == EINTR) {
-        }
-        ::_exit(0);
-    }
-    ::close(pipe_fds[0]);
+    auto [pid, hold] = testing::fork_held_child();
     reap_child(pid);  // gives up after its wait: the child still runs
     ASSERT_TRUE(still_our_child(pid));
-    ::close(pipe_fds[1]);  // now it ends
+    hold.reset();  // now it ends
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     while (still_our_child(pid) && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));

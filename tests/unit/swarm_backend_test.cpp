@@ -165,10 +165,14 @@ TEST(SwarmImageRef, TheShimsDigestCoversItsFilesAndTheirNames) {
     write("cellblock-shim", "shim v1");
     write("cellblock_ipykernel.py", "launcher");
     write("cellblock_zygote.py", "zygote");
+    write("cellblock_containment.py", "containment");
+    write("cellblock_protocol.py", "protocol");
     const std::string first = libexec_digest(dir);
     EXPECT_EQ(first.size(), 12u);
     EXPECT_EQ(libexec_digest(dir), first);
     write("cellblock-shim", "shim v2");
+    EXPECT_NE(libexec_digest(dir), first);
+    write("cellblock_protocol.py", "protocol v2");
     EXPECT_NE(libexec_digest(dir), first);
     fs::remove(dir / "cellblock_zygote.py");
     EXPECT_THROW(libexec_digest(dir), SandboxError);

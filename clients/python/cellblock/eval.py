@@ -15,18 +15,12 @@ declares (`metadata.cellblock.expect_verdict`, default `pass`), 1 otherwise,
 See docs/eval.md for the metadata a notebook and its cells may carry.
 """
 import argparse
-import base64
 import concurrent.futures
 import datetime
 import hashlib
-import html
 import json
 import os
 import re
-import secrets
-import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -35,13 +29,14 @@ import nbformat
 
 from . import client as cb
 from .errors import CellblockError, ClientTimeout, ServerNotFound
+from .eval_report import json_default, write_html
+from .eval_server import EmbeddedServer, find_binary
 
 OUTCOME_KEYS = ("ok", "error", "limit", "timeout", "outcome")
 EXPECT_KEYS = OUTCOME_KEYS + ("output_contains", "output_not_contains", "output_matches",
                               "display", "max_wall_ms", "max_memory_mb")
 LIMIT_ENAMES = ("ExecutionLimitExceeded", "MemoryLimitExceeded", "SessionBusy", "InvalidLimits",
                 "LimitAboveMaximum")
-IMAGE_MIMES = ("image/png", "image/jpeg", "image/gif")
 
 
 # ---------------------------------------------------------------- outcomes and expectations
@@ -343,194 +338,6 @@ def run_notebook(job, server, opts, progress):
 
 # ---------------------------------------------------------------- an embedded server
 
-class EmbeddedServer:
-    """`cellblock serve` started for this run, in its own state dir, stopped at the end."""
-
-    def __init__(self, binary, parallel, image=None):
-        self.binary = binary
-        self.state_dir = f"/run/cellblock-eval-{os.getpid()}-{secrets.token_hex(4)}"
-        pool_image = image or "host"
-        self.args = [binary, "serve", "--state-dir", self.state_dir,
-                     "--pool", f"{pool_image}={max(1, min(parallel, 8))}"]
-        if image:
-            self.args += ["--image", image]
-        self.proc = None
-        self.log_path = self.state_dir + ".log"
-
-    def start(self, timeout=60):
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=self._log)
-        file = os.path.join(self.state_dir, "server.json")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerNotFound(f"{' '.join(self.args)} exited with {self.proc.returncode}: "
-                                     f"{self.log()[-2000:]}")
-            try:
-                with open(file) as f:
-                    if json.load(f).get("pid") == self.proc.pid:
-                        return cb.connect(path=file, timeout=30)
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise ServerNotFound(f"the embedded server wrote no {file} in {timeout} s")
-
-    def log(self):
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
-        shutil.rmtree(self.state_dir, ignore_errors=True)
-        if self.proc is not None and self.proc.returncode == 0:
-            os.unlink(self.log_path)
-        else:
-            print(f"cellblock eval: the embedded server exited with "
-                  f"{self.proc.returncode if self.proc else '?'}; its log: {self.log_path}",
-                  file=sys.stderr)
-
-
-def find_binary():
-    if os.environ.get("CELLBLOCK_BIN"):
-        return os.environ["CELLBLOCK_BIN"]
-    return shutil.which("cellblock")
-
-
-# ---------------------------------------------------------------- reports
-
-def _json_default(value):
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
-    return str(value)
-
-
-def _images(outputs):
-    """(mime, base64) of each image output, checked to be base64."""
-    out = []
-    for o in outputs:
-        for mime in IMAGE_MIMES:
-            value = o.get("data", {}).get(mime)
-            if isinstance(value, list):
-                value = "".join(value)
-            if isinstance(value, str):
-                try:
-                    out.append((mime, base64.b64encode(base64.b64decode(value)).decode()))
-                except ValueError:
-                    pass
-    return out
-
-
-def _short(text, limit=4000):
-    return text if len(text) <= limit else text[:limit] + f"\n… ({len(text) - limit} more characters)"
-
-
-CSS = """
-body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222;padding:0 1em}
-h1{margin-bottom:.2em} table{border-collapse:collapse;margin:.6em 0;width:100%}
-th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;vertical-align:top;font-size:13px}
-th{background:#f4f4f4} .pass{color:#17702d;font-weight:600} .fail{color:#b3151b;font-weight:700}
-.error{color:#8a4b00;font-weight:700} tr.bad td{background:#fff1f1}
-pre{background:#f7f7f7;border:1px solid #e3e3e3;padding:6px 8px;overflow-x:auto;white-space:pre-wrap;
-margin:.3em 0;font-size:12px} img{max-width:640px;border:1px solid #ddd;margin:4px 0}
-details{margin:.8em 0;border:1px solid #ddd;border-radius:4px;padding:.3em .8em}
-summary{cursor:pointer;font-weight:600} .muted{color:#777} .num{text-align:right}
-"""
-
-
-def _verdict_span(verdict):
-    return f'<span class="{html.escape(verdict)}">{html.escape(verdict)}</span>'
-
-
-def _mb(b):
-    return f"{b / 2**20:.0f}" if b else ""
-
-
-def write_html(report, path):
-    e = html.escape
-    s = report["summary"]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>cellblock eval</title>",
-             f"<style>{CSS}</style></head><body>",
-             "<h1>cellblock eval</h1>",
-             f"<p>{e(report['finished_at'])} · {s['notebooks']} notebooks · {s['cells']} cells · "
-             f"{report['duration_s']:.1f} s · parallel {report['options']['parallel']} · server "
-             f"{e(report['server'].get('version', '?'))} ({'embedded' if report['server']['embedded'] else e(report['server']['manager'])})</p>",
-             f"<p style='font-size:1.3em'>{s['as_declared']} of {s['notebooks']} notebooks as declared: "
-             f"{_verdict_span('pass' if s['not_as_declared'] == 0 else 'fail')}</p>",
-             "<table><tr><th>notebook</th><th>declared</th><th>verdict</th><th>as declared</th>"
-             "<th>cells as declared</th><th>failing cells</th><th>time (s)</th><th>peak MB</th>"
-             "<th>session</th></tr>"]
-    for nb in report["notebooks"]:
-        failing = [str(c["index"] + 1) for c in nb["cells"] if not c["passed"]]
-        parts.append(
-            f"<tr class='{'' if nb['as_declared'] else 'bad'}'><td><a href='#{e(nb['name'])}'>"
-            f"{e(nb['name'])}</a></td><td>{e(nb['declared'])}</td><td>{_verdict_span(nb['verdict'])}</td>"
-            f"<td>{'yes' if nb['as_declared'] else '<b>no</b>'}</td>"
-            f"<td class='num'>{nb['cells_passed']}/{nb['cells_total']}</td><td>{e(', '.join(failing))}</td>"
-            f"<td class='num'>{nb['duration_s']:.1f}</td><td class='num'>{_mb(nb['peak_memory_bytes'])}</td>"
-            f"<td class='muted'>{e(nb['session_id'] or '')}</td></tr>")
-    parts.append("</table>")
-    for nb in report["notebooks"]:
-        parts.append(f"<details id='{e(nb['name'])}'{'' if nb['as_declared'] else ' open'}>"
-                     f"<summary>{e(nb['name'])}: {_verdict_span(nb['verdict'])} "
-                     f"(declared {e(nb['declared'])}) — {nb['cells_passed']}/{nb['cells_total']} cells "
-                     f"as declared</summary>")
-        parts.append(f"<p class='muted'>{e(nb['path'])} → <a href='{e(nb['executed'])}'>"
-                     f"{e(nb['executed'])}</a>; limits {e(json.dumps(nb['limits']))}</p>")
-        if nb["error"]:
-            parts.append(f"<p class='error'>could not run: {e(nb['error'])}</p>")
-        parts.append("<table><tr><th>#</th><th>outcome</th><th>expected</th><th>as declared</th>"
-                     "<th>wall ms</th><th>cpu ms</th><th>peak MB</th><th>left</th><th>output</th></tr>")
-        for c in nb["cells"]:
-            got = c["outcome"] + (f" {c['ename']}" if c.get("ename") else "")
-            cell_parts = [f"<pre>{e(_short(c['text'], 600))}</pre>" if c["text"].strip() else ""]
-            if not c["passed"]:
-                cell_parts.insert(0, f"<div class='fail'>{e('; '.join(c['mismatches']))}</div>"
-                                     f"<pre>{e(_short(c['source']))}</pre>")
-            for mime, b64 in _images(c["outputs"]):
-                cell_parts.append(f"<img alt='{e(mime)}' src='data:{e(mime)};base64,{b64}'>")
-            parts.append(
-                f"<tr class='{'' if c['passed'] else 'bad'}'><td>{c['index'] + 1}</td><td>{e(got)}</td>"
-                f"<td>{e(json.dumps(c['expect'])) if c['expect'] else '<span class=muted>ok</span>'}</td>"
-                f"<td>{_verdict_span('pass' if c['passed'] else 'fail')}</td>"
-                f"<td class='num'>{c['wall_ms'] if c['wall_ms'] is not None else ''}</td>"
-                f"<td class='num'>{c['cpu_ms'] if c['cpu_ms'] is not None else ''}</td>"
-                f"<td class='num'>{_mb(c['memory_peak_bytes'])}</td>"
-                f"<td class='num'>{c['executions_left'] if c['executions_left'] is not None else ''}</td>"
-                f"<td>{''.join(cell_parts)}</td></tr>")
-        parts.append("</table>")
-        if nb["fetched"]:
-            parts.append("<p>files fetched from /data/output:</p><ul>")
-            for f in nb["fetched"]:
-                if "error" in f:
-                    parts.append(f"<li class='fail'>{e(f['path'])}: {e(f['error'])}</li>")
-                    continue
-                parts.append(f"<li><a href='{e(f['local'])}'>{e(f['path'])}</a> ({f['size']} bytes, "
-                             f"sha256 {e(f['sha256'][:16])}…)</li>")
-                if f["path"].lower().endswith(".png"):
-                    with open(os.path.join(os.path.dirname(path), f["local"]), "rb") as fh:
-                        b64 = base64.b64encode(fh.read()).decode()
-                    parts.append(f"<img alt='{e(f['path'])}' src='data:image/png;base64,{b64}'>")
-            parts.append("</ul>")
-        parts.append("</details>")
-    parts.append("</body></html>\n")
-    with open(path, "w") as f:
-        f.write("".join(parts))
-
-
-# ---------------------------------------------------------------- the command
-
 def collect_notebooks(items):
     paths = []
     for item in items:
@@ -649,7 +456,7 @@ def main(argv=None):
         "notebooks": records,
     }
     with open(os.path.join(opts.report, "report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=_json_default)
+        json.dump(report, f, indent=1, default=json_default)
     write_html(report, os.path.join(opts.report, "report.html"))
     if not opts.quiet:
         print(f"cellblock eval: {notebooks_ok}/{len(records)} notebooks as declared; "

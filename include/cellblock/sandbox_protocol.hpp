@@ -1,0 +1,184 @@
+// The words, descriptor positions and command lines the server, the shim
+// (kernel-shim/shim.cpp, the sandbox's init) and the zygote
+// (kernel-shim/cellblock_zygote.py) exchange across the sandbox's edge,
+// defined once. The shim includes this header too: it is built static and
+// depends on libc, so nothing here needs more than the standard library.
+// Python cannot include it: kernel-shim/cellblock_protocol.py says the same
+// under the names of CELLBLOCK_SANDBOX_PROTOCOL below, and
+// tests/unit/sandbox_protocol_test.cpp fails when the two differ.
+#pragma once
+
+#include <charconv>
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace cellblock::sandbox_protocol {
+
+// What the zygote (Python) shares with the server or the shim (C++):
+// W(C++ constant, Python name, word) and N(C++ constant, Python name, number).
+// The order of a fork request's descriptors is CELLBLOCK_FORK_FDS below.
+#define CELLBLOCK_SANDBOX_PROTOCOL(W, N)                                                    \
+    /* Paths inside every sandbox. */                                                       \
+    W(kShimPath, "SHIM", "/opt/cellblock/cellblock-shim")                                   \
+    W(kConnectionFile, "CONNECTION_FILE", "/run/cellblock/kernel.json")                     \
+    /* The zygote's command line (after the interpreter and the script). */                 \
+    W(kZygoteSocketOption, "SOCKET_OPTION", "--socket")                                     \
+    W(kZygotePreloadOption, "PRELOAD_OPTION", "--preload")                                  \
+    /* Server -> zygote on its control socket: "seccomp <BPF program>" once, then fork */   \
+    /* requests (JSON, with CELLBLOCK_FORK_FDS attached). Replies are JSON objects with */  \
+    /* these keys. */                                                                       \
+    W(kSeccompRequest, "SECCOMP", "seccomp")                                                \
+    N(kMaxRequestBytes, "MAX_REQUEST", 65536)                                               \
+    W(kReplyPid, "REPLY_PID", "pid")                                                        \
+    W(kReplyRefused, "REPLY_REFUSED", "refused")                                            \
+    W(kReplyError, "REPLY_ERROR", "error")                                                  \
+    /* A fork's reports on its report socket, and the server's answers, in order: */        \
+    /* "userns", "mapped", "init PID", "cgrouped", "ready"; "error WHY" at any step. */     \
+    W(kReportUserns, "REPORT_USERNS", "userns")                                             \
+    W(kAnswerMapped, "ANSWER_MAPPED", "mapped")                                             \
+    W(kReportInit, "REPORT_INIT", "init")                                                   \
+    W(kAnswerCgrouped, "ANSWER_CGROUPED", "cgrouped")                                       \
+    W(kReportReady, "REPORT_READY", "ready")                                                \
+    W(kReportError, "REPORT_ERROR", "error")                                                \
+    N(kMaxCgroupFds, "MAX_CGROUP_FDS", 32)                                                  \
+    /* The shim adopting a forked kernel: `cellblock-shim --adopt KERNEL_PID STDERR_FD`, */ \
+    /* with the lifeline at its usual fd and the kernel's stderr pipe at the next one. */   \
+    W(kShimAdoptOption, "SHIM_ADOPT_OPTION", "--adopt")                                     \
+    N(kLifelineFd, "LIFELINE_FD", 3)                                                        \
+    N(kAdoptedStderrFd, "ADOPTED_STDERR_FD", 4)
+
+// The descriptors attached to a fork request, in this order; then one v1
+// cgroup `tasks` file per hierarchy (the request's "cgroups" count).
+#define CELLBLOCK_FORK_FDS(X) X(report) X(lifeline) X(log) X(ipc) X(input) X(output)
+
+#define CELLBLOCK_SANDBOX_WORD(constant, python, word) inline constexpr char constant[] = word;
+#define CELLBLOCK_SANDBOX_NUMBER(constant, python, number) inline constexpr int constant = number;
+CELLBLOCK_SANDBOX_PROTOCOL(CELLBLOCK_SANDBOX_WORD, CELLBLOCK_SANDBOX_NUMBER)
+#undef CELLBLOCK_SANDBOX_WORD
+#undef CELLBLOCK_SANDBOX_NUMBER
+
+enum class ForkFd {
+#define CELLBLOCK_FORK_FD_ENUM(name) name,
+    CELLBLOCK_FORK_FDS(CELLBLOCK_FORK_FD_ENUM)
+#undef CELLBLOCK_FORK_FD_ENUM
+};
+inline constexpr std::string_view kForkFdNames[] = {
+#define CELLBLOCK_FORK_FD_NAME(name) #name,
+    CELLBLOCK_FORK_FDS(CELLBLOCK_FORK_FD_NAME)
+#undef CELLBLOCK_FORK_FD_NAME
+};
+inline constexpr std::size_t kForkFdCount = std::size(kForkFdNames);
+inline constexpr std::size_t position(ForkFd fd) { return static_cast<std::size_t>(fd); }
+
+// The catalogue the test compares with cellblock_protocol.py.
+struct SharedWord {
+    std::string_view python_name;
+    std::string_view word;
+};
+struct SharedNumber {
+    std::string_view python_name;
+    int number;
+};
+#define CELLBLOCK_SANDBOX_WORD(constant, python, word) SharedWord{python, constant},
+#define CELLBLOCK_SANDBOX_SKIP(constant, python, value)
+inline constexpr SharedWord kSharedWords[] = {
+    CELLBLOCK_SANDBOX_PROTOCOL(CELLBLOCK_SANDBOX_WORD, CELLBLOCK_SANDBOX_SKIP)};
+#undef CELLBLOCK_SANDBOX_WORD
+#define CELLBLOCK_SANDBOX_NUMBER(constant, python, number) SharedNumber{python, constant},
+inline constexpr SharedNumber kSharedNumbers[] = {
+    CELLBLOCK_SANDBOX_PROTOCOL(CELLBLOCK_SANDBOX_SKIP, CELLBLOCK_SANDBOX_NUMBER)};
+#undef CELLBLOCK_SANDBOX_NUMBER
+#undef CELLBLOCK_SANDBOX_SKIP
+
+// --- Between the server and the shim (both C++: both include this) ---------
+
+// The shim's command line: `cellblock-shim [--engine UID] -- KERNEL [ARGS...]`
+// (the adopting form is above).
+inline constexpr char kShimEngineOption[] = "--engine";
+inline constexpr char kShimArgvEnd[] = "--";
+
+// Where the sandbox sees its session's ipc directory, and the zygote's
+// control socket in it.
+inline constexpr char kIpcDir[] = "/run/cellblock";
+inline constexpr char kZygoteSocketName[] = "zygote.sock";
+
+// Between the shim's egress forwarder and the server's egress gateway: the
+// forwarder listens on the sandbox's 127.0.0.1 at this port (the kernel's
+// HTTP_PROXY) and hands each connection to the gateway's socket of this name
+// in the ipc directory: one byte with the connection's socket attached.
+inline constexpr int kEgressProxyPort = 3128;
+inline constexpr char kEgressSocketName[] = "egress.sock";
+
+// The lifeline: a stream socket, the init's fd kLifelineFd (a socketpair the
+// runtime passes), or, where the runtime cannot pass one (runsc), a unix
+// socket the shim connects to at the path in this variable before the kernel
+// exists. Either way one line at a time, each ended by '\n'.
+inline constexpr char kLifelineEnv[] = "CELLBLOCK_LIFELINE";
+// Server -> shim: SIGINT to the kernel (runsc's init pid is the Sentry,
+// which the server cannot signal on the kernel's behalf).
+inline constexpr char kInterruptLine[] = "interrupt";
+// The longest line the shim keeps; anything past it is dropped.
+inline constexpr std::size_t kMaxLifelineLine = 64;
+
+// Shim -> server, once, as the init ends: how the kernel ended.
+//   "kernel-exit status=N"  it exited with status N;
+//   "kernel-exit signal=N"  a signal N killed it;
+//   "kernel-exit terminated" the init was told to stop (SIGTERM, SIGHUP or
+//       SIGQUIT: an operator, `runc kill`, a container engine), passed
+//       SIGTERM on, and the kernel had not ended kShimTermGraceMs later: the
+//       init ended it with the sandbox.
+inline constexpr char kKernelExit[] = "kernel-exit";
+inline constexpr char kExitStatus[] = "status=";
+inline constexpr char kExitSignal[] = "signal=";
+inline constexpr char kExitTerminated[] = "terminated";
+inline constexpr int kShimTermGraceMs = 2000;
+
+struct KernelExit {
+    enum class How { unknown, exited, signaled, terminated };
+    How how = How::unknown;
+    int value = 0;  // the status or the signal
+    bool operator==(const KernelExit&) const = default;
+};
+
+// The line the shim writes (without its '\n'); empty for How::unknown.
+inline std::string kernel_exit_line(KernelExit exit) {
+    const std::string head = std::string(kKernelExit) + " ";
+    switch (exit.how) {
+        case KernelExit::How::exited:
+            return head + kExitStatus + std::to_string(exit.value);
+        case KernelExit::How::signaled:
+            return head + kExitSignal + std::to_string(exit.value);
+        case KernelExit::How::terminated:
+            return head + kExitTerminated;
+        case KernelExit::How::unknown:
+            break;
+    }
+    return {};
+}
+
+// What the last "kernel-exit" line in everything the shim wrote says
+// (How::unknown: none, or one this server does not know).
+inline KernelExit parse_kernel_exit(std::string_view received) {
+    while (!received.empty() && received.back() == '\n') received.remove_suffix(1);
+    const std::string head = std::string(kKernelExit) + " ";
+    const auto at = received.rfind(head);
+    if (at == std::string_view::npos || (at > 0 && received[at - 1] != '\n')) return {};
+    const std::string_view what = received.substr(at + head.size());
+    if (what == kExitTerminated) return {KernelExit::How::terminated, 0};
+    const auto number = [](std::string_view digits, KernelExit::How how) -> KernelExit {
+        int value = 0;
+        const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+        if (ec != std::errc() || end != digits.data() + digits.size() || digits.empty()) return {};
+        return {how, value};
+    };
+    if (what.starts_with(kExitStatus)) {
+        return number(what.substr(std::string_view(kExitStatus).size()), KernelExit::How::exited);
+    }
+    if (what.starts_with(kExitSignal)) {
+        return number(what.substr(std::string_view(kExitSignal).size()), KernelExit::How::signaled);
+    }
+    return {};
+}
+
+}  // namespace cellblock::sandbox_protocol

@@ -1,0 +1,43 @@
+"""What the zygote shares with the server and the shim (both C++), under the
+names of CELLBLOCK_SANDBOX_PROTOCOL in include/cellblock/sandbox_protocol.hpp,
+which defines them; tests/unit/sandbox_protocol_test.cpp fails when this file
+says otherwise. A change here is a change there."""
+
+# Paths inside every sandbox.
+SHIM = "/opt/cellblock/cellblock-shim"
+CONNECTION_FILE = "/run/cellblock/kernel.json"
+
+# The zygote's command line (after the interpreter and the script).
+SOCKET_OPTION = "--socket"
+PRELOAD_OPTION = "--preload"
+
+# Server -> zygote on its control socket: "seccomp <BPF program>" once, then
+# fork requests (JSON, with FORK_FDS attached). Replies are JSON objects with
+# these keys.
+SECCOMP = "seccomp"
+MAX_REQUEST = 65536
+REPLY_PID = "pid"
+REPLY_REFUSED = "refused"
+REPLY_ERROR = "error"
+
+# A fork's reports on its report socket, and the server's answers, in order:
+# "userns", "mapped", "init PID", "cgrouped", "ready"; "error WHY" at any step.
+REPORT_USERNS = "userns"
+ANSWER_MAPPED = "mapped"
+REPORT_INIT = "init"
+ANSWER_CGROUPED = "cgrouped"
+REPORT_READY = "ready"
+REPORT_ERROR = "error"
+
+# The descriptors attached to a fork request, in this order; then one v1
+# cgroup `tasks` file per hierarchy (the request's "cgroups" count), at most
+# MAX_CGROUP_FDS.
+FORK_FDS = ("report", "lifeline", "log", "ipc", "input", "output")
+MAX_CGROUP_FDS = 32
+
+# The shim adopting a forked kernel: `cellblock-shim --adopt KERNEL_PID
+# STDERR_FD`, with the lifeline at its usual fd and the kernel's stderr pipe
+# at the next one.
+SHIM_ADOPT_OPTION = "--adopt"
+LIFELINE_FD = 3
+ADOPTED_STDERR_FD = 4

@@ -1,0 +1,143 @@
+// The words across the sandbox's edge (include/cellblock/sandbox_protocol.hpp):
+// the Python side (kernel-shim/cellblock_protocol.py) says the same, no side
+// spells a word itself, and every status line the shim can write is parsed.
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "cellblock/runc_sandbox.hpp"
+#include "cellblock/sandbox_protocol.hpp"
+
+namespace cellblock {
+namespace {
+
+namespace protocol = sandbox_protocol;
+using nlohmann::json;
+
+const std::string kSource = CELLBLOCK_SOURCE_DIR;
+
+// Every upper-case name of cellblock_protocol.py with its value, as the
+// interpreter that runs the zygote would see them.
+json python_side() {
+    const std::string command =
+        "cd " + kSource +
+        "/kernel-shim && " CELLBLOCK_PYTHON
+        " -B -c 'import json, cellblock_protocol as p; "
+        "print(json.dumps({k: v for k, v in vars(p).items() if k.isupper()}))'";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    if (!pipe) return nullptr;
+    std::string out;
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+    if (::pclose(pipe) != 0) return nullptr;
+    return json::parse(out, nullptr, false);
+}
+
+json cpp_side() {
+    json all = json::object();
+    for (const auto& w : protocol::kSharedWords) all[std::string(w.python_name)] = w.word;
+    for (const auto& n : protocol::kSharedNumbers) all[std::string(n.python_name)] = n.number;
+    json fds = json::array();
+    for (const auto& name : protocol::kForkFdNames) fds.push_back(name);
+    all["FORK_FDS"] = fds;
+    return all;
+}
+
+TEST(SandboxProtocol, ThePythonSideSaysWhatTheHeaderSays) {
+    const json python = python_side();
+    ASSERT_TRUE(python.is_object()) << "could not import kernel-shim/cellblock_protocol.py";
+    const json cpp = cpp_side();
+    for (const auto& [name, value] : cpp.items()) {
+        ASSERT_TRUE(python.contains(name)) << name << " is missing from cellblock_protocol.py";
+        EXPECT_EQ(python[name], value) << name << " differs: the header says " << value.dump()
+                                       << ", cellblock_protocol.py says " << python[name].dump();
+    }
+    for (const auto& [name, value] : python.items()) {
+        EXPECT_TRUE(cpp.contains(name))
+            << name << " is in cellblock_protocol.py but not in sandbox_protocol.hpp";
+    }
+}
+
+std::string read(const std::string& relative) {
+    std::ifstream in(kSource + "/" + relative);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+}
+
+// A word quoted where the protocol is spoken would drift from the header:
+// each side names it instead (the header's constant, the Python module's name).
+TEST(SandboxProtocol, NoSideSpellsAWordItself) {
+    const auto quoted = [](std::string_view word) { return "\"" + std::string(word) + "\""; };
+    const auto prefix = [](std::string_view word) { return "\"" + std::string(word) + " "; };
+    const std::vector<std::string> spelled = {prefix(protocol::kSeccompRequest) + "\"",
+                                              quoted(protocol::kReportUserns),
+                                              quoted(protocol::kAnswerMapped),
+                                              prefix(protocol::kReportInit),
+                                              quoted(protocol::kAnswerCgrouped),
+                                              quoted(protocol::kReportReady),
+                                              quoted(protocol::kShimAdoptOption),
+                                              quoted(protocol::kInterruptLine),
+                                              prefix(protocol::kKernelExit),
+                                              quoted(protocol::kExitTerminated),
+                                              "\"" + std::string(protocol::kExitStatus),
+                                              "\"" + std::string(protocol::kExitSignal),
+                                              quoted(protocol::kLifelineEnv)};
+    const std::vector<std::string> files = {"kernel-shim/shim.cpp",
+                                            "kernel-shim/egress_forwarder.cpp",
+                                            "kernel-shim/cellblock_zygote.py",
+                                            "kernel-shim/cellblock_containment.py",
+                                            "sessions/sandbox.cpp",
+                                            "sessions/lifeline.cpp",
+                                            "sessions/zygote.cpp"};
+    for (const auto& file : files) {
+        const std::string text = read(file);
+        ASSERT_FALSE(text.empty()) << file;
+        for (const auto& literal : spelled) {
+            EXPECT_EQ(text.find(literal), std::string::npos)
+                << file << " spells " << literal << " itself (sandbox_protocol.hpp names it)";
+        }
+    }
+}
+
+TEST(SandboxProtocol, EveryKernelExitLineTheShimWritesIsParsed) {
+    using How = protocol::KernelExit::How;
+    for (const protocol::KernelExit exit :
+         {protocol::KernelExit{How::exited, 0}, protocol::KernelExit{How::exited, 1},
+          protocol::KernelExit{How::signaled, 9}, protocol::KernelExit{How::terminated, 0}}) {
+        const std::string line = protocol::kernel_exit_line(exit);
+        EXPECT_EQ(protocol::parse_kernel_exit(line + "\n"), exit) << line;
+    }
+    EXPECT_EQ(protocol::kernel_exit_line({How::unknown, 0}), "");
+}
+
+TEST(SandboxProtocol, TheLastKernelExitLineCountsAndJunkIsUnknown) {
+    using How = protocol::KernelExit::How;
+    EXPECT_EQ(protocol::parse_kernel_exit("kernel-exit status=3\nkernel-exit signal=15\n"),
+              (protocol::KernelExit{How::signaled, 15}));
+    EXPECT_EQ(protocol::parse_kernel_exit("kernel-exit terminated"),
+              (protocol::KernelExit{How::terminated, 0}));
+    for (const char* junk :
+         {"", "\n", "kernel-exit", "kernel-exit status=", "kernel-exit status=x",
+          "kernel-exit signal=9 and more", "kernel-exit bye", "not-kernel-exit status=1"}) {
+        EXPECT_EQ(protocol::parse_kernel_exit(junk).how, How::unknown) << junk;
+    }
+}
+
+TEST(SandboxProtocol, EachKernelExitHasItsOwnWords) {
+    EXPECT_EQ(describe_kernel_exit("kernel-exit status=1\n"), "the kernel exited with status 1");
+    EXPECT_EQ(describe_kernel_exit("kernel-exit signal=9\n"), "the kernel was killed by signal 9");
+    EXPECT_EQ(describe_kernel_exit("kernel-exit terminated\n"),
+              "the sandbox's init was told to stop, and the kernel had not ended 2 s after "
+              "its SIGTERM");
+    EXPECT_EQ(describe_kernel_exit(""), "the sandbox ended");
+}
+
+}  // namespace
+}  // namespace cellblock
