@@ -1,8 +1,6 @@
-// A per-image zygote and the sessions forked from it (zygote.hpp,
-// docs/zygote.md). The containment steps a fork takes are in
-// kernel-shim/cellblock_zygote.py; this side gives it what only the host can:
-// the session's id maps, its cgroups, its directories as detached mounts, and
-// checks each step against the pid the kernel attached to the report.
+// A per-image zygote (zygote.hpp, docs/zygote.md): its start, the seccomp
+// program every fork installs, its end. A fork, the host's half of it, is in
+// zygote_fork.cpp.
 #include "cellblock/zygote.hpp"
 
 #include <fcntl.h>
@@ -33,16 +31,17 @@
 #include "cellblock/sandbox_tuning.hpp"
 #include "cellblock/session_dir.hpp"
 #include "sandbox_internal.hpp"
+#include "zygote_internal.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace sandbox_detail;
+using namespace zygote_detail;
 namespace protocol = sandbox_protocol;
 
 namespace {
 
-constexpr std::chrono::seconds kStepTimeout{10};
 // How often a starting zygote's socket is looked for.
 constexpr std::chrono::milliseconds kStartPoll{20};
 // The largest reply of the zygote that is read whole.
@@ -52,13 +51,6 @@ constexpr size_t kMaxReplyBytes = 65536;
 // has become the zygote's user), within the kernel's fs.nr_open default.
 constexpr int kNofileUnknown = 65536;
 constexpr rlim_t kMaxNofile = 1 << 20;
-int zygote_nofile() {
-    rlimit limit{};
-    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_max == RLIM_INFINITY) {
-        return kNofileUnknown;
-    }
-    return static_cast<int>(std::min(limit.rlim_max, kMaxNofile));
-}
 
 std::uint32_t scmp_action(const json& rule) {
     const std::string action = rule.at("action");
@@ -75,7 +67,18 @@ scmp_compare scmp_op(const std::string& op) {
     throw SandboxError("seccomp: comparison " + op + " is not supported here");
 }
 
-// Waits until `fd` is readable or `timeout` passes.
+}  // namespace
+
+namespace zygote_detail {
+
+int zygote_nofile() {
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_max == RLIM_INFINITY) {
+        return kNofileUnknown;
+    }
+    return static_cast<int>(std::min(limit.rlim_max, kMaxNofile));
+}
+
 bool wait_readable(int fd, std::chrono::milliseconds timeout) {
     pollfd p{fd, POLLIN, 0};
     for (;;) {
@@ -83,131 +86,6 @@ bool wait_readable(int fd, std::chrono::milliseconds timeout) {
         if (r < 0 && errno == EINTR) continue;
         return r > 0;
     }
-}
-
-// One message on a SOCK_SEQPACKET report socket, with the sender's pid as
-// the kernel saw it (SO_PASSCRED): a fork cannot claim another process's.
-struct Report {
-    std::string text;
-    pid_t pid = -1;
-};
-
-Report receive_report(int fd, const std::string& step) {
-    if (!wait_readable(fd, kStepTimeout)) {
-        throw SandboxError("zygote fork: no answer within " + std::to_string(kStepTimeout.count()) +
-                           " s while waiting for " + step);
-    }
-    char buf[4096];
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(ucred))];
-    iovec iov{buf, sizeof buf};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    const ssize_t n = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
-    if (n <= 0) {
-        throw SandboxError("zygote fork: the session's process ended while waiting for " + step);
-    }
-    Report report;
-    report.text.assign(buf, static_cast<size_t>(n));
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
-        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
-            ucred cred;
-            std::memcpy(&cred, CMSG_DATA(c), sizeof cred);
-            report.pid = cred.pid;
-        }
-    }
-    const std::string error = std::string(protocol::kReportError) + " ";
-    if (report.text.starts_with(error)) {
-        throw SandboxError("zygote fork: " + report.text.substr(error.size()));
-    }
-    return report;
-}
-
-// Moving a process into a cgroup takes the kernel's global threadgroup lock
-// for writing, and the first taking after a pause waits for an RCU grace
-// period (6-15 ms here) with the cgroup mutex held; for one more grace
-// period after it is released, the next taking is immediate (the lock's
-// rcu_sync stays on its slow path). A fork needs one such move (its init
-// into the v2 cgroup, below), about 10 ms after the request. This takes the
-// lock once, early, on a thread of its own, so that the wait overlaps the
-// zygote's fork and the init's move finds the lock on its fast path: the
-// server re-joins its own v2 cgroup, a move that moves nothing. Measured in
-// docs/zygote.md ("Why A moves itself"). Failures change nothing and are
-// only logged: the init's move then pays the wait itself.
-std::jthread take_threadgroup_lock_early(const fs::path& v2_root) {
-    std::string own;
-    {
-        std::istringstream lines(read_text("/proc/self/cgroup"));
-        for (std::string line; std::getline(lines, line);) {
-            if (line.rfind("0::", 0) == 0) own = line.substr(3);
-        }
-    }
-    if (own.empty() || own.find("..") != std::string::npos) return {};
-    return std::jthread([procs = v2_root / fs::path(own).relative_path() / "cgroup.procs"] {
-        const UniqueFd fd(::open(procs.c_str(), O_WRONLY | O_CLOEXEC));
-        // "0": the writer's own process, which is in that cgroup already.
-        if (!fd || ::write(fd.get(), "0", 1) != 1) {
-            spdlog::debug("re-joining {} (to take the threadgroup lock early): {}", procs.string(),
-                          errno_text());
-        }
-    });
-}
-
-// The session's own cgroup in every hierarchy, as runc makes for a booted
-// sandbox (v2: the one unified directory; v1: each mounted hierarchy, the
-// named and hybrid ones too), so that nothing of it stays in the zygote's.
-// A v1 cpuset gets the zygote's cpus and mems, a v1 devices cgroup the
-// zygote's device list (runc's: the default devices only).
-std::vector<fs::path> create_session_cgroups(const std::string& container_id,
-                                             const std::string& zygote_id) {
-    std::vector<fs::path> dirs;
-    const bool v2 = cgroup_v2();
-    for (const auto& parent : sandboxes_cgroup_parents()) {
-        if (v2) {
-            ::mkdir(parent.c_str(), 0755);
-            std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
-        } else if (!fs::exists(parent / zygote_id)) {
-            continue;
-        }
-        dirs.push_back(parent / container_id);
-    }
-    for (const auto& dir : dirs) {
-        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-            throw SandboxError("cgroup " + dir.string() + ": " + errno_text());
-        }
-        const fs::path zygote = dir.parent_path() / zygote_id;
-        if (fs::exists(dir / "cpuset.cpus")) {
-            for (const char* file : {"cpuset.cpus", "cpuset.mems"}) {
-                std::string value = read_text(zygote / file);
-                while (!value.empty() && value.back() == '\n') value.pop_back();
-                if (!value.empty()) write_value(dir / file, value);
-            }
-        }
-        if (fs::exists(dir / "devices.deny")) {
-            write_value(dir / "devices.deny", "a");
-            std::istringstream allowed(read_text(zygote / "devices.list"));
-            for (std::string line; std::getline(allowed, line);) {
-                if (!line.empty()) write_value(dir / "devices.allow", line);
-            }
-        }
-    }
-    return dirs;
-}
-
-// A detached copy of a session directory's mount (open_tree), with the
-// attributes the session gets: the forked child moves it into its own mount
-// namespace; it never sees the host path.
-UniqueFd detached_tree(const fs::path& dir, std::uint64_t attributes) {
-    UniqueFd tree(::open_tree(AT_FDCWD, dir.c_str(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC));
-    if (!tree) throw SandboxError("open_tree " + dir.string() + ": " + errno_text());
-    mount_attr attr{};
-    attr.attr_set = attributes;
-    if (::mount_setattr(tree.get(), "", AT_EMPTY_PATH, &attr, sizeof attr) != 0) {
-        throw SandboxError("mount_setattr " + dir.string() + ": " + errno_text());
-    }
-    return tree;
 }
 
 void send_request(int socket, const std::string& data, const std::vector<int>& fds) {
@@ -235,7 +113,7 @@ json receive_reply(int socket, std::chrono::milliseconds timeout) {
     return reply;
 }
 
-}  // namespace
+}  // namespace zygote_detail
 
 std::string compile_seccomp_bpf(const json& profile) {
     const std::uint32_t default_action =
@@ -365,180 +243,6 @@ void Zygote::retire() {
 bool Zygote::alive() {
     std::lock_guard lock(mutex_);
     return box_ && box_->read_lifeline() && control_;
-}
-
-std::unique_ptr<RuncSandbox> Zygote::fork(const std::string& session_id,
-                                          const SandboxLimits& limits,
-                                          const RuntimeSettings& settings) {
-    std::lock_guard lock(mutex_);
-    if (!control_) throw SandboxError("zygote of image " + image_.name + " is gone");
-    const auto t0 = std::chrono::steady_clock::now();
-    auto ms_since = [&t0] {
-        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-            .count();
-    };
-    std::unique_ptr<RuncSandbox> box = RuncSandbox::prepare(session_id, image_, limits, settings);
-    box->forked_ = true;
-    box->keep_ = shared_from_this();
-    const fs::path dir = box->dir();
-    write_runtime_file(dir, kForkedRuntime);
-    box->cgroup_dirs_ = create_session_cgroups(box->container_id(), box_->container_id());
-    apply_cgroup_limits(*box, limits);
-    // A v1 hierarchy's cgroup the fork joins itself, by writing 0 to the
-    // `tasks` file the server opened for it: a task moving itself skips the
-    // kernel's global threadgroup lock, whose first taking after a pause waits
-    // for an RCU grace period (6-15 ms here, once per fork). A write is judged
-    // by the credentials it was opened with (root's). The v2 cgroup (the
-    // unified hierarchy, or the only one) the server joins for the session's
-    // init, while that init mounts (see below).
-    std::vector<UniqueFd> v1_tasks;
-    std::vector<fs::path> v2_dirs;
-    for (const auto& dir : box->cgroup_dirs_) {
-        if (fs::exists(dir / "cgroup.controllers")) {
-            v2_dirs.push_back(dir);
-            continue;
-        }
-        UniqueFd tasks(::open((dir / "tasks").c_str(), O_WRONLY | O_CLOEXEC));
-        if (!tasks) throw SandboxError("open " + (dir / "tasks").string() + ": " + errno_text());
-        v1_tasks.push_back(std::move(tasks));
-    }
-    // While the request is sent and the zygote forks (see the function).
-    std::jthread early_lock;
-    if (!v2_dirs.empty()) {
-        early_lock = take_threadgroup_lock_early(v2_dirs.front().parent_path().parent_path());
-    }
-    box->open_counters();
-    // A pool refill starts at a low CPU weight, as a booted one (RuntimeSettings).
-    if (settings.start_cpu_shares > 0) box->set_cpu_weight(settings.start_cpu_shares);
-
-    int report_pair[2];
-    if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, report_pair) != 0) {
-        throw SandboxError("report socketpair: " + errno_text());
-    }
-    UniqueFd report(report_pair[0]), report_child(report_pair[1]);
-    const int on = 1;
-    ::setsockopt(report.get(), SOL_SOCKET, SO_PASSCRED, &on, sizeof on);
-    int lifeline_pair[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, lifeline_pair) != 0) {
-        throw SandboxError("lifeline socketpair: " + errno_text());
-    }
-    box->lifeline_.reset(lifeline_pair[0]);
-    UniqueFd lifeline_child(lifeline_pair[1]);
-    const SessionDir paths(dir);
-    const fs::path log = paths.shim_log();
-    UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
-    if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
-    const std::uint64_t quiet = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC;
-    UniqueFd ipc = detached_tree(paths.ipc(), quiet);
-    UniqueFd input = detached_tree(paths.input(), quiet | MOUNT_ATTR_RDONLY);
-    UniqueFd output = detached_tree(paths.output(), quiet);
-
-    errno = 0;
-    int nice = ::getpriority(PRIO_PROCESS, 0);  // this thread's (Linux)
-    if (errno != 0) nice = 0;
-    const json request = {{"session", session_id},
-                          {"env", sandbox_environment(image_)},
-                          {"hostname", "sandbox"},
-                          {"limits",
-                           {{"disk_mb", limits.disk_mb},
-                            {"shm_mb", limits.shm_mb},
-                            {"nofile", std::min(limits.nofile, zygote_nofile())},
-                            {"nproc", limits.pids * tuning::kRuncNprocFactor},
-                            {"nice", nice}}},
-                          {"cgroups", v1_tasks.size()}};
-    if (v1_tasks.size() > static_cast<size_t>(protocol::kMaxCgroupFds)) {
-        throw SandboxError("zygote fork: " + std::to_string(v1_tasks.size()) +
-                           " v1 cgroup hierarchies, more than a fork request carries (" +
-                           std::to_string(protocol::kMaxCgroupFds) + ")");
-    }
-    // In the order the zygote names them (sandbox_protocol.hpp).
-    std::vector<int> passed(protocol::kForkFdCount, -1);
-    passed[protocol::position(protocol::ForkFd::report)] = report_child.get();
-    passed[protocol::position(protocol::ForkFd::lifeline)] = lifeline_child.get();
-    passed[protocol::position(protocol::ForkFd::log)] = log_fd.get();
-    passed[protocol::position(protocol::ForkFd::ipc)] = ipc.get();
-    passed[protocol::position(protocol::ForkFd::input)] = input.get();
-    passed[protocol::position(protocol::ForkFd::output)] = output.get();
-    for (const auto& fd : v1_tasks) passed.push_back(fd.get());
-    try {
-        send_request(control_.get(), request.dump(), passed);
-        const json reply = receive_reply(control_.get(), kStepTimeout);
-        (void)reply;
-    } catch (const SandboxError&) {
-        control_.reset();  // a zygote that fails its protocol is not used again
-        throw;
-    }
-    // The child holds its own copies now.
-    report_child.reset();
-    lifeline_child.reset();
-    log_fd.reset();
-    ipc.reset();
-    input.reset();
-    output.reset();
-    v1_tasks.clear();
-
-    const double requested_ms = ms_since();
-    double userns_ms = 0, mapped_ms = 0, init_ms = 0, cgrouped_ms = 0;
-    pid_t forked = -1;
-    // The fork's next step waits for one word from the server.
-    const auto tell = [&report](std::string_view word) {
-        if (::send(report.get(), word.data(), word.size(), MSG_NOSIGNAL) !=
-            static_cast<ssize_t>(word.size())) {
-            throw SandboxError("zygote fork: report: " + errno_text());
-        }
-    };
-    try {
-        const Report userns = receive_report(report.get(), "the user namespace");
-        forked = userns.pid;
-        userns_ms = ms_since();
-        if (userns.text != protocol::kReportUserns || forked <= 0) {
-            throw SandboxError("zygote fork: unexpected report '" + userns.text + "'");
-        }
-        const IdMapping& ids = box->host_ids();
-        const std::string map =
-            "0 " + std::to_string(ids.host_base) + " " + std::to_string(ids.size);
-        const fs::path proc = "/proc/" + std::to_string(forked);
-        write_value(proc / "uid_map", map);
-        write_value(proc / "gid_map", map);
-        tell(protocol::kAnswerMapped);
-        mapped_ms = ms_since();
-        const Report init = receive_report(report.get(), "the session's init");
-        pid_t init_pid = -1;
-        const std::string init_word = std::string(protocol::kReportInit) + " ";
-        const char* digits = init.text.data() + std::min(init_word.size(), init.text.size());
-        const auto parsed = std::from_chars(digits, init.text.data() + init.text.size(), init_pid);
-        if (init.pid != forked || !init.text.starts_with(init_word) || parsed.ec != std::errc() ||
-            parsed.ptr != init.text.data() + init.text.size() || init_pid <= 0) {
-            throw SandboxError("zygote fork: unexpected report '" + init.text + "'");
-        }
-        box->init_pid_ = init_pid;
-        init_ms = ms_since();
-        // The init is setting up its mounts meanwhile; it unshares its cgroup
-        // namespace (rooted here) only once told.
-        for (const auto& cgroup : v2_dirs) {
-            write_value(cgroup / "cgroup.procs", std::to_string(init_pid));
-        }
-        tell(protocol::kAnswerCgrouped);
-        cgrouped_ms = ms_since();
-        const Report ready = receive_report(report.get(), "the contained session");
-        if (ready.text != protocol::kReportReady || ready.pid != box->init_pid_) {
-            throw SandboxError("zygote fork: unexpected report '" + ready.text + "' from pid " +
-                               std::to_string(ready.pid));
-        }
-    } catch (const SandboxError& e) {
-        if (forked > 0) ::kill(forked, SIGKILL);
-        throw SandboxError(std::string(e.what()) + "; log: " + log_tail(log));
-    }
-    {
-        std::ofstream out(dir / "init.pid");
-        out << box->init_pid_;
-    }
-    spdlog::debug(
-        "session {} forked in {:.1f} ms: prepared and requested {:.1f}, user namespace {:.1f}, "
-        "mapped {:.1f}, namespaces {:.1f}, v2 cgroup {:.1f}, contained {:.1f}",
-        session_id, ms_since(), requested_ms, userns_ms, mapped_ms, init_ms, cgrouped_ms,
-        ms_since());
-    return box;
 }
 
 }  // namespace cellblock

@@ -62,6 +62,7 @@ class Zygote : public std::enable_shared_from_this<Zygote> {
     const std::string& container_id() const { return box_->container_id(); }
 
   private:
+    class ForkInProgress;  // fork's steps (sessions/zygote_fork.cpp)
     Zygote() = default;
     Image image_;
     std::unique_ptr<RuncSandbox> box_;
