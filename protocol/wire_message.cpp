@@ -145,39 +145,87 @@ std::optional<json> parse_json_frame(std::string_view bytes, std::size_t max_dep
     }
 }
 
-WireDecode decode(std::span<const std::string_view> frames, const Signer& signer,
-                  ReplayGuard* replay, const WireLimits& limits) {
+namespace {
+
+// Why the JSON frame `index` (0: header ... 3: content) was refused.
+std::string json_frame_error(const VerifyRules& rules, const WireLayout& at, std::size_t index,
+                             bool parsed) {
+    if (rules.wording == VerifyRules::Wording::places) {
+        return "frame " + std::to_string(at.header() + index - at.delimiter) +
+               " is not a JSON object";
+    }
+    return std::string(kJsonFrameNames[index]) +
+           (parsed ? " is not a JSON object" : " is not valid JSON");
+}
+
+// Why the header's ids were refused, or nullopt if they pass.
+std::optional<std::string> ids_error(const VerifyRules& rules, const json& header) {
+    if (rules.ids == VerifyRules::Ids::any) return std::nullopt;
+    for (const char* key : {"msg_id", "msg_type"}) {
+        const auto it = header.find(key);
+        const bool present =
+            it != header.end() && it->is_string() &&
+            (rules.ids == VerifyRules::Ids::strings || !it->get_ref<const std::string&>().empty());
+        if (present) continue;
+        if (rules.wording == VerifyRules::Wording::places) {
+            return "header lacks msg_id or msg_type";
+        }
+        return std::string("header has no string ") + key;
+    }
+    return std::nullopt;
+}
+
+WireVerify fail_verify(std::string error) {
+    WireVerify v;
+    v.error = std::move(error);
+    return v;
+}
+
+}  // namespace
+
+WireVerify verify(std::span<const std::string_view> frames, const Signer& signer,
+                  ReplayGuard* replay, const VerifyRules& rules) {
     // The replay guard is consulted here but only written once the whole
     // message is accepted, so a message that fails to parse is not remembered.
-    const WireCheck check = check_wire(frames, signer, nullptr, limits);
-    if (!check.ok) return fail_decode(check.error);
+    const WireCheck check = check_wire(frames, signer, nullptr, rules.limits);
+    if (!check.ok) return fail_verify(check.error);
     const WireLayout& at = check.layout;
     const std::string_view signature = frames[at.signature()];
-    if (replay != nullptr && replay->contains(signature)) return fail_decode("replayed message");
+    if (replay != nullptr && replay->contains(signature)) return fail_verify("replayed message");
 
-    WireMessage msg;
-    std::array<json*, kJsonFrames> targets = {&msg.header, &msg.parent_header, &msg.metadata,
-                                              &msg.content};
-    for (std::size_t i = 0; i < kJsonFrames; ++i) {
-        auto parsed = parse_json_frame(frames[at.header() + i], limits.max_json_depth);
-        if (!parsed) return fail_decode(std::string(kJsonFrameNames[i]) + " is not valid JSON");
-        if (!parsed->is_object()) {
-            return fail_decode(std::string(kJsonFrameNames[i]) + " is not a JSON object");
+    WireVerify out;
+    std::array<json*, kJsonFrames> targets = {&out.header, &out.parent, &out.metadata,
+                                              &out.content};
+    const std::size_t parsed_frames = rules.parse_all ? kJsonFrames : 2;
+    for (std::size_t i = 0; i < parsed_frames; ++i) {
+        auto parsed = parse_json_frame(frames[at.header() + i], rules.limits.max_json_depth);
+        if (!parsed || !parsed->is_object()) {
+            return fail_verify(json_frame_error(rules, at, i, parsed.has_value()));
         }
         *targets[i] = std::move(*parsed);
     }
-    const auto msg_id = msg.header.find("msg_id");
-    if (msg_id == msg.header.end() || !msg_id->is_string()) {
-        return fail_decode("header has no string msg_id");
-    }
-    const auto msg_type = msg.header.find("msg_type");
-    if (msg_type == msg.header.end() || !msg_type->is_string()) {
-        return fail_decode("header has no string msg_type");
-    }
+    if (auto error = ids_error(rules, out.header)) return fail_verify(std::move(*error));
 
     if (replay != nullptr && !replay->check_and_remember(signature)) {
-        return fail_decode("replayed message");
+        return fail_verify("replayed message");
     }
+    out.layout = at;
+    out.ok = true;
+    return out;
+}
+
+WireDecode decode(std::span<const std::string_view> frames, const Signer& signer,
+                  ReplayGuard* replay, const WireLimits& limits) {
+    VerifyRules rules;
+    rules.limits = limits;
+    WireVerify verified = verify(frames, signer, replay, rules);
+    if (!verified.ok) return fail_decode(std::move(verified.error));
+    const WireLayout& at = verified.layout;
+    WireMessage msg;
+    msg.header = std::move(verified.header);
+    msg.parent_header = std::move(verified.parent);
+    msg.metadata = std::move(verified.metadata);
+    msg.content = std::move(verified.content);
     msg.identities.assign(frames.begin(),
                           frames.begin() + static_cast<std::ptrdiff_t>(at.delimiter));
     msg.buffers.assign(frames.begin() + static_cast<std::ptrdiff_t>(at.first_buffer()),

@@ -19,6 +19,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/unique_fd.hpp"
+#include "multipart.hpp"
 #include "unix_address.hpp"
 #include "zmtp_stream.hpp"
 
@@ -52,12 +53,11 @@ class ZmtpListener final : public RelaySocket {
           next_identity_(std::random_device{}()) {}
     ~ZmtpListener() override { close(); }
 
-    bool send(std::vector<zmq::message_t>& frames) override {
+    bool send(std::vector<Frame>& frames) override {
         if (closed_ || frames.empty()) return false;
         std::vector<std::string_view> views;
         views.reserve(frames.size());
-        for (const auto& f : frames)
-            views.emplace_back(static_cast<const char*>(f.data()), f.size());
+        for (const auto& f : frames) views.push_back(f.view());
         if (!pub_) {
             auto it = by_identity_.find(std::string(views[0]));
             if (it == by_identity_.end()) return false;  // no such client (any more)

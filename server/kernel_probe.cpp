@@ -171,8 +171,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
         msg.header = make_header(msg_type, probe_session);
         msg.content = std::move(content);
         ch->probe_msg_ids.push_back(msg.msg_id());
-        std::vector<zmq::message_t> frames;
-        for (auto& f : encode(msg, signer)) frames.push_back(to_frame(f));
+        auto frames = to_frames(encode(msg, signer));
         ch->shell->send(frames);
         return msg.msg_id();
     };

@@ -31,7 +31,7 @@ class ZmtpKernelSocket final : public RelaySocket {
     ZmtpKernelSocket(UniqueFd fd, zmtp::Connection connection, std::string label)
         : stream_(std::move(fd), std::move(connection), std::move(label), kKernelReadAheadBytes) {}
 
-    bool send(std::vector<zmq::message_t>& frames) override {
+    bool send(std::vector<Frame>& frames) override {
         return stream_.send(frames, kMaxBacklogBytes);
     }
     bool receive(Multipart& out, std::size_t max_frames) override {

@@ -9,14 +9,8 @@ void Server::reply(const WireMessage& request, json content, std::vector<std::st
         make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
     // The buffers (a download's chunk, megabytes) are not signed: they go out
     // as frames that own their string, without a copy; the rest is small.
-    std::vector<zmq::message_t> frames;
-    for (auto& f : encode(msg, signer_)) frames.push_back(to_frame(f));
-    for (auto& buffer : buffers) {
-        auto* owned = new std::string(std::move(buffer));
-        frames.emplace_back(
-            owned->data(), owned->size(),
-            [](void*, void* hint) { delete static_cast<std::string*>(hint); }, owned);
-    }
+    auto frames = to_frames(encode(msg, signer_));
+    for (auto& buffer : buffers) frames.emplace_back(std::move(buffer));
     send_multipart(manager_, frames);
 }
 

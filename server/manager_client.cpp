@@ -80,7 +80,7 @@ std::string ManagerClient::send(const std::string& type, json content,
     msg.buffers = std::move(buffers);
     const std::string id = msg.msg_id();
     std::vector<zmq::message_t> frames;
-    for (auto& f : encode(msg, signer_)) frames.push_back(to_frame(f));
+    for (auto& f : encode(msg, signer_)) frames.emplace_back(f.data(), f.size());
     for (std::size_t i = 0; i < frames.size(); ++i) {
         socket_.send(frames[i],
                      i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);

@@ -1,4 +1,6 @@
-// Receiving and sending multipart ZMQ messages without copying frames.
+// Receiving and sending multipart messages on a libzmq socket: the edge
+// where libzmq's frames become cellblock::Frame and back, without copying
+// large payloads.
 #pragma once
 
 #include <string>
@@ -7,32 +9,21 @@
 
 #include <zmq.hpp>
 
+#include "cellblock/frame.hpp"
+
 namespace cellblock {
-
-struct Multipart {
-    std::vector<zmq::message_t> frames;
-    std::size_t dropped_frames = 0;  // frames past the cap, received and discarded
-    std::size_t total_bytes = 0;
-
-    std::vector<std::string_view> views() const {
-        std::vector<std::string_view> v;
-        v.reserve(frames.size());
-        for (const auto& f : frames) v.emplace_back(static_cast<const char*>(f.data()), f.size());
-        return v;
-    }
-    std::string_view view(std::size_t i) const {
-        return {static_cast<const char*>(frames[i].data()), frames[i].size()};
-    }
-};
 
 // Receives one whole multipart message if one is waiting. Frames past
 // `max_frames` are received (ZMQ delivers messages whole) but not kept.
 bool recv_multipart(zmq::socket_t& socket, Multipart& out, std::size_t max_frames);
 
-// Sends the frames in order; a full peer queue drops the message rather than blocking.
-bool send_multipart(zmq::socket_t& socket, std::vector<zmq::message_t>& frames);
+// Sends the frames in order (taking them); a full peer queue drops the
+// message rather than blocking.
+bool send_multipart(zmq::socket_t& socket, std::vector<Frame>& frames);
 
-zmq::message_t to_frame(std::string_view bytes);
+// A libzmq message as a frame (a large one adopted, not copied), and back.
+Frame from_zmq(zmq::message_t&& message);
+zmq::message_t to_zmq(Frame&& frame);
 
 // Printable form of a routing identity for log lines.
 std::string identity_text(std::string_view identity);

@@ -1,5 +1,7 @@
 #include "relay_socket.hpp"
 
+#include "multipart.hpp"
+
 namespace cellblock {
 
 const char* relay_transport_name(RelayTransport transport) {
@@ -13,7 +15,7 @@ class ZmqRelaySocket final : public RelaySocket {
     explicit ZmqRelaySocket(zmq::socket_t socket) : socket_(std::move(socket)) {}
     ~ZmqRelaySocket() override { close(); }
 
-    bool send(std::vector<zmq::message_t>& frames) override {
+    bool send(std::vector<Frame>& frames) override {
         return socket_ && send_multipart(socket_, frames);
     }
     bool receive(Multipart& out, std::size_t max_frames) override {

@@ -19,8 +19,8 @@
 
 #include <zmq.hpp>
 
+#include "cellblock/frame.hpp"
 #include "event_loop.hpp"
-#include "multipart.hpp"
 
 namespace cellblock {
 
@@ -35,7 +35,7 @@ class RelaySocket {
     // libzmq's ROUTER drops a message to an unknown peer and still says true).
     // A ROUTER's first frame names the peer; a PUB's first frame is the
     // topic its subscribers' prefixes are matched against.
-    virtual bool send(std::vector<zmq::message_t>& frames) = 0;
+    virtual bool send(std::vector<Frame>& frames) = 0;
     // Receives one whole message if one waits (a ROUTER's begins with the
     // sender's identity); frames past `max_frames` are not kept
     // (out.dropped_frames counts them).

@@ -212,7 +212,7 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
         json& budget = msg.metadata["cellblock"];
         if (!budget.is_object()) budget = json::object();
         budget["output_bytes"] = governor_->limits().output_bytes;
-        msg.frames[msg.layout.metadata()] = zmq::message_t(msg.metadata.dump());
+        msg.frames[msg.layout.metadata()] = Frame(msg.metadata.dump());
     }
     background_bytes_ = 0;
     background_marker_sent_ = false;
@@ -270,7 +270,7 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
         if (execution_->idle_seen) release_held_reply(now);
         return;
     }
-    io_.forward_to_client(channel, &request.identities, msg, nullptr, nullptr);
+    io_.forward_reply(channel, request.identities, msg, nullptr);
     if (request.msg_type == "shutdown_request") {
         shutdown_request_.reset();
         close(now, "shutdown requested by the client");
@@ -309,8 +309,7 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     const std::string new_metadata = md.dump();
     const std::string status = content ? json_string(*content, "status") : "";
     const std::string ename = content ? json_string(*content, "ename") : "";
-    io_.forward_to_client(held.request.channel, &held.request.identities, msg, &new_metadata,
-                          nullptr);
+    io_.forward_reply(held.request.channel, held.request.identities, msg, &new_metadata);
     if (options_.observer) {
         ExecutionRecord record = execution_record(now, status.empty() ? "unknown" : status, ename);
         record.cpu_ms = cpu_ms;
@@ -332,7 +331,7 @@ void SessionCore::on_kernel_input_request(Clock::time_point, InboundMessage msg)
         return;
     }
     // The client's stdin socket shares the identity of its shell socket.
-    io_.forward_to_client(Channel::stdin_, &it->second.identities, msg, nullptr, nullptr);
+    io_.forward_reply(Channel::stdin_, it->second.identities, msg, nullptr);
 }
 
 void SessionCore::on_kernel_exit(Clock::time_point now) {
@@ -476,7 +475,7 @@ void SessionCore::finish_execution(Clock::time_point now, const std::string& sta
 }
 
 void SessionCore::publish(const json& parent, const std::string& msg_type, json content) {
-    io_.send_to_client(Channel::iopub, {}, parent, msg_type, std::move(content));
+    io_.publish(parent, msg_type, std::move(content));
 }
 
 void SessionCore::publish_status(const json& parent, const char* state) {
@@ -484,8 +483,8 @@ void SessionCore::publish_status(const json& parent, const char* state) {
 }
 
 void SessionCore::reply(const PendingRequest& request, const std::string& msg_type, json content) {
-    io_.send_to_client(request.channel, request.identities, request.header, msg_type,
-                       std::move(content));
+    io_.send_reply(request.channel, request.identities, request.header, msg_type,
+                   std::move(content));
 }
 
 void SessionCore::refuse(const PendingRequest& request, const std::string& ename,

@@ -62,18 +62,25 @@ struct KernelExit {
 class SessionIo {
   public:
     virtual ~SessionIo() = default;
-    // A kernel message, re-signed with the client's key, on `channel`, routed
-    // to `identities` (null: the message's own routing frames, as on iopub),
-    // with metadata or content replaced where given (buffers beyond
-    // `msg.frames` were cut by the core).
-    virtual void forward_to_client(Channel channel, const std::vector<std::string>* identities,
-                                   InboundMessage& msg, const std::string* new_metadata,
-                                   const std::string* new_content) = 0;
-    // A message the server writes itself (a refusal, a status, a marker),
-    // parented on `parent`. On iopub `identities` may be empty.
-    virtual void send_to_client(Channel channel, const std::vector<std::string>& identities,
-                                const nlohmann::json& parent, const std::string& msg_type,
-                                nlohmann::json content) = 0;
+    // The client's side has two kinds of destination: a reply routed to the
+    // client that asked (shell, control, stdin: `identities`, the request's
+    // routing frames), and output published on iopub to every subscriber.
+    //
+    // A kernel's reply (or input_request), re-signed with the client's key,
+    // routed to `identities` on `channel`, its metadata replaced if given.
+    virtual void forward_reply(Channel channel, const std::vector<std::string>& identities,
+                               InboundMessage& msg, const std::string* new_metadata) = 0;
+    // A kernel's iopub message, re-signed, published under its own topic
+    // frames, its content replaced if given (buffers beyond `msg.frames`
+    // were cut by the core).
+    virtual void forward_output(InboundMessage& msg, const std::string* new_content) = 0;
+    // A reply the server writes itself (a refusal), parented on `parent`.
+    virtual void send_reply(Channel channel, const std::vector<std::string>& identities,
+                            const nlohmann::json& parent, const std::string& msg_type,
+                            nlohmann::json content) = 0;
+    // An iopub message the server writes itself (a status, an error, a marker).
+    virtual void publish(const nlohmann::json& parent, const std::string& msg_type,
+                         nlohmann::json content) = 0;
     // A client message, re-signed with the kernel's key. False: the kernel's
     // queue is full and the message was dropped.
     virtual bool forward_to_kernel(Channel channel, InboundMessage& msg) = 0;

@@ -44,7 +44,7 @@ void SessionCore::on_kernel_iopub(Clock::time_point now, InboundMessage msg) {
         return;
     }
     if (!governor_) {
-        io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+        io_.forward_output(msg, nullptr);
         return;
     }
     const bool late_output_of_last = !execution_ && msg.parent_id == last_execution_id_;
@@ -63,13 +63,13 @@ void SessionCore::shape_outside_execution(InboundMessage& msg) {
         msg.total_bytes <= options_.free_pass_bytes &&
         free_passes_[msg.parent_id] < options_.free_passes) {
         ++free_passes_[msg.parent_id];
-        io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+        io_.forward_output(msg, nullptr);
         return;
     }
     const auto cap = static_cast<std::uint64_t>(governor_->limits().output_bytes);
     if (background_bytes_ + msg.total_bytes <= cap) {
         background_bytes_ += msg.total_bytes;
-        io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+        io_.forward_output(msg, nullptr);
         return;
     }
     if (background_marker_sent_) return;
@@ -95,7 +95,7 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
                     execution_->idle_seen = true;  // iopub outran shell: the reply goes on arrival
                 }
             }
-            io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+            io_.forward_output(msg, nullptr);
             return;
         }
         case IopubKind::stream: {
@@ -118,7 +118,7 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
             const std::string& text = (*content)["text"].get_ref<const std::string&>();
             const auto decision = governor_->on_stream(text.size());
             if (decision.keep >= text.size() && !decision.add_marker) {
-                io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+                io_.forward_output(msg, nullptr);
                 return;
             }
             if (decision.keep == 0 && !decision.add_marker) return;  // dropped, marker sent
@@ -126,7 +126,7 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
             if (decision.add_marker) kept += decision.marker;
             (*content)["text"] = kept;
             const std::string new_content = content->dump();
-            io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, &new_content);
+            io_.forward_output(msg, &new_content);
             return;
         }
         case IopubKind::rich: {
@@ -156,7 +156,7 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
         case IopubKind::other:
             break;
     }
-    io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, nullptr);
+    io_.forward_output(msg, nullptr);
 }
 
 void SessionCore::replace_with_notice(InboundMessage& msg, const std::string& what) {
@@ -168,7 +168,7 @@ void SessionCore::replace_with_notice(InboundMessage& msg, const std::string& wh
     const std::string new_content = notice.dump();
     // Buffers go too: the notice replaces the whole message.
     msg.frames.resize(msg.layout.first_buffer());
-    io_.forward_to_client(Channel::iopub, nullptr, msg, nullptr, &new_content);
+    io_.forward_output(msg, &new_content);
 }
 
 }  // namespace cellblock

@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "multipart.hpp"
+
 namespace cellblock {
 using nlohmann::json;
 
@@ -23,76 +25,41 @@ class SessionProxy::Io final : public SessionIo {
   public:
     explicit Io(SessionProxy& proxy) : p_(proxy) {}
 
-    void forward_to_client(Channel channel, const std::vector<std::string>* identities,
-                           InboundMessage& msg, const std::string* new_metadata,
-                           const std::string* new_content) override {
-        auto& frames = msg.frames;
-        const WireLayout& at = msg.layout;
-        const std::string_view metadata =
-            new_metadata ? std::string_view(*new_metadata) : msg.frame(at.metadata());
-        const std::string_view content =
-            new_content ? std::string_view(*new_content) : msg.frame(at.content());
-        std::vector<zmq::message_t> out;
-        out.reserve(frames.size() + (identities ? identities->size() : 0));
-        if (identities) {
-            for (const auto& id : *identities) out.push_back(to_frame(id));
-        } else {
-            for (std::size_t i = 0; i < at.delimiter; ++i) out.push_back(std::move(frames[i]));
-        }
-        out.push_back(to_frame(kDelimiter));
-        std::string signature;
-        if (!new_metadata && !new_content && p_.early_ && p_.early_->signature.valid() &&
-            p_.early_->content == msg.frames[at.content()].data()) {
-            // Signed on the second core while the kernel's signature was
-            // checked: the same bytes, unchanged, with the client's key.
-            signature = p_.early_->signature.get();
-            p_.early_.reset();
-        } else {
-            signature = p_.outer_signer_.sign(msg.frame(at.header()), msg.frame(at.parent()),
-                                              metadata, content);
-        }
-        out.push_back(to_frame(signature));
-        out.push_back(std::move(frames[at.header()]));
-        out.push_back(std::move(frames[at.parent()]));
-        out.push_back(new_metadata ? to_frame(*new_metadata) : std::move(frames[at.metadata()]));
-        out.push_back(new_content ? to_frame(*new_content) : std::move(frames[at.content()]));
-        for (std::size_t i = at.first_buffer(); i < frames.size(); ++i) {
-            out.push_back(std::move(frames[i]));
-        }
-        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(out);
+    void forward_reply(Channel channel, const std::vector<std::string>& identities,
+                       InboundMessage& msg, const std::string* new_metadata) override {
+        std::vector<Frame> routing;
+        routing.reserve(identities.size());
+        for (const auto& id : identities) routing.push_back(Frame::copy_of(id));
+        forward(channel, std::move(routing), msg, new_metadata, nullptr);
     }
 
-    // A message the server makes itself, signed with `signer`.
-    static std::vector<zmq::message_t> frames_of(const WireMessage& msg, const Signer& signer) {
-        auto frames = encode(msg, signer);
-        std::vector<zmq::message_t> out;
-        out.reserve(frames.size());
-        for (auto& f : frames) out.push_back(to_frame(f));
-        return out;
+    void forward_output(InboundMessage& msg, const std::string* new_content) override {
+        // Published under the kernel's own topic frames.
+        std::vector<Frame> topic;
+        topic.reserve(msg.layout.delimiter);
+        for (std::size_t i = 0; i < msg.layout.delimiter; ++i) {
+            topic.push_back(std::move(msg.frames[i]));
+        }
+        forward(Channel::iopub, std::move(topic), msg, nullptr, new_content);
     }
 
-    void send_to_client(Channel channel, const std::vector<std::string>& identities,
-                        const json& parent, const std::string& msg_type, json content) override {
-        WireMessage msg;
-        msg.identities = identities;
-        if (channel == Channel::iopub && identities.empty()) {
-            msg.identities.push_back("kernel." + p_.session_id_ + "." + msg_type);
-        }
-        msg.header = make_header(msg_type, p_.server_session_);
-        msg.parent_header = parent;
-        msg.content = std::move(content);
-        auto frames = frames_of(msg, p_.outer_signer_);
-        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(frames);
+    void send_reply(Channel channel, const std::vector<std::string>& identities, const json& parent,
+                    const std::string& msg_type, json content) override {
+        send_own(channel, identities, parent, msg_type, std::move(content));
+    }
+
+    void publish(const json& parent, const std::string& msg_type, json content) override {
+        send_own(Channel::iopub, {"kernel." + p_.session_id_ + "." + msg_type}, parent, msg_type,
+                 std::move(content));
     }
 
     bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
         const WireLayout& at = msg.layout;
-        std::vector<zmq::message_t> out;
+        std::vector<Frame> out;
         out.reserve(msg.frames.size() - at.delimiter);
-        out.push_back(to_frame(kDelimiter));
-        out.push_back(
-            to_frame(p_.inner_signer_.sign(msg.frame(at.header()), msg.frame(at.parent()),
-                                           msg.frame(at.metadata()), msg.frame(at.content()))));
+        out.push_back(Frame::copy_of(kDelimiter));
+        out.emplace_back(p_.inner_signer_.sign(msg.frame(at.header()), msg.frame(at.parent()),
+                                               msg.frame(at.metadata()), msg.frame(at.content())));
         for (std::size_t i = at.header(); i < msg.frames.size(); ++i) {
             out.push_back(std::move(msg.frames[i]));
         }
@@ -110,7 +77,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.header = make_header("interrupt_request", p_.server_session_);
         msg.parent_header = json::object();
         msg.content = json::object();
-        auto frames = frames_of(msg, p_.inner_signer_);
+        auto frames = to_frames(encode(msg, p_.inner_signer_));
         if (RelaySocket* control = p_.inner_socket(Channel::control)) control->send(frames);
     }
     void kill_kernel() override {
@@ -166,6 +133,54 @@ class SessionProxy::Io final : public SessionIo {
     }
 
   private:
+    // A kernel message re-signed with the client's key, after `routing`
+    // (the client's identities, or iopub's topic), without copying its frames.
+    void forward(Channel channel, std::vector<Frame> routing, InboundMessage& msg,
+                 const std::string* new_metadata, const std::string* new_content) {
+        auto& frames = msg.frames;
+        const WireLayout& at = msg.layout;
+        const std::string_view metadata =
+            new_metadata ? std::string_view(*new_metadata) : msg.frame(at.metadata());
+        const std::string_view content =
+            new_content ? std::string_view(*new_content) : msg.frame(at.content());
+        std::vector<Frame> out = std::move(routing);
+        out.reserve(out.size() + frames.size() - at.delimiter);
+        out.push_back(Frame::copy_of(kDelimiter));
+        std::string signature;
+        if (!new_metadata && !new_content && p_.early_ && p_.early_->signature.valid() &&
+            p_.early_->content == msg.frames[at.content()].data()) {
+            // Signed on the second core while the kernel's signature was
+            // checked: the same bytes, unchanged, with the client's key.
+            signature = p_.early_->signature.get();
+            p_.early_.reset();
+        } else {
+            signature = p_.outer_signer_.sign(msg.frame(at.header()), msg.frame(at.parent()),
+                                              metadata, content);
+        }
+        out.emplace_back(std::move(signature));
+        out.push_back(std::move(frames[at.header()]));
+        out.push_back(std::move(frames[at.parent()]));
+        out.push_back(new_metadata ? Frame::copy_of(*new_metadata)
+                                   : std::move(frames[at.metadata()]));
+        out.push_back(new_content ? Frame::copy_of(*new_content) : std::move(frames[at.content()]));
+        for (std::size_t i = at.first_buffer(); i < frames.size(); ++i) {
+            out.push_back(std::move(frames[i]));
+        }
+        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(out);
+    }
+
+    // A message the server writes itself, signed with the client's key.
+    void send_own(Channel channel, std::vector<std::string> identities, const json& parent,
+                  const std::string& msg_type, json content) {
+        WireMessage msg;
+        msg.identities = std::move(identities);
+        msg.header = make_header(msg_type, p_.server_session_);
+        msg.parent_header = parent;
+        msg.content = std::move(content);
+        auto frames = to_frames(encode(msg, p_.outer_signer_));
+        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(frames);
+    }
+
     SessionProxy& p_;
 };
 
@@ -346,20 +361,18 @@ void SessionProxy::sign_early() {
     early.content = scratch_.frames[at.content()].data();
     early.keep.reserve(4);
     // The worker reads these bytes while this thread verifies and the frames
-    // move: small frames (which libzmq stores inside the message, so a move
-    // changes their address) are copied; large ones are shared (a reference,
-    // the bytes stay put) until the worker is joined.
+    // move: small frames (held inline, so a move may change their address)
+    // are copied; large ones are shared (a reference, the bytes stay put)
+    // until the worker is joined.
     std::array<std::string_view, 4> parts;
     for (std::size_t i = 0; i < 4; ++i) {
-        zmq::message_t& frame = scratch_.frames[at.header() + i];
-        if (frame.size() < 4096) {
-            early.small[i] = std::string(views[at.header() + i]);
+        const Frame& frame = scratch_.frames[at.header() + i];
+        if (!frame.is_shared()) {
+            early.small[i] = std::string(frame.view());
             parts[i] = early.small[i];
         } else {
-            early.keep.emplace_back();
-            early.keep.back().copy(frame);
-            parts[i] = {static_cast<const char*>(early.keep.back().data()),
-                        early.keep.back().size()};
+            early.keep.push_back(frame.share());
+            parts[i] = early.keep.back().view();
         }
     }
     try {

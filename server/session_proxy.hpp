@@ -31,7 +31,6 @@
 #include "client_socket.hpp"
 #include "event_loop.hpp"
 #include "inner_channels.hpp"
-#include "multipart.hpp"
 #include "session_core.hpp"
 #include "wire_receive.hpp"
 
@@ -141,7 +140,7 @@ class SessionProxy {
     struct EarlySignature {
         std::future<std::string> signature;
         const void* content = nullptr;     // which message it signs
-        std::vector<zmq::message_t> keep;  // the large frames it reads, shared
+        std::vector<Frame> keep;           // the large frames it reads, shared
         std::array<std::string, 4> small;  // the small ones, copied
     };
     static constexpr std::size_t kEarlySignBytes = 256 << 10;

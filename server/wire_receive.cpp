@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "relay_socket.hpp"
+
 namespace cellblock {
 using nlohmann::json;
 
@@ -189,45 +191,24 @@ bool verify_frames(Multipart& in, const ReceiveRules& rules, InboundMessage& out
         why = "too many frames";
         return false;
     }
-    const auto views = in.views();
-    // The replay guard is written only once the whole message is accepted.
-    WireCheck check = check_wire(views, *rules.signer, nullptr, rules.limits);
-    if (!check.ok) {
-        why = std::move(check.error);
+    VerifyRules verify_rules;
+    verify_rules.limits = rules.limits;
+    verify_rules.parse_all = rules.parse_all;
+    verify_rules.ids = rules.parse_all ? VerifyRules::Ids::non_empty : VerifyRules::Ids::any;
+    verify_rules.wording = VerifyRules::Wording::places;
+    WireVerify verified = verify(in.views(), *rules.signer, rules.replay, verify_rules);
+    if (!verified.ok) {
+        why = std::move(verified.error);
         return false;
     }
-    const WireLayout& at = check.layout;
-    const std::string_view signature = views[at.signature()];
-    if (rules.replay && rules.replay->contains(signature)) {
-        why = "replayed message";
-        return false;
-    }
-    const std::size_t last = rules.parse_all ? at.content() : at.parent();
-    json parsed[4];
-    for (std::size_t i = at.header(); i <= last; ++i) {
-        auto frame = parse_json_frame(views[i], rules.limits.max_json_depth);
-        if (!frame || !frame->is_object()) {
-            why = "frame " + std::to_string(i - at.delimiter) + " is not a JSON object";
-            return false;
-        }
-        parsed[i - at.header()] = std::move(*frame);
-    }
-    out.msg_id = json_string(parsed[0], "msg_id");
-    out.msg_type = json_string(parsed[0], "msg_type");
-    if (rules.parse_all && (out.msg_id.empty() || out.msg_type.empty())) {
-        why = "header lacks msg_id or msg_type";
-        return false;
-    }
-    if (rules.replay && !rules.replay->check_and_remember(signature)) {
-        why = "replayed message";
-        return false;
-    }
-    out.parent_id = json_string(parsed[1], "msg_id");
-    out.header = std::move(parsed[0]);
-    out.parent = std::move(parsed[1]);
-    out.metadata = std::move(parsed[2]);
-    out.content = std::move(parsed[3]);
-    out.layout = at;
+    out.msg_id = json_string(verified.header, "msg_id");
+    out.msg_type = json_string(verified.header, "msg_type");
+    out.parent_id = json_string(verified.parent, "msg_id");
+    out.header = std::move(verified.header);
+    out.parent = std::move(verified.parent);
+    out.metadata = std::move(verified.metadata);
+    out.content = std::move(verified.content);
+    out.layout = verified.layout;
     out.total_bytes = in.total_bytes;
     out.frames = std::move(in.frames);
     in.frames.clear();

@@ -1,8 +1,9 @@
 // The relay's one receive-and-verify step. Every JSON channel, the client's
-// and the kernel's, goes through it: bounded frames, the signature, the JSON
-// frames parsed and required to be objects, and only then (client side) the
+// and the kernel's, goes through it: frames past the transport's cap refused,
+// then protocol's verify() (bounded frames, the signature, the JSON frames
+// parsed and required to be objects, and only then, client side, the
 // signature remembered against replay, so a message that fails to parse can
-// be sent again once fixed.
+// be sent again once fixed). No ZMQ here: frames are cellblock::Frame.
 #pragma once
 
 #include <cstddef>
@@ -12,15 +13,15 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
-#include <zmq.hpp>
 
+#include "cellblock/frame.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/wire_message.hpp"
-#include "multipart.hpp"
-#include "relay_socket.hpp"
 
 namespace cellblock {
+
+class RelaySocket;
 
 // A string field of a JSON object, or "" (absent, or not a string).
 inline std::string json_string(const nlohmann::json& j, const char* key) {
@@ -31,7 +32,7 @@ inline std::string json_string(const nlohmann::json& j, const char* key) {
 // A verified message: its frames (kept, to be forwarded without a copy) and
 // what the relay reads of it, parsed once.
 struct InboundMessage {
-    std::vector<zmq::message_t> frames;
+    std::vector<Frame> frames;
     WireLayout layout;
     std::size_t total_bytes = 0;
     nlohmann::json header;  // always an object
@@ -41,9 +42,7 @@ struct InboundMessage {
     nlohmann::json content;
     std::string msg_id, msg_type, parent_id;
 
-    std::string_view frame(std::size_t i) const {
-        return {static_cast<const char*>(frames[i].data()), frames[i].size()};
-    }
+    std::string_view frame(std::size_t i) const { return frames[i].view(); }
     // The routing frames in front of the delimiter.
     std::vector<std::string> identities() const;
     // The content frame parsed (content itself if parse_all); nullopt if it

@@ -11,21 +11,10 @@ namespace cellblock {
 
 namespace {
 
-// Frames past this size are handed to the relay without a copy: the
-// zmq::message_t owns the string the codec read the body into.
-constexpr std::size_t kAdoptBytes = 4096;
 // Whole messages decoded ahead of the relay: past this (or the stream's byte
 // bound), reading pauses. libzmq's receive high-water mark is 1000 messages
 // of any size (up to 64 GiB here).
 constexpr std::size_t kMaxInbox = 1000;
-
-zmq::message_t adopt(std::string&& bytes) {
-    if (bytes.size() < kAdoptBytes) return zmq::message_t(bytes.data(), bytes.size());
-    auto* owned = new std::string(std::move(bytes));
-    return zmq::message_t(
-        owned->data(), owned->size(),
-        [](void*, void* hint) { delete static_cast<std::string*>(hint); }, owned);
-}
 
 }  // namespace
 
@@ -46,10 +35,10 @@ bool ZmtpStream::send(const std::vector<std::string_view>& frames, std::size_t m
     return true;
 }
 
-bool ZmtpStream::send(const std::vector<zmq::message_t>& frames, std::size_t max_backlog) {
+bool ZmtpStream::send(const std::vector<Frame>& frames, std::size_t max_backlog) {
     std::vector<std::string_view> views;
     views.reserve(frames.size());
-    for (const auto& f : frames) views.emplace_back(static_cast<const char*>(f.data()), f.size());
+    for (const auto& f : frames) views.push_back(f.view());
     return send(views, max_backlog);
 }
 
@@ -62,12 +51,13 @@ bool ZmtpStream::receive(Multipart& out, std::size_t max_frames, const std::stri
     out.dropped_frames = m.dropped_frames;
     out.total_bytes = m.total_bytes;
     if (prefix) {
-        out.frames.push_back(zmq::message_t(prefix->data(), prefix->size()));
+        out.frames.push_back(Frame::copy_of(*prefix));
         out.total_bytes += prefix->size();
     }
     for (auto& frame : m.frames) {
         if (out.frames.size() < max_frames) {
-            out.frames.push_back(adopt(std::move(frame)));
+            // The codec's own string: its bytes move, never copied.
+            out.frames.emplace_back(std::move(frame));
         } else {
             ++out.dropped_frames;
         }

@@ -13,12 +13,10 @@
 #include <string_view>
 #include <vector>
 
-#include <zmq.hpp>
-
+#include "cellblock/frame.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "cellblock/zmtp.hpp"
 #include "event_loop.hpp"
-#include "multipart.hpp"
 
 namespace cellblock {
 
@@ -36,7 +34,7 @@ class ZmtpStream {
     // Queues one message and writes what the socket takes; false: dropped
     // (the connection is gone, or more than `max_backlog` bytes wait).
     bool send(const std::vector<std::string_view>& frames, std::size_t max_backlog);
-    bool send(const std::vector<zmq::message_t>& frames, std::size_t max_backlog);
+    bool send(const std::vector<Frame>& frames, std::size_t max_backlog);
     // Moves one decoded message into `out` (reading first if none is
     // decoded), with `prefix` (a ROUTER's sender identity) as its first frame
     // if given.

@@ -57,6 +57,40 @@ struct WireCheck {
 WireCheck check_wire(std::span<const std::string_view> frames, const Signer& signer,
                      ReplayGuard* replay, const WireLimits& limits = {});
 
+// What verify() checks beyond the layout, the caps and the signature.
+struct VerifyRules {
+    WireLimits limits;
+    // All four JSON frames parsed, or the header and parent only (the
+    // kernel's messages, which the relay forwards as they are).
+    bool parse_all = true;
+    // What the header must carry: nothing, string msg_id and msg_type, or
+    // non-empty ones (the relay keys its ledger of requests by them).
+    enum class Ids { any, strings, non_empty };
+    Ids ids = Ids::strings;
+    // How a refusal of the JSON frames reads: by the frame's name ("header
+    // is not valid JSON", decode's), or by its place after the delimiter
+    // ("frame 2 is not a JSON object", the relay's log lines and metrics).
+    enum class Wording { names, places };
+    Wording wording = Wording::names;
+};
+
+// The outcome of verify(): on success, the layout and the JSON frames parsed
+// (objects; metadata and content null unless VerifyRules::parse_all).
+struct WireVerify {
+    bool ok = false;
+    WireLayout layout;
+    std::string error;  // a short, stable, loggable reason when !ok
+    nlohmann::json header, parent, metadata, content;
+};
+
+// The one verification of a received message, the relay's and decode's:
+// check_wire (delimiter, caps, signature), a replay looked up in `replay`,
+// the JSON frames parsed within max_json_depth and required to be objects,
+// the header's ids; only then is the signature remembered in `replay` (if
+// not null), so a message that fails to parse can be sent again once fixed.
+WireVerify verify(std::span<const std::string_view> frames, const Signer& signer,
+                  ReplayGuard* replay, const VerifyRules& rules);
+
 // A decoded message, used where the server reads or builds messages itself.
 struct WireMessage {
     std::vector<std::string> identities;
@@ -76,8 +110,8 @@ struct WireDecode {
     std::string error;  // set when !message
 };
 
-// check_wire, then parses the four JSON frames (each must be an object, within
-// max_json_depth; header must carry string msg_id and msg_type).
+// verify() with the default rules (the four JSON frames objects, the header's
+// msg_id and msg_type strings), then the message as a value.
 WireDecode decode(std::span<const std::string_view> frames, const Signer& signer,
                   ReplayGuard* replay, const WireLimits& limits = {});
 

@@ -85,13 +85,13 @@ const std::vector<Config> kZmtp = {{RelayTransport::zmtp, false}, {RelayTranspor
 
 Frames strings(const Multipart& m) {
     Frames out;
-    for (const auto& f : m.frames) out.push_back(f.to_string());
+    for (const auto& f : m.frames) out.emplace_back(f.view());
     return out;
 }
 
-std::vector<zmq::message_t> frames_of(const Frames& frames) {
-    std::vector<zmq::message_t> out;
-    for (const auto& f : frames) out.emplace_back(f.data(), f.size());
+std::vector<Frame> frames_of(const Frames& frames) {
+    std::vector<Frame> out;
+    for (const auto& f : frames) out.push_back(Frame::copy_of(f));
     return out;
 }
 
@@ -560,7 +560,7 @@ TEST_P(ClientRouterZmtp, SendToAnUnknownIdentityReturnsFalse) {
     EXPECT_FALSE(router.send({"alic", "x"}));
     EXPECT_FALSE(router.send({"alice2", "x"}));
     EXPECT_TRUE(router.send({"alice", "x"}));
-    std::vector<zmq::message_t> none;
+    std::vector<Frame> none;
     EXPECT_FALSE(router.socket().send(none));
     auto got = await(alice);
     ASSERT_TRUE(got);

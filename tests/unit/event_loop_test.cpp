@@ -123,23 +123,23 @@ TEST(EventLoop, AMessageWhoseSignalASendConsumedIsStillHandled) {
     });
     loop.run_once(std::chrono::milliseconds(0));  // the watch's first look
     // The dealer says hello so the router knows its identity.
-    std::vector<zmq::message_t> hello;
-    hello.push_back(to_frame("hello"));
+    std::vector<Frame> hello;
+    hello.push_back(Frame::copy_of("hello"));
     ASSERT_TRUE(send_multipart(dealer, hello));
     Multipart at_router;
     for (int i = 0; i < 100 && !recv_multipart(router, at_router, 8); ++i) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     ASSERT_EQ(at_router.frames.size(), 2u);
-    std::vector<zmq::message_t> reply;
-    reply.push_back(to_frame("d"));
-    reply.push_back(to_frame("answer"));
+    std::vector<Frame> reply;
+    reply.push_back(Frame::copy_of("d"));
+    reply.push_back(Frame::copy_of("answer"));
     ASSERT_TRUE(send_multipart(router, reply));
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     // Reading the dealer's events consumes its signal, as a send on it can.
     (void)dealer.get(zmq::sockopt::events);
-    std::vector<zmq::message_t> more;
-    more.push_back(to_frame("more"));
+    std::vector<Frame> more;
+    more.push_back(Frame::copy_of("more"));
     ASSERT_TRUE(send_multipart(dealer, more));
     loop.run_once(std::chrono::milliseconds(200));
     EXPECT_EQ(received, 1);

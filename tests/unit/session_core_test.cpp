@@ -7,6 +7,11 @@
 
 #include "cellblock/signer.hpp"
 
+// The pure core holds the project's frames, never libzmq's.
+#ifdef ZMQ_VERSION
+#error "session_core.hpp must not include libzmq"
+#endif
+
 namespace cellblock {
 namespace {
 using nlohmann::json;
@@ -36,24 +41,19 @@ class RecordingIo final : public SessionIo {
     KernelExit exit;
     bool queue_full = false;
 
-    void forward_to_client(Channel channel, const std::vector<std::string>* identities,
-                           InboundMessage& msg, const std::string* new_metadata,
-                           const std::string* new_content) override {
-        Action a("forward", channel, msg.msg_type, msg.parent_id);
-        a.identities = identities ? *identities : msg.identities();
-        a.metadata = json::parse(new_metadata ? std::string_view(*new_metadata)
-                                              : msg.frame(msg.layout.metadata()));
-        a.content = json::parse(new_content ? std::string_view(*new_content)
-                                            : msg.frame(msg.layout.content()));
-        a.frames = msg.frames.size();
-        actions.push_back(std::move(a));
+    void forward_reply(Channel channel, const std::vector<std::string>& identities,
+                       InboundMessage& msg, const std::string* new_metadata) override {
+        forwarded(channel, identities, msg, new_metadata, nullptr);
     }
-    void send_to_client(Channel channel, const std::vector<std::string>& identities,
-                        const json& parent, const std::string& msg_type, json content) override {
-        Action a("send", channel, msg_type, parent.value("msg_id", ""));
-        a.identities = identities;
-        a.content = std::move(content);
-        actions.push_back(std::move(a));
+    void forward_output(InboundMessage& msg, const std::string* new_content) override {
+        forwarded(Channel::iopub, msg.identities(), msg, nullptr, new_content);
+    }
+    void send_reply(Channel channel, const std::vector<std::string>& identities, const json& parent,
+                    const std::string& msg_type, json content) override {
+        sent(channel, identities, parent, msg_type, std::move(content));
+    }
+    void publish(const json& parent, const std::string& msg_type, json content) override {
+        sent(Channel::iopub, {}, parent, msg_type, std::move(content));
     }
     bool forward_to_kernel(Channel channel, InboundMessage& msg) override {
         Action a("kernel", channel, msg.msg_type, msg.parent_id);
@@ -75,6 +75,25 @@ class RecordingIo final : public SessionIo {
     void log(const std::string& what) override {
         Action a("log");
         a.why = what;
+        actions.push_back(std::move(a));
+    }
+
+    void forwarded(Channel channel, const std::vector<std::string>& identities, InboundMessage& msg,
+                   const std::string* new_metadata, const std::string* new_content) {
+        Action a("forward", channel, msg.msg_type, msg.parent_id);
+        a.identities = identities;
+        a.metadata = json::parse(new_metadata ? std::string_view(*new_metadata)
+                                              : msg.frame(msg.layout.metadata()));
+        a.content = json::parse(new_content ? std::string_view(*new_content)
+                                            : msg.frame(msg.layout.content()));
+        a.frames = msg.frames.size();
+        actions.push_back(std::move(a));
+    }
+    void sent(Channel channel, const std::vector<std::string>& identities, const json& parent,
+              const std::string& msg_type, json content) {
+        Action a("send", channel, msg_type, parent.value("msg_id", ""));
+        a.identities = identities;
+        a.content = std::move(content);
         actions.push_back(std::move(a));
     }
 
@@ -119,9 +138,9 @@ InboundMessage inbound(const std::vector<std::string>& identities, const std::st
     msg.content = std::move(content);
     msg.buffers = std::move(buffers);
     Multipart parts;
-    for (const auto& f : encode(msg, kSigner)) {
+    for (auto& f : encode(msg, kSigner)) {
         parts.total_bytes += f.size();
-        parts.frames.push_back(to_frame(f));
+        parts.frames.emplace_back(std::move(f));
     }
     InboundMessage out;
     std::string why;

@@ -13,7 +13,7 @@ Multipart frames_of(const std::vector<std::string>& frames) {
     Multipart m;
     for (const auto& f : frames) {
         m.total_bytes += f.size();
-        m.frames.push_back(to_frame(f));
+        m.frames.push_back(Frame::copy_of(f));
     }
     return m;
 }
