@@ -123,9 +123,12 @@ void Server::flush_audit() {
 }
 
 void Server::on_state(const std::string& session_id, const std::string& state) {
-    // busy/idle change twice per execution and are served from memory
-    // (session_list, session_info); the registry keeps lifecycle states only.
-    if (state == "busy" || state == "idle") return;
+    // idle/busy change twice per execution and are served from memory
+    // (session_list, session_info); closing lasts only inside a close, and
+    // closed is written with its reason and figures by on_closed. The
+    // registry keeps the states a session can be found in after this
+    // process is gone (session_state.hpp).
+    if (state == "idle" || state == "busy" || state == "closing" || state == "closed") return;
     try {
         store_.set_state(session_id, state);
     } catch (const std::exception& e) {

@@ -70,20 +70,27 @@ SessionCore::SessionCore(CoreOptions options, SessionIo& io, Clock::time_point n
 
 void SessionCore::on_kernel_attached(Clock::time_point now,
                                      const std::vector<std::string>& probe_ids) {
-    attached_ = true;
+    if (lifecycle_.state() == SessionState::starting) move_to(SessionState::idle);
     probe_ids_.insert(probe_ids.begin(), probe_ids.end());
     cpu_ns_at_attach_ = io_.kernel_usage().cpu_ns;
     if (governor_) governor_->on_client_request(now);
 }
 
 std::string SessionCore::state() const {
-    if (closed_) return "closed";
-    if (!attached_) return "starting";
-    return execution_ ? "busy" : "idle";
+    // closing lasts only inside close(): seen from outside it is closed.
+    if (lifecycle_.ending()) return "closed";
+    return std::string(state_name(lifecycle_.state()));
 }
 
-void SessionCore::notify_state(const char* state) {
-    if (options_.observer) options_.observer->on_state(options_.session_id, state);
+void SessionCore::move_to(SessionState to) {
+    if (!lifecycle_.go(to)) return;
+    if (options_.observer) {
+        options_.observer->on_state(options_.session_id, std::string(state_name(to)));
+    }
+}
+
+void SessionCore::execution_ended() {
+    if (lifecycle_.state() == SessionState::busy) move_to(SessionState::idle);
 }
 
 void SessionCore::event(const std::string& kind, const std::string& detail) {
@@ -117,9 +124,10 @@ void SessionCore::on_client_request(Clock::time_point now, Channel channel, Inbo
 
 void SessionCore::dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg) {
     PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
-    if (closed_ || !attached_) {
+    if (!lifecycle_.kernel_live()) {
         refuse(request, ename::SessionClosed,
-               closed_ ? "this session is closed: " + close_reason_ : "this session is starting");
+               lifecycle_.ending() ? "this session is closed: " + close_reason_
+                                   : "this session is starting");
         return;
     }
     if (governor_) governor_->on_client_request(now);
@@ -216,12 +224,12 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
     }
     background_bytes_ = 0;
     background_marker_sent_ = false;
-    notify_state("busy");
+    move_to(SessionState::busy);
     return true;
 }
 
 void SessionCore::drain_queue(Clock::time_point now, bool previous_failed) {
-    while (!queue_.empty() && !execution_ && !closed_) {
+    while (!queue_.empty() && !execution_ && !lifecycle_.ending()) {
         QueuedRequest next = std::move(queue_.front());
         queue_.pop_front();
         const json& content = next.message.content;
@@ -286,7 +294,7 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
     const auto content = msg.parsed_content(options_.max_json_depth);
     json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
-    const SandboxUsage usage = attached_ ? io_.kernel_usage() : SandboxUsage{};
+    const SandboxUsage usage = lifecycle_.attached() ? io_.kernel_usage() : SandboxUsage{};
     const std::uint64_t cpu_ms =
         (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
     // What the kernel dropped at its source: counted, and not shown as is.
@@ -319,7 +327,7 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     last_execution_id_ = execution_->msg_id;
     execution_.reset();
     idle_since_ = now;
-    notify_state("idle");
+    execution_ended();
     drain_queue(now, status == "error");
 }
 
@@ -347,7 +355,7 @@ void SessionCore::on_kernel_exit(Clock::time_point now) {
 // --- time ---
 
 std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point now) const {
-    if (closed_) {
+    if (lifecycle_.ending()) {
         if (!options_.policy) return std::nullopt;
         return closed_at_ + seconds(options_.policy->closed_channels_s);
     }
@@ -365,13 +373,13 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
 }
 
 bool SessionCore::expired(Clock::time_point now) const {
-    if (!closed_) return false;
+    if (!lifecycle_.ending()) return false;
     if (!options_.policy) return true;
     return now - closed_at_ >= seconds(options_.policy->closed_channels_s);
 }
 
 void SessionCore::on_tick(Clock::time_point now) {
-    if (closed_) return;
+    if (lifecycle_.ending()) return;
     if (shutdown_deadline_ && now >= *shutdown_deadline_) {
         shutdown_deadline_.reset();
         if (shutdown_request_) {
@@ -467,11 +475,12 @@ void SessionCore::finish_execution(Clock::time_point now, const std::string& sta
     if (!execution_) return;
     if (options_.observer) {
         ExecutionRecord record = execution_record(now, status, ename);
-        if (attached_) record.memory_peak_bytes = io_.kernel_usage().memory_peak_bytes;
+        if (lifecycle_.attached()) record.memory_peak_bytes = io_.kernel_usage().memory_peak_bytes;
         options_.observer->on_execution(record);
     }
     execution_.reset();
     idle_since_ = now;
+    execution_ended();
 }
 
 void SessionCore::publish(const json& parent, const std::string& msg_type, json content) {
@@ -524,7 +533,7 @@ void SessionCore::fail_pending(const std::string& ename, const std::string& eval
 
 void SessionCore::close(Clock::time_point now, const std::string& reason, const char* ename,
                         const std::string& why) {
-    if (closed_) return;
+    if (lifecycle_.ending()) return;
     const std::string evalue = why + ": " + reason;
     for (auto& queued : queue_) {
         PendingRequest request{queued.channel, queued.message.identities(), "execute_request",
@@ -533,13 +542,13 @@ void SessionCore::close(Clock::time_point now, const std::string& reason, const 
     }
     queue_.clear();
     close_reason_ = reason;
-    closed_ = true;
+    move_to(SessionState::closing);
     closed_at_ = now;
-    if (held_reply_ && attached_) release_held_reply(now);
+    if (held_reply_ && lifecycle_.attached()) release_held_reply(now);
     held_reply_.reset();
     if (execution_) finish_execution(now, "error", ename);
     if (!pending_.empty()) fail_pending(ename, evalue);
-    if (attached_) {
+    if (lifecycle_.attached()) {
         // The registry keeps the session's figures: its sandbox's whole life
         // since the hand-out, work between executions included.
         const SandboxUsage last = io_.kernel_usage();
@@ -548,6 +557,7 @@ void SessionCore::close(Clock::time_point now, const std::string& reason, const 
             cpu_ms_total_, (last.cpu_ns - std::min(last.cpu_ns, cpu_ns_at_attach_)) / 1000000);
     }
     io_.release_kernel();
+    move_to(SessionState::closed);
     if (options_.observer) options_.observer->on_closed(options_.session_id, reason);
 }
 

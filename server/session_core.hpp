@@ -31,6 +31,7 @@
 #include "cellblock/sandbox.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/session_store.hpp"
+#include "session_state.hpp"
 #include "wire_receive.hpp"
 
 namespace cellblock {
@@ -153,8 +154,10 @@ class SessionCore {
                const char* ename = ename::SessionClosed,
                const std::string& why = "the session closed");
 
-    bool kernel_live() const { return attached_ && !closed_; }
-    bool closed() const { return closed_; }
+    bool kernel_live() const { return lifecycle_.kernel_live(); }
+    // Closing or closed (close() has begun).
+    bool closed() const { return lifecycle_.ending(); }
+    SessionState lifecycle_state() const { return lifecycle_.state(); }
     bool expired(Clock::time_point now) const;
     const std::string& close_reason() const { return close_reason_; }
     const std::string& session_id() const { return options_.session_id; }
@@ -231,15 +234,17 @@ class SessionCore {
     void publish(const nlohmann::json& parent, const std::string& msg_type, nlohmann::json content);
     void publish_status(const nlohmann::json& parent, const char* state);
     void reply(const PendingRequest& request, const std::string& msg_type, nlohmann::json content);
-    void notify_state(const char* state);
+    // Moves the lifecycle and tells the observer.
+    void move_to(SessionState to);
+    // An execution ended: busy becomes idle (not while closing).
+    void execution_ended();
     void event(const std::string& kind, const std::string& detail);
 
     CoreOptions options_;
     SessionIo& io_;
     std::optional<SessionGovernor> governor_;
-    bool attached_ = false;
+    SessionLifecycle lifecycle_;
     bool kernel_exited_ = false;
-    bool closed_ = false;
     Clock::time_point closed_at_{};
     std::string close_reason_;
 

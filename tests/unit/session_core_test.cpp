@@ -383,6 +383,51 @@ TEST_F(CoreTest, ATimeoutInterruptsAtTheDeadlineAndKillsAfterTheGrace) {
     EXPECT_EQ(audit.executions[0].status, "timeout");
 }
 
+TEST_F(CoreTest, TheObserverSeesEveryMoveOfTheLifecycleInOrder) {
+    EXPECT_EQ(audit.states, (std::vector<std::string>{"idle"}));  // attached in start()
+    run_cell("e1", t0);
+    EXPECT_EQ(audit.states, (std::vector<std::string>{"idle", "busy", "idle"}));
+    core->close(t0 + 1s, "closed by the client");
+    EXPECT_EQ(audit.states,
+              (std::vector<std::string>{"idle", "busy", "idle", "closing", "closed"}));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::closed);
+    EXPECT_EQ(core->state(), "closed");
+    ASSERT_EQ(audit.closed.size(), 1u);
+}
+
+TEST_F(CoreTest, AKilledExecutionEndsBeforeItsSessionCloses) {
+    SessionLimits limits;
+    limits.exec_timeout_s = 10;
+    start(limits);
+    audit.states.clear();
+    core->on_client_request(t0, Channel::shell, execute("e1"));
+    EXPECT_EQ(core->state(), "busy");
+    core->on_tick(t0 + 10s);
+    core->on_tick(t0 + 13s);  // killed after the grace: recorded as ended, then closed
+    EXPECT_EQ(audit.states, (std::vector<std::string>{"busy", "idle", "closing", "closed"}));
+    ASSERT_EQ(audit.executions.size(), 1u);
+    EXPECT_EQ(audit.executions[0].status, "timeout");
+}
+
+TEST(CoreLifecycle, ASessionClosedWhileStartingNeverAttachesAndRefusesAsClosed) {
+    RecordingIo io;
+    Recorder audit;
+    CoreOptions options;
+    options.session_id = "s1";
+    options.observer = &audit;
+    const Clock::time_point t0 = Clock::time_point() + 1000s;
+    SessionCore core(options, io, t0);
+    EXPECT_EQ(core.state(), "starting");
+    core.on_client_request(t0, Channel::shell, request("kernel_info_request", "r1"));
+    ASSERT_EQ(io.to_client("kernel_info_reply").size(), 1u);
+    EXPECT_EQ(io.to_client("kernel_info_reply")[0].content["evalue"], "this session is starting");
+    core.close(t0, "the pool gave no sandbox");
+    EXPECT_EQ(audit.states, (std::vector<std::string>{"closing", "closed"}));
+    core.on_kernel_attached(t0, {});  // a probe that answers too late changes nothing
+    EXPECT_EQ(core.state(), "closed");
+    EXPECT_FALSE(core.kernel_live());
+}
+
 TEST_F(CoreTest, AnExecutionThatStopsWhenInterruptedIsNotKilled) {
     SessionLimits limits;
     limits.exec_timeout_s = 10;
