@@ -46,6 +46,6 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
   ctest --test-dir "$root/build-asan" --output-on-failure --timeout 1800 --label-exclude 'heavy|once'
 
 phase "fuzz (short)"
-bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20
+bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 10
 
 phase "all tests passed"
