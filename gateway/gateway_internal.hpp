@@ -196,6 +196,13 @@ HeadParse read_head(Side& side, std::string& buffer, double timeout_s, std::stri
 void relay(Session& session, Side& client, Side& upstream, const std::string& first,
            bool read_status, BodyLimit* body, Event& event);
 
+// ---- connection.cpp ----
+
+// One connection, from its head to the end of its relay; `first` is what
+// the client sent before the gateway took the connection over.
+void serve_connection(const Config& config, Session& session, int client_fd,
+                      const std::string& first, Event& event);
+
 // ---- upstream.cpp ----
 
 // The addresses `host` stands for: a pinned name's address, an IP literal

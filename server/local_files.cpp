@@ -268,8 +268,7 @@ void Server::finish_local_copy(std::uint64_t id) {
     try {
         if (!job->ename.empty()) {
             // A copy cancelled because its session closed says so.
-            if (const auto it = sessions_.find(job->session_id);
-                it == sessions_.end() || it->second->closed()) {
+            if (!sessions_.live(job->session_id)) {
                 live_session(c.request->content);  // throws SessionClosed with the reason
             }
             throw FileRequestError(job->ename, job->evalue);

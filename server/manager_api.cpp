@@ -142,19 +142,20 @@ std::string Server::session_id_of(const json& content) const {
 
 SessionProxy& Server::live_session(const json& content) {
     const std::string id = session_id_of(content);
-    auto it = sessions_.find(id);
-    if (it == sessions_.end()) {
+    Session* session = sessions_.find(id);
+    if (!session || !session->proxy()) {
         if (auto record = store_.session(id)) {
             throw RequestError{ename::SessionClosed,
                                "session " + id + " is closed: " + record->close_reason};
         }
         throw RequestError{ename::NoSuchSession, "no session " + id};
     }
-    if (it->second->closed()) {
+    SessionProxy& relay = *session->proxy();
+    if (relay.closed()) {
         throw RequestError{ename::SessionClosed,
-                           "session " + id + " is closed: " + it->second->close_reason()};
+                           "session " + id + " is closed: " + relay.close_reason()};
     }
-    return *it->second;
+    return relay;
 }
 
 json Server::session_list(Request& r, std::vector<std::string>&) {
@@ -167,10 +168,10 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
                       {"created_at", s.created_at},
                       {"executions", s.execution_count},
                       {"close_reason", s.close_reason}};
-        if (auto it = sessions_.find(s.id); it != sessions_.end()) {
-            entry["state"] = it->second->state();
-            if (const auto* g = it->second->governor()) entry["executions"] = g->executions();
-            if (const Sandbox* box = it->second->sandbox(); box && !it->second->closed()) {
+        if (Session* held = sessions_.find(s.id); held && held->proxy()) {
+            entry["state"] = held->proxy()->state();
+            if (const auto* g = held->proxy()->governor()) entry["executions"] = g->executions();
+            if (const Sandbox* box = held->sandbox()) {
                 entry["container_id"] = box->container_id();
                 entry["pids"] = sandbox_pids(box->container_id());
             }
@@ -227,8 +228,8 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
         info["usage"] = {{"memory_peak_bytes", record->memory_peak_bytes},
                          {"cpu_ms", record->cpu_ms}};
     }
-    if (auto it = sessions_.find(id); it != sessions_.end() && !it->second->closed()) {
-        SessionProxy& s = *it->second;
+    if (SessionProxy* live = sessions_.live(id)) {
+        SessionProxy& s = *live;
         info["state"] = s.state();
         if (const auto* g = s.governor()) {
             info["executions"] = g->executions();
@@ -333,7 +334,7 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         }
         images[name] = entry;
     }
-    const std::size_t open = open_sessions();
+    const std::size_t open = sessions_.live_count();
     return {
         {"status", "ok"},
         {"implementation", "cellblock"},

@@ -25,6 +25,7 @@
 #include <spdlog/spdlog.h>
 #include <zmq.hpp>
 
+#include "audit_trail.hpp"
 #include "cellblock/connection_info.hpp"
 #include "cellblock/cpu_fairness.hpp"
 #include "cellblock/error_names.hpp"
@@ -44,6 +45,7 @@
 #include "manager_paths.hpp"
 #include "multipart.hpp"
 #include "server_metrics.hpp"
+#include "session.hpp"
 #include "session_proxy.hpp"
 #include "version.hpp"
 
@@ -143,14 +145,14 @@ class Server final : public SessionObserver {
     // sandbox goes to the next create of its kind (or is destroyed).
     void release_cold_start(std::uint64_t ticket, const std::string& kind);
     void expire_creates(Clock::time_point now);
-    std::size_t open_sessions() const;
     // A signal stops the server: every request in flight (creates waiting,
     // local copies, executions and the requests queued behind them) is
     // answered ServerShuttingDown naming `signal`, and the loop turns until
     // those answers are written (at most kShutdownFlush).
     void shut_down(const std::string& signal);
     SessionProxy& live_session(const json& content);
-    void flush_audit();
+    // The session an event is about, for its observers.
+    SessionTag tag_of(const std::string& session_id) const;
     std::string session_id_of(const json& content) const;
 
     json session_create(Request& r, std::vector<std::string>& buffers);
@@ -175,6 +177,10 @@ class Server final : public SessionObserver {
     void follow_image_version(const std::string& name);
     Clock::time_point next_version_check_{};
     SessionStore store_;
+    // The observers of the sessions' events: the audit trail, and the
+    // metrics when served (metrics_).
+    AuditTrail audit_{store_};
+    std::vector<SessionEvents*> observers_{&audit_};
     zmq::context_t context_ = make_server_context();
     zmq::socket_t manager_{context_, zmq::socket_type::router};
     std::string manager_endpoint_;
@@ -191,7 +197,7 @@ class Server final : public SessionObserver {
     // The one loop: the manager, the pool's wake-ups, signals, and every
     // session's sockets and deadline (sessions_ go first when the server ends).
     EventLoop loop_;
-    std::map<std::string, std::unique_ptr<SessionProxy>> sessions_;
+    SessionTable sessions_;
     // Closed sessions whose channels have answered SessionClosed long
     // enough; destroyed after the loop's turn, not from their own deadline.
     std::vector<std::string> expired_;
@@ -209,16 +215,11 @@ class Server final : public SessionObserver {
     FileTransfers transfers_;
     std::unordered_map<std::string, Handler> handlers_;
     Multipart scratch_;
-    // Execution records wait here until the turn's messages are sent: the
-    // SQLite write then overlaps the client's receive instead of delaying
-    // the idle status behind it. Flushed before any manager request is read.
-    std::vector<ExecutionRecord> audit_queue_;
     // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
     void balance_cpu(Clock::time_point now);
     // Publishes this server's interactive and hogging sessions, and gives the
     // sandboxes' parent cgroup the weight of every server's on the host.
     void weigh_sandboxes(std::size_t interactive, std::size_t hogging);
-    std::unordered_map<std::string, CpuFairness> fairness_;
     // What the sandboxes' parent cgroup was last given (cpu_fairness.hpp,
     // sandboxes_weight), and how many sessions were interactive and hogging then.
     int sandboxes_weight_ = CpuFairnessPolicy{}.normal_weight;

@@ -7,6 +7,7 @@ namespace cellblock {
 
 void Server::start_metrics() {
     metrics_ = std::make_unique<ServerMetrics>(kVersion);
+    observers_.push_back(metrics_.get());
     MetricsEndpoints endpoints;
     // The endpoint's thread: the pool's state and the backend's extras are
     // read under the pool's own locks, never through the loop.
@@ -26,8 +27,7 @@ void Server::tick_metrics(Clock::time_point now, bool stopping) {
     ServerMetrics::Snapshot snapshot;
     for (const auto& [name, image] : images_) snapshot.images.push_back(name);
     for (const auto& [id, session] : sessions_) {
-        if (session->closed()) continue;
-        ++snapshot.sessions[{metrics_->image_of(id), session->state()}];
+        if (session.live()) ++snapshot.sessions[{session.image(), session.proxy()->state()}];
     }
     for (const auto& [order, pending] : creating_) ++snapshot.waiting[pending.image];
     snapshot.max_sessions = static_cast<std::size_t>(std::max(0, options_.policy.max_sessions));

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "cellblock/error_names.hpp"
+#include "egress_gateway.hpp"
 
 namespace cellblock {
 using nlohmann::json;
@@ -207,34 +208,25 @@ ServerMetrics::ServerMetrics(const std::string& version)
     build_info_.set({version}, 1);
 }
 
-const std::string& ServerMetrics::image_of(const std::string& session_id) const {
-    static const std::string none;
-    const auto it = images_.find(session_id);
-    return it == images_.end() ? none : it->second;
-}
-
-void ServerMetrics::session_created(const std::string& session_id, const std::string& image,
-                                    bool warm, double seconds) {
-    images_[session_id] = image;
+void ServerMetrics::created(SessionTag session, bool warm, double seconds) {
     const char* start = warm ? "warm" : "cold";
-    creates_.add({image, start});
-    create_seconds_.observe({image, start}, seconds);
+    creates_.add({session.image, start});
+    create_seconds_.observe({session.image, start}, seconds);
 }
 
 void ServerMetrics::create_refused(const std::string& image, const std::string& ename) {
     creates_.add({image, error_label(ename)});
 }
 
-void ServerMetrics::execution(const ExecutionRecord& record) {
-    const std::string& image = image_of(record.session_id);
+void ServerMetrics::execution(SessionTag session, const ExecutionRecord& record) {
+    const std::string& image = session.image;
     const std::string outcome = record.status.empty() ? "unknown" : record.status;
     executions_.add({image, outcome, error_label(record.ename)});
     execution_seconds_.observe({image}, record.wall_ms / 1000);
     if (record.truncated) truncated_.add({image});
 }
 
-void ServerMetrics::event(const std::string& session_id, const std::string& kind,
-                          const std::string& detail) {
+void ServerMetrics::event(SessionTag session, const std::string& kind, const std::string& detail) {
     if (kind == "refused") {
         // "<msg_id> <ename>: <evalue>": an execution refused before it ran
         // (the cap, a limit); it used no count.
@@ -245,25 +237,24 @@ void ServerMetrics::event(const std::string& session_id, const std::string& kind
                                       : detail.substr(space + 1, colon - space - 1);
         std::string error = error_label(ename);
         if (error == "code" || error.empty()) error = "other";
-        executions_.add({image_of(session_id), "refused", error});
+        executions_.add({session.image, "refused", error});
     } else if (kind.starts_with("cpu_")) {
         cpu_events_.add({kind.substr(4)});
     }
 }
 
-void ServerMetrics::closed(const std::string& session_id, const std::string& reason) {
-    const std::string image = image_of(session_id);
-    const std::string label = close_reason_label(reason);
-    closes_.add({image, label});
-    if (label == "memory_limit") memory_kills_.add({image});
-    images_.erase(session_id);
+void ServerMetrics::closed(const SessionEnd& end) {
+    const std::string label = close_reason_label(end.reason);
+    closes_.add({end.image, label});
+    if (label == "memory_limit") memory_kills_.add({end.image});
 }
 
 void ServerMetrics::dropped(std::string_view where, std::string_view why) {
     dropped_.add({where.starts_with("kernel") ? "kernel" : "client", drop_reason_label(why)});
 }
 
-void ServerMetrics::egress(const json& detail) {
+void ServerMetrics::egress(SessionTag, const EgressEvent& event) {
+    const json& detail = event.detail;
     const auto number = [&](const char* key) -> double {
         const auto it = detail.find(key);
         return it != detail.end() && it->is_number() ? it->get<double>() : 0.0;

@@ -1,11 +1,10 @@
 // What `cellblock serve --metrics` exposes, and where each figure comes from:
-// the events the server already has (the audit observer's executions,
-// states, events and closes; creates answered; the gateway's events; file
-// bytes moved), a snapshot the loop takes each second (sessions by state),
-// and at scrape time the pool, the zygotes and the process itself. Labels
-// stay bounded: an image, a reason or outcome from a fixed set, an ename of
-// the catalogue (error_names.hpp), never a session id. docs/operations.md
-// lists every metric.
+// the sessions' events, which it observes as the audit trail does
+// (session_events.hpp: creates, executions, events, closes, the gateway's
+// requests, dropped messages), the creates refused and the file bytes moved, a snapshot the loop
+// takes each second (sessions by state), and at scrape time the pool, the zygotes and the process
+// itself. Labels stay bounded: an image, a reason or outcome from a fixed set, an ename of the
+// catalogue (error_names.hpp), never a session id. docs/operations.md lists every metric.
 //
 // The event methods and tick() run on the server's loop; render(), healthz()
 // and readyz() on the metrics endpoint's thread.
@@ -27,6 +26,7 @@
 #include "cellblock/session_store.hpp"
 #include "metrics_http.hpp"
 #include "metrics_registry.hpp"
+#include "session_events.hpp"
 
 namespace cellblock {
 
@@ -54,7 +54,7 @@ struct ProcessStats {
 };
 ProcessStats read_process_stats();
 
-class ServerMetrics {
+class ServerMetrics final : public SessionEvents {
   public:
     using Clock = std::chrono::steady_clock;
     // The loop counts as stalled (healthz 503) when its last tick is older.
@@ -64,15 +64,14 @@ class ServerMetrics {
     explicit ServerMetrics(const std::string& version);
 
     // --- events, on the loop ---
-    void session_created(const std::string& session_id, const std::string& image, bool warm,
-                         double seconds);
+    void created(SessionTag session, bool warm, double seconds) override;
+    void execution(SessionTag session, const ExecutionRecord& record) override;
+    void event(SessionTag session, const std::string& kind, const std::string& detail) override;
+    void egress(SessionTag session, const EgressEvent& event) override;
+    void closed(const SessionEnd& end) override;
+    void dropped(std::string_view where, std::string_view why) override;
     // A session_create answered with an error (image "" when it named none known).
     void create_refused(const std::string& image, const std::string& ename);
-    void execution(const ExecutionRecord& record);
-    void event(const std::string& session_id, const std::string& kind, const std::string& detail);
-    void closed(const std::string& session_id, const std::string& reason);
-    void dropped(std::string_view where, std::string_view why);
-    void egress(const nlohmann::json& detail);
     // direction "in" (into /data/input) or "out"; via "manager" or "local".
     void file_bytes(const char* direction, const char* via, std::uint64_t bytes);
 
@@ -87,8 +86,6 @@ class ServerMetrics {
         bool stopping = false;
     };
     void tick(Clock::time_point now, const Snapshot& snapshot);
-    // The image of a session, for the events that name only its id.
-    const std::string& image_of(const std::string& session_id) const;
 
     // --- the endpoint's thread ---
     // pool: SandboxPool::state(); extras: SandboxPool::extras().
@@ -133,8 +130,6 @@ class ServerMetrics {
     MetricFamily& process_max_fds_;
     MetricFamily& process_start_;
 
-    // Loop thread only: the image of each live session.
-    std::unordered_map<std::string, std::string> images_;
     // Written by tick(), read by the endpoint.
     std::atomic<std::int64_t> last_tick_ns_{0};
     mutable std::mutex ready_mutex_;

@@ -7,13 +7,19 @@
 
 namespace cellblock {
 
+SessionTag Server::tag_of(const std::string& session_id) const {
+    static const std::string unknown;
+    const Session* session = sessions_.find(session_id);
+    return {session_id, session ? session->image() : unknown};
+}
+
 void Server::on_execution(const ExecutionRecord& record) {
-    audit_queue_.push_back(record);
-    if (metrics_) metrics_->execution(record);
+    const SessionTag tag = tag_of(record.session_id);
+    for (auto* o : observers_) o->execution(tag, record);
 }
 
 void Server::on_rejected(std::string_view where, std::string_view why) {
-    if (metrics_) metrics_->dropped(where, why);
+    for (auto* o : observers_) o->dropped(where, why);
 }
 
 void Server::follow_image_version(const std::string& name) {
@@ -52,19 +58,20 @@ void Server::follow_image_version(const std::string& name) {
 void Server::balance_cpu(Clock::time_point now) {
     std::size_t active = 0, hogging = 0;  // interactive sessions, and those holding the CPU
     for (auto& [id, session] : sessions_) {
-        Sandbox* box = session->sandbox();
-        if (session->closed() || !box) continue;
+        Sandbox* box = session.sandbox();
+        if (!box) continue;  // closed, or no sandbox in this process
         SandboxCpu* cpu = box->cpu();
         if (!cpu) continue;  // a backend without CPU controls: nothing to balance
-        auto& fairness = fairness_[id];
+        CpuFairness& fairness = session.fairness();
+        const SessionProxy& relay = *session.proxy();
         CpuSample sample;
         sample.at = now;
         sample.cpu_ns = box->usage().cpu_ns;
         sample.tasks = cpu->task_count();
         // Only a demoted session needs it (to tell calm from starved): /proc reads per task.
         if (fairness.demoted()) sample.runnable = cpu->any_task_runnable();
-        if (const auto running = session->running_since()) sample.running_for = now - *running;
-        sample.executed = sample.running_for || session->idle_since() > fairness.last_sample();
+        if (const auto running = relay.running_since()) sample.running_for = now - *running;
+        sample.executed = sample.running_for || relay.idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);
         if (fairness.interactive()) ++active;
         if (fairness.hogging()) ++hogging;
@@ -111,39 +118,15 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     sandboxes_weight_set_ = set;
 }
 
-void Server::flush_audit() {
-    for (const auto& record : audit_queue_) {
-        try {
-            store_.add_execution(record);
-        } catch (const std::exception& e) {
-            spdlog::error("audit: {}", e.what());
-        }
-    }
-    audit_queue_.clear();
-}
-
 void Server::on_state(const std::string& session_id, const std::string& state) {
-    // idle/busy change twice per execution and are served from memory
-    // (session_list, session_info); closing lasts only inside a close, and
-    // closed is written with its reason and figures by on_closed. The
-    // registry keeps the states a session can be found in after this
-    // process is gone (session_state.hpp).
-    if (state == "idle" || state == "busy" || state == "closing" || state == "closed") return;
-    try {
-        store_.set_state(session_id, state);
-    } catch (const std::exception& e) {
-        spdlog::error("audit: {}", e.what());
-    }
+    const SessionTag tag = tag_of(session_id);
+    for (auto* o : observers_) o->state(tag, state);
 }
 
 void Server::on_event(const std::string& session_id, const std::string& kind,
                       const std::string& detail) {
-    if (metrics_) metrics_->event(session_id, kind, detail);
-    try {
-        store_.add_event({session_id, unix_now(), kind, detail});
-    } catch (const std::exception& e) {
-        spdlog::error("audit: {}", e.what());
-    }
+    const SessionTag tag = tag_of(session_id);
+    for (auto* o : observers_) o->event(tag, kind, detail);
 }
 
 void Server::on_egress(const EgressEvent& event) {
@@ -152,11 +135,10 @@ void Server::on_egress(const EgressEvent& event) {
                      event.detail.value("method", ""), event.detail.value("host", ""),
                      event.detail.value("port", 0), event.detail.value("reason", ""));
     }
-    if (auto it = sessions_.find(event.session_id); it != sessions_.end()) {
-        it->second->add_network_bytes(event.bytes);
-    }
-    if (metrics_) metrics_->egress(event.detail);
-    on_event(event.session_id, "egress", event.detail.dump());
+    if (SessionProxy* relay = sessions_.live(event.session_id))
+        relay->add_network_bytes(event.bytes);
+    const SessionTag tag = tag_of(event.session_id);
+    for (auto* o : observers_) o->egress(tag, event);
 }
 
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
@@ -164,22 +146,9 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     if (egress_) egress_->remove_session(session_id);
     cancel_local_copies(session_id);
     transfers_.session_closed(session_id);
-    fairness_.erase(session_id);
-    auto it = sessions_.find(session_id);
-    std::int64_t executions = 0;
-    std::uint64_t memory_peak_bytes = 0, cpu_ms = 0;
-    if (it != sessions_.end()) {
-        if (it->second->governor()) executions = it->second->governor()->executions();
-        memory_peak_bytes = it->second->memory_peak_bytes();
-        cpu_ms = it->second->cpu_ms();
-    }
-    if (metrics_) metrics_->closed(session_id, reason);
-    try {
-        store_.close_session(session_id, reason, unix_now(), executions, memory_peak_bytes, cpu_ms);
-        store_.add_event({session_id, unix_now(), "closed", reason});
-    } catch (const std::exception& e) {
-        spdlog::error("audit: {}", e.what());
-    }
+    const Session* session = sessions_.find(session_id);
+    const SessionEnd end = session ? session->end(reason) : SessionEnd{session_id, "", reason};
+    for (auto* o : observers_) o->closed(end);
 }
 
 int Server::run() {
@@ -187,7 +156,7 @@ int Server::run() {
                  settings_.state_dir.string(), images_.size());
     bool signalled = false;
     loop_.watch(manager_, [this] {
-        flush_audit();  // history read in this turn sees the executions that ended in it
+        audit_.flush();  // history read in this turn sees the executions that ended in it
         on_manager();
     });
     loop_.watch_fd(wake_fd_.get(), [this] { on_pool_results(); });
@@ -233,7 +202,7 @@ int Server::run() {
     }
     while (!signalled) {
         loop_.run_once();
-        flush_audit();
+        audit_.flush();
         const auto now = Clock::now();
         transfers_.expire(now);
         for (const auto& id : expired_) sessions_.erase(id);
@@ -285,15 +254,17 @@ void Server::shut_down(const std::string& signal) {
         }
     }
     for (auto& [id, session] : sessions_) {
-        session->close("server_shutdown", ename::ServerShuttingDown, why);
+        if (SessionProxy* relay = session.proxy()) {
+            relay->close("server_shutdown", ename::ServerShuttingDown, why);
+        }
     }
-    flush_audit();
+    audit_.flush();
     // The answers wait in the client sockets' queues: write them before the
     // sockets go (a client that stopped reading is not waited for past the bound).
     const auto until = Clock::now() + kShutdownFlush;
     const auto unsent = [this] {
         return std::any_of(sessions_.begin(), sessions_.end(),
-                           [](const auto& s) { return s.second->unsent(); });
+                           [](auto& s) { return s.second.proxy() && s.second.proxy()->unsent(); });
     };
     while (unsent() && Clock::now() < until) loop_.run_once(std::chrono::milliseconds(20));
 }

@@ -254,9 +254,11 @@ Server::~Server() {
     // The metrics endpoint's thread reads the pool: it stops first.
     metrics_http_.reset();
     stopping_ = true;  // kernel starts still being probed give up now
-    for (auto& [id, session] : sessions_) session->close("server_shutdown");
+    for (auto& [id, session] : sessions_) {
+        if (SessionProxy* relay = session.proxy()) relay->close("server_shutdown");
+    }
     sessions_.clear();
-    flush_audit();
+    audit_.flush();
     pool_.reset();  // joins workers, destroys warm sandboxes
     std::error_code ec;
     fs::remove(server_file(settings_.state_dir), ec);

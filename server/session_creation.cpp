@@ -43,7 +43,7 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     }
     // Closed sessions do not count: they hold no sandbox, and their
     // channels are released closed_channels_s after the close.
-    const std::size_t open = open_sessions();
+    const std::size_t open = sessions_.live_count();
     if (open + creating_.size() >= static_cast<std::size_t>(options_.policy.max_sessions)) {
         throw RequestError{ename::TooManySessions,
                            std::to_string(open) + " sessions open and " +
@@ -99,11 +99,6 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     creating_.emplace(next_create_++, std::move(pending));
     serve_from_pool();
     return nullptr;  // answered when a sandbox is up
-}
-
-std::size_t Server::open_sessions() const {
-    return static_cast<std::size_t>(std::count_if(
-        sessions_.begin(), sessions_.end(), [](const auto& s) { return !s.second->closed(); }));
 }
 
 void Server::serve_from_pool() {
@@ -263,12 +258,10 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     spdlog::info("session {}: created ({}, image {}, {})", pending.session_id,
                  warm_start ? "warm" : "cold", pending.image, runtime);
     SessionProxy& session = *proxy;
-    sessions_.emplace(pending.session_id, std::move(proxy));
-    if (metrics_) {
-        metrics_->session_created(
-            pending.session_id, pending.image, warm_start,
-            std::chrono::duration<double>(Clock::now() - pending.started).count());
-    }
+    sessions_.add(Session(pending.session_id, pending.image, std::move(proxy)));
+    const double seconds = std::chrono::duration<double>(Clock::now() - pending.started).count();
+    const SessionTag tag = tag_of(pending.session_id);
+    for (auto* o : observers_) o->created(tag, warm_start, seconds);
     reply(pending.request, {{"status", "ok"},
                             {"session_id", pending.session_id},
                             {"connection", connection},

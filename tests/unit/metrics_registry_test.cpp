@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "egress_gateway.hpp"
 #include "server_metrics.hpp"
 
 namespace cellblock {
@@ -160,23 +161,27 @@ TEST(ServerMetricsLabels, DropReasons) {
 // The server's metrics from events, as an operator reads them.
 TEST(ServerMetrics, CountsWhatTheObserversSee) {
     ServerMetrics m("0.1.0");
-    m.session_created("s1", "host", true, 0.004);
-    m.session_created("s2", "host", false, 1.2);
+    const std::string s1 = "s1", s2 = "s2", host = "host";
+    m.created({s1, host}, true, 0.004);
+    m.created({s2, host}, false, 1.2);
     m.create_refused("", "UnknownImage");
     ExecutionRecord ok;
     ok.session_id = "s1";
     ok.status = "ok";
     ok.wall_ms = 3;
-    m.execution(ok);
+    m.execution({s1, host}, ok);
     ExecutionRecord failed = ok;
     failed.status = "error";
     failed.ename = "ZeroDivisionError";
-    m.execution(failed);
-    m.event("s1", "refused", "msg-1 ExecutionLimitExceeded: 3 executions, the cap is 3");
-    m.event("s2", "cpu_demoted", "a fork storm");
-    m.closed("s2", "memory_limit: killed");
+    m.execution({s1, host}, failed);
+    m.event({s1, host}, "refused", "msg-1 ExecutionLimitExceeded: 3 executions, the cap is 3");
+    m.event({s2, host}, "cpu_demoted", "a fork storm");
+    m.closed({"s2", "host", "memory_limit: killed"});
     m.dropped("kernel iopub", "parent is not a request of this session: 'x'");
-    m.egress({{"verdict", "refused"}, {"status", 403}, {"bytes_up", 10}, {"bytes_down", 0}});
+    EgressEvent refused;
+    refused.session_id = "s1";
+    refused.detail = {{"verdict", "refused"}, {"status", 403}, {"bytes_up", 10}, {"bytes_down", 0}};
+    m.egress({s1, host}, refused);
     m.file_bytes("in", "manager", 1024);
     ServerMetrics::Snapshot snap;
     snap.images = {"host", "data"};
