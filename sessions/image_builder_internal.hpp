@@ -122,21 +122,16 @@ class TempDir {
 // An exclusive lock on the store's lock file, for moving names and versions.
 class StoreLock {
   public:
-    explicit StoreLock(const fs::path& root) {
-        fd_ = ::open((root / "lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
-        if (fd_ < 0 || ::flock(fd_, LOCK_EX) != 0) {
+    explicit StoreLock(const fs::path& root)
+        : fd_(::open((root / "lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600)) {
+        if (!fd_ || ::flock(fd_.get(), LOCK_EX) != 0) {
             throw std::runtime_error("image store lock " + (root / "lock").string() + ": " +
                                      errno_text());
         }
     }
-    ~StoreLock() {
-        if (fd_ >= 0) ::close(fd_);
-    }
-    StoreLock(const StoreLock&) = delete;
-    StoreLock& operator=(const StoreLock&) = delete;
 
   private:
-    int fd_ = -1;
+    UniqueFd fd_;  // the lock is released when it closes
 };
 
 void make_store_dirs(const ImageStore& store);
