@@ -1,18 +1,11 @@
 #include "audit_trail.hpp"
 
-#include <chrono>
-
 #include <spdlog/spdlog.h>
 
 #include "egress_gateway.hpp"
 
 namespace cellblock {
 namespace {
-
-double unix_seconds() {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-        .count();
-}
 
 template <typename Write>
 void write(Write&& w) {
@@ -38,7 +31,7 @@ void AuditTrail::state(SessionTag session, std::string_view state) {
 }
 
 void AuditTrail::event(SessionTag session, const std::string& kind, const std::string& detail) {
-    write([&] { store_.add_event({session.id, unix_seconds(), kind, detail}); });
+    write([&] { store_.add_event({session.id, unix_now(), kind, detail}); });
 }
 
 void AuditTrail::egress(SessionTag session, const EgressEvent& event) {
@@ -47,7 +40,7 @@ void AuditTrail::egress(SessionTag session, const EgressEvent& event) {
 
 void AuditTrail::closed(const SessionEnd& end) {
     write([&] {
-        const double at = unix_seconds();
+        const double at = unix_now();
         store_.close_session(end.id, end.reason, at, end.executions, end.memory_peak_bytes,
                              end.cpu_ms);
         store_.add_event({end.id, at, "closed", end.reason});

@@ -62,11 +62,6 @@ inline constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
 inline constexpr std::size_t kManagerFrameCeiling = 256u << 20;
 inline constexpr std::size_t kManagerMaxFrames = 64;
 
-inline double unix_now() {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-        .count();
-}
-
 // "x_request" -> "x_reply"; anything else -> "error_reply".
 inline std::string reply_type(const std::string& request_type) {
     constexpr std::string_view suffix = "_request";

@@ -1,6 +1,7 @@
 // The session registry and audit trail in SQLite (SQLiteCpp, WAL mode).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -11,6 +12,12 @@
 #include <nlohmann/json.hpp>
 
 namespace cellblock {
+
+// The registry's clock: seconds since the epoch, as every time it records.
+inline double unix_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
 
 struct SessionRecord {
     std::string id;
