@@ -67,9 +67,12 @@ def _user_names(shell):
 
 
 def _dirs():
+    # The session's writable directories. /data/output is written back by
+    # the restore too: the next sandbox's output directory starts empty.
     home = os.environ.get("HOME") or "/root"
     tmp = os.environ.get("TMPDIR") or "/tmp"
-    return {"home": home, "tmp": tmp}
+    output = os.environ.get("CELLBLOCK_OUTPUT_DIR") or "/data/output"
+    return {"home": home, "tmp": tmp, "output": output}
 
 
 def save(shell, path):
@@ -110,6 +113,10 @@ def save(shell, path):
         "dirs": dirs,
     }
     out = os.path.abspath(path)
+    try:
+        os.unlink(out)  # a save that failed before left it
+    except FileNotFoundError:
+        pass
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
         _add_bytes(tar, "manifest.json", json.dumps(manifest).encode())

@@ -31,6 +31,7 @@
 #include "cellblock/sandbox.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/session_store.hpp"
+#include "session_snapshots.hpp"
 #include "session_state.hpp"
 #include "wire_receive.hpp"
 
@@ -140,8 +141,8 @@ struct CoreOptions {
     // snapshot (its output dir, which the server reads from the host) and
     // where the next kernel finds it (its input dir, which the server
     // writes), and how long either may take.
-    std::string snapshot_save_path = "/data/output/.cellblock-snapshot";
-    std::string snapshot_restore_path = "/data/input/.cellblock-snapshot";
+    std::string snapshot_save_path = std::string("/data/output/") + kSnapshotFile;
+    std::string snapshot_restore_path = std::string("/data/input/") + kSnapshotFile;
     std::chrono::milliseconds snapshot_timeout{300000};
 };
 

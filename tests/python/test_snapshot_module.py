@@ -29,7 +29,10 @@ PRELUDE = textwrap.dedent("""
 
 
 def run(body, home, tmp):
-    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), MPLBACKEND="Agg")
+    output = os.path.join(os.path.dirname(str(home)), "output")
+    os.makedirs(output, exist_ok=True)
+    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), MPLBACKEND="Agg",
+               CELLBLOCK_OUTPUT_DIR=output)
     proc = subprocess.run(["/usr/bin/python3", "-c", PRELUDE + textwrap.dedent(body)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -62,6 +65,7 @@ def test_round_trip_keeps_values_functions_classes_and_files(dirs):
         cell("gen = (i for i in range(3))")
         cell("import socket\\nsock = socket.socket()")
         cell("import os\\nopen(os.environ['TMPDIR'] + '/note.txt', 'w').write('in tmp')")
+        cell("open(os.environ['CELLBLOCK_OUTPUT_DIR'] + '/plot.txt', 'w').write('an output')")
         cell("import os\\nos.makedirs(os.path.expanduser('~/work'), exist_ok=True)\\nopen(os.path.expanduser('~/work/data.csv'), 'w').write('a,b\\\\n1,2\\\\n')")
         r = cellblock_snapshot.save(shell, %r)
         print(json.dumps(r))
@@ -83,6 +87,7 @@ def test_round_trip_keeps_values_functions_classes_and_files(dirs):
             "figure": len(ns["fig"].axes) == 1,
             "module": ns["m"].sqrt(16) == 4,
             "tmp": open(__import__('os').environ['TMPDIR'] + '/note.txt').read() == 'in tmp',
+            "output": open(__import__('os').environ['CELLBLOCK_OUTPUT_DIR'] + '/plot.txt').read() == 'an output',
             "home": open(__import__('os').path.expanduser('~/work/data.csv')).read() == 'a,b\\n1,2\\n',
         }
         # A function restored sees the live namespace: a global changed later is seen.
