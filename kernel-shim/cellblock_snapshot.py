@@ -29,6 +29,11 @@ _INTERNAL = re.compile(r"^(_+|_i+\d*|_\d+|__\w+__|_oh|_ih|_dh|In|Out|exit|quit|g
 
 _report = {"lost": [], "saved": 0, "bytes": 0}
 
+# Files the running kernel holds open and rewrites: IPython's input history
+# (SQLite). Written back under a live connection it turns read-only; the
+# new kernel keeps its own history instead (docs/hibernation.md).
+_NOT_CARRIED = (".ipython/profile_default/history.sqlite",)
+
 
 class Report(dict):
     """The last save's or restore's report, as JSON for user_expressions."""
@@ -118,12 +123,17 @@ def save(shell, path):
     except FileNotFoundError:
         pass
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        _add_bytes(tar, "manifest.json", json.dumps(manifest).encode())
-        _add_bytes(tar, "namespace.dill", pickled.getbuffer())
-        for key, root in dirs.items():
-            if os.path.isdir(root):
-                _add_tree(tar, root, "files/" + key, skip=out)
+    try:
+        with os.fdopen(fd, "wb") as f, \
+                tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            _add_bytes(tar, "manifest.json", json.dumps(manifest).encode())
+            _add_bytes(tar, "namespace.dill", pickled.getbuffer())
+            for key, root in dirs.items():
+                if os.path.isdir(root):
+                    _add_tree(tar, root, "files/" + key, skip=out)
+    except BaseException:
+        os.unlink(out)  # a full disk: no half snapshot left in the session's files
+        raise
     _report.update(lost=lost, saved=len(values) + len(modules), bytes=os.path.getsize(out))
     return report()
 
@@ -144,6 +154,8 @@ def _add_tree(tar, root, arcroot, skip):
             if full == skip:
                 continue
             rel = os.path.relpath(full, root)
+            if rel.startswith(_NOT_CARRIED):
+                continue
             info = tar.gettarinfo(full, arcname=arcroot + "/" + rel)
             if info is None:  # a socket or a device: nothing to carry
                 continue

@@ -21,7 +21,7 @@ std::string errno_text(int err) { return std::strerror(err); }
 // A regular file at `name` under `dir` (never through a link, never a FIFO
 // that would block) copied to `to`, a new file; returns its size.
 std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
-                           const std::string& step) {
+                           const std::string& step, mode_t mode) {
     UniqueFd in(::openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (!in) throw SnapshotError(step + ": " + name + ": " + errno_text(errno));
     struct stat st {};
@@ -30,6 +30,7 @@ std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
     }
     UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!out) throw SnapshotError(step + ": " + to.string() + ": " + errno_text(errno));
+    if (::fchmod(out.get(), mode) != 0) throw SnapshotError(step + ": chmod: " + errno_text(errno));
     std::uint64_t copied = 0;
     for (;;) {
         const ssize_t n = ::copy_file_range(in.get(), nullptr, out.get(), nullptr, 1 << 30, 0);
@@ -60,11 +61,18 @@ std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
 
 // Every regular file and directory under `dir` into `to` (made), links and
 // anything else left out; `skip` (a name at the top) too.
+// Kept in the store: the server's alone (0600, 0700). Placed in a sandbox's
+// input dir: readable by the sandbox's user, as uploads are (0644, 0755).
+struct Modes {
+    mode_t file, dir;
+};
+constexpr Modes kKept{0600, 0700}, kPlaced{0644, 0755};
+
 void copy_tree(int dir, const fs::path& to, const std::string& skip, const std::string& step,
-               int depth = 0) {
+               Modes modes, int depth = 0) {
     if (depth > 64) throw SnapshotError(step + ": directories nested past 64 levels");
     fs::create_directories(to);
-    ::chmod(to.c_str(), 0700);
+    ::chmod(to.c_str(), modes.dir);
     UniqueFd listing(::dup(dir));
     DIR* d = listing ? ::fdopendir(listing.get()) : nullptr;
     if (!d) throw SnapshotError(step + ": listing: " + errno_text(errno));
@@ -80,11 +88,11 @@ void copy_tree(int dir, const fs::path& to, const std::string& skip, const std::
         struct stat st {};
         if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
         if (S_ISREG(st.st_mode)) {
-            copy_regular(dir, name, to / name, step);
+            copy_regular(dir, name, to / name, step, modes.file);
         } else if (S_ISDIR(st.st_mode)) {
             UniqueFd child(
                 ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-            if (child) copy_tree(child.get(), to / name, skip, step, depth + 1);
+            if (child) copy_tree(child.get(), to / name, skip, step, modes, depth + 1);
         }
     }
 }
@@ -118,10 +126,10 @@ std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path&
         fs::create_directories(to);
         fs::permissions(to, fs::perms::owner_all, fs::perm_options::replace);
         const UniqueFd output = open_dir(output_dir, "taking the snapshot");
-        const std::uint64_t bytes =
-            copy_regular(output.get(), kSnapshotFile, to / "snapshot", "taking the snapshot");
+        const std::uint64_t bytes = copy_regular(output.get(), kSnapshotFile, to / "snapshot",
+                                                 "taking the snapshot", kKept.file);
         const UniqueFd input = open_dir(input_dir, "keeping /data/input");
-        copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input");
+        copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input", kKept);
         ::unlinkat(output.get(), kSnapshotFile, 0);
         return bytes;
     } catch (...) {
@@ -134,8 +142,9 @@ void SnapshotStore::place(const std::string& session_id, const fs::path& input_d
     const fs::path from = dir(session_id);
     const UniqueFd kept = open_dir(from, "placing the snapshot");
     const UniqueFd input = open_dir(from / "input", "placing /data/input");
-    copy_tree(input.get(), input_dir, "", "placing /data/input");
-    copy_regular(kept.get(), "snapshot", input_dir / kSnapshotFile, "placing the snapshot");
+    copy_tree(input.get(), input_dir, "", "placing /data/input", kPlaced);
+    copy_regular(kept.get(), "snapshot", input_dir / kSnapshotFile, "placing the snapshot",
+                 kPlaced.file);
 }
 
 void SnapshotStore::remove(const std::string& session_id) const {
