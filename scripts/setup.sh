@@ -19,6 +19,8 @@ PACKAGES=(
   mmdebstrap
   # the default image's kernel and data stack
   python3 python3-ipykernel python3-numpy python3-pandas python3-matplotlib fonts-dejavu-core
+  # a hibernating session's portable snapshot (kernel-shim/cellblock_snapshot.py)
+  python3-dill
   # what python-datasci preloads beyond them, so the host image can mirror its
   # preload (tests/python/test_datasci_preload.py, bench figure 11)
   python3-scipy python3-seaborn

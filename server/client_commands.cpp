@@ -94,6 +94,11 @@ ClientCommands::ClientCommands(CLI::App& app) : state_dir_(default_serve_state_d
     info_cmd_->add_option("session", session_id_)->required();
     close_cmd_ = add_client("close", "close a session");
     close_cmd_->add_option("session", session_id_)->required();
+    hibernate_cmd_ = add_client(
+        "hibernate", "save an idle session to disk and free its sandbox (docs/hibernation.md)");
+    hibernate_cmd_->add_option("session", session_id_)->required();
+    resume_cmd_ = add_client("resume", "wake a hibernated session now (its next request would)");
+    resume_cmd_->add_option("session", session_id_)->required();
     put_cmd_ = add_client("put", "copy a file to the session's /data/input");
     put_cmd_->add_option("session", session_id_)->required();
     put_cmd_->add_option("local", local_, "local file")->required();
@@ -118,8 +123,8 @@ ClientCommands::ClientCommands(CLI::App& app) : state_dir_(default_serve_state_d
 }
 
 bool ClientCommands::parsed() const {
-    for (const CLI::App* cmd : {new_cmd_, ls_cmd_, info_cmd_, close_cmd_, put_cmd_, get_cmd_,
-                                history_cmd_, server_info_cmd_})
+    for (const CLI::App* cmd : {new_cmd_, ls_cmd_, info_cmd_, close_cmd_, hibernate_cmd_,
+                                resume_cmd_, put_cmd_, get_cmd_, history_cmd_, server_info_cmd_})
         if (cmd->parsed()) return true;
     return false;
 }
@@ -213,6 +218,19 @@ int ClientCommands::run() {
     if (close_cmd_->parsed()) {
         ok_content(client.call("session_close_request", {{"session_id", session_id_}}));
         std::cout << "session " << session_id_ << " closed\n";
+        return 0;
+    }
+    if (hibernate_cmd_->parsed() || resume_cmd_->parsed()) {
+        const bool sleep = hibernate_cmd_->parsed();
+        const json reply =
+            ok_content(client.call(sleep ? "session_hibernate_request" : "session_resume_request",
+                                   {{"session_id", session_id_}}, {}, std::chrono::seconds(600)));
+        std::cout << "session " << session_id_ << " " << reply.value("state", "")
+                  << (reply.contains("snapshot_bytes")
+                          ? " (snapshot " + reply["snapshot_bytes"].dump() + " bytes)"
+                          : std::string())
+                  << (reply.contains("detail") ? ": " + reply.value("detail", "") : std::string())
+                  << "\n";
         return 0;
     }
     const auto route = stream_only_  ? ManagerClient::Route::Stream

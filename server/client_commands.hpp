@@ -33,6 +33,8 @@ class ClientCommands {
     CLI::App* ls_cmd_ = nullptr;
     CLI::App* info_cmd_ = nullptr;
     CLI::App* close_cmd_ = nullptr;
+    CLI::App* hibernate_cmd_ = nullptr;
+    CLI::App* resume_cmd_ = nullptr;
     CLI::App* put_cmd_ = nullptr;
     CLI::App* get_cmd_ = nullptr;
     CLI::App* history_cmd_ = nullptr;

@@ -235,6 +235,9 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
             info["executions"] = g->executions();
             info["executions_left"] = g->executions_left();
         }
+        if (s.lifecycle_state() == SessionState::hibernated) {
+            info["snapshot_bytes"] = snapshots_->bytes(id);
+        }
         if (Sandbox* box = s.sandbox()) {
             const auto u = box->usage();
             info["usage"] = {{"memory_bytes", u.memory_bytes},

@@ -47,6 +47,7 @@
 #include "server_metrics.hpp"
 #include "session.hpp"
 #include "session_proxy.hpp"
+#include "session_snapshots.hpp"
 #include "version.hpp"
 
 namespace cellblock {
@@ -112,6 +113,7 @@ class Server final : public SessionObserver {
         json metadata;
         Clock::time_point started;
         std::string image_id;  // content id of a built image's root
+        Image image_def;       // resolved: what a cold start runs
         // Creates with the same kind can take each other's sandboxes: image,
         // version, runtime and limits.
         std::string kind;
@@ -121,6 +123,9 @@ class Server final : public SessionObserver {
         Clock::time_point deadline;
         std::optional<double> client_timeout_s;
         std::uint64_t ticket = 0;  // the cold start under way for it
+        // Not a create: the sandbox a hibernated session wakes in (no request
+        // to answer; a failure closes that session).
+        std::string resume_of;
     };
     using Handler = json (Server::*)(Request&, std::vector<std::string>& reply_buffers);
 
@@ -155,6 +160,18 @@ class Server final : public SessionObserver {
     json session_info(Request& r, std::vector<std::string>& buffers);
     json session_close(Request& r, std::vector<std::string>& buffers);
     json session_history(Request& r, std::vector<std::string>& buffers);
+    // Hibernation (session_hibernation.cpp, docs/hibernation.md).
+    json session_hibernate(Request& r, std::vector<std::string>& buffers);
+    json session_resume(Request& r, std::vector<std::string>& buffers);
+    bool keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
+                       std::string& why);
+    void wake_session(const std::string& session_id);
+    void finish_resume(PendingCreate& pending, WarmSandbox warm);
+    // What the server does when the core says a hibernation or a wake ended.
+    void on_sleep_event(Session& session, const std::string& kind, const std::string& detail);
+    // A create that will not be served: its client is answered, or the
+    // session it was to wake is closed.
+    void fail_create(PendingCreate& pending, const std::string& ename, const std::string& evalue);
     json file_request(Request& r, std::vector<std::string>& buffers);
     // What a transfer needs of a live session; FileError where the backend
     // keeps no files on this host.
@@ -172,6 +189,8 @@ class Server final : public SessionObserver {
     void follow_image_version(const std::string& name);
     Clock::time_point next_version_check_{};
     SessionStore store_;
+    // Hibernated sessions' snapshots (session_snapshots.hpp); made at start-up.
+    std::unique_ptr<SnapshotStore> snapshots_;
     // The observers of the sessions' events: the audit trail, and the
     // metrics when served (metrics_).
     AuditTrail audit_{store_};

@@ -127,6 +127,9 @@ void Server::on_event(const std::string& session_id, const std::string& kind,
                       const std::string& detail) {
     const SessionTag tag = tag_of(session_id);
     for (auto* o : observers_) o->event(tag, kind, detail);
+    if (kind == "hibernated" || kind == "hibernate_failed" || kind == "resumed") {
+        if (Session* session = sessions_.find(session_id)) on_sleep_event(*session, kind, detail);
+    }
 }
 
 void Server::on_egress(const EgressEvent& event) {
@@ -146,9 +149,19 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     if (egress_) egress_->remove_session(session_id);
     cancel_local_copies(session_id);
     transfers_.session_closed(session_id);
-    const Session* session = sessions_.find(session_id);
+    Session* session = sessions_.find(session_id);
     const SessionEnd end = session ? session->end(reason) : SessionEnd{session_id, "", reason};
     for (auto* o : observers_) o->closed(end);
+    if (snapshots_) snapshots_->remove(session_id);
+    if (session) {
+        for (auto* waiting : {&session->waiting_sleep(), &session->waiting_wake()}) {
+            for (const auto& request : *waiting) {
+                reply_error(request, ename::SessionClosed,
+                            "session " + session_id + " is closed: " + reason);
+            }
+            waiting->clear();
+        }
+    }
 }
 
 int Server::run() {
@@ -237,8 +250,7 @@ int Server::run() {
 void Server::shut_down(const std::string& signal) {
     const std::string why = "the server is shutting down (" + signal + ")";
     for (auto& [order, pending] : creating_) {
-        reply_error(pending.request, ename::ServerShuttingDown,
-                    why + "; the session was not created");
+        fail_create(pending, ename::ServerShuttingDown, why + "; the session was not created");
         release_cold_start(pending.ticket, pending.kind);
     }
     creating_.clear();

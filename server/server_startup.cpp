@@ -169,12 +169,22 @@ Server::Server(const ServeOptions& options)
     for (const auto& id : store_.close_all_open("server_restart", unix_now())) {
         spdlog::info("session {} marked closed: server_restart", id);
     }
+    // Hibernated sessions do not outlive their server yet (issue #32): their
+    // snapshots go with the sessions the registry just closed.
+    snapshots_ = std::make_unique<SnapshotStore>(settings_.state_dir / "snapshots");
+    for (const auto& left : fs::directory_iterator(snapshots_->root())) {
+        spdlog::info("snapshot of session {} removed: its server ended",
+                     left.path().filename().string());
+        snapshots_->remove(left.path().filename().string());
+    }
 
     handlers_ = {{"session_create_request", &Server::session_create},
                  {"session_list_request", &Server::session_list},
                  {"session_info_request", &Server::session_info},
                  {"session_close_request", &Server::session_close},
                  {"session_history_request", &Server::session_history},
+                 {"session_hibernate_request", &Server::session_hibernate},
+                 {"session_resume_request", &Server::session_resume},
                  {"server_info_request", &Server::server_info}};
     for (const auto& type : FileTransfers::request_types()) handlers_[type] = &Server::file_request;
 

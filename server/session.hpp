@@ -18,10 +18,22 @@
 #include <string>
 
 #include "cellblock/cpu_fairness.hpp"
+#include "cellblock/image.hpp"
+#include "cellblock/session_policy.hpp"
+#include "cellblock/wire_message.hpp"
 #include "session_events.hpp"
 #include "session_proxy.hpp"
 
 namespace cellblock {
+
+// What a session was created with: a hibernated session wakes in a
+// sandbox of the same kind (image version, runtime, limits).
+struct SessionOrigin {
+    Image image;  // resolved: the version it runs
+    SessionLimits limits;
+    std::string kind;       // PendingCreate::kind: which warm sandboxes fit
+    bool poolable = false;  // the image's pool holds that kind
+};
 
 class Session {
   public:
@@ -44,12 +56,19 @@ class Session {
     CpuFairness& fairness() { return fairness_; }
     // What the session used, as its close records it.
     SessionEnd end(const std::string& reason) const;
+    SessionOrigin& origin() { return origin_; }
+    // Manager requests answered when a hibernation or a wake ends
+    // (session_hibernate_request, session_resume_request).
+    std::vector<WireMessage>& waiting_sleep() { return waiting_sleep_; }
+    std::vector<WireMessage>& waiting_wake() { return waiting_wake_; }
 
   private:
     std::string id_;
     std::string image_;
     std::unique_ptr<SessionProxy> proxy_;
     CpuFairness fairness_;
+    SessionOrigin origin_;
+    std::vector<WireMessage> waiting_sleep_, waiting_wake_;
 };
 
 class SessionTable {

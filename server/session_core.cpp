@@ -70,9 +70,13 @@ SessionCore::SessionCore(CoreOptions options, SessionIo& io, Clock::time_point n
 
 void SessionCore::on_kernel_attached(Clock::time_point now,
                                      const std::vector<std::string>& probe_ids) {
-    if (lifecycle_.state() == SessionState::starting) move_to(SessionState::idle);
     probe_ids_.insert(probe_ids.begin(), probe_ids.end());
     cpu_ns_at_attach_ = io_.kernel_usage().cpu_ns;
+    if (lifecycle_.state() == SessionState::resuming) {
+        send_own(now, true);  // the snapshot first; the requests that woke it after
+        return;
+    }
+    if (lifecycle_.state() == SessionState::starting) move_to(SessionState::idle);
     if (governor_) governor_->on_client_request(now);
 }
 
@@ -124,6 +128,19 @@ void SessionCore::on_client_request(Clock::time_point now, Channel channel, Inbo
 
 void SessionCore::dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg) {
     PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
+    if (asleep()) {
+        // Answered once the session is awake, in the order they came.
+        if (asleep_.size() >= options_.max_queued) {
+            refuse(request, ename::SessionBusy,
+                   "more than " + std::to_string(options_.max_queued) +
+                       " requests are waiting for the session to wake");
+            return;
+        }
+        if (governor_) governor_->on_client_request(now);
+        asleep_.push_back({channel, std::move(msg)});
+        if (lifecycle_.state() == SessionState::hibernated) wake(now);
+        return;
+    }
     if (!lifecycle_.kernel_live()) {
         refuse(request, ename::SessionClosed,
                lifecycle_.ending() ? "this session is closed: " + close_reason_
@@ -259,6 +276,11 @@ void SessionCore::on_client_input(Clock::time_point, InboundMessage msg) {
 
 void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, InboundMessage msg) {
     if (!kernel_live()) return;
+    if (own_ && msg.parent_id == own_->msg_id && channel == Channel::shell &&
+        msg.msg_type == "execute_reply") {
+        on_own_reply(now, msg);
+        return;
+    }
     const std::string where = std::string("kernel ") + channel_name(channel);
     auto it = pending_.find(msg.parent_id);
     if (it == pending_.end() || it->second.channel != channel) {
@@ -308,6 +330,24 @@ void SessionCore::release_held_reply(Clock::time_point now) {
         md.erase(source);
     }
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
+    if (resumed_) {
+        // The first reply after a resume says so, and names what was lost
+        // (also on stderr, where a person reads it).
+        md["cellblock"]["resumed_ms"] = (*resumed_)["resumed_ms"];
+        md["cellblock"]["lost"] = (*resumed_)["lost"];
+        if (!(*resumed_)["lost"].empty()) {
+            std::string text = "cellblock: the session hibernated; not restored:\n";
+            for (const auto& item : (*resumed_)["lost"]) {
+                if (item.is_array() && item.size() == 2 && item[0].is_string() &&
+                    item[1].is_string()) {
+                    text += "  " + item[0].get<std::string>() + ": " + item[1].get<std::string>() +
+                            "\n";
+                }
+            }
+            publish(held.request.header, "stream", {{"name", "stderr"}, {"text", text}});
+        }
+        resumed_.reset();
+    }
     if (const NetworkLimits& network = governor_->limits().network; network.gateway()) {
         md["cellblock"]["network_bytes_used"] = network_bytes_;
         md["cellblock"]["network_max_bytes"] = network.max_bytes;
@@ -364,6 +404,7 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         if (!next || t < *next) next = t;
     };
     if (held_reply_) consider(held_reply_->release_by);
+    if (own_) consider(own_->deadline);
     if (execution_ && !held_reply_) {
         consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
@@ -400,9 +441,11 @@ void SessionCore::on_tick(Clock::time_point now) {
             const std::string ename = exit.node_lost ? ename::SessionClosed
                                       : exit.oom     ? ename::MemoryLimitExceeded
                                                      : ename::KernelDied;
-            const std::string reason = exit.node_lost ? "node_lost: "
-                                       : exit.oom     ? "memory_limit: "
-                                                      : "kernel_died: ";
+            const std::string reason = lifecycle_.state() == SessionState::resuming
+                                           ? "resume_failed: the kernel exited: "
+                                       : exit.node_lost ? "node_lost: "
+                                       : exit.oom       ? "memory_limit: "
+                                                        : "kernel_died: ";
             if (execution_) finish_execution(now, "error", ename);
             fail_pending(ename, exit.node_lost ? reason + exit.description : exit.description);
             close(now, reason + exit.description);
@@ -410,6 +453,19 @@ void SessionCore::on_tick(Clock::time_point now) {
         }
     }
     if (held_reply_ && now >= held_reply_->release_by) release_held_reply(now);
+    if (own_ && now >= own_->deadline) {
+        const bool restore = own_->restore;
+        own_.reset();
+        const std::string why =
+            fmt::format("the snapshot's {} did not finish within {} s",
+                        restore ? "restore" : "save", options_.snapshot_timeout.count() / 1000);
+        if (!restore) {
+            hibernation_failed(now, why);
+        } else {
+            close(now, "resume_failed: " + why);
+            return;
+        }
+    }
     if (execution_ && !held_reply_ && governor_->interrupt_ignored(now)) {
         const std::string evalue =
             "the execution did not stop within " +
@@ -541,6 +597,13 @@ void SessionCore::close(Clock::time_point now, const std::string& reason, const 
         refuse(request, ename, evalue);
     }
     queue_.clear();
+    for (auto& waiting : asleep_) {
+        PendingRequest request{waiting.channel, waiting.message.identities(),
+                               waiting.message.msg_type, waiting.message.header};
+        refuse(request, ename, evalue);
+    }
+    asleep_.clear();
+    own_.reset();
     close_reason_ = reason;
     move_to(SessionState::closing);
     closed_at_ = now;
@@ -548,14 +611,7 @@ void SessionCore::close(Clock::time_point now, const std::string& reason, const 
     held_reply_.reset();
     if (execution_) finish_execution(now, "error", ename);
     if (!pending_.empty()) fail_pending(ename, evalue);
-    if (lifecycle_.attached()) {
-        // The registry keeps the session's figures: its sandbox's whole life
-        // since the hand-out, work between executions included.
-        const SandboxUsage last = io_.kernel_usage();
-        memory_peak_bytes_ = std::max(memory_peak_bytes_, last.memory_peak_bytes);
-        cpu_ms_total_ = std::max(
-            cpu_ms_total_, (last.cpu_ns - std::min(last.cpu_ns, cpu_ns_at_attach_)) / 1000000);
-    }
+    if (lifecycle_.attached()) keep_usage();
     io_.release_kernel();
     move_to(SessionState::closed);
     if (options_.observer) options_.observer->on_closed(options_.session_id, reason);

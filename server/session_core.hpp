@@ -31,6 +31,7 @@
 #include "cellblock/sandbox.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/session_store.hpp"
+#include "session_snapshots.hpp"
 #include "session_state.hpp"
 #include "wire_receive.hpp"
 
@@ -92,6 +93,18 @@ class SessionIo {
     // The session closed: kill and dispose of the sandbox and close the
     // channels a closed session does not answer on.
     virtual void release_kernel() = 0;
+    // A request of the relay's own to the kernel (a snapshot's save or
+    // restore), signed with the kernel's key; returns its msg_id.
+    virtual std::string send_to_kernel(Channel channel, const std::string& msg_type,
+                                       nlohmann::json content) = 0;
+    // Hibernation, once the kernel saved its snapshot (`report`: what
+    // cellblock_snapshot said of it): keep the snapshot and let the sandbox
+    // go, the client's channels staying bound. False with `why` when the
+    // snapshot cannot be kept: the session stays as it was.
+    virtual bool put_to_sleep(const nlohmann::json& report, std::string& why) = 0;
+    // A hibernated session was asked something: get it a sandbox with its
+    // snapshot in reach; on_kernel_attached() follows, or close().
+    virtual void wake() = 0;
     // A message dropped by the relay's rules, for the log; `identity` is the
     // client's routing identity (empty for the kernel's messages).
     virtual void rejected(std::string_view where, std::string_view identity,
@@ -124,6 +137,13 @@ struct CoreOptions {
     int free_passes = 4;  // busy, idle, execute_input, a clear_output
     // Wall-clock seconds minus steady-clock seconds: the audit's timestamps.
     double unix_minus_steady_s = 0;
+    // Hibernation (docs/hibernation.md): where the kernel writes its
+    // snapshot (its output dir, which the server reads from the host) and
+    // where the next kernel finds it (its input dir, which the server
+    // writes), and how long either may take.
+    std::string snapshot_save_path = std::string("/data/output/") + kSnapshotFile;
+    std::string snapshot_restore_path = std::string("/data/input/") + kSnapshotFile;
+    std::chrono::milliseconds snapshot_timeout{300000};
 };
 
 class SessionCore {
@@ -153,8 +173,16 @@ class SessionCore {
     void close(Clock::time_point now, const std::string& reason,
                const char* ename = ename::SessionClosed,
                const std::string& why = "the session closed");
+    // Hibernates the session if it is idle with nothing open: the kernel
+    // saves its snapshot, then its sandbox goes (SessionIo::put_to_sleep).
+    // False with why when it cannot start now.
+    bool hibernate(Clock::time_point now, std::string& why);
+    // Wakes a hibernated session now, as its next request would.
+    bool resume(Clock::time_point now, std::string& why);
 
     bool kernel_live() const { return lifecycle_.kernel_live(); }
+    // Hibernating, hibernated or resuming: requests wait for it to wake.
+    bool asleep() const;
     // Closing or closed (close() has begun).
     bool closed() const { return lifecycle_.ending(); }
     SessionState lifecycle_state() const { return lifecycle_.state(); }
@@ -202,6 +230,12 @@ class SessionCore {
         Channel channel;
         InboundMessage message;
     };
+    // A request of the relay's own at the kernel: a snapshot's save or restore.
+    struct OwnRequest {
+        std::string msg_id;
+        bool restore = false;
+        Clock::time_point deadline;
+    };
     using RequestHandler = bool (SessionCore::*)(Clock::time_point, Channel, InboundMessage&,
                                                  PendingRequest&);
 
@@ -240,6 +274,15 @@ class SessionCore {
     void execution_ended();
     void event(const std::string& kind, const std::string& detail);
 
+    // Hibernation's steps (session_sleep.cpp).
+    void send_own(Clock::time_point now, bool restore);
+    void on_own_reply(Clock::time_point now, InboundMessage& msg);
+    void hibernation_failed(Clock::time_point now, const std::string& why);
+    void wake(Clock::time_point now);
+    void replay_asleep(Clock::time_point now);
+    // The kernel's figures so far, kept before its sandbox goes.
+    void keep_usage();
+
     CoreOptions options_;
     SessionIo& io_;
     std::optional<SessionGovernor> governor_;
@@ -269,8 +312,18 @@ class SessionCore {
     std::uint64_t memory_peak_bytes_ = 0;
     std::uint64_t cpu_ms_total_ = 0;
     std::uint64_t network_bytes_ = 0;
-    std::uint64_t cpu_ns_at_attach_ = 0;  // the kernel's start is not the session's
+    std::uint64_t cpu_ns_at_attach_ = 0;          // the kernel's start is not the session's
+    std::uint64_t cpu_ms_earlier_sandboxes_ = 0;  // before the last hibernation
     Clock::time_point idle_since_{};
+
+    std::optional<OwnRequest> own_;
+    // Requests that came while the session slept or was being put to sleep,
+    // in order: replayed once it is awake.
+    std::deque<QueuedRequest> asleep_;
+    Clock::time_point sleep_started_{};  // hibernating, then resuming, began
+    // What the first execute_reply after a resume says (metadata.cellblock):
+    // resumed_ms and what was lost.
+    std::optional<nlohmann::json> resumed_;
 };
 
 }  // namespace cellblock

@@ -44,10 +44,13 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     // Closed sessions do not count: they hold no sandbox, and their
     // channels are released closed_channels_s after the close.
     const std::size_t open = sessions_.live_count();
-    if (open + creating_.size() >= static_cast<std::size_t>(options_.policy.max_sessions)) {
+    // Wakes of hibernated sessions wait in the same queue; they are counted open.
+    const auto creates = static_cast<std::size_t>(
+        std::count_if(creating_.begin(), creating_.end(),
+                      [](const auto& c) { return c.second.resume_of.empty(); }));
+    if (open + creates >= static_cast<std::size_t>(options_.policy.max_sessions)) {
         throw RequestError{ename::TooManySessions,
-                           std::to_string(open) + " sessions open and " +
-                               std::to_string(creating_.size()) +
+                           std::to_string(open) + " sessions open and " + std::to_string(creates) +
                                " starting: the server's maximum is " +
                                std::to_string(options_.policy.max_sessions) + " (--max-sessions)"};
     }
@@ -69,6 +72,7 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     pending.metadata = metadata;
     pending.started = Clock::now();
     pending.image_id = image_def.content_id;
+    pending.image_def = image_def;
     pending.kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime + " " +
                    limits.sandbox.to_json().dump();
     pending.client_timeout_s = client_timeout_s;
@@ -113,12 +117,11 @@ void Server::serve_from_pool() {
         PendingCreate served = std::move(pending);
         it = creating_.erase(it);
         release_cold_start(served.ticket, served.kind);
-        served.session_id = warm.sandbox->session_id();
+        if (served.resume_of.empty()) served.session_id = warm.sandbox->session_id();
         try {
             finish_create(served, std::move(warm), 0, true);
         } catch (const std::exception& e) {
-            reply(served.request,
-                  {{"status", "error"}, {"ename", ename::ServerError}, {"evalue", e.what()}});
+            fail_create(served, ename::ServerError, e.what());
         }
     }
 }
@@ -152,12 +155,11 @@ void Server::hand_out(std::uint64_t ticket, const std::string& kind, StartResult
             release_cold_start(served.ticket, kind);
         }
     }
-    served.session_id = result.warm.sandbox->session_id();
+    if (served.resume_of.empty()) served.session_id = result.warm.sandbox->session_id();
     try {
         finish_create(served, std::move(result.warm), result.start_ms, false);
     } catch (const std::exception& e) {
-        reply(served.request,
-              {{"status", "error"}, {"ename", ename::ServerError}, {"evalue", e.what()}});
+        fail_create(served, ename::ServerError, e.what());
     }
 }
 
@@ -190,8 +192,7 @@ void Server::expire_creates(Clock::time_point now) {
                 waited, options_.policy.max_create_wait_s, queue);
             spdlog::warn("session_create refused: {}", evalue);
         }
-        reply(pending.request,
-              {{"status", "error"}, {"ename", ename::ServerBusy}, {"evalue", evalue}});
+        fail_create(pending, ename::ServerBusy, evalue);
         const std::uint64_t ticket = pending.ticket;
         const std::string kind = pending.kind;
         it = creating_.erase(it);
@@ -201,6 +202,10 @@ void Server::expire_creates(Clock::time_point now) {
 
 void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms,
                            bool warm_start) {
+    if (!pending.resume_of.empty()) {
+        finish_resume(pending, std::move(warm));
+        return;
+    }
     if (pending.limits.network.gateway()) {
         // The session's way out: a listener in its own ipc dir, which the
         // sandbox sees as /run/cellblock/egress.sock.
@@ -241,6 +246,11 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     const HostProcess* host = warm.sandbox->host_process();
     const IdMapping host_ids = host ? host->host_ids() : IdMapping{0, 0};
     opts.on_expired = [this, id = pending.session_id] { expired_.push_back(id); };
+    opts.keep_snapshot = [this, id = pending.session_id](Sandbox& box, const json& report,
+                                                         std::string& why) {
+        return keep_snapshot(id, box, report, why);
+    };
+    opts.wake = [this, id = pending.session_id] { wake_session(id); };
     auto proxy = std::make_unique<SessionProxy>(context_, loop_, pending.session_id, outer, opts);
     proxy->attach(std::move(warm.sandbox), std::move(*channels));
 
@@ -258,7 +268,8 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     spdlog::info("session {}: created ({}, image {}, {})", pending.session_id,
                  warm_start ? "warm" : "cold", pending.image, runtime);
     SessionProxy& session = *proxy;
-    sessions_.add(Session(pending.session_id, pending.image, std::move(proxy)));
+    Session& held = sessions_.add(Session(pending.session_id, pending.image, std::move(proxy)));
+    held.origin() = {pending.image_def, pending.limits, pending.kind, pending.poolable};
     const double seconds = std::chrono::duration<double>(Clock::now() - pending.started).count();
     const SessionTag tag = tag_of(pending.session_id);
     for (auto* o : observers_) o->created(tag, warm_start, seconds);
@@ -308,9 +319,7 @@ void Server::on_pool_results() {
             creating_.erase(it);
             spdlog::error("session {}: the sandbox did not start: {}", pending.session_id,
                           result.error);
-            reply(pending.request, {{"status", "error"},
-                                    {"ename", ename::SandboxStartFailed},
-                                    {"evalue", result.error}});
+            fail_create(pending, ename::SandboxStartFailed, result.error);
             continue;
         }
         hand_out(result.ticket, kind, std::move(result));

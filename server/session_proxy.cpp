@@ -97,29 +97,40 @@ class SessionProxy::Io final : public SessionIo {
         // frontend that ends its terminal once the kernel answered its
         // shutdown must still see why the session ended.
         spdlog::info("session {}: closed ({})", p_.session_id_, p_.core_->close_reason());
-        if (p_.lifeline_watch_) {
-            p_.loop_.unwatch(*p_.lifeline_watch_);
-            p_.lifeline_watch_.reset();
-        }
-        if (p_.sandbox_) {
-            p_.sandbox_->kill();
-            if (p_.options_.dispose) {
-                p_.options_.dispose(std::move(p_.sandbox_));
-            } else {
-                p_.sandbox_->destroy();
-            }
-            p_.sandbox_.reset();
-        }
+        p_.detach_kernel();
         // A closed session keeps only what answers SessionClosed (shell,
         // control) and the iopub its busy/idle statuses go out on; no
         // heartbeat answers.
-        for (auto* s : {&p_.inner_shell_, &p_.inner_control_, &p_.inner_stdin_, &p_.inner_iopub_,
-                        &p_.inner_hb_}) {
-            if (*s) (*s)->close();
-        }
         for (auto* s : {&p_.outer_stdin_, &p_.outer_hb_}) {
             if (*s) (*s)->close();
         }
+    }
+
+    std::string send_to_kernel(Channel channel, const std::string& msg_type,
+                               json content) override {
+        WireMessage msg;
+        msg.header = make_header(msg_type, p_.server_session_);
+        msg.parent_header = json::object();
+        msg.metadata = json::object();
+        msg.content = std::move(content);
+        auto frames = to_frames(encode(msg, p_.inner_signer_));
+        if (RelaySocket* socket = p_.inner_socket(channel)) socket->send(frames);
+        return json_string(msg.header, "msg_id");
+    }
+
+    bool put_to_sleep(const json& report, std::string& why) override {
+        if (!p_.options_.keep_snapshot || !p_.sandbox_) {
+            why = "this server keeps no snapshots";
+            return false;
+        }
+        if (!p_.options_.keep_snapshot(*p_.sandbox_, report, why)) return false;
+        p_.detach_kernel();
+        return true;
+    }
+
+    void wake() override {
+        spdlog::info("session {}: waking", p_.session_id_);
+        if (p_.options_.wake) p_.options_.wake();
     }
 
     void rejected(std::string_view where, std::string_view identity,
@@ -277,6 +288,25 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     core_->on_kernel_attached(Clock::now(), channels.probe_msg_ids);
 }
 
+void SessionProxy::detach_kernel() {
+    if (lifeline_watch_) {
+        loop_.unwatch(*lifeline_watch_);
+        lifeline_watch_.reset();
+    }
+    if (sandbox_) {
+        sandbox_->kill();
+        if (options_.dispose) {
+            options_.dispose(std::move(sandbox_));
+        } else {
+            sandbox_->destroy();
+        }
+        sandbox_.reset();
+    }
+    for (auto* s : {&inner_shell_, &inner_control_, &inner_stdin_, &inner_iopub_, &inner_hb_}) {
+        if (*s) (*s)->close();
+    }
+}
+
 void SessionProxy::close(const std::string& reason, const char* ename, const std::string& why) {
     core_->close(Clock::now(), reason, ename, why);
 }
@@ -428,6 +458,12 @@ void SessionProxy::on_client_heartbeat() {
     // Closed with the session in this same turn, or not.
     if (!outer_hb_ || !outer_hb_->receive(scratch_, kMaxHeartbeatFrames)) return;
     if (scratch_.dropped_frames > 0 || scratch_.total_bytes > kMaxHeartbeatBytes) return;
+    if (core_->asleep()) {
+        // A frontend pings every few seconds: answered here, a ping would
+        // otherwise wake every session an open Notebook holds.
+        outer_hb_->send(scratch_.frames);
+        return;
+    }
     if (!core_->kernel_live() || !inner_hb_) return;  // no kernel, no heartbeat
     inner_hb_->send(scratch_.frames);
 }

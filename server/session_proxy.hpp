@@ -61,6 +61,14 @@ struct ProxyOptions {
     // Called (from the loop's deadline) once a closed session has answered
     // SessionClosed long enough: its owner may destroy it after this turn.
     std::function<void()> on_expired;
+    // Hibernation (docs/hibernation.md); null: the session does not
+    // hibernate. keep_snapshot takes the snapshot the kernel wrote, before
+    // the sandbox goes (false with why: the session stays awake); wake asks
+    // for a sandbox to resume in, handed over later with attach() (or the
+    // session is closed).
+    std::function<bool(Sandbox& sandbox, const nlohmann::json& report, std::string& why)>
+        keep_snapshot;
+    std::function<void()> wake;
 };
 
 class SessionProxy {
@@ -75,8 +83,12 @@ class SessionProxy {
     SessionProxy& operator=(const SessionProxy&) = delete;
 
     // Takes a started sandbox and the channels probe_kernel() connected to
-    // its kernel, and starts relaying.
+    // its kernel, and starts relaying (a resuming session: restores first).
     void attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channels);
+    // Hibernation: see SessionCore::hibernate and resume.
+    bool hibernate(std::string& why) { return core_->hibernate(Clock::now(), why); }
+    bool resume(std::string& why) { return core_->resume(Clock::now(), why); }
+    SessionState lifecycle_state() const { return core_->lifecycle_state(); }
 
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering
@@ -112,6 +124,8 @@ class SessionProxy {
     void on_kernel(Channel channel);
     void on_kernel_heartbeat();
     void on_lifeline();
+    // The sandbox goes and the kernel's channels with it; the client's stay.
+    void detach_kernel();
     // Starts the client's signature of a large kernel message (scratch_) on
     // another thread; Io uses it if the core forwards the message unchanged.
     void sign_early();

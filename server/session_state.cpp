@@ -70,6 +70,7 @@ bool SessionLifecycle::kernel_live() const {
         case SessionState::idle:
         case SessionState::busy:
         case SessionState::hibernating:
+        case SessionState::resuming:  // once its sandbox is attached: the restore is asked
             return true;
         default:
             return false;

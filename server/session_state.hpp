@@ -9,9 +9,9 @@
 //   adopting ──▶ idle | busy      (a session taken over after a restart)
 //   any state but closed ──▶ closing ──▶ closed
 //
-// hibernating, hibernated, resuming and adopting are the states of sessions
-// that outlive their sandbox or their server (docs/architecture.md, "The
-// session record"); the relay does not enter them yet.
+// hibernating, hibernated and resuming are a hibernating session's
+// (session_sleep.cpp, docs/hibernation.md); adopting is for a session that
+// outlives its server, which the relay does not enter yet.
 #pragma once
 
 #include <cstdint>

@@ -47,6 +47,9 @@ enum class ErrorChannel { manager, session, both };
     X(ServerShuttingDown, both,                                                                 \
       "the server is stopping (a signal): the request was not carried out, or its session "     \
       "closed; evalue names the signal")                                                        \
+    X(HibernateFailed, manager,                                                                 \
+      "the session did not hibernate (busy, or its snapshot could not be taken or kept); it "   \
+      "stays awake with everything; evalue says why")                                           \
     X(ServerError, manager, "the server failed; evalue says where")
 
 namespace ename {

@@ -67,6 +67,26 @@ class RecordingIo final : public SessionIo {
     SandboxUsage kernel_usage() override { return usage; }
     KernelExit kernel_exit() override { return exit; }
     void release_kernel() override { actions.emplace_back("release"); }
+    // Hibernation: the relay's own requests, the sleep and the wake.
+    bool keep_snapshot = true;
+    std::string keep_refusal = "the disk is full";
+    int own_requests = 0;
+    std::string send_to_kernel(Channel channel, const std::string& msg_type,
+                               json content) override {
+        Action a("own", channel, msg_type);
+        a.content = std::move(content);
+        a.parent_id = "own-" + std::to_string(++own_requests);
+        actions.push_back(a);
+        return a.parent_id;
+    }
+    bool put_to_sleep(const json& report, std::string& why) override {
+        Action a("sleep");
+        a.content = report;
+        actions.push_back(std::move(a));
+        if (!keep_snapshot) why = keep_refusal;
+        return keep_snapshot;
+    }
+    void wake() override { actions.emplace_back("wake"); }
     void rejected(std::string_view where, std::string_view, const std::string& why) override {
         Action a("rejected");
         a.why = std::string(where) + ": " + why;
@@ -745,6 +765,195 @@ TEST_F(CoreTest, KernelModeForwardsWithoutAPolicy) {
     core->on_kernel_reply(t0, Channel::shell, execute_reply("e1"));
     EXPECT_EQ(io.to_client("execute_reply").size(), 1u) << "no reply is held";
     EXPECT_EQ(std::string(io.to_client("stream")[0].content["text"]).size(), 5000u);
+}
+
+// --- hibernation (session_sleep.cpp) ---
+
+// The kernel's answer to one of the relay's own snapshot requests.
+InboundMessage own_reply(const std::string& own_id, json report, const char* status = "ok") {
+    json content = {{"status", status}, {"execution_count", 0}};
+    if (std::string(status) == "ok") {
+        content["user_expressions"] = {
+            {"cellblock_snapshot",
+             {{"status", "ok"}, {"data", {{"application/json", std::move(report)}}}}}};
+    } else {
+        content["ename"] = "OSError";
+        content["evalue"] = "No space left on device";
+    }
+    return from_kernel("execute_reply", own_id, std::move(content));
+}
+
+class SleepTest : public CoreTest {
+  protected:
+    // Hibernates an idle session through to hibernated.
+    void sleep_at(Clock::time_point at) {
+        std::string why;
+        ASSERT_TRUE(core->hibernate(at, why)) << why;
+        const auto own = io.of("own");
+        ASSERT_FALSE(own.empty());
+        core->on_kernel_iopub(at, status(own.back().parent_id, "busy"));
+        core->on_kernel_iopub(at, status(own.back().parent_id, "idle"));
+        core->on_kernel_reply(at, Channel::shell,
+                              own_reply(own.back().parent_id,
+                                        {{"saved", 3}, {"bytes", 4096}, {"lost", json::array()}}));
+    }
+    // The sandbox it woke for is attached and the restore answers.
+    void attach_and_restore(Clock::time_point at, json lost = json::array()) {
+        core->on_kernel_attached(at, {"probe-2"});
+        const auto own = io.of("own");
+        ASSERT_FALSE(own.empty());
+        EXPECT_NE(json_string(own.back().content, "code").find("restore"), std::string::npos);
+        core->on_kernel_reply(
+            at, Channel::shell,
+            own_reply(own.back().parent_id, {{"saved", 3}, {"bytes", 4096}, {"lost", lost}}));
+    }
+};
+
+TEST_F(SleepTest, TheKernelSavesSilentlyThenTheSandboxGoes) {
+    run_cell("c1", t0);
+    sleep_at(t0 + 1s);
+    const auto own = io.of("own", "execute_request");
+    ASSERT_EQ(own.size(), 1u);
+    EXPECT_EQ(own[0].content["silent"], true);
+    EXPECT_EQ(own[0].content["store_history"], false);
+    EXPECT_NE(json_string(own[0].content, "code").find("save"), std::string::npos);
+    // Its statuses are the relay's own: the client sees none of them.
+    for (const auto& a : io.to_client("status")) EXPECT_NE(a.parent_id, own[0].parent_id);
+    ASSERT_EQ(io.of("sleep").size(), 1u);
+    EXPECT_EQ(io.of("sleep")[0].content["bytes"], 4096);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernated);
+    EXPECT_EQ(core->state(), "hibernated");
+    EXPECT_TRUE(core->asleep());
+    EXPECT_TRUE(io.of("release").empty());  // the client's channels stay
+    EXPECT_EQ(audit.states,
+              (std::vector<std::string>{"idle", "busy", "idle", "hibernating", "hibernated"}));
+}
+
+TEST_F(SleepTest, OnlyAnIdleSessionWithNothingOpenHibernates) {
+    core->on_client_request(t0, Channel::shell, execute("c1"));
+    std::string why;
+    EXPECT_FALSE(core->hibernate(t0, why));
+    EXPECT_NE(why.find("busy"), std::string::npos) << why;
+    core->on_kernel_iopub(t0, status("c1", "idle"));
+    core->on_kernel_reply(t0, Channel::shell, execute_reply("c1"));
+    core->on_client_request(t0, Channel::shell, request("comm_info_request", "r1"));
+    EXPECT_FALSE(core->hibernate(t0, why));
+    EXPECT_NE(why.find("open at the kernel"), std::string::npos) << why;
+    core->on_kernel_reply(t0, Channel::shell, from_kernel("comm_info_reply", "r1"));
+    EXPECT_TRUE(core->hibernate(t0, why)) << why;
+}
+
+TEST_F(SleepTest, ARequestWakesItAndIsAnsweredAfterTheRestoreInOrder) {
+    sleep_at(t0);
+    core->on_client_request(t0 + 5s, Channel::shell, execute("c2"));
+    core->on_client_request(t0 + 5s, Channel::shell, request("kernel_info_request", "r3"));
+    EXPECT_EQ(io.of("wake").size(), 1u);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::resuming);
+    EXPECT_TRUE(io.of("kernel").empty());  // nothing reaches a kernel before the restore
+    attach_and_restore(t0 + 5s + 80ms);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::busy);
+    const auto sent = io.of("kernel");
+    ASSERT_EQ(sent.size(), 2u);
+    EXPECT_EQ(sent[0].msg_type, "execute_request");
+    EXPECT_EQ(sent[1].msg_type, "kernel_info_request");
+}
+
+TEST_F(SleepTest, TheFirstReplyAfterAResumeSaysSoAndNamesWhatWasLost) {
+    sleep_at(t0);
+    core->on_client_request(t0 + 5s, Channel::shell, execute("c2"));
+    attach_and_restore(t0 + 5s + 120ms, json::array({json::array({"gen", "TypeError: x"})}));
+    core->on_kernel_iopub(t0 + 6s, status("c2", "busy"));
+    core->on_kernel_iopub(t0 + 6s, status("c2", "idle"));
+    core->on_kernel_reply(t0 + 6s, Channel::shell, execute_reply("c2"));
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    const json& cb = replies[0].metadata["cellblock"];
+    EXPECT_NEAR(cb["resumed_ms"].get<double>(), 120.0, 0.5);
+    EXPECT_EQ(cb["lost"], json::array({json::array({"gen", "TypeError: x"})}));
+    bool named = false;
+    for (const auto& s : io.to_client("stream")) {
+        named |= s.content.value("name", "") == "stderr" &&
+                 s.content.value("text", "").find("gen: TypeError: x") != std::string::npos;
+    }
+    EXPECT_TRUE(named);
+    // Only the first.
+    run_cell("c3", t0 + 7s);
+    EXPECT_FALSE(io.to_client("execute_reply").back().metadata["cellblock"].contains("resumed_ms"));
+}
+
+TEST_F(SleepTest, ASnapshotThatCannotBeKeptLeavesTheSessionAwake) {
+    io.keep_snapshot = false;
+    std::string why;
+    ASSERT_TRUE(core->hibernate(t0, why));
+    core->on_client_request(t0, Channel::shell, execute("c1"));  // waits meanwhile
+    core->on_kernel_reply(t0, Channel::shell, own_reply(io.of("own")[0].parent_id, json::object()));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::busy);  // awake, and the waiting cell runs
+    EXPECT_EQ(io.of("kernel").size(), 1u);
+    bool told = false;
+    for (const auto& e : audit.events) told |= e == "hibernate_failed the disk is full";
+    EXPECT_TRUE(told);
+}
+
+TEST_F(SleepTest, AKernelThatCannotSaveLeavesTheSessionAwake) {
+    std::string why;
+    ASSERT_TRUE(core->hibernate(t0, why));
+    core->on_kernel_reply(t0, Channel::shell,
+                          own_reply(io.of("own")[0].parent_id, json::object(), "error"));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    EXPECT_TRUE(io.of("sleep").empty());
+    EXPECT_NE(audit.events.back().find("No space left on device"), std::string::npos);
+}
+
+TEST_F(SleepTest, ASaveThatTakesTooLongIsGivenUp) {
+    std::string why;
+    ASSERT_TRUE(core->hibernate(t0, why));
+    const auto deadline = core->next_deadline(t0);
+    ASSERT_TRUE(deadline.has_value());
+    EXPECT_LE(*deadline, t0 + 300s);
+    core->on_tick(t0 + 301s);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    // Its late reply is not taken for anything.
+    core->on_kernel_reply(t0 + 302s, Channel::shell,
+                          own_reply(io.of("own")[0].parent_id, json::object()));
+    EXPECT_TRUE(io.of("sleep").empty());
+}
+
+TEST_F(SleepTest, AFailedRestoreClosesTheSessionAndAnswersWhatWaited) {
+    sleep_at(t0);
+    core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
+    core->on_kernel_attached(t0 + 2s, {});
+    core->on_kernel_reply(t0 + 2s, Channel::shell,
+                          own_reply(io.of("own").back().parent_id, json::object(), "error"));
+    EXPECT_TRUE(core->closed());
+    ASSERT_EQ(audit.closed.size(), 1u);
+    EXPECT_EQ(audit.closed[0].rfind("resume_failed: OSError", 0), 0u) << audit.closed[0];
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["ename"], ename::SessionClosed);
+}
+
+TEST_F(SleepTest, HeartbeatsAndTimeDoNotWakeItButTheIdleTimeoutStillCloses) {
+    SessionLimits limits;
+    limits.idle_timeout_s = 60;
+    start(limits);
+    sleep_at(t0);
+    core->on_tick(t0 + 30s);
+    EXPECT_TRUE(io.of("wake").empty());
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernated);
+    core->on_tick(t0 + 61s);
+    EXPECT_TRUE(core->closed());
+    EXPECT_EQ(audit.closed.back().rfind("idle_timeout", 0), 0u) << audit.closed.back();
+}
+
+TEST_F(SleepTest, ResumeWakesAHibernatedSessionWithoutARequest) {
+    sleep_at(t0);
+    std::string why;
+    EXPECT_TRUE(core->resume(t0 + 1s, why));
+    EXPECT_EQ(io.of("wake").size(), 1u);
+    attach_and_restore(t0 + 2s);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    run_cell("c9", t0 + 3s);
+    EXPECT_EQ(io.to_client("execute_reply").size(), 1u);
 }
 
 }  // namespace

@@ -167,6 +167,7 @@ TEST(SwarmImageRef, TheShimsDigestCoversItsFilesAndTheirNames) {
     write("cellblock_zygote.py", "zygote");
     write("cellblock_containment.py", "containment");
     write("cellblock_protocol.py", "protocol");
+    write("cellblock_snapshot.py", "snapshot");
     const std::string first = libexec_digest(dir);
     EXPECT_EQ(first.size(), 12u);
     EXPECT_EQ(libexec_digest(dir), first);

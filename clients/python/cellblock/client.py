@@ -431,6 +431,18 @@ class Session(SessionFiles):
     def history(self):
         return self.server.request("session_history_request", {"session_id": self.id})[0]
 
+    def hibernate(self, timeout=600.0):
+        """Saves the idle session to disk and frees its sandbox; its next request
+        (or resume()) wakes it. Returns the reply ({state, snapshot_bytes, detail});
+        raises HibernateFailed, with the session awake, when it cannot."""
+        return self.server.request("session_hibernate_request", {"session_id": self.id},
+                                   timeout=timeout)[0]
+
+    def resume(self, timeout=600.0):
+        """Wakes a hibernated session now; returns once it is awake."""
+        return self.server.request("session_resume_request", {"session_id": self.id},
+                                   timeout=timeout)[0]
+
     def close(self):
         """Closes the session: the sandbox and everything in it is destroyed."""
         if self.closed:

@@ -179,6 +179,11 @@ class ServerError(ManagerError):
     pass
 
 
+class HibernateFailed(ManagerError):
+    """The session did not hibernate (busy, or its snapshot could not be taken
+    or kept); it stays awake with everything; evalue says why."""
+
+
 class ServerShuttingDown(ManagerError, PolicyError):
     """The server is stopping (a signal): a request in flight was not carried
     out, or its session closed with it; evalue names the signal."""
@@ -191,7 +196,7 @@ _BY_NAME = {cls.__name__: cls for cls in (
     TooManySessions, ServerBusy, SandboxStartFailed, NoSuchSession, InvalidRequest, InvalidPath,
     FileNotFound, FileTooLarge, FileError, ChecksumMismatch, FileChanged, TransferNotFound,
     TooManyTransfers, InvalidOffset, MessageTooLarge, UnknownRequest, ServerError,
-    ServerShuttingDown)}
+    ServerShuttingDown, HibernateFailed)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",

@@ -1,0 +1,245 @@
+"""A session's portable snapshot, taken and restored inside its own sandbox.
+
+The relay runs `save` as a silent execute before it destroys a hibernating
+session's sandbox, and `restore` in the fresh sandbox that resumes it
+(docs/hibernation.md). Everything here runs as the session's own code, with
+its own rights: the snapshot is the session's data and only ever goes back to
+the same session, so nothing in it is trusted beyond what the session could
+do anyway.
+
+What cannot be carried is never dropped silently: `save` names each value
+dill refuses, `restore` each one that fails to load or import, with why. The
+report is the value of `report()`, whose JSON form (`_repr_json_`) reaches
+the relay through the execute's `user_expressions`.
+"""
+import importlib
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import time
+import types
+
+FORMAT = 1
+
+# IPython's own names in the user namespace: its history and output caches.
+_INTERNAL = re.compile(r"^(_+|_i+\d*|_\d+|__\w+__|_oh|_ih|_dh|In|Out|exit|quit|get_ipython)$")
+
+_report = {"lost": [], "saved": 0, "bytes": 0}
+
+# Files the running kernel holds open and rewrites: IPython's input history
+# (SQLite). Written back under a live connection it turns read-only; the
+# new kernel keeps its own history instead (docs/hibernation.md).
+_NOT_CARRIED = (".ipython/profile_default/history.sqlite",)
+
+
+class Report(dict):
+    """The last save's or restore's report, as JSON for user_expressions."""
+
+    def _repr_json_(self):
+        return dict(self)
+
+
+def report():
+    return Report(_report)
+
+
+class _Discard(io.RawIOBase):
+    """A file that keeps nothing: what a value's pickle costs, without its bytes."""
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        return len(data)
+
+
+def _why(error):
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+def _user_names(shell):
+    hidden = getattr(shell, "user_ns_hidden", {})
+    for name, value in list(shell.user_ns.items()):
+        if name in hidden and hidden[name] is value:
+            continue
+        if _INTERNAL.match(name):
+            continue
+        yield name, value
+
+
+def _dirs():
+    # The session's writable directories. /data/output is written back by
+    # the restore too: the next sandbox's output directory starts empty.
+    home = os.environ.get("HOME") or "/root"
+    tmp = os.environ.get("TMPDIR") or "/tmp"
+    output = os.environ.get("CELLBLOCK_OUTPUT_DIR") or "/data/output"
+    return {"home": home, "tmp": tmp, "output": output}
+
+
+def save(shell, path):
+    """Writes the snapshot of `shell`'s namespace and the session's writable
+    directories to `path` (a new file); returns the report."""
+    import dill
+
+    modules, values, lost = {}, {}, []
+    for name, value in _user_names(shell):
+        if isinstance(value, types.ModuleType):
+            modules[name] = value.__name__
+        else:
+            values[name] = value
+    # One dump keeps shared references (b = a stays one object); only when
+    # it fails is each name tried alone, to name what cannot go.
+    pickled = io.BytesIO()
+    try:
+        dill.dump(values, pickled)
+    except Exception:
+        keep = {}
+        for name, value in values.items():
+            try:
+                dill.dump(value, _Discard())
+                keep[name] = value
+            except Exception as error:  # noqa: BLE001 - any refusal is reported
+                lost.append([name, _why(error)])
+        pickled = io.BytesIO()
+        dill.dump(keep, pickled)
+        values = keep
+    dirs = _dirs()
+    manifest = {
+        "format": FORMAT,
+        "python": "%d.%d" % sys.version_info[:2],
+        "dill": getattr(dill, "__version__", ""),
+        "taken_at": time.time(),
+        "modules": modules,
+        "lost": lost,
+        "dirs": dirs,
+    }
+    out = os.path.abspath(path)
+    try:
+        os.unlink(out)  # a save that failed before left it
+    except FileNotFoundError:
+        pass
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f, \
+                tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            _add_bytes(tar, "manifest.json", json.dumps(manifest).encode())
+            _add_bytes(tar, "namespace.dill", pickled.getbuffer())
+            for key, root in dirs.items():
+                if os.path.isdir(root):
+                    _add_tree(tar, root, "files/" + key, skip=out)
+    except BaseException:
+        os.unlink(out)  # a full disk: no half snapshot left in the session's files
+        raise
+    _report.update(lost=lost, saved=len(values) + len(modules), bytes=os.path.getsize(out))
+    return report()
+
+
+def _add_bytes(tar, name, data):
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = int(time.time())
+    info.mode = 0o600
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _add_tree(tar, root, arcroot, skip):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames) + sorted(filenames):
+            full = os.path.join(dirpath, name)
+            if full == skip:
+                continue
+            rel = os.path.relpath(full, root)
+            if rel.startswith(_NOT_CARRIED):
+                continue
+            info = tar.gettarinfo(full, arcname=arcroot + "/" + rel)
+            if info is None:  # a socket or a device: nothing to carry
+                continue
+            if info.islnk():  # a second name of a file: carried as a copy
+                info.type = tarfile.REGTYPE
+                info.size = os.lstat(full).st_size
+            if info.isreg():
+                with open(full, "rb") as f:
+                    tar.addfile(info, f)
+            elif info.isdir() or info.issym():
+                tar.addfile(info)
+
+
+class SnapshotRefused(Exception):
+    """A snapshot this kernel will not load, with why."""
+
+
+def restore(shell, path):
+    """Restores the snapshot at `path` into `shell` and the session's
+    directories; returns the report (what was lost at the save and now)."""
+    import dill
+
+    with tarfile.open(path, mode="r:") as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+        if manifest.get("format") != FORMAT:
+            raise SnapshotRefused(
+                f"snapshot format {manifest.get('format')}, this kernel reads {FORMAT}")
+        python = "%d.%d" % sys.version_info[:2]
+        if manifest.get("python") != python:
+            raise SnapshotRefused(
+                f"snapshot taken under Python {manifest.get('python')}, this kernel runs {python}")
+        lost = [list(x) for x in manifest.get("lost", [])]
+        dirs = _dirs()
+        modes = []  # directories' modes, set last: a read-only one still takes its files
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if len(parts) < 3 or parts[0] != "files" or parts[1] not in dirs:
+                continue
+            rel = "/".join(parts[2:])
+            if rel.startswith("/") or ".." in rel.split("/"):
+                lost.append([member.name, "refused: a path outside its directory"])
+                continue
+            target = os.path.join(dirs[parts[1]], rel)
+            try:
+                _extract(tar, member, target, modes)
+            except OSError as error:
+                lost.append([member.name, _why(error)])
+        for target, mode in reversed(modes):
+            os.chmod(target, mode)
+        for name, module in manifest.get("modules", {}).items():
+            try:
+                shell.user_ns[name] = importlib.import_module(module)
+            except Exception as error:  # noqa: BLE001
+                lost.append([name, f"import {module}: {_why(error)}"])
+        values = {}
+        try:
+            values = dill.load(tar.extractfile("namespace.dill"))
+        except Exception as error:  # noqa: BLE001
+            lost.append(["*", f"the namespace did not load: {_why(error)}"])
+        shell.user_ns.update(values)
+    importlib.invalidate_caches()
+    _report.update(lost=lost, saved=len(values) + len(manifest.get("modules", {})),
+                   bytes=os.path.getsize(path))
+    return report()
+
+
+def _extract(tar, member, target, modes):
+    if member.isdir():
+        os.makedirs(target, exist_ok=True)
+        modes.append((target, member.mode & 0o7777))
+        return
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.lexists(target) and not os.path.isdir(target):
+        os.unlink(target)
+    if member.issym():
+        os.symlink(member.linkname, target)
+    elif member.isreg():
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                     member.mode & 0o7777)
+        with os.fdopen(fd, "wb") as out:
+            src = tar.extractfile(member)
+            while True:
+                chunk = src.read(1 << 20)
+                if not chunk:
+                    break
+                out.write(chunk)
+    os.utime(target, (member.mtime, member.mtime), follow_symlinks=False)

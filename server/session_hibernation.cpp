@@ -1,0 +1,159 @@
+// Hibernation, the server's part (docs/hibernation.md): the manager's
+// hibernate and resume requests, keeping the snapshot a session's kernel
+// wrote before its sandbox goes, and waking it in a new sandbox of the same
+// kind (from the pool, or started cold, in the queue of creates).
+#include "server.hpp"
+
+namespace cellblock {
+
+json Server::session_hibernate(Request& r, std::vector<std::string>&) {
+    SessionProxy& relay = live_session(r.message.content);
+    std::string why;
+    if (!relay.hibernate(why)) throw RequestError{ename::HibernateFailed, why};
+    Session& session = *sessions_.find(relay.session_id());
+    if (relay.lifecycle_state() == SessionState::hibernated) {
+        return {{"status", "ok"},
+                {"session_id", relay.session_id()},
+                {"state", "hibernated"},
+                {"snapshot_bytes", snapshots_->bytes(relay.session_id())}};
+    }
+    session.waiting_sleep().push_back(r.message);
+    return nullptr;  // answered when the snapshot is kept, or not
+}
+
+json Server::session_resume(Request& r, std::vector<std::string>&) {
+    SessionProxy& relay = live_session(r.message.content);
+    const SessionState state = relay.lifecycle_state();
+    if (state == SessionState::idle || state == SessionState::busy) {
+        return {{"status", "ok"}, {"session_id", relay.session_id()}, {"state", relay.state()}};
+    }
+    std::string why;
+    if (!relay.resume(why)) throw RequestError{ename::SessionClosed, why};
+    sessions_.find(relay.session_id())->waiting_wake().push_back(r.message);
+    return nullptr;  // answered when it is awake
+}
+
+bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
+                           std::string& why) {
+    const SandboxFiles* files = box.files();
+    if (!files) {
+        why = "the " + box.runtime() +
+              " backend's sandboxes keep no files on this host: no snapshot can be kept";
+        return false;
+    }
+    try {
+        const std::uint64_t bytes =
+            snapshots_->keep(session_id, files->output_dir(), files->input_dir());
+        spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id,
+                     bytes, report.value("saved", 0), report.value("lost", json::array()).size());
+    } catch (const std::exception& e) {
+        why = e.what();
+        return false;
+    }
+    if (egress_) egress_->remove_session(session_id);  // its listener was in the old ipc dir
+    trim_due_ = true;
+    return true;
+}
+
+void Server::wake_session(const std::string& session_id) {
+    Session* session = sessions_.find(session_id);
+    if (!session || !session->live()) return;
+    const SessionOrigin& origin = session->origin();
+    PendingCreate pending;
+    pending.resume_of = session_id;
+    pending.session_id = session_id;
+    pending.image = session->image();
+    pending.limits = origin.limits;
+    pending.image_id = origin.image.content_id;
+    pending.kind = origin.kind;
+    pending.poolable = origin.poolable;
+    pending.started = Clock::now();
+    pending.deadline =
+        pending.started + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(options_.policy.max_create_wait_s));
+    // A wake goes before creates: its client already waits on a request.
+    if (pending.poolable) {
+        if (WarmSandbox warm = pool_->take(pending.image, pending.limits.sandbox)) {
+            finish_resume(pending, std::move(warm));
+            return;
+        }
+    }
+    pending.ticket = pool_->start_cold(make_session_id(), origin.image, origin.limits.sandbox);
+    creating_.emplace(next_create_++, std::move(pending));
+}
+
+void Server::finish_resume(PendingCreate& pending, WarmSandbox warm) {
+    Session* session = sessions_.find(pending.resume_of);
+    SessionProxy* relay = session ? session->proxy() : nullptr;
+    if (!relay || relay->closed() || relay->lifecycle_state() != SessionState::resuming) {
+        pool_->dispose(std::move(warm.sandbox));  // closed meanwhile
+        return;
+    }
+    try {
+        const SandboxFiles* files = warm.sandbox->files();
+        if (!files) throw SnapshotError("the new sandbox keeps no files on this host");
+        snapshots_->place(pending.resume_of, files->input_dir());
+        if (pending.limits.network.gateway()) {
+            const HostProcess* host = warm.sandbox->host_process();
+            if (!egress_ || !host)
+                throw std::runtime_error("no egress gateway for the new sandbox");
+            const auto lifetime =
+                std::chrono::seconds(static_cast<std::int64_t>(pending.limits.lifetime_s) + 3600);
+            egress_->add_session(pending.resume_of, host->session_dir().ipc(),
+                                 pending.limits.network, lifetime);
+        }
+    } catch (const std::exception& e) {
+        pool_->dispose(std::move(warm.sandbox));
+        relay->close(std::string("resume_failed: ") + e.what());
+        return;
+    }
+    spdlog::info("session {}: waking in sandbox {}", pending.resume_of,
+                 warm.sandbox->container_id());
+    std::shared_ptr<InnerChannels> channels = warm.channels;
+    relay->attach(std::move(warm.sandbox), std::move(*channels));
+}
+
+void Server::fail_create(PendingCreate& pending, const std::string& ename,
+                         const std::string& evalue) {
+    if (pending.resume_of.empty()) {
+        reply(pending.request, {{"status", "error"}, {"ename", ename}, {"evalue", evalue}});
+        return;
+    }
+    if (SessionProxy* relay = sessions_.live(pending.resume_of)) {
+        relay->close("resume_failed: " + evalue);
+    }
+}
+
+void Server::on_sleep_event(Session& session, const std::string& kind, const std::string& detail) {
+    const std::string& id = session.id();
+    if (kind == "hibernated") {
+        for (const auto& request : session.waiting_sleep()) {
+            reply(request, {{"status", "ok"},
+                            {"session_id", id},
+                            {"state", "hibernated"},
+                            {"snapshot_bytes", snapshots_->bytes(id)},
+                            {"detail", detail}});
+        }
+        session.waiting_sleep().clear();
+    } else if (kind == "hibernate_failed") {
+        for (const auto& request : session.waiting_sleep()) {
+            reply_error(request, ename::HibernateFailed,
+                        detail + "; the session stays awake with everything");
+        }
+        session.waiting_sleep().clear();
+    } else if (kind == "resumed") {
+        // The snapshot was read into the new kernel: it leaves the store and
+        // the new sandbox's /data/input.
+        if (Sandbox* box = session.sandbox(); box && box->files()) {
+            ::unlink((box->files()->input_dir() / kSnapshotFile).c_str());
+        }
+        snapshots_->remove(id);
+        for (const auto& request : session.waiting_wake()) {
+            reply(request,
+                  {{"status", "ok"}, {"session_id", id}, {"state", "idle"}, {"detail", detail}});
+        }
+        session.waiting_wake().clear();
+    }
+}
+
+}  // namespace cellblock

@@ -1,0 +1,186 @@
+// Hibernation's part of SessionCore (docs/hibernation.md): the kernel saves
+// its snapshot with a silent execute of the relay's own, the sandbox goes,
+// the client's channels stay; the next request wakes the session, a fresh
+// kernel restores the snapshot and the requests that waited are replayed in
+// order. What could not be carried rides on the first execute_reply.
+#include "session_core.hpp"
+
+#include <fmt/format.h>
+
+namespace cellblock {
+using nlohmann::json;
+
+namespace {
+
+// The snapshot module's calls, run by the kernel as a silent execute
+// (kernel-shim/cellblock_snapshot.py); its report comes back as a user
+// expression with a JSON form.
+json snapshot_request(const std::string& call, const std::string& path) {
+    return {
+        {"code",
+         "__import__('cellblock_snapshot')." + call + "(get_ipython(), " + json(path).dump() + ")"},
+        {"silent", true},
+        {"store_history", false},
+        {"user_expressions", {{"cellblock_snapshot", "__import__('cellblock_snapshot').report()"}}},
+        {"allow_stdin", false},
+        {"stop_on_error", false}};
+}
+
+json report_of(const json& content) {
+    const auto expressions = content.find("user_expressions");
+    if (expressions == content.end() || !expressions->is_object()) return json::object();
+    const auto value = expressions->find("cellblock_snapshot");
+    if (value == expressions->end() || !value->is_object()) return json::object();
+    const auto data = value->find("data");
+    if (data == value->end() || !data->is_object()) return json::object();
+    const auto report = data->find("application/json");
+    return report != data->end() && report->is_object() ? *report : json::object();
+}
+
+std::string error_of(const json& content) {
+    return json_string(content, "ename") + ": " + json_string(content, "evalue");
+}
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+}  // namespace
+
+bool SessionCore::asleep() const {
+    switch (lifecycle_.state()) {
+        case SessionState::hibernating:
+        case SessionState::hibernated:
+        case SessionState::resuming:
+            return true;
+        default:
+            return false;
+    }
+}
+
+bool SessionCore::hibernate(Clock::time_point now, std::string& why) {
+    const SessionState state = lifecycle_.state();
+    if (state == SessionState::hibernated || state == SessionState::hibernating) return true;
+    if (state != SessionState::idle) {
+        why = "the session is " + this->state() + "; only an idle session hibernates";
+        return false;
+    }
+    if (!governor_) {
+        why = "this session has no policy to hibernate under";
+        return false;
+    }
+    if (execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_) {
+        why = std::to_string(pending_.size() + queue_.size()) +
+              " request(s) are open at the kernel; the session hibernates once they are answered";
+        return false;
+    }
+    move_to(SessionState::hibernating);
+    sleep_started_ = now;
+    send_own(now, false);
+    return true;
+}
+
+bool SessionCore::resume(Clock::time_point now, std::string& why) {
+    switch (lifecycle_.state()) {
+        case SessionState::hibernated:
+            wake(now);
+            return true;
+        case SessionState::hibernating:
+        case SessionState::resuming:
+        case SessionState::idle:
+        case SessionState::busy:
+            return true;  // awake, or on its way
+        default:
+            why = "the session is " + state();
+            return false;
+    }
+}
+
+void SessionCore::send_own(Clock::time_point now, bool restore) {
+    const std::string& path =
+        restore ? options_.snapshot_restore_path : options_.snapshot_save_path;
+    OwnRequest own;
+    own.restore = restore;
+    own.deadline = now + options_.snapshot_timeout;
+    own.msg_id = io_.send_to_kernel(Channel::shell, "execute_request",
+                                    snapshot_request(restore ? "restore" : "save", path));
+    // Its busy/idle and any output are the relay's own: no client sees them.
+    probe_ids_.insert(own.msg_id);
+    own_ = std::move(own);
+}
+
+void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
+    const OwnRequest own = std::move(*own_);
+    own_.reset();
+    const auto content = msg.parsed_content(options_.max_json_depth);
+    const bool ok = content && json_string(*content, "status") == "ok";
+    if (!own.restore) {
+        if (!ok) {
+            hibernation_failed(now, "the kernel could not save its snapshot: " +
+                                        (content ? error_of(*content) : "no reply content"));
+            return;
+        }
+        const json report = report_of(*content);
+        keep_usage();
+        std::string why;
+        if (!io_.put_to_sleep(report, why)) {
+            hibernation_failed(now, why);
+            return;
+        }
+        cpu_ms_earlier_sandboxes_ = cpu_ms_total_;
+        move_to(SessionState::hibernated);
+        const auto lost = report.value("lost", json::array());
+        event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost",
+                                        ms_between(sleep_started_, now), report.value("bytes", 0),
+                                        report.value("saved", 0), lost.size()));
+        if (!asleep_.empty()) wake(now);  // a request came while it was being saved
+        return;
+    }
+    if (!ok) {
+        close(now, "resume_failed: " + (content ? error_of(*content) : "no reply content"));
+        return;
+    }
+    const json report = report_of(*content);
+    const double ms = ms_between(sleep_started_, now);
+    resumed_ = json{{"resumed_ms", ms}, {"lost", report.value("lost", json::array())}};
+    move_to(SessionState::idle);
+    idle_since_ = now;
+    event("resumed", fmt::format("{:.0f} ms, {} value(s) restored, {} lost", ms,
+                                 report.value("saved", 0), (*resumed_)["lost"].size()));
+    replay_asleep(now);
+}
+
+void SessionCore::hibernation_failed(Clock::time_point now, const std::string& why) {
+    io_.log("hibernation failed: " + why);
+    event("hibernate_failed", why);
+    move_to(SessionState::idle);
+    replay_asleep(now);
+}
+
+void SessionCore::wake(Clock::time_point now) {
+    move_to(SessionState::resuming);
+    sleep_started_ = now;
+    io_.wake();
+}
+
+void SessionCore::replay_asleep(Clock::time_point now) {
+    auto waiting = std::move(asleep_);
+    asleep_.clear();
+    for (auto& request : waiting) {
+        if (lifecycle_.ending()) break;
+        dispatch_request(now, request.channel, std::move(request.message));
+    }
+}
+
+void SessionCore::keep_usage() {
+    // The registry keeps the session's figures: each sandbox's whole life
+    // since its hand-out, work between executions included, summed over the
+    // sandboxes a hibernating session had.
+    const SandboxUsage last = io_.kernel_usage();
+    memory_peak_bytes_ = std::max(memory_peak_bytes_, last.memory_peak_bytes);
+    cpu_ms_total_ = std::max(
+        cpu_ms_total_, cpu_ms_earlier_sandboxes_ +
+                           (last.cpu_ns - std::min(last.cpu_ns, cpu_ns_at_attach_)) / 1000000);
+}
+
+}  // namespace cellblock

@@ -1,0 +1,172 @@
+"""The portable snapshot (kernel-shim/cellblock_snapshot.py) with real IPython
+shells and real dill: a namespace saved in one interpreter is restored in
+another, with what could not be carried named. Each side runs in its own
+/usr/bin/python3 process, as a hibernated session's two kernels do."""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import pytest
+
+SOURCE = os.environ.get("CELLBLOCK_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+SHIM = os.path.join(SOURCE, "kernel-shim")
+
+# A shell like a kernel's: IPython's InteractiveShell, cells run through it.
+PRELUDE = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, %r)
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    def cell(code):
+        result = shell.run_cell(code)
+        if not result.success:
+            raise SystemExit("cell failed: " + repr(code) + ": " + repr(result.error_in_exec or result.error_before_exec))
+    import cellblock_snapshot
+""" % SHIM)
+
+
+def run(body, home, tmp):
+    output = os.path.join(os.path.dirname(str(home)), "output")
+    os.makedirs(output, exist_ok=True)
+    env = dict(os.environ, HOME=str(home), TMPDIR=str(tmp), MPLBACKEND="Agg",
+               CELLBLOCK_OUTPUT_DIR=output)
+    proc = subprocess.run(["/usr/bin/python3", "-c", PRELUDE + textwrap.dedent(body)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    out = {}
+    for side in ("before", "after"):
+        for d in ("home", "tmp"):
+            (tmp_path / side / d).mkdir(parents=True)
+        out[side] = (tmp_path / side / "home", tmp_path / side / "tmp")
+    out["snapshot"] = tmp_path / "snapshot.tar"
+    return out
+
+
+def test_round_trip_keeps_values_functions_classes_and_files(dirs):
+    home, tmp = dirs["before"]
+    saved = run("""
+        cell("import numpy as np\\nimport pandas as pd\\nimport math as m")
+        cell("n = 42\\ns = 'héllo'\\nrows = [1, 2, 3]\\nalias = rows")
+        cell("arr = np.arange(12).reshape(3, 4)")
+        cell("df = pd.DataFrame({'a': range(1000), 'b': [str(i) for i in range(1000)]})")
+        cell("def double(x):\\n    return 2 * x + n")
+        cell("class Point:\\n    def __init__(self, x): self.x = x\\n    def norm(self): return abs(self.x)")
+        cell("p = Point(-3)")
+        cell("def counter():\\n    c = [0]\\n    def inc():\\n        c[0] += 1\\n        return c[0]\\n    return inc\\ninc = counter(); inc(); inc()")
+        cell("import matplotlib.pyplot as plt\\nfig, ax = plt.subplots(); ax.plot([1, 2, 3])")
+        cell("gen = (i for i in range(3))")
+        cell("import socket\\nsock = socket.socket()")
+        cell("import os\\nopen(os.environ['TMPDIR'] + '/note.txt', 'w').write('in tmp')")
+        cell("open(os.environ['CELLBLOCK_OUTPUT_DIR'] + '/plot.txt', 'w').write('an output')")
+        cell("import os\\nos.makedirs(os.path.expanduser('~/work'), exist_ok=True)\\nopen(os.path.expanduser('~/work/data.csv'), 'w').write('a,b\\\\n1,2\\\\n')")
+        r = cellblock_snapshot.save(shell, %r)
+        print(json.dumps(r))
+    """ % str(dirs["snapshot"]), home, tmp)
+    lost = {name for name, why in saved["lost"]}
+    assert lost == {"gen", "sock"}, saved
+    home2, tmp2 = dirs["after"]
+    restored = run("""
+        r = cellblock_snapshot.restore(shell, %r)
+        ns = shell.user_ns
+        checks = {
+            "n": ns["n"] == 42, "s": ns["s"] == "héllo",
+            "alias": ns["alias"] is ns["rows"],
+            "arr": ns["arr"].sum() == 66 and ns["np"].__name__ == "numpy",
+            "df": len(ns["df"]) == 1000 and ns["df"]["b"][999] == "999",
+            "double": ns["double"](1) == 44,
+            "instance": isinstance(ns["p"], ns["Point"]) and ns["p"].norm() == 3,
+            "closure": ns["inc"]() == 3,
+            "figure": len(ns["fig"].axes) == 1,
+            "module": ns["m"].sqrt(16) == 4,
+            "tmp": open(__import__('os').environ['TMPDIR'] + '/note.txt').read() == 'in tmp',
+            "output": open(__import__('os').environ['CELLBLOCK_OUTPUT_DIR'] + '/plot.txt').read() == 'an output',
+            "home": open(__import__('os').path.expanduser('~/work/data.csv')).read() == 'a,b\\n1,2\\n',
+        }
+        # A function restored sees the live namespace: a global changed later is seen.
+        cell("n = 100")
+        checks["globals"] = ns["double"](1) == 102
+        print(json.dumps({"report": r, "checks": checks}))
+    """ % str(dirs["snapshot"]), home2, tmp2)
+    failed = [k for k, ok in restored["checks"].items() if not ok]
+    assert not failed, restored
+    assert {name for name, why in restored["report"]["lost"]} == {"gen", "sock"}
+    whys = dict(restored["report"]["lost"])
+    assert "generator" in whys["gen"] and "socket" in whys["sock"], whys
+
+
+def test_a_module_that_no_longer_imports_is_named(dirs, tmp_path):
+    home, tmp = dirs["before"]
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "vanishing.py").write_text("X = 1\n")
+    run("""
+        sys.path.insert(0, %r)
+        cell("import vanishing")
+        print(json.dumps(cellblock_snapshot.save(shell, %r)))
+    """ % (str(pkg), str(dirs["snapshot"])), home, tmp)
+    (pkg / "vanishing.py").unlink()
+    home2, tmp2 = dirs["after"]
+    restored = run("""
+        sys.path.insert(0, %r)
+        print(json.dumps(cellblock_snapshot.restore(shell, %r)))
+    """ % (str(pkg), str(dirs["snapshot"])), home2, tmp2)
+    assert restored["lost"] and restored["lost"][0][0] == "vanishing", restored
+    assert "import vanishing" in restored["lost"][0][1]
+
+
+def test_another_format_is_refused_with_a_reason(dirs):
+    home, tmp = dirs["before"]
+    run("""
+        cell("x = 1")
+        print(json.dumps(cellblock_snapshot.save(shell, %r)))
+    """ % str(dirs["snapshot"]), home, tmp)
+    # Rewrite the manifest as a later format would.
+    with tarfile.open(dirs["snapshot"]) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isreg() else None) for m in tar.getmembers()]
+    newer = dirs["snapshot"].with_name("newer.tar")
+    with tarfile.open(newer, "w") as tar:
+        for m, data in members:
+            if m.name == "manifest.json":
+                manifest = json.loads(data)
+                manifest["format"] = 2
+                data = json.dumps(manifest).encode()
+                m.size = len(data)
+            tar.addfile(m, __import__("io").BytesIO(data) if data is not None else None)
+    home2, tmp2 = dirs["after"]
+    out = run("""
+        try:
+            cellblock_snapshot.restore(shell, %r)
+            print(json.dumps({"refused": None}))
+        except cellblock_snapshot.SnapshotRefused as e:
+            print(json.dumps({"refused": str(e), "x": "x" in shell.user_ns}))
+    """ % str(newer), home2, tmp2)
+    assert out["refused"] == "snapshot format 2, this kernel reads 1", out
+    assert out["x"] is False
+
+
+def test_paths_outside_the_directories_are_refused(dirs, tmp_path):
+    home, tmp = dirs["before"]
+    run("""
+        cell("x = 1")
+        print(json.dumps(cellblock_snapshot.save(shell, %r)))
+    """ % str(dirs["snapshot"]), home, tmp)
+    with tarfile.open(dirs["snapshot"], "a") as tar:
+        info = tarfile.TarInfo("files/tmp/../escaped.txt")
+        data = b"out"
+        info.size = len(data)
+        tar.addfile(info, __import__("io").BytesIO(data))
+    home2, tmp2 = dirs["after"]
+    out = run("""
+        print(json.dumps(cellblock_snapshot.restore(shell, %r)))
+    """ % str(dirs["snapshot"]), home2, tmp2)
+    assert ["files/tmp/../escaped.txt", "refused: a path outside its directory"] in out["lost"]
+    assert not (tmp2.parent / "escaped.txt").exists()
+    assert out["saved"] >= 1
