@@ -2,6 +2,7 @@
 // (client_commands.hpp).
 #include "client_commands.hpp"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -163,25 +164,31 @@ int ClientCommands::run() {
             }
             return pids.empty() ? std::string("-") : pids;
         };
-        std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "SESSION", "IMAGE", "STATE", "CREATED",
-                    "EXECS", "PIDS", "CLOSED BECAUSE");
+        std::printf("%-18s %-8s %-10s %-20s %5s  %-16s %s\n", "SESSION", "IMAGE", "STATE",
+                    "CREATED", "EXECS", "PIDS", "CLOSED BECAUSE / SNAPSHOT");
         for (const auto& s : reply["sessions"]) {
+            // A hibernated session has no processes: its snapshot's size and age instead.
+            std::string note = s["close_reason"].get<std::string>();
+            if (const auto snap = s.find("snapshot"); snap != s.end() && snap->is_object()) {
+                note =
+                    fmt::format("snapshot {:.1f} MB, kept {:.0f} s ago",
+                                snap->value("bytes", 0.0) / (1 << 20), snap->value("age_s", 0.0));
+            }
             std::printf(
-                "%-18s %-8s %-8s %-20s %5lld  %-16s %s\n",
+                "%-18s %-8s %-10s %-20s %5lld  %-16s %s\n",
                 s["session_id"].get<std::string>().c_str(), s["image"].get<std::string>().c_str(),
                 s["state"].get<std::string>().c_str(), when(s["created_at"].get<double>()).c_str(),
-                s["executions"].get<long long>(), pid_list(s).c_str(),
-                s["close_reason"].get<std::string>().c_str());
+                s["executions"].get<long long>(), pid_list(s).c_str(), note.c_str());
         }
         // The pool's warm sandboxes are live too: an operator counting
         // containers (`runc --root RUNTIME_ROOT list`) sees them.
         for (const auto& box : reply.value("warm_sandboxes", json::array())) {
-            std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "(pool)",
+            std::printf("%-18s %-8s %-10s %-20s %5s  %-16s %s\n", "(pool)",
                         box["image"].get<std::string>().c_str(), "warm", "-", "-",
                         pid_list(box).c_str(), box["container_id"].get<std::string>().c_str());
         }
         for (const auto& z : reply.value("zygotes", json::array())) {
-            std::printf("%-18s %-8s %-8s %-20s %5s  %-16s %s\n", "(zygote)",
+            std::printf("%-18s %-8s %-10s %-20s %5s  %-16s %s\n", "(zygote)",
                         z["image"].get<std::string>().c_str(), "zygote", "-", "-",
                         pid_list(z).c_str(), z["container_id"].get<std::string>().c_str());
         }

@@ -240,6 +240,17 @@ int main(int argc, char** argv) {
         ->add_option("--max-create-wait", serve.policy.max_create_wait_s,
                      "seconds a session_create may wait for a sandbox before ServerBusy")
         ->capture_default_str();
+    serve_cmd
+        ->add_option("--snapshot-max-mb", serve.snapshot_max_mb,
+                     "the most one hibernated session's snapshot may take on disk; above it "
+                     "the session stays awake (StorageFull)")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
+    serve_cmd
+        ->add_option("--snapshots-max-mb", serve.snapshots_max_mb,
+                     "the most all hibernated sessions' snapshots may take on disk together")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     std::vector<std::string> serve_resolve_items;
     add_egress_options(serve_cmd, serve.egress, serve_resolve_items);
     serve_cmd

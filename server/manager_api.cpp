@@ -171,6 +171,9 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
         if (Session* held = sessions_.find(s.id); held && held->proxy()) {
             entry["state"] = held->proxy()->state();
             if (const auto* g = held->proxy()->governor()) entry["executions"] = g->executions();
+            if (held->proxy()->lifecycle_state() == SessionState::hibernated) {
+                entry["snapshot"] = snapshot_json(s.id);
+            }
             if (const Sandbox* box = held->sandbox()) {
                 entry["container_id"] = box->container_id();
                 entry["pids"] = sandbox_pids(box->container_id());
@@ -237,6 +240,7 @@ json Server::session_info(Request& r, std::vector<std::string>&) {
         }
         if (s.lifecycle_state() == SessionState::hibernated) {
             info["snapshot_bytes"] = snapshots_->bytes(id);
+            info["snapshot"] = snapshot_json(id);
         }
         if (Sandbox* box = s.sandbox()) {
             const auto u = box->usage();

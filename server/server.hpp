@@ -163,6 +163,8 @@ class Server final : public SessionObserver {
     // Hibernation (session_hibernation.cpp, docs/hibernation.md).
     json session_hibernate(Request& r, std::vector<std::string>& buffers);
     json session_resume(Request& r, std::vector<std::string>& buffers);
+    // {bytes, kept_at, age_s} of a hibernated session's snapshot, or null.
+    json snapshot_json(const std::string& session_id) const;
     bool keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
                        std::string& why);
     void wake_session(const std::string& session_id);

@@ -44,6 +44,10 @@ struct ServeOptions {
     // --metrics: where the Prometheus and health endpoints listen
     // (metrics_http.hpp, "PORT" or "ADDR:PORT"); empty: none.
     std::string metrics_address;
+    // Hibernated sessions' snapshots (docs/hibernation.md, "Storage"): the
+    // most one session's may take, and all of them together, in MB.
+    std::uint64_t snapshot_max_mb = 16384;
+    std::uint64_t snapshots_max_mb = 262144;
 };
 
 // Runs until SIGTERM/SIGINT; returns the process exit code.

@@ -171,12 +171,15 @@ Server::Server(const ServeOptions& options)
     }
     // Hibernated sessions do not outlive their server yet (issue #32): their
     // snapshots go with the sessions the registry just closed.
-    snapshots_ = std::make_unique<SnapshotStore>(settings_.state_dir / "snapshots");
+    SnapshotCaps caps;
+    caps.per_session = options_.snapshot_max_mb << 20;
+    caps.total = options_.snapshots_max_mb << 20;
+    snapshots_ = std::make_unique<SnapshotStore>(settings_.state_dir / "snapshots", caps);
     for (const auto& left : fs::directory_iterator(snapshots_->root())) {
         spdlog::info("snapshot of session {} removed: its server ended",
                      left.path().filename().string());
-        snapshots_->remove(left.path().filename().string());
     }
+    snapshots_->clear();
 
     handlers_ = {{"session_create_request", &Server::session_create},
                  {"session_list_request", &Server::session_list},

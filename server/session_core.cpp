@@ -409,7 +409,12 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
     }
-    if (governor_) consider(governor_->next_expiry_check(now));
+    if (governor_) {
+        consider(governor_->next_expiry_check(now));
+        if (std::string why; lifecycle_.state() == SessionState::idle && io_.can_sleep(why)) {
+            if (auto due = governor_->next_hibernation(now)) consider(*due);
+        }
+    }
     return next;
 }
 
@@ -491,7 +496,19 @@ void SessionCore::on_tick(Clock::time_point now) {
         }
     }
     if (governor_) {
-        if (auto reason = governor_->expiry(now)) close(now, *reason);
+        if (auto reason = governor_->expiry(now)) {
+            close(now, *reason);
+            return;
+        }
+        if (std::string why; lifecycle_.state() == SessionState::idle && io_.can_sleep(why) &&
+                             governor_->hibernation_due(now)) {
+            event("hibernating", "idle for hibernate_after_s " +
+                                     format_seconds(governor_->limits().hibernate_after_s) + " s");
+            if (!hibernate(now, why)) {
+                io_.log("not hibernating: " + why);
+                governor_->hibernation_declined();
+            }
+        }
     }
 }
 

@@ -102,6 +102,9 @@ class SessionIo {
     // go, the client's channels staying bound. False with `why` when the
     // snapshot cannot be kept: the session stays as it was.
     virtual bool put_to_sleep(const nlohmann::json& report, std::string& why) = 0;
+    // Whether put_to_sleep() could keep a snapshot of this sandbox at all;
+    // false with `why` (no snapshot store, a backend with no files here).
+    virtual bool can_sleep(std::string& why) const = 0;
     // A hibernated session was asked something: get it a sandbox with its
     // snapshot in reach; on_kernel_attached() follows, or close().
     virtual void wake() = 0;

@@ -15,7 +15,8 @@ json Server::session_hibernate(Request& r, std::vector<std::string>&) {
         return {{"status", "ok"},
                 {"session_id", relay.session_id()},
                 {"state", "hibernated"},
-                {"snapshot_bytes", snapshots_->bytes(relay.session_id())}};
+                {"snapshot_bytes", snapshots_->bytes(relay.session_id())},
+                {"snapshot", snapshot_json(relay.session_id())}};
     }
     session.waiting_sleep().push_back(r.message);
     return nullptr;  // answered when the snapshot is kept, or not
@@ -46,6 +47,9 @@ bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
             snapshots_->keep(session_id, files->output_dir(), files->input_dir());
         spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id,
                      bytes, report.value("saved", 0), report.value("lost", json::array()).size());
+    } catch (const StorageFull& e) {
+        why = std::string(ename::StorageFull) + ": " + e.what();
+        return false;
     } catch (const std::exception& e) {
         why = e.what();
         return false;
@@ -53,6 +57,14 @@ bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
     if (egress_) egress_->remove_session(session_id);  // its listener was in the old ipc dir
     trim_due_ = true;
     return true;
+}
+
+json Server::snapshot_json(const std::string& session_id) const {
+    const auto info = snapshots_->info(session_id);
+    if (!info) return nullptr;
+    return {{"bytes", info->bytes},
+            {"kept_at", info->kept_at},
+            {"age_s", std::max(0.0, unix_now() - info->kept_at)}};
 }
 
 void Server::wake_session(const std::string& session_id) {
@@ -132,13 +144,18 @@ void Server::on_sleep_event(Session& session, const std::string& kind, const std
                             {"session_id", id},
                             {"state", "hibernated"},
                             {"snapshot_bytes", snapshots_->bytes(id)},
+                            {"snapshot", snapshot_json(id)},
                             {"detail", detail}});
         }
         session.waiting_sleep().clear();
     } else if (kind == "hibernate_failed") {
         for (const auto& request : session.waiting_sleep()) {
-            reply_error(request, ename::HibernateFailed,
-                        detail + "; the session stays awake with everything");
+            // A cap or the disk's room: StorageFull, with the numbers.
+            const std::string full = std::string(ename::StorageFull) + ": ";
+            const bool storage = detail.starts_with(full);
+            reply_error(request, storage ? ename::StorageFull : ename::HibernateFailed,
+                        (storage ? detail.substr(full.size()) : detail) +
+                            "; the session stays awake with everything");
         }
         session.waiting_sleep().clear();
     } else if (kind == "resumed") {

@@ -119,12 +119,26 @@ class SessionProxy::Io final : public SessionIo {
     }
 
     bool put_to_sleep(const json& report, std::string& why) override {
-        if (!p_.options_.keep_snapshot || !p_.sandbox_) {
+        if (!can_sleep(why)) return false;
+        if (!p_.options_.keep_snapshot(*p_.sandbox_, report, why)) return false;
+        p_.detach_kernel();
+        return true;
+    }
+
+    bool can_sleep(std::string& why) const override {
+        if (!p_.options_.keep_snapshot || !p_.options_.wake) {
             why = "this server keeps no snapshots";
             return false;
         }
-        if (!p_.options_.keep_snapshot(*p_.sandbox_, report, why)) return false;
-        p_.detach_kernel();
+        if (!p_.sandbox_) {
+            why = "the session has no sandbox";
+            return false;
+        }
+        if (!p_.sandbox_->files()) {
+            why = "the " + p_.sandbox_->runtime() +
+                  " backend's sandboxes keep no files on this host: no snapshot can be kept";
+            return false;
+        }
         return true;
     }
 

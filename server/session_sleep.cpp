@@ -69,6 +69,7 @@ bool SessionCore::hibernate(Clock::time_point now, std::string& why) {
         why = "this session has no policy to hibernate under";
         return false;
     }
+    if (!io_.can_sleep(why)) return false;
     if (execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_) {
         why = std::to_string(pending_.size() + queue_.size()) +
               " request(s) are open at the kernel; the session hibernates once they are answered";
@@ -153,6 +154,7 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
 void SessionCore::hibernation_failed(Clock::time_point now, const std::string& why) {
     io_.log("hibernation failed: " + why);
     event("hibernate_failed", why);
+    if (governor_) governor_->hibernation_declined();  // until the next client request
     move_to(SessionState::idle);
     replay_asleep(now);
 }

@@ -3,9 +3,11 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <system_error>
 
@@ -18,10 +20,19 @@ namespace {
 
 std::string errno_text(int err) { return std::strerror(err); }
 
+// What a copy does to the bytes: seal them into the store, or open them
+// out of it. `label` names the file for the seal (snapshot_cipher.hpp).
+struct Crypt {
+    bool seal = true;
+    const SnapshotKey* key = nullptr;
+    std::string label;  // "<session>/<place in the snapshot>"
+};
+
 // A regular file at `name` under `dir` (never through a link, never a FIFO
-// that would block) copied to `to`, a new file; returns its size.
+// that would block) sealed or opened into `to`, a new file; returns the
+// plain bytes. A failure removes what was written of `to`.
 std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
-                           const std::string& step, mode_t mode) {
+                           const std::string& step, mode_t mode, const Crypt& crypt) {
     UniqueFd in(::openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (!in) throw SnapshotError(step + ": " + name + ": " + errno_text(errno));
     struct stat st {};
@@ -30,37 +41,22 @@ std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
     }
     UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!out) throw SnapshotError(step + ": " + to.string() + ": " + errno_text(errno));
-    if (::fchmod(out.get(), mode) != 0) throw SnapshotError(step + ": chmod: " + errno_text(errno));
-    std::uint64_t copied = 0;
-    for (;;) {
-        const ssize_t n = ::copy_file_range(in.get(), nullptr, out.get(), nullptr, 1 << 30, 0);
-        if (n < 0 && (errno == EXDEV || errno == ENOSYS || errno == EINVAL) && copied == 0) {
-            char buffer[1 << 16];
-            for (;;) {
-                const ssize_t r = ::read(in.get(), buffer, sizeof buffer);
-                if (r < 0)
-                    throw SnapshotError(step + ": reading " + name + ": " + errno_text(errno));
-                if (r == 0) break;
-                for (ssize_t off = 0; off < r;) {
-                    const ssize_t w =
-                        ::write(out.get(), buffer + off, static_cast<size_t>(r - off));
-                    if (w < 0) throw SnapshotError(step + ": writing: " + errno_text(errno));
-                    off += w;
-                }
-                copied += static_cast<std::uint64_t>(r);
-            }
-            break;
-        }
-        if (n < 0) throw SnapshotError(step + ": copying " + name + ": " + errno_text(errno));
-        if (n == 0) break;
-        copied += static_cast<std::uint64_t>(n);
+    try {
+        if (::fchmod(out.get(), mode) != 0) throw SnapshotError("chmod: " + errno_text(errno));
+        const std::uint64_t bytes =
+            crypt.seal ? seal_stream(in.get(), out.get(), *crypt.key, crypt.label)
+                       : open_sealed_stream(in.get(), out.get(), *crypt.key, crypt.label);
+        if (::fsync(out.get()) != 0) throw SnapshotError("fsync: " + errno_text(errno));
+        return bytes;
+    } catch (const std::exception& e) {
+        ::unlink(to.c_str());
+        throw SnapshotError(step + ": " + name + ": " + e.what());
     }
-    if (::fsync(out.get()) != 0) throw SnapshotError(step + ": fsync: " + errno_text(errno));
-    return copied;
 }
 
 // Every regular file and directory under `dir` into `to` (made), links and
-// anything else left out; `skip` (a name at the top) too.
+// anything else left out; `skip` (a name at the top) too. `crypt.label` is
+// the place of `dir` in the snapshot, each file's label its place below.
 // Kept in the store: the server's alone (0600, 0700). Placed in a sandbox's
 // input dir: readable by the sandbox's user, as uploads are (0644, 0755).
 struct Modes {
@@ -69,7 +65,7 @@ struct Modes {
 constexpr Modes kKept{0600, 0700}, kPlaced{0644, 0755};
 
 void copy_tree(int dir, const fs::path& to, const std::string& skip, const std::string& step,
-               Modes modes, int depth = 0) {
+               Modes modes, const Crypt& crypt, int depth = 0) {
     if (depth > 64) throw SnapshotError(step + ": directories nested past 64 levels");
     fs::create_directories(to);
     ::chmod(to.c_str(), modes.dir);
@@ -87,14 +83,54 @@ void copy_tree(int dir, const fs::path& to, const std::string& skip, const std::
         if (name == "." || name == ".." || (depth == 0 && name == skip)) continue;
         struct stat st {};
         if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+        Crypt below = crypt;
+        below.label += "/" + name;
         if (S_ISREG(st.st_mode)) {
-            copy_regular(dir, name, to / name, step, modes.file);
+            copy_regular(dir, name, to / name, step, modes.file, below);
         } else if (S_ISDIR(st.st_mode)) {
             UniqueFd child(
                 ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-            if (child) copy_tree(child.get(), to / name, skip, step, modes, depth + 1);
+            if (child) copy_tree(child.get(), to / name, skip, step, modes, below, depth + 1);
         }
     }
+}
+
+// The bytes of the regular files under `dir` (as copy_tree takes them).
+std::uint64_t tree_bytes(int dir, const std::string& skip, int depth = 0) {
+    if (depth > 64) return 0;
+    UniqueFd listing(::dup(dir));
+    DIR* d = listing ? ::fdopendir(listing.get()) : nullptr;
+    if (!d) return 0;
+    listing.release();
+    struct Closer {
+        DIR* d;
+        ~Closer() { ::closedir(d); }
+    } closer{d};
+    ::rewinddir(d);
+    std::uint64_t bytes = 0;
+    while (const dirent* entry = ::readdir(d)) {
+        const std::string name = entry->d_name;
+        if (name == "." || name == ".." || (depth == 0 && name == skip)) continue;
+        struct stat st {};
+        if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+        if (S_ISREG(st.st_mode)) {
+            bytes += static_cast<std::uint64_t>(st.st_size) + kSealOverhead;
+        } else if (S_ISDIR(st.st_mode)) {
+            UniqueFd child(
+                ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+            if (child) bytes += tree_bytes(child.get(), skip, depth + 1);
+        }
+    }
+    return bytes;
+}
+
+std::string megabytes(std::uint64_t bytes) {
+    return std::to_string((bytes + (1 << 20) - 1) >> 20) + " MB";
+}
+
+double unix_time_now() {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
 }
 
 UniqueFd open_dir(const fs::path& path, const std::string& step) {
@@ -105,7 +141,8 @@ UniqueFd open_dir(const fs::path& path, const std::string& step) {
 
 }  // namespace
 
-SnapshotStore::SnapshotStore(fs::path root) : root_(std::move(root)) {
+SnapshotStore::SnapshotStore(fs::path root, SnapshotCaps caps)
+    : root_(std::move(root)), caps_(caps) {
     fs::create_directories(root_);
     fs::permissions(root_, fs::perms::owner_all, fs::perm_options::replace);
 }
@@ -117,22 +154,67 @@ fs::path SnapshotStore::dir(const std::string& session_id) const {
     return root_ / session_id;
 }
 
+void SnapshotStore::check_room(const std::string& session_id, std::uint64_t needed) const {
+    if (needed > caps_.per_session) {
+        throw StorageFull("the snapshot would take " + megabytes(needed) +
+                          ", over the per-session cap of " + megabytes(caps_.per_session) +
+                          " (serve --snapshot-max-mb)");
+    }
+    std::uint64_t others = 0;
+    for (const auto& [id, kept] : kept_) {
+        if (id != session_id) others += kept.info.bytes;
+    }
+    if (others + needed > caps_.total) {
+        throw StorageFull("the snapshot would take " + megabytes(needed) +
+                          " and the server's snapshots already hold " + megabytes(others) +
+                          " of their cap of " + megabytes(caps_.total) +
+                          " (serve --snapshots-max-mb)");
+    }
+    struct statvfs vfs {};
+    if (::statvfs(root_.c_str(), &vfs) == 0) {
+        const std::uint64_t free_bytes =
+            static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
+        if (needed + caps_.keep_free > free_bytes) {
+            throw StorageFull("the snapshot would take " + megabytes(needed) + " and the disk of " +
+                              root_.string() + " has " + megabytes(free_bytes) + " free, " +
+                              megabytes(caps_.keep_free) + " of which stay free");
+        }
+    }
+}
+
 std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path& output_dir,
                                   const fs::path& input_dir) {
     const fs::path to = dir(session_id);
-    std::error_code ec;
-    fs::remove_all(to, ec);
+    const UniqueFd output = open_dir(output_dir, "taking the snapshot");
+    const UniqueFd input = open_dir(input_dir, "keeping /data/input");
+    struct stat st {};
+    if (::fstatat(output.get(), kSnapshotFile, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+        throw SnapshotError("taking the snapshot: the kernel left no snapshot file");
+    }
+    check_room(session_id, static_cast<std::uint64_t>(st.st_size) + kSealOverhead +
+                               tree_bytes(input.get(), kSnapshotFile));
+    remove(session_id);
+    Kept kept;
+    kept.key = std::make_unique<SnapshotKey>();
     try {
         fs::create_directories(to);
         fs::permissions(to, fs::perms::owner_all, fs::perm_options::replace);
-        const UniqueFd output = open_dir(output_dir, "taking the snapshot");
-        const std::uint64_t bytes = copy_regular(output.get(), kSnapshotFile, to / "snapshot",
-                                                 "taking the snapshot", kKept.file);
-        const UniqueFd input = open_dir(input_dir, "keeping /data/input");
-        copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input", kKept);
+        const std::uint64_t bytes =
+            copy_regular(output.get(), kSnapshotFile, to / "snapshot", "taking the snapshot",
+                         kKept.file, {true, kept.key.get(), session_id + "/snapshot"});
+        copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input", kKept,
+                  {true, kept.key.get(), session_id + "/input"});
         ::unlinkat(output.get(), kSnapshotFile, 0);
+        kept.info.kept_at = unix_time_now();
+        std::error_code ec;
+        for (const auto& entry : fs::recursive_directory_iterator(to, ec)) {
+            if (entry.is_regular_file(ec)) kept.info.bytes += entry.file_size(ec);
+        }
+        kept_[session_id] = std::move(kept);
         return bytes;
     } catch (...) {
+        std::error_code ec;
         fs::remove_all(to, ec);
         throw;
     }
@@ -140,27 +222,51 @@ std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path&
 
 void SnapshotStore::place(const std::string& session_id, const fs::path& input_dir) const {
     const fs::path from = dir(session_id);
-    const UniqueFd kept = open_dir(from, "placing the snapshot");
+    const auto kept = kept_.find(session_id);
+    if (kept == kept_.end()) {
+        throw SnapshotError("placing the snapshot: this server holds no key for session " +
+                            session_id + "'s snapshot");
+    }
+    const SnapshotKey* key = kept->second.key.get();
+    const UniqueFd dir_fd = open_dir(from, "placing the snapshot");
     const UniqueFd input = open_dir(from / "input", "placing /data/input");
-    copy_tree(input.get(), input_dir, "", "placing /data/input", kPlaced);
-    copy_regular(kept.get(), "snapshot", input_dir / kSnapshotFile, "placing the snapshot",
-                 kPlaced.file);
+    copy_tree(input.get(), input_dir, "", "placing /data/input", kPlaced,
+              {false, key, session_id + "/input"});
+    copy_regular(dir_fd.get(), "snapshot", input_dir / kSnapshotFile, "placing the snapshot",
+                 kPlaced.file, {false, key, session_id + "/snapshot"});
 }
 
-void SnapshotStore::remove(const std::string& session_id) const {
+void SnapshotStore::remove(const std::string& session_id) {
     std::error_code ec;
     fs::remove_all(dir(session_id), ec);
+    kept_.erase(session_id);
+}
+
+void SnapshotStore::clear() {
+    std::error_code ec;
+    for (const auto& left : fs::directory_iterator(root_, ec)) fs::remove_all(left.path(), ec);
+    kept_.clear();
 }
 
 bool SnapshotStore::holds(const std::string& session_id) const {
-    std::error_code ec;
-    return fs::is_regular_file(dir(session_id) / "snapshot", ec);
+    return kept_.count(session_id) > 0;
 }
 
 std::uint64_t SnapshotStore::bytes(const std::string& session_id) const {
-    std::error_code ec;
-    const auto n = fs::file_size(dir(session_id) / "snapshot", ec);
-    return ec ? 0 : n;
+    const auto info = this->info(session_id);
+    return info ? info->bytes : 0;
+}
+
+std::optional<SnapshotInfo> SnapshotStore::info(const std::string& session_id) const {
+    const auto kept = kept_.find(session_id);
+    if (kept == kept_.end()) return std::nullopt;
+    return kept->second.info;
+}
+
+std::uint64_t SnapshotStore::total_bytes() const {
+    std::uint64_t total = 0;
+    for (const auto& entry : kept_) total += entry.second.info.bytes;
+    return total;
 }
 
 }  // namespace cellblock

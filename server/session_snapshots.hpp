@@ -1,15 +1,22 @@
 // Hibernated sessions' snapshots on the host (docs/hibernation.md):
 // STATE_DIR/snapshots/<session>/ (0700) holds `snapshot`, what the session's
 // kernel wrote (opaque bytes, only ever handed back to the same session),
-// and `input/`, a copy of its /data/input (which the server wrote). Nothing
-// here reads a snapshot's content, and every file a sandbox could have
-// written is opened without following links and taken only if regular.
+// and `input/`, a copy of its /data/input (which the server wrote). Every
+// file is sealed with the session's own key, held only in this store's
+// memory (snapshot_cipher.hpp). Nothing here reads a snapshot's content,
+// and every file a sandbox could have written is opened without following
+// links and taken only if regular.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
+
+#include "snapshot_cipher.hpp"
 
 namespace cellblock {
 
@@ -23,27 +30,64 @@ class SnapshotError : public std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+// A snapshot would pass a cap or the disk's free space; what() has the
+// numbers. The session stays awake.
+class StorageFull : public SnapshotError {
+  public:
+    using SnapshotError::SnapshotError;
+};
+
+// How much the store may hold (serve's --snapshot-max-mb, --snapshots-max-mb).
+struct SnapshotCaps {
+    std::uint64_t per_session = std::uint64_t{16} << 30;
+    std::uint64_t total = std::uint64_t{256} << 30;
+    // Left free on the disk holding the store, for everything else there.
+    std::uint64_t keep_free = std::uint64_t{512} << 20;
+};
+
+struct SnapshotInfo {
+    std::uint64_t bytes = 0;  // on disk: the snapshot and the input files, sealed
+    double kept_at = 0;       // unix time
+};
+
 class SnapshotStore {
   public:
     // Makes `root` (0700) if it is missing.
-    explicit SnapshotStore(std::filesystem::path root);
+    explicit SnapshotStore(std::filesystem::path root, SnapshotCaps caps = {});
 
     // Moves the snapshot the kernel wrote in `output_dir` into the store and
-    // copies `input_dir`'s files beside it; returns the bytes kept. On
-    // failure nothing of the session's is left in the store.
+    // copies `input_dir`'s files beside it, all sealed under a new key of the
+    // session's; returns the snapshot's own bytes. StorageFull, before
+    // anything is written, when it would pass a cap or the disk's free
+    // space. On failure nothing of the session's is left in the store.
     std::uint64_t keep(const std::string& session_id, const std::filesystem::path& output_dir,
                        const std::filesystem::path& input_dir);
-    // Gives a new sandbox of the session its input files and the snapshot.
+    // Gives a new sandbox of the session its input files and the snapshot,
+    // opened; SnapshotError when a file fails its check (nothing is left
+    // half written).
     void place(const std::string& session_id, const std::filesystem::path& input_dir) const;
     // The snapshot leaves the store (resumed, or the session closed).
-    void remove(const std::string& session_id) const;
+    void remove(const std::string& session_id);
+    // The remove() of everything in the store; `root` stays.
+    void clear();
     bool holds(const std::string& session_id) const;
     std::uint64_t bytes(const std::string& session_id) const;
+    std::optional<SnapshotInfo> info(const std::string& session_id) const;
+    std::uint64_t total_bytes() const;  // of every session's kept files
+    const SnapshotCaps& caps() const { return caps_; }
     const std::filesystem::path& root() const { return root_; }
 
   private:
     std::filesystem::path dir(const std::string& session_id) const;
+    void check_room(const std::string& session_id, std::uint64_t needed) const;
+
     std::filesystem::path root_;
+    SnapshotCaps caps_;
+    struct Kept {
+        std::unique_ptr<SnapshotKey> key;
+        SnapshotInfo info;
+    };
+    std::map<std::string, Kept> kept_;
 };
 
 }  // namespace cellblock

@@ -30,6 +30,7 @@ template <typename Visitor, typename... Limits>
 void for_each_limit(Visitor&& visit, Limits&... limits) {
     visit("max_executions", limits.max_executions...);
     visit("idle_timeout_s", limits.idle_timeout_s...);
+    visit("hibernate_after_s", limits.hibernate_after_s...);
     visit("lifetime_s", limits.lifetime_s...);
     visit("exec_timeout_s", limits.exec_timeout_s...);
     visit("interrupt_grace_s", limits.interrupt_grace_s...);
@@ -431,6 +432,7 @@ ServerPolicy::ServerPolicy() {
     constexpr double kWeek = 7 * 24 * 3600;
     maxima.max_executions = 100000;
     maxima.idle_timeout_s = kWeek;
+    maxima.hibernate_after_s = kWeek;
     maxima.lifetime_s = kWeek;
     maxima.exec_timeout_s = 3600;
     maxima.interrupt_grace_s = 600;
@@ -566,6 +568,7 @@ SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
 
 void SessionGovernor::on_client_request(Clock::time_point now) {
     last_request_ = std::max(last_request_, now);
+    hibernation_declined_ = false;
 }
 
 void SessionGovernor::on_interrupt(Clock::time_point now) {
@@ -660,6 +663,16 @@ Clock::time_point SessionGovernor::next_expiry_check(Clock::time_point now) cons
     Clock::time_point next = created_ + seconds(limits_.lifetime_s);
     if (!busy_) next = std::min(next, last_request_ + seconds(limits_.idle_timeout_s));
     return std::max(next, now);
+}
+
+bool SessionGovernor::hibernation_due(Clock::time_point now) const {
+    return !busy_ && !hibernation_declined_ &&
+           now - last_request_ >= seconds(limits_.hibernate_after_s);
+}
+
+std::optional<Clock::time_point> SessionGovernor::next_hibernation(Clock::time_point now) const {
+    if (busy_ || hibernation_declined_) return std::nullopt;
+    return std::max(now, last_request_ + seconds(limits_.hibernate_after_s));
 }
 
 // ---- UTF-8 ----

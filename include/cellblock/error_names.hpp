@@ -50,6 +50,9 @@ enum class ErrorChannel { manager, session, both };
     X(HibernateFailed, manager,                                                                 \
       "the session did not hibernate (busy, or its snapshot could not be taken or kept); it "   \
       "stays awake with everything; evalue says why")                                           \
+    X(StorageFull, manager,                                                                     \
+      "a snapshot would pass the session's or the server's snapshot cap or the disk's free "    \
+      "space; evalue has the numbers; the session stays awake with everything")                 \
     X(ServerError, manager, "the server failed; evalue says where")
 
 namespace ename {

@@ -54,11 +54,15 @@ struct NetworkLimits {
 };
 
 // Everything a session request may ask for. Flat in JSON, plus "network":
-// {max_executions, idle_timeout_s, lifetime_s, exec_timeout_s, interrupt_grace_s,
-//  output_bytes, memory_mb, pids, disk_mb, shm_mb, output_mb, cpus, nofile}.
+// {max_executions, idle_timeout_s, hibernate_after_s, lifetime_s, exec_timeout_s,
+//  interrupt_grace_s, output_bytes, memory_mb, pids, disk_mb, shm_mb, output_mb, cpus, nofile}.
 struct SessionLimits {
     std::int64_t max_executions = 1000;
     double idle_timeout_s = 1800;
+    // Idle this long, the session hibernates to disk (docs/hibernation.md)
+    // instead of holding its memory; the idle timeout and lifetime still
+    // close it. The default, a week, is past the default idle timeout: off.
+    double hibernate_after_s = 7 * 24 * 3600;
     double lifetime_s = 24 * 3600;
     double exec_timeout_s = 30;
     // After a client's interrupt_request, how long the running execution may
@@ -184,6 +188,14 @@ class SessionGovernor {
     // Earliest time expiry() could change its answer (never before `now`). While
     // busy only the lifetime counts: ask again after the execute_reply.
     Clock::time_point next_expiry_check(Clock::time_point now) const;
+    // Idle (no client request, not busy) for hibernate_after_s, and not
+    // declined since the last client request.
+    bool hibernation_due(Clock::time_point now) const;
+    // When hibernation_due() turns true, or nullopt while busy or declined.
+    std::optional<Clock::time_point> next_hibernation(Clock::time_point now) const;
+    // The session could not hibernate (its backend keeps no snapshot, the
+    // disk cap): not tried again on its own until the next client request.
+    void hibernation_declined() { hibernation_declined_ = true; }
 
     const SessionLimits& limits() const { return limits_; }
 
@@ -198,6 +210,7 @@ class SessionGovernor {
     std::optional<Clock::time_point> interrupt_deadline_;
     std::int64_t executions_ = 0;
     bool busy_ = false;
+    bool hibernation_declined_ = false;
     // Output kept and dropped in this execution (streams and display data),
     // and the part of dropped_ the kernel reported dropping at its source.
     std::uint64_t stream_bytes_ = 0, dropped_ = 0, dropped_at_source_ = 0;

@@ -86,6 +86,11 @@ class RecordingIo final : public SessionIo {
         if (!keep_snapshot) why = keep_refusal;
         return keep_snapshot;
     }
+    bool sleep_possible = true;
+    bool can_sleep(std::string& why) const override {
+        if (!sleep_possible) why = "the swarm backend's sandboxes keep no files on this host";
+        return sleep_possible;
+    }
     void wake() override { actions.emplace_back("wake"); }
     void rejected(std::string_view where, std::string_view, const std::string& why) override {
         Action a("rejected");
@@ -954,6 +959,105 @@ TEST_F(SleepTest, ResumeWakesAHibernatedSessionWithoutARequest) {
     EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
     run_cell("c9", t0 + 3s);
     EXPECT_EQ(io.to_client("execute_reply").size(), 1u);
+}
+
+// --- hibernate_after_s: the session hibernates on its own when idle ---
+
+TEST_F(SleepTest, IdleForHibernateAfterItHibernatesOnItsOwn) {
+    SessionLimits limits;
+    limits.hibernate_after_s = 60;
+    start(limits);
+    run_cell("c1", t0);
+    // Due 60 s after the last reply, not before.
+    const auto due = core->next_deadline(t0 + 1s);
+    ASSERT_TRUE(due.has_value());
+    EXPECT_LE(*due, t0 + 60s);
+    core->on_tick(t0 + 59s);
+    EXPECT_TRUE(io.of("own").empty());
+    core->on_tick(t0 + 60s);
+    const auto own = io.of("own", "execute_request");
+    ASSERT_EQ(own.size(), 1u);
+    EXPECT_NE(json_string(own[0].content, "code").find("save"), std::string::npos);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernating);
+    core->on_kernel_reply(t0 + 61s, Channel::shell,
+                          own_reply(own[0].parent_id, {{"saved", 1}, {"lost", json::array()}}));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernated);
+    // Asleep, it sets no hibernation deadline of its own (no busy ticking).
+    const auto next = core->next_deadline(t0 + 62s);
+    ASSERT_TRUE(next.has_value());
+    EXPECT_GT(*next, t0 + 62s);
+    // A client request still wakes it as usual.
+    core->on_client_request(t0 + 100s, Channel::shell, execute("c2"));
+    EXPECT_EQ(io.of("wake").size(), 1u);
+}
+
+TEST_F(SleepTest, ABusySessionDoesNotHibernateOnItsOwn) {
+    SessionLimits limits;
+    limits.hibernate_after_s = 60;
+    limits.exec_timeout_s = 600;
+    start(limits);
+    core->on_client_request(t0, Channel::shell, execute("c1"));
+    core->on_kernel_iopub(t0, status("c1", "busy"));
+    core->on_tick(t0 + 120s);
+    EXPECT_TRUE(io.of("own").empty());
+    EXPECT_EQ(core->lifecycle_state(), SessionState::busy);
+}
+
+TEST_F(SleepTest, ASessionThatCannotSleepIsNotTriedAndSaysWhy) {
+    SessionLimits limits;
+    limits.hibernate_after_s = 60;
+    start(limits);
+    io.sleep_possible = false;
+    core->on_tick(t0 + 61s);
+    EXPECT_TRUE(io.of("own").empty()) << "no save is run for a snapshot nobody can keep";
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    // Nor does its deadline come round again and again.
+    const auto next = core->next_deadline(t0 + 61s);
+    ASSERT_TRUE(next.has_value());
+    EXPECT_GT(*next, t0 + 61s);
+    // Asked by hand, it says why.
+    std::string why;
+    EXPECT_FALSE(core->hibernate(t0 + 62s, why));
+    EXPECT_NE(why.find("keep no files"), std::string::npos) << why;
+}
+
+TEST_F(SleepTest, AFailedAutomaticHibernationWaitsForTheNextRequest) {
+    SessionLimits limits;
+    limits.hibernate_after_s = 60;
+    start(limits);
+    io.keep_snapshot = false;
+    core->on_tick(t0 + 60s);
+    ASSERT_EQ(io.of("own").size(), 1u);
+    core->on_kernel_reply(t0 + 61s, Channel::shell,
+                          own_reply(io.of("own")[0].parent_id, json::object()));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    core->on_tick(t0 + 200s);
+    EXPECT_EQ(io.of("own").size(), 1u) << "not tried again while nothing happens";
+    // After a client's request and another idle stretch, it tries again.
+    run_cell("c2", t0 + 300s);
+    core->on_tick(t0 + 361s);
+    EXPECT_EQ(io.of("own").size(), 2u);
+}
+
+TEST(HibernateAfter, IsALimitLikeTheOthers) {
+    const ServerPolicy policy;
+    EXPECT_GE(policy.defaults.hibernate_after_s, policy.defaults.idle_timeout_s)
+        << "off by default: the idle timeout comes first";
+    const SessionLimits limits = policy.effective(json::object(), {{"hibernate_after_s", 30}});
+    EXPECT_EQ(limits.hibernate_after_s, 30);
+    EXPECT_EQ(limits.to_json()["hibernate_after_s"], 30);
+    try {
+        policy.effective(json::object(), {{"hibernate_after_s", 0}});
+        ADD_FAILURE() << "0 was taken";
+    } catch (const PolicyError& e) {
+        EXPECT_EQ(e.ename(), ename::InvalidLimits);
+    }
+    try {
+        policy.effective(json::object(), {{"hibernate_after_s", 1e9}});
+        ADD_FAILURE() << "above the maximum was taken";
+    } catch (const PolicyError& e) {
+        EXPECT_EQ(e.ename(), ename::LimitAboveMaximum);
+    }
 }
 
 }  // namespace

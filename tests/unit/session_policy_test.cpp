@@ -32,12 +32,13 @@ TEST(SessionLimits, JsonRoundTripHasEveryFieldFlat) {
     limits.exec_timeout_s = 12.5;
     limits.sandbox.memory_mb = 700;
     const json j = limits.to_json();
-    for (const char* name : {"max_executions", "idle_timeout_s", "lifetime_s", "exec_timeout_s",
-                             "interrupt_grace_s", "output_bytes", "memory_mb", "pids", "disk_mb",
-                             "shm_mb", "output_mb", "cpus", "nofile", "network"}) {
+    for (const char* name :
+         {"max_executions", "idle_timeout_s", "hibernate_after_s", "lifetime_s", "exec_timeout_s",
+          "interrupt_grace_s", "output_bytes", "memory_mb", "pids", "disk_mb", "shm_mb",
+          "output_mb", "cpus", "nofile", "network"}) {
         EXPECT_TRUE(j.contains(name)) << name;
     }
-    EXPECT_EQ(j.size(), 14U);
+    EXPECT_EQ(j.size(), 15U);
     EXPECT_EQ(j["network"]["mode"], "none");
     const SessionLimits back = SessionLimits::from_json(j, SessionLimits{});
     EXPECT_EQ(back.to_json(), j);

@@ -184,6 +184,12 @@ class HibernateFailed(ManagerError):
     or kept); it stays awake with everything; evalue says why."""
 
 
+class StorageFull(HibernateFailed):
+    """A snapshot would pass the session's or the server's snapshot cap or the
+    disk's free space; evalue has the numbers; the session stays awake with
+    everything."""
+
+
 class ServerShuttingDown(ManagerError, PolicyError):
     """The server is stopping (a signal): a request in flight was not carried
     out, or its session closed with it; evalue names the signal."""
@@ -196,7 +202,7 @@ _BY_NAME = {cls.__name__: cls for cls in (
     TooManySessions, ServerBusy, SandboxStartFailed, NoSuchSession, InvalidRequest, InvalidPath,
     FileNotFound, FileTooLarge, FileError, ChecksumMismatch, FileChanged, TransferNotFound,
     TooManyTransfers, InvalidOffset, MessageTooLarge, UnknownRequest, ServerError,
-    ServerShuttingDown, HibernateFailed)}
+    ServerShuttingDown, HibernateFailed, StorageFull)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",

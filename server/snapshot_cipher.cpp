@@ -1,0 +1,155 @@
+#include "snapshot_cipher.hpp"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/rand.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+namespace cellblock {
+namespace {
+
+constexpr char kMagic[8] = {'C', 'B', 'S', 'E', 'A', 'L', '1', '\n'};
+constexpr std::size_t kNonce = 12, kTag = 16, kChunk = 1 << 20;
+
+struct CipherDeleter {
+    void operator()(EVP_CIPHER_CTX* ctx) const { EVP_CIPHER_CTX_free(ctx); }
+};
+using Cipher = std::unique_ptr<EVP_CIPHER_CTX, CipherDeleter>;
+
+[[noreturn]] void fail(const std::string& what) { throw std::runtime_error(what); }
+
+void write_all(int fd, const unsigned char* data, std::size_t n) {
+    while (n > 0) {
+        const ssize_t w = ::write(fd, data, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            fail(std::string("writing: ") + std::strerror(errno));
+        }
+        data += w;
+        n -= static_cast<std::size_t>(w);
+    }
+}
+
+// Up to `n` bytes; fewer only at the end of the file.
+std::size_t read_some(int fd, unsigned char* data, std::size_t n) {
+    std::size_t got = 0;
+    while (got < n) {
+        const ssize_t r = ::read(fd, data + got, n - got);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            fail(std::string("reading: ") + std::strerror(errno));
+        }
+        if (r == 0) break;
+        got += static_cast<std::size_t>(r);
+    }
+    return got;
+}
+
+Cipher start(bool encrypt, const SnapshotKey& key, const unsigned char* nonce,
+             const std::string& label) {
+    Cipher ctx(EVP_CIPHER_CTX_new());
+    if (!ctx) fail("no cipher context");
+    auto init = encrypt ? EVP_EncryptInit_ex : EVP_DecryptInit_ex;
+    if (init(ctx.get(), EVP_aes_256_gcm(), nullptr, nullptr, nullptr) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_SET_IVLEN, kNonce, nullptr) != 1 ||
+        init(ctx.get(), nullptr, nullptr, key.bytes(), nonce) != 1) {
+        fail("the cipher did not start");
+    }
+    int n = 0;
+    auto update = encrypt ? EVP_EncryptUpdate : EVP_DecryptUpdate;
+    if (update(ctx.get(), nullptr, &n, reinterpret_cast<const unsigned char*>(label.data()),
+               static_cast<int>(label.size())) != 1) {
+        fail("the cipher refused its label");
+    }
+    return ctx;
+}
+
+}  // namespace
+
+SnapshotKey::SnapshotKey() {
+    if (RAND_bytes(key_.data(), static_cast<int>(key_.size())) != 1) {
+        throw std::runtime_error("no random bytes for a snapshot key");
+    }
+}
+
+SnapshotKey::~SnapshotKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
+
+std::uint64_t seal_stream(int in, int out, const SnapshotKey& key, const std::string& label) {
+    unsigned char nonce[kNonce];
+    if (RAND_bytes(nonce, sizeof nonce) != 1) fail("no random bytes for a nonce");
+    write_all(out, reinterpret_cast<const unsigned char*>(kMagic), sizeof kMagic);
+    write_all(out, nonce, sizeof nonce);
+    Cipher ctx = start(true, key, nonce, label);
+    std::vector<unsigned char> plain(kChunk), sealed(kChunk + 16);
+    std::uint64_t total = 0;
+    for (;;) {
+        const std::size_t n = read_some(in, plain.data(), plain.size());
+        if (n == 0) break;
+        int len = 0;
+        if (EVP_EncryptUpdate(ctx.get(), sealed.data(), &len, plain.data(), static_cast<int>(n)) !=
+            1) {
+            fail("sealing failed");
+        }
+        write_all(out, sealed.data(), static_cast<std::size_t>(len));
+        total += n;
+        if (n < plain.size()) break;
+    }
+    int len = 0;
+    unsigned char tag[kTag];
+    if (EVP_EncryptFinal_ex(ctx.get(), sealed.data(), &len) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_GET_TAG, kTag, tag) != 1) {
+        fail("sealing failed at the end");
+    }
+    write_all(out, sealed.data(), static_cast<std::size_t>(len));
+    write_all(out, tag, sizeof tag);
+    OPENSSL_cleanse(plain.data(), plain.size());
+    return total;
+}
+
+std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
+                                 const std::string& label) {
+    struct stat st {};
+    if (::fstat(in, &st) != 0) fail(std::string("stat: ") + std::strerror(errno));
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    if (size < kSealOverhead) fail("it is too short to be a sealed snapshot");
+    unsigned char head[sizeof kMagic + kNonce];
+    if (read_some(in, head, sizeof head) != sizeof head ||
+        std::memcmp(head, kMagic, sizeof kMagic) != 0) {
+        fail("it is not a sealed snapshot");
+    }
+    Cipher ctx = start(false, key, head + sizeof kMagic, label);
+    std::vector<unsigned char> sealed(kChunk), plain(kChunk + 16);
+    std::uint64_t left = size - kSealOverhead, total = 0;
+    while (left > 0) {
+        const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(left, kChunk));
+        const std::size_t n = read_some(in, sealed.data(), want);
+        if (n != want) fail("it was cut short while it was read");
+        int len = 0;
+        if (EVP_DecryptUpdate(ctx.get(), plain.data(), &len, sealed.data(), static_cast<int>(n)) !=
+            1) {
+            fail("opening failed");
+        }
+        write_all(out, plain.data(), static_cast<std::size_t>(len));
+        total += static_cast<std::uint64_t>(len);
+        left -= n;
+    }
+    unsigned char tag[kTag];
+    if (read_some(in, tag, sizeof tag) != sizeof tag) fail("its tag is missing");
+    int len = 0;
+    if (EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_SET_TAG, kTag, tag) != 1 ||
+        EVP_DecryptFinal_ex(ctx.get(), plain.data(), &len) != 1) {
+        fail("it failed its integrity check (changed on disk, or not this session's)");
+    }
+    OPENSSL_cleanse(plain.data(), plain.size());
+    return total;
+}
+
+}  // namespace cellblock

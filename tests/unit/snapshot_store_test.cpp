@@ -1,0 +1,254 @@
+// SnapshotStore and the seal of snapshots at rest (session_snapshots.hpp,
+// snapshot_cipher.hpp), on real files in a temporary directory.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+
+#include "../../server/session_snapshots.hpp"
+
+namespace cellblock {
+namespace {
+namespace fs = std::filesystem;
+
+std::string read_file(const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_file(const fs::path& p, const std::string& text) {
+    fs::create_directories(p.parent_path());
+    std::ofstream(p, std::ios::binary) << text;
+}
+
+// Every byte of every file under `dir`.
+std::string all_bytes_under(const fs::path& dir) {
+    std::string all;
+    for (const auto& e : fs::recursive_directory_iterator(dir)) {
+        if (e.is_regular_file()) all += read_file(e.path());
+    }
+    return all;
+}
+
+class SnapshotStoreTest : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        base = fs::temp_directory_path() /
+               ("cellblock-snapshot-test-" + std::to_string(::getpid()) + "-" +
+                ::testing::UnitTest::GetInstance()->current_test_info()->name());
+        fs::remove_all(base);
+        output = base / "output";
+        input = base / "input";
+        fs::create_directories(output);
+        fs::create_directories(input);
+    }
+    void TearDown() override { fs::remove_all(base); }
+
+    // What a kernel leaves behind before its sandbox goes.
+    void kernel_wrote(const std::string& snapshot) {
+        write_file(output / kSnapshotFile, snapshot);
+        write_file(input / "data.csv", "a,b\nsecret-input-row,2\n");
+        write_file(input / "sub" / "deep.txt", "secret-deep-file");
+    }
+
+    fs::path base, output, input;
+};
+
+TEST_F(SnapshotStoreTest, KeptFilesRevealNothingAndComeBackWhole) {
+    SnapshotStore store(base / "store");
+    std::string snapshot = "secret-namespace-bytes ";
+    for (int i = 0; i < 200000; ++i) snapshot += std::to_string(i);  // past one 1 MiB chunk
+    kernel_wrote(snapshot);
+    const std::uint64_t bytes = store.keep("s1", output, input);
+    EXPECT_EQ(bytes, snapshot.size());
+    EXPECT_FALSE(fs::exists(output / kSnapshotFile)) << "moved, not copied";
+    EXPECT_TRUE(store.holds("s1"));
+    EXPECT_EQ(fs::status(base / "store" / "s1").permissions() & fs::perms::all,
+              fs::perms::owner_all);
+    // A copy of the state dir: none of the session's bytes in the clear.
+    const std::string at_rest = all_bytes_under(base / "store");
+    for (const char* secret : {"secret-namespace-bytes", "secret-input-row", "secret-deep-file"}) {
+        EXPECT_EQ(at_rest.find(secret), std::string::npos) << secret;
+    }
+    const auto info = store.info("s1");
+    ASSERT_TRUE(info.has_value());
+    EXPECT_GT(info->bytes, snapshot.size());
+    EXPECT_GT(info->kept_at, 0);
+    EXPECT_EQ(store.total_bytes(), info->bytes);
+
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    store.place("s1", next);
+    EXPECT_EQ(read_file(next / kSnapshotFile), snapshot);
+    EXPECT_EQ(read_file(next / "data.csv"), "a,b\nsecret-input-row,2\n");
+    EXPECT_EQ(read_file(next / "sub" / "deep.txt"), "secret-deep-file");
+
+    store.remove("s1");
+    EXPECT_FALSE(store.holds("s1"));
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+TEST_F(SnapshotStoreTest, AChangedByteIsRefusedNotRestored) {
+    SnapshotStore store(base / "store");
+    kernel_wrote(std::string(5000, 'x'));
+    store.keep("s1", output, input);
+    const fs::path kept = base / "store" / "s1" / "snapshot";
+    {
+        std::fstream f(kept, std::ios::in | std::ios::out | std::ios::binary);
+        f.seekp(100);
+        f.put('\x5a');
+    }
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    try {
+        store.place("s1", next);
+        ADD_FAILURE() << "a changed snapshot was placed";
+    } catch (const SnapshotError& e) {
+        EXPECT_NE(std::string(e.what()).find("integrity"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(fs::exists(next / kSnapshotFile)) << "nothing half written is left";
+}
+
+TEST_F(SnapshotStoreTest, AFileMovedBetweenSessionsFailsItsCheck) {
+    SnapshotStore store(base / "store");
+    kernel_wrote("session one");
+    store.keep("s1", output, input);
+    kernel_wrote("session two");
+    store.keep("s2", output, input);
+    // s1's sealed snapshot put in s2's place: another key, another label.
+    fs::copy_file(base / "store" / "s1" / "snapshot", base / "store" / "s2" / "snapshot",
+                  fs::copy_options::overwrite_existing);
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    EXPECT_THROW(store.place("s2", next), SnapshotError);
+}
+
+TEST_F(SnapshotStoreTest, ASecondStoreOnTheSameDirHoldsNoKey) {
+    // A restarted server (or a copied state dir) cannot open what it did not seal.
+    fs::path next = base / "next-input";
+    fs::create_directories(next);
+    {
+        SnapshotStore store(base / "store");
+        kernel_wrote("kept by the first server");
+        store.keep("s1", output, input);
+    }
+    SnapshotStore again(base / "store");
+    EXPECT_FALSE(again.holds("s1"));
+    EXPECT_THROW(again.place("s1", next), SnapshotError);
+}
+
+TEST_F(SnapshotStoreTest, ThePerSessionCapRefusesWithTheNumbers) {
+    SnapshotCaps caps;
+    caps.per_session = 1 << 20;
+    SnapshotStore store(base / "store", caps);
+    kernel_wrote(std::string(2 << 20, 'x'));
+    try {
+        store.keep("s1", output, input);
+        ADD_FAILURE() << "over the cap was kept";
+    } catch (const StorageFull& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("3 MB"), std::string::npos) << what;
+        EXPECT_NE(what.find("cap of 1 MB"), std::string::npos) << what;
+        EXPECT_NE(what.find("--snapshot-max-mb"), std::string::npos) << what;
+    }
+    EXPECT_FALSE(store.holds("s1"));
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+    EXPECT_TRUE(fs::exists(output / kSnapshotFile)) << "the kernel's file is left for the next try";
+}
+
+TEST_F(SnapshotStoreTest, TheServerCapCountsEverySessionsSnapshot) {
+    SnapshotCaps caps;
+    caps.total = 3 << 20;
+    SnapshotStore store(base / "store", caps);
+    kernel_wrote(std::string(2 << 20, 'a'));
+    store.keep("s1", output, input);
+    kernel_wrote(std::string(2 << 20, 'b'));
+    try {
+        store.keep("s2", output, input);
+        ADD_FAILURE() << "over the server's cap was kept";
+    } catch (const StorageFull& e) {
+        EXPECT_NE(std::string(e.what()).find("--snapshots-max-mb"), std::string::npos) << e.what();
+    }
+    // Keeping s1 again replaces its own: only the others count.
+    EXPECT_NO_THROW(store.keep("s1", output, input));
+    store.remove("s1");
+    kernel_wrote(std::string(2 << 20, 'b'));
+    EXPECT_NO_THROW(store.keep("s2", output, input));
+}
+
+TEST_F(SnapshotStoreTest, TheDisksFreeSpaceIsLeftFree) {
+    SnapshotCaps caps;
+    caps.keep_free = std::uint64_t{1} << 60;  // more than any disk has
+    SnapshotStore store(base / "store", caps);
+    kernel_wrote("small");
+    try {
+        store.keep("s1", output, input);
+        ADD_FAILURE() << "kept past the disk's free space";
+    } catch (const StorageFull& e) {
+        EXPECT_NE(std::string(e.what()).find("free"), std::string::npos) << e.what();
+    }
+}
+
+TEST_F(SnapshotStoreTest, LinksAndOddFilesFromTheSandboxAreNotFollowed) {
+    SnapshotStore store(base / "store");
+    write_file(base / "host-secret", "host-only");
+    kernel_wrote("snap");
+    fs::create_symlink(base / "host-secret", input / "link");
+    store.keep("s1", output, input);
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    store.place("s1", next);
+    EXPECT_FALSE(fs::exists(next / "link"));
+    // A snapshot the kernel left as a link is refused, not followed.
+    fs::remove(output / kSnapshotFile);
+    fs::create_symlink(base / "host-secret", output / kSnapshotFile);
+    EXPECT_THROW(store.keep("s2", output, input), SnapshotError);
+}
+
+TEST(SnapshotCipher, SealedStreamsRoundTripAndCarryNoPlainText) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-seal-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    std::string plain;
+    std::mt19937 rng(7);
+    for (int i = 0; i < (3 << 20) + 17; ++i) plain.push_back(static_cast<char>(rng() & 0xff));
+    write_file(dir / "plain", plain);
+    const SnapshotKey key;
+    {
+        const int in = ::open((dir / "plain").c_str(), O_RDONLY);
+        const int out = ::open((dir / "sealed").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        EXPECT_EQ(seal_stream(in, out, key, "s/label"), plain.size());
+        ::close(in);
+        ::close(out);
+    }
+    EXPECT_EQ(fs::file_size(dir / "sealed"), plain.size() + kSealOverhead);
+    const auto open_with = [&](const SnapshotKey& k, const std::string& label) {
+        const int in = ::open((dir / "sealed").c_str(), O_RDONLY);
+        const int out = ::open((dir / "opened").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        try {
+            open_sealed_stream(in, out, k, label);
+        } catch (...) {
+            ::close(in);
+            ::close(out);
+            throw;
+        }
+        ::close(in);
+        ::close(out);
+    };
+    open_with(key, "s/label");
+    EXPECT_EQ(read_file(dir / "opened"), plain);
+    EXPECT_THROW(open_with(key, "s/other-label"), std::runtime_error);
+    const SnapshotKey other;
+    EXPECT_THROW(open_with(other, "s/label"), std::runtime_error);
+    fs::resize_file(dir / "sealed", plain.size());  // cut short
+    EXPECT_THROW(open_with(key, "s/label"), std::runtime_error);
+    fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cellblock
