@@ -3,6 +3,7 @@ runc sandboxes and a real jupyter_client holding the session's connection
 file throughout. A hibernated session has no sandbox and no process on the
 host; its next request wakes it in a new sandbox with its namespace and files
 back, and what could not be carried is named."""
+import json
 import os
 
 import pytest
@@ -110,3 +111,97 @@ def test_a_snapshot_the_disk_cannot_hold_leaves_the_session_awake(server_factory
     assert srv.info_of(sid)["state"] == "idle"
     assert sh.run_ok(kc, "print(len(blob), os.listdir('/data/output'))").strip() == \
         f"{12 << 20} []"
+
+
+def test_idle_past_hibernate_after_it_sleeps_and_an_old_connection_file_wakes_it(
+        server_factory):  # noqa: F811
+    srv = server_factory()
+    sid, kc, created = srv.open_session(limits={"hibernate_after_s": 2})
+    connection_file = os.path.join(srv.state_dir, "old-connection.json")
+    with open(connection_file, "w") as f:
+        json.dump(created["connection"], f)
+    sh.run_ok(kc, "import numpy as np\narr = np.arange(10)\ntotal = int(arr.sum())")
+    kc.stop_channels()
+    # Nobody asks anything: it hibernates on its own.
+    sh.wait_for(lambda: srv.info_of(sid)["state"] == "hibernated", timeout=120)
+    info = srv.info_of(sid)
+    assert info["snapshot"]["bytes"] > 0 and info["snapshot"]["age_s"] >= 0, info
+    assert info["limits"]["hibernate_after_s"] == 2
+    listed = srv.ok("session_list_request", {})["content"]["sessions"]
+    entry = next(s for s in listed if s["session_id"] == sid)
+    assert entry["snapshot"]["bytes"] == info["snapshot"]["bytes"], entry
+    out = srv.cli("ls").stdout
+    assert "hibernated" in out and "snapshot" in out, out
+    # A new client from the old connection file: its first request wakes it.
+    from jupyter_client import BlockingKernelClient
+    again = BlockingKernelClient(connection_file=connection_file)
+    again.load_connection_file()
+    again.start_channels()
+    try:
+        reply, msgs = sh.execute(again, "print(total, arr[-1])", timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert sh.stream_text(msgs).strip() == "45 9"
+        assert reply["metadata"]["cellblock"]["resumed_ms"] > 0
+    finally:
+        again.stop_channels()
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid})["content"]["events"]]
+    assert kinds.count("hibernated") >= 1 and "resumed" in kinds, kinds
+
+
+def test_a_copied_state_dir_reveals_nothing_and_a_changed_snapshot_is_refused(
+        server_factory):  # noqa: F811
+    srv = server_factory()
+    sid, kc, _ = srv.open_session()
+    secret = "zq-secret-" + os.urandom(6).hex()
+    # Built inside from hex, so the code the audit keeps does not hold it.
+    make = f"bytes.fromhex({secret.encode().hex()!r}).decode()"
+    sh.run_ok(kc, f"kept = {make}\n"
+                  f"open('/tmp/t.txt', 'w').write({make})\n"
+                  f"open('/data/output/o.txt', 'w').write({make})\n")
+    srv.ok("file_put_request", {"session_id": sid, "path": "in.txt"}, buffers=[secret.encode()])
+    hibernate(srv, sid)
+
+    def plain_copies():
+        """Every file under the state dir holding the secret in the clear."""
+        found = []
+        for root, _dirs, files in os.walk(srv.state_dir):
+            for name in files:
+                path = os.path.join(root, name)
+                try:
+                    with open(path, "rb") as f:
+                        if secret.encode() in f.read():
+                            found.append(path)
+                except OSError:
+                    pass
+        return found
+    # The old sandbox's own directory goes with its disposal, just after.
+    sh.wait_for(lambda: not plain_copies(), timeout=30)
+    assert os.path.getsize(os.path.join(srv.state_dir, "snapshots", sid, "input", "in.txt")) > 0
+    # One changed byte: the resume fails with a reason, never a wrong state.
+    snapshot = os.path.join(srv.state_dir, "snapshots", sid, "snapshot")
+    with open(snapshot, "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    reply, _ = sh.execute(kc, "print(kept)", timeout=120)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "SessionClosed", reply["content"]
+    info = srv.info_of(sid)
+    assert info["state"] == "closed", info
+    assert info["close_reason"].startswith("resume_failed:"), info
+    assert "integrity" in info["close_reason"], info
+    assert not os.path.exists(os.path.join(srv.state_dir, "snapshots", sid))
+
+
+def test_a_snapshot_over_the_cap_is_storage_full_and_the_session_stays(server_factory):  # noqa: F811
+    srv = server_factory(["--snapshot-max-mb", "2"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "import os\nblob = os.urandom(6 << 20)")
+    reply = srv.call("session_hibernate_request", {"session_id": sid}, timeout=120)["content"]
+    assert reply["status"] == "error" and reply["ename"] == "StorageFull", reply
+    assert "cap of 2 MB" in reply["evalue"] and "--snapshot-max-mb" in reply["evalue"], reply
+    assert srv.info_of(sid)["state"] == "idle"
+    assert not os.listdir(os.path.join(srv.state_dir, "snapshots"))
+    assert sh.run_ok(kc, "print(len(blob))").strip() == str(6 << 20)
