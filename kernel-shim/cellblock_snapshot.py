@@ -22,7 +22,9 @@ import tarfile
 import time
 import types
 
-FORMAT = 1
+# 2: the execution count, the input history (In, _iN) and the output cache
+# (Out, _N) are carried too.
+FORMAT = 2
 
 # IPython's own names in the user namespace: its history and output caches.
 _INTERNAL = re.compile(r"^(_+|_i+\d*|_\d+|__\w+__|_oh|_ih|_dh|In|Out|exit|quit|get_ipython)$")
@@ -91,22 +93,29 @@ def save(shell, path):
             modules[name] = value.__name__
         else:
             values[name] = value
-    # One dump keeps shared references (b = a stays one object); only when
-    # it fails is each name tried alone, to name what cannot go.
+    # IPython's output cache (Out, _N): the values the prompts numbered.
+    history = shell.history_manager
+    outputs = dict(history.output_hist) if history is not None else {}
+    # One dump keeps shared references (b = a, Out[3] is df, stay one
+    # object); only when it fails is each value tried alone, to name what
+    # cannot go.
     pickled = io.BytesIO()
     try:
-        dill.dump(values, pickled)
+        dill.dump({"names": values, "outputs": outputs}, pickled)
     except Exception:
-        keep = {}
-        for name, value in values.items():
-            try:
-                dill.dump(value, _Discard())
-                keep[name] = value
-            except Exception as error:  # noqa: BLE001 - any refusal is reported
-                lost.append([name, _why(error)])
+        def carried(items, label):
+            keep = {}
+            for key, value in items.items():
+                try:
+                    dill.dump(value, _Discard())
+                    keep[key] = value
+                except Exception as error:  # noqa: BLE001 - any refusal is reported
+                    lost.append([label(key), _why(error)])
+            return keep
+        values = carried(values, str)
+        outputs = carried(outputs, lambda n: f"Out[{n}]")
         pickled = io.BytesIO()
-        dill.dump(keep, pickled)
-        values = keep
+        dill.dump({"names": values, "outputs": outputs}, pickled)
     dirs = _dirs()
     manifest = {
         "format": FORMAT,
@@ -115,6 +124,9 @@ def save(shell, path):
         "taken_at": time.time(),
         "modules": modules,
         "lost": lost,
+        "execution_count": shell.execution_count,
+        "input_parsed": list(history.input_hist_parsed) if history is not None else [],
+        "input_raw": list(history.input_hist_raw) if history is not None else [],
         "dirs": dirs,
     }
     out = os.path.abspath(path)
@@ -210,16 +222,43 @@ def restore(shell, path):
                 shell.user_ns[name] = importlib.import_module(module)
             except Exception as error:  # noqa: BLE001
                 lost.append([name, f"import {module}: {_why(error)}"])
-        values = {}
+        values, outputs = {}, {}
         try:
-            values = dill.load(tar.extractfile("namespace.dill"))
+            loaded = dill.load(tar.extractfile("namespace.dill"))
+            values, outputs = loaded["names"], loaded["outputs"]
         except Exception as error:  # noqa: BLE001
             lost.append(["*", f"the namespace did not load: {_why(error)}"])
         shell.user_ns.update(values)
+        _restore_history(shell, manifest, outputs)
     importlib.invalidate_caches()
     _report.update(lost=lost, saved=len(values) + len(manifest.get("modules", {})),
                    bytes=os.path.getsize(path))
     return report()
+
+
+def _restore_history(shell, manifest, outputs):
+    """The prompts go on where they were: the execution count, In and _iN,
+    Out and _N (the same list and dict objects IPython keeps, refilled)."""
+    shell.execution_count = int(manifest.get("execution_count", shell.execution_count))
+    history = shell.history_manager
+    if history is None:
+        return
+    parsed, raw = manifest.get("input_parsed", []), manifest.get("input_raw", [])
+    history.input_hist_parsed[:] = parsed
+    history.input_hist_raw[:] = raw
+    history.output_hist.clear()
+    history.output_hist.update(outputs)
+    ns = shell.user_ns
+    for n, source in enumerate(parsed):
+        if n:
+            ns[f"_i{n:d}"] = source
+    for name, offset in (("_i", 1), ("_ii", 2), ("_iii", 3)):
+        ns[name] = parsed[-offset] if len(parsed) > offset else ""
+    for n, value in outputs.items():
+        ns[f"_{n}"] = value
+    last = [outputs[n] for n in sorted(outputs)][-3:]
+    for name, value in zip(("_", "__", "___"), reversed(last)):
+        ns[name] = value
 
 
 def _extract(tar, member, target, modes):

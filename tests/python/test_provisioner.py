@@ -288,3 +288,43 @@ def test_notebook_in_chromium(provisioned, monkeypatch, tmp_path):
     # Close and Halt closed the session on the server.
     assert wait_for(lambda: provisioned.server.info_of(new[0]["session_id"])["state"] == "closed",
                     timeout=30)
+
+
+def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(provisioned):
+    """hibernate_after_s in the kernelspec's limits: the provisioned kernel
+    hibernates while `jupyter console` sits at its prompt (its heartbeats do
+    not wake it), and the next line the user types wakes it with its state."""
+    from test_console import JUPYTER_CONSOLE, Terminal
+    name = KERNEL + "-sleepy"
+    prefix = os.path.dirname(os.path.dirname(os.path.dirname(provisioned.kernels_dir)))
+    out = subprocess.run([CELLBLOCK_BIN, "kernelspec", "install", "--provisioner", "--prefix",
+                          prefix, "--name", name, "--server-file", provisioned.server_file,
+                          "--limit", "hibernate_after_s=3"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    before = {s["session_id"] for s in provisioned.sessions()}
+    env = dict(provisioned.env, TERM="xterm-256color")
+    term = Terminal([JUPYTER_CONSOLE, "--kernel", name], env)
+    try:
+        term.prompt(1, timeout=90)
+        mark = term.type_line("kept = 6 * 7")
+        term.prompt(2, mark)
+        [new] = [s for s in provisioned.sessions(open_only=True) if s["session_id"] not in before]
+        sid = new["session_id"]
+        assert provisioned.server.info_of(sid)["limits"]["hibernate_after_s"] == 3
+        assert wait_for(lambda: provisioned.server.info_of(sid)["state"] == "hibernated",
+                        timeout=120), provisioned.server.info_of(sid)
+        time.sleep(4)  # heartbeats go on; the console must not call the kernel dead
+        assert provisioned.server.info_of(sid)["state"] == "hibernated"
+        mark = term.type_line("print(kept)")
+        term.expect(r"^42$", mark, timeout=120)
+        term.prompt(3, mark)
+        assert "restarting" not in term.text[mark:].lower(), term.text[mark:]
+        mark = term.type_line("exit")
+        status, sig = term.wait_exit(timeout=60)
+        assert (status, sig) == (0, None), term.text[mark:]
+    finally:
+        term.kill()
+    kinds = [e["kind"] for e in provisioned.server.ok(
+        "session_history_request", {"session_id": sid})["content"]["events"]]
+    assert "hibernated" in kinds and "resumed" in kinds, kinds

@@ -20,8 +20,8 @@ PRELUDE = textwrap.dedent("""
     sys.path.insert(0, %r)
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
-    def cell(code):
-        result = shell.run_cell(code)
+    def cell(code, store_history=False):
+        result = shell.run_cell(code, store_history=store_history)
         if not result.success:
             raise SystemExit("cell failed: " + repr(code) + ": " + repr(result.error_in_exec or result.error_before_exec))
     import cellblock_snapshot
@@ -67,6 +67,8 @@ def test_round_trip_keeps_values_functions_classes_and_files(dirs):
         cell("import os\\nopen(os.environ['TMPDIR'] + '/note.txt', 'w').write('in tmp')")
         cell("open(os.environ['CELLBLOCK_OUTPUT_DIR'] + '/plot.txt', 'w').write('an output')")
         cell("import os\\nos.makedirs(os.path.expanduser('~/work'), exist_ok=True)\\nopen(os.path.expanduser('~/work/data.csv'), 'w').write('a,b\\\\n1,2\\\\n')")
+        cell("n * 2", store_history=True)
+        cell("rows", store_history=True)
         r = cellblock_snapshot.save(shell, %r)
         print(json.dumps(r))
     """ % str(dirs["snapshot"]), home, tmp)
@@ -89,6 +91,10 @@ def test_round_trip_keeps_values_functions_classes_and_files(dirs):
             "tmp": open(__import__('os').environ['TMPDIR'] + '/note.txt').read() == 'in tmp',
             "output": open(__import__('os').environ['CELLBLOCK_OUTPUT_DIR'] + '/plot.txt').read() == 'an output',
             "home": open(__import__('os').path.expanduser('~/work/data.csv')).read() == 'a,b\\n1,2\\n',
+            # The prompts go on: the count, In and Out, _N and _iN.
+            "count": shell.execution_count == 3,
+            "In": ns["In"][1].strip() == "n * 2" and ns["_i2"].strip() == "rows",
+            "Out": ns["Out"][1] == 84 and ns["_2"] is ns["rows"] and ns["_"] is ns["rows"],
         }
         # A function restored sees the live namespace: a global changed later is seen.
         cell("n = 100")
@@ -136,7 +142,7 @@ def test_another_format_is_refused_with_a_reason(dirs):
         for m, data in members:
             if m.name == "manifest.json":
                 manifest = json.loads(data)
-                manifest["format"] = 2
+                manifest["format"] = 3
                 data = json.dumps(manifest).encode()
                 m.size = len(data)
             tar.addfile(m, __import__("io").BytesIO(data) if data is not None else None)
@@ -148,7 +154,7 @@ def test_another_format_is_refused_with_a_reason(dirs):
         except cellblock_snapshot.SnapshotRefused as e:
             print(json.dumps({"refused": str(e), "x": "x" in shell.user_ns}))
     """ % str(newer), home2, tmp2)
-    assert out["refused"] == "snapshot format 2, this kernel reads 1", out
+    assert out["refused"] == "snapshot format 3, this kernel reads 2", out
     assert out["x"] is False
 
 
