@@ -19,6 +19,7 @@
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "inner_channels.hpp"
+#include "kernel_sleep.hpp"
 #include "manager_paths.hpp"
 #include "relay_priority.hpp"
 #include "session_proxy.hpp"
@@ -144,7 +145,32 @@ int run_kernel_mode(const KernelModeOptions& options) {
     proxy_options.limits = limits;
     proxy_options.client_transport = options.client_transport;
     EventLoop loop;
+    // hibernate_after_s holds here too: the snapshot is kept beside the
+    // kernels' state, and the wake starts a sandbox of the same image.
+    KernelSleep sleep(loop, context, session_id, image, limits.sandbox, settings,
+                      options.kernel_transport, options.paths.state_dir / "kernel-snapshots");
+    proxy_options.observer = &sleep;
+    proxy_options.keep_snapshot = [&](Sandbox& box, const nlohmann::json& report,
+                                      std::string& why) {
+        if (!sleep.keep(box, report, why)) return false;
+        if (egress) egress->remove_session(session_id);  // its listener was in the old ipc dir
+        return true;
+    };
+    proxy_options.wake = [&] { sleep.wake(); };
     auto proxy = std::make_unique<SessionProxy>(context, loop, session_id, outer, proxy_options);
+    sleep.on_woken(
+        [&](std::unique_ptr<RuncSandbox> sandbox, std::unique_ptr<InnerChannels> channels) {
+            if (proxy->closed()) return;  // the sandbox goes with it
+            if (egress) {
+                egress->add_session(
+                    session_id, sandbox->session_dir().ipc(), limits.network,
+                    std::chrono::seconds(static_cast<std::int64_t>(limits.lifetime_s) + 3600));
+            }
+            proxy->attach(std::move(sandbox), std::move(*channels));
+        },
+        [&](const std::string& why) {
+            if (!proxy->closed()) proxy->close("resume_failed: " + why);
+        });
     try {
         // One kernel per process: a zygote image's kernel boots here too
         // (docs/zygote.md, "Kernel mode").

@@ -47,11 +47,11 @@ def governed_kernel():
     started = []
     prefix = tempfile.mkdtemp(prefix="cellblock-kspec-")
 
-    def start(*limits, image=None, env=None):
+    def start(*limits, image=None, env=None, stderr=None):
         spec = install_kernelspec(prefix, *limits, *(["--image", image] if image else []))
         ksm = KernelSpecManager(kernel_dirs=[os.path.join(prefix, "share", "jupyter", "kernels")])
         km = KernelManager(kernel_name="cb-policy", kernel_spec_manager=ksm)
-        km.start_kernel(env=dict(os.environ, **(env or {})))
+        km.start_kernel(env=dict(os.environ, **(env or {})), **({"stderr": stderr} if stderr else {}))
         kc = km.client()
         kc.start_channels()
         started.append((km, kc))
@@ -171,6 +171,27 @@ def test_idle_timeout_ends_the_kernel(governed_kernel):
     t0 = time.monotonic()
     assert exit_code(km, timeout=60) == 0  # the policy ended it, not a crash
     assert time.monotonic() - t0 >= 2, "closed before its idle timeout"
+
+
+def test_hibernate_after_holds_in_kernel_mode(governed_kernel, tmp_path):
+    """Idle past hibernate_after_s, `cellblock kernel` saves its session and
+    lets the sandbox go; the frontend's next request wakes it in a new
+    sandbox with its state and its prompt count."""
+    log_path = tmp_path / "kernel.log"
+    with open(log_path, "w") as log:
+        _, km, kc = governed_kernel("hibernate_after_s=2", stderr=log)
+    reply, _ = execute(kc, "kept = [6, 7]")
+    assert reply["content"]["status"] == "ok"
+    count = reply["content"]["execution_count"]
+    assert wait_for(lambda: "snapshot kept" in log_path.read_text(), timeout=120), \
+        log_path.read_text()
+    reply, iopub = execute(kc, "print(kept[0] * kept[1])", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert stream_text(iopub) == "42\n"
+    assert reply["content"]["execution_count"] == count + 1
+    assert reply["metadata"]["cellblock"]["resumed_ms"] > 0, reply["metadata"]
+    assert "waking in a new sandbox" in log_path.read_text()
+    assert km.is_alive()
 
 
 def test_lifetime_ends_the_kernel_even_while_used(governed_kernel):

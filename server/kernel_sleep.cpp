@@ -1,0 +1,113 @@
+#include "kernel_sleep.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/session_dir.hpp"
+#include "cellblock/signer.hpp"
+
+namespace cellblock {
+
+KernelSleep::KernelSleep(EventLoop& loop, zmq::context_t& context, std::string session_id,
+                         Image image, SandboxLimits limits, RuntimeSettings settings,
+                         RelayTransport transport, std::filesystem::path store_root)
+    : loop_(loop),
+      context_(context),
+      session_id_(std::move(session_id)),
+      image_(std::move(image)),
+      limits_(limits),
+      settings_(std::move(settings)),
+      transport_(transport),
+      store_(std::move(store_root)),
+      done_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+    if (!done_fd_) throw std::system_error(errno, std::generic_category(), "eventfd");
+    watch_ = loop_.watch_fd(done_fd_.get(), [this] { finish(); });
+}
+
+KernelSleep::~KernelSleep() {
+    loop_.unwatch(watch_);
+    abandoned_ = true;
+    if (waking_.valid()) waking_.wait();  // its sandbox goes with the future's value
+    store_.remove(session_id_);
+}
+
+void KernelSleep::on_woken(Woken woken, Failed failed) {
+    woken_ = std::move(woken);
+    failed_ = std::move(failed);
+}
+
+bool KernelSleep::keep(Sandbox& box, const nlohmann::json& report, std::string& why) {
+    const SandboxFiles* files = box.files();
+    if (!files) {
+        why = "the sandbox keeps no files on this host";
+        return false;
+    }
+    try {
+        const std::uint64_t bytes =
+            store_.keep(session_id_, files->output_dir(), files->input_dir());
+        spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id_,
+                     bytes, report.value("saved", 0),
+                     report.value("lost", nlohmann::json::array()).size());
+        return true;
+    } catch (const StorageFull& e) {
+        why = std::string("StorageFull: ") + e.what();
+    } catch (const std::exception& e) {
+        why = e.what();
+    }
+    return false;
+}
+
+void KernelSleep::wake() {
+    if (waking_.valid()) return;  // one wake at a time
+    ++wakes_;
+    spdlog::info("session {}: waking in a new sandbox", session_id_);
+    waking_ = std::async(std::launch::async, [this] {
+        Awake awake = start_sandbox();
+        const std::uint64_t one = 1;
+        [[maybe_unused]] auto n = ::write(done_fd_.get(), &one, sizeof one);
+        return awake;
+    });
+}
+
+KernelSleep::Awake KernelSleep::start_sandbox() {
+    Awake awake;
+    try {
+        // A container id of its own: the old sandbox's may still be going.
+        const std::string id = session_id_ + "-w" + std::to_string(wakes_);
+        awake.sandbox = RuncSandbox::start(id, image_, limits_, settings_);
+        const SandboxFiles* files = awake.sandbox->files();
+        if (!files) throw SnapshotError("the new sandbox keeps no files on this host");
+        store_.place(session_id_, files->input_dir());
+        awake.channels = probe_kernel(context_, *awake.sandbox, std::chrono::seconds(60), 64 << 20,
+                                      &abandoned_, transport_);
+    } catch (const std::exception& e) {
+        awake.error = e.what();
+    }
+    return awake;
+}
+
+void KernelSleep::finish() {
+    std::uint64_t count = 0;
+    [[maybe_unused]] auto n = ::read(done_fd_.get(), &count, sizeof count);
+    if (!waking_.valid()) return;
+    Awake awake = waking_.get();
+    if (!awake.error.empty() || !awake.channels) {
+        spdlog::error("session {}: the wake failed: {}", session_id_, awake.error);
+        if (failed_) failed_(awake.error);
+        return;
+    }
+    // The snapshot was placed in the new sandbox: it leaves the store.
+    store_.remove(session_id_);
+    placed_in_ = awake.sandbox->files()->input_dir();
+    if (woken_) woken_(std::move(awake.sandbox), std::move(awake.channels));
+}
+
+void KernelSleep::on_event(const std::string&, const std::string& kind, const std::string&) {
+    if (kind != "resumed" || placed_in_.empty()) return;
+    ::unlink((placed_in_ / kSnapshotFile).c_str());
+    placed_in_.clear();
+}
+
+}  // namespace cellblock
