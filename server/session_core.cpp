@@ -300,7 +300,16 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
         if (execution_->idle_seen) release_held_reply(now);
         return;
     }
-    io_.forward_reply(channel, request.identities, msg, nullptr);
+    if (resumed_) {
+        // The first reply after a resume, of whatever kind, says so.
+        auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
+        json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+        mark_resumed(md);
+        const std::string new_metadata = md.dump();
+        io_.forward_reply(channel, request.identities, msg, &new_metadata);
+    } else {
+        io_.forward_reply(channel, request.identities, msg, nullptr);
+    }
     if (request.msg_type == "shutdown_request") {
         shutdown_request_.reset();
         close(now, "shutdown requested by the client");
@@ -330,23 +339,19 @@ void SessionCore::release_held_reply(Clock::time_point now) {
         md.erase(source);
     }
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
-    if (resumed_) {
-        // The first reply after a resume says so, and names what was lost
-        // (also on stderr, where a person reads it).
-        md["cellblock"]["resumed_ms"] = (*resumed_)["resumed_ms"];
-        md["cellblock"]["lost"] = (*resumed_)["lost"];
-        if (!(*resumed_)["lost"].empty()) {
-            std::string text = "cellblock: the session hibernated; not restored:\n";
-            for (const auto& item : (*resumed_)["lost"]) {
-                if (item.is_array() && item.size() == 2 && item[0].is_string() &&
-                    item[1].is_string()) {
-                    text += "  " + item[0].get<std::string>() + ": " + item[1].get<std::string>() +
-                            "\n";
-                }
+    mark_resumed(md);
+    if (!lost_to_tell_.empty()) {
+        // Named on stderr too, in the first cell after the resume, where a
+        // person reads it.
+        std::string text = "cellblock: the session hibernated; not restored:\n";
+        for (const auto& item : lost_to_tell_) {
+            if (item.is_array() && item.size() == 2 && item[0].is_string() && item[1].is_string()) {
+                text +=
+                    "  " + item[0].get<std::string>() + ": " + item[1].get<std::string>() + "\n";
             }
-            publish(held.request.header, "stream", {{"name", "stderr"}, {"text", text}});
         }
-        resumed_.reset();
+        publish(held.request.header, "stream", {{"name", "stderr"}, {"text", text}});
+        lost_to_tell_ = json::array();
     }
     if (const NetworkLimits& network = governor_->limits().network; network.gateway()) {
         md["cellblock"]["network_bytes_used"] = network_bytes_;

@@ -283,6 +283,8 @@ class SessionCore {
     void hibernation_failed(Clock::time_point now, const std::string& why);
     void wake(Clock::time_point now);
     void replay_asleep(Clock::time_point now);
+    // Puts resumed_ms and lost in the first reply's metadata.cellblock.
+    void mark_resumed(nlohmann::json& metadata);
     // The kernel's figures so far, kept before its sandbox goes.
     void keep_usage();
 
@@ -324,9 +326,12 @@ class SessionCore {
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;
     Clock::time_point sleep_started_{};  // hibernating, then resuming, began
-    // What the first execute_reply after a resume says (metadata.cellblock):
-    // resumed_ms and what was lost.
+    // What the first reply after a resume, of any kind, says
+    // (metadata.cellblock): resumed_ms and what was lost.
     std::optional<nlohmann::json> resumed_;
+    // What was lost, to be named on stderr by the first execution after the
+    // resume (the first reply may be a kernel_info's).
+    nlohmann::json lost_to_tell_ = nlohmann::json::array();
 };
 
 }  // namespace cellblock

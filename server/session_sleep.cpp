@@ -144,6 +144,7 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
     const json report = report_of(*content);
     const double ms = ms_between(sleep_started_, now);
     resumed_ = json{{"resumed_ms", ms}, {"lost", report.value("lost", json::array())}};
+    lost_to_tell_ = (*resumed_)["lost"];
     move_to(SessionState::idle);
     idle_since_ = now;
     event("resumed", fmt::format("{:.0f} ms, {} value(s) restored, {} lost", ms,
@@ -172,6 +173,14 @@ void SessionCore::replay_asleep(Clock::time_point now) {
         if (lifecycle_.ending()) break;
         dispatch_request(now, request.channel, std::move(request.message));
     }
+}
+
+void SessionCore::mark_resumed(json& metadata) {
+    if (!resumed_) return;
+    if (!metadata["cellblock"].is_object()) metadata["cellblock"] = json::object();
+    metadata["cellblock"]["resumed_ms"] = (*resumed_)["resumed_ms"];
+    metadata["cellblock"]["lost"] = (*resumed_)["lost"];
+    resumed_.reset();
 }
 
 void SessionCore::keep_usage() {

@@ -923,6 +923,27 @@ TEST_F(SleepTest, ASaveThatTakesTooLongIsGivenUp) {
     EXPECT_TRUE(io.of("sleep").empty());
 }
 
+TEST_F(SleepTest, TheFirstReplyOfAnyKindSaysResumedAndTheFirstCellNamesTheLost) {
+    sleep_at(t0);
+    core->on_client_request(t0 + 5s, Channel::shell, request("kernel_info_request", "k1"));
+    attach_and_restore(t0 + 5s + 90ms, json::array({json::array({"sock", "TypeError: y"})}));
+    core->on_kernel_reply(t0 + 6s, Channel::shell, from_kernel("kernel_info_reply", "k1"));
+    const auto info = io.to_client("kernel_info_reply");
+    ASSERT_EQ(info.size(), 1u);
+    EXPECT_NEAR(info[0].metadata["cellblock"]["resumed_ms"].get<double>(), 90.0, 0.5);
+    EXPECT_EQ(info[0].metadata["cellblock"]["lost"].size(), 1u);
+    run_cell("c2", t0 + 7s);
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_FALSE(replies[0].metadata["cellblock"].contains("resumed_ms")) << "only the first";
+    bool named = false;
+    for (const auto& s : io.to_client("stream")) {
+        named |= s.parent_id == "c2" &&
+                 s.content.value("text", "").find("sock: TypeError: y") != std::string::npos;
+    }
+    EXPECT_TRUE(named) << "the first cell still names what was lost";
+}
+
 TEST_F(SleepTest, AFailedRestoreClosesTheSessionAndAnswersWhatWaited) {
     sleep_at(t0);
     core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
