@@ -1,0 +1,190 @@
+"""Figure 17: hibernation (docs/hibernation.md), side by side in one run with
+what the same data costs in a bare kernel.
+
+- Hibernate, seconds per GiB: a session holding a DataFrame of random
+  floats (100 MB; 500 MB too outside --quick) is hibernated by
+  session_hibernate_request, timed to its reply (the snapshot saved by the
+  kernel, sealed and kept, the sandbox gone). Per GiB of the DataFrame's
+  bytes. Baseline: a bare kernel (no sandbox) dill-dumps the same kind of
+  DataFrame to a file in /dev/shm, the least any portable snapshot pays.
+  Target: ≤ 1 s/GiB (E2B's pause: ~4 s per GiB of the VM's RAM).
+- Resume to the first reply: the hibernated session's client sends
+  `print(df.shape)` and the figure ends at its reply and idle (a sandbox
+  from the pool, the snapshot opened into it and restored, the cell run).
+  Baseline: the bare kernel loads its dump and runs the same cell. Target:
+  ≤ 150 ms for 100 MB (E2B's resume: ~1 s).
+- Host RAM per session, awake and hibernated: N small sessions (a few
+  variables) are created, their sandboxes' cgroup memory and the server's
+  PSS measured, then all hibernated and measured again. Target ≤ 1 MB per
+  hibernated session. The disk each one's snapshot takes is a row too, and
+  the note gives sessions per 24 GiB when 90% sleep.
+"""
+import os
+import time
+
+from client import BenchError
+from servers import BareKernels, CellblockServer, cgroup_memory, pss_bytes, wait_ready
+from stats import Row, summary
+
+MAKE_FRAME = ("import numpy as np, pandas as pd\n"
+              "df = pd.DataFrame(np.random.default_rng(7).random(({rows}, 8)))\n"
+              "print(int(df.memory_usage().sum()))")
+SMALL_STATE = ("rows = list(range(1000))\nname = 'session'\n"
+               "def f(x):\n    return x * 2\n")
+GIB = float(1 << 30)
+
+
+def frame_rows(mb):
+    return mb * (1 << 20) // 64  # 8 float64 columns
+
+
+def data_bytes(ex):
+    return int(ex.stream_text().strip())
+
+
+def cycle(srv, ch, sid):
+    """One hibernate (timed to its reply) and the resume to the next reply."""
+    t0 = time.perf_counter()
+    reply = srv.manager.call("session_hibernate_request", {"session_id": sid}, timeout=600)
+    hibernate_s = time.perf_counter() - t0
+    if reply.get("state") != "hibernated":
+        raise BenchError(f"session_hibernate_request answered {reply}")
+    ex = ch.execute("print(df.shape)", timeout=600, keep_outputs=True)
+    if not ex.stream_text().startswith("("):
+        raise BenchError(f"the woken session answered {ex.stream_text()!r}")
+    resumed_ms = ex.reply["metadata"].get("cellblock", {}).get("resumed_ms")
+    return hibernate_s, ex.round_trip, resumed_ms, reply.get("snapshot_bytes", 0)
+
+
+def bare_cycle(ch, path):
+    dump = ch.execute(f"import dill\nwith open({path!r}, 'wb') as f:\n    dill.dump(df, f)\n"
+                      "del df", timeout=600)
+    load = ch.execute(f"import dill\nwith open({path!r}, 'rb') as f:\n    df = dill.load(f)\n"
+                      "print(df.shape)", timeout=600, keep_outputs=True)
+    return dump.round_trip, load.round_trip
+
+
+def size_rows(bench, srv, bare_ch, mb, reps):
+    limits = {"memory_mb": max(2048, mb * 6), "output_mb": max(1024, mb * 3),
+              "exec_timeout_s": 600, "max_executions": 100000}
+    reply = srv.create({"limits": limits})
+    sid = reply["session_id"]
+    ch = srv.open_channels(reply["connection"])
+    try:
+        wait_ready(ch, time.monotonic() + 120)
+        made = ch.execute(MAKE_FRAME.format(rows=frame_rows(mb)), timeout=600, keep_outputs=True)
+        nbytes = data_bytes(made)
+        cgroup_bytes = cgroup_memory(sid)[0]
+        bare_made = bare_ch.execute(MAKE_FRAME.format(rows=frame_rows(mb)), timeout=600,
+                                    keep_outputs=True)
+        bare_nbytes = data_bytes(bare_made)
+        path = os.path.join("/dev/shm", f"cellblock-bench-hibernate-{os.getpid()}.dill")
+        hib, res, res_ms, snap, dumps, loads = [], [], [], [], [], []
+        bench.log(f"hibernation: {mb} MB DataFrame, {reps} hibernate/resume cycles, "
+                  "interleaved with a bare kernel's dump/load")
+        try:
+            for i in range(reps):
+                order = [0, 1] if i % 2 == 0 else [1, 0]
+                for side in order:
+                    if side == 0:
+                        h, r, ms_, s = cycle(srv, ch, sid)
+                        hib.append(h / (nbytes / GIB))
+                        res.append(r * 1000)
+                        if ms_ is not None:
+                            res_ms.append(ms_)
+                        snap.append(s)
+                    else:
+                        d, l_ = bare_cycle(bare_ch, path)
+                        dumps.append(d / (bare_nbytes / GIB))
+                        loads.append(l_ * 1000)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        a, b = summary(hib), summary(dumps)
+        detail = (f"{mb} MB: the DataFrame is {nbytes / (1 << 20):.0f} MB, the session's cgroup "
+                  f"held {cgroup_bytes / (1 << 20):.0f} MB before it slept; snapshot "
+                  f"{summary(snap)['median'] / (1 << 20):.0f} MB sealed on disk; the relay's own "
+                  f"resumed_ms (wake request → restored) median "
+                  f"{summary(res_ms)['median'] if res_ms else float('nan'):.0f} ms")
+        rows = [Row("17", f"Hibernate a session holding {mb} MB (s per GiB of data)", "s/GiB", a,
+                    b, "bare kernel: dill.dump to /dev/shm", target="≤ 1 s/GiB (E2B ~4)",
+                    met=a["median"] <= 1.0, detail=detail)]
+        a, b = summary(res), summary(loads)
+        rows.append(Row("17", f"Resume to the first reply, {mb} MB session", "ms", a, b,
+                        "bare kernel: dill.load + the cell",
+                        target="≤ 150 ms for 100 MB (E2B ~1 s)" if mb == 100 else "",
+                        met=(a["median"] <= 150) if mb == 100 else None))
+        return rows
+    finally:
+        ch.close()
+        srv.close_session(sid)
+
+
+def ram_rows(bench, srv, n):
+    bench.log(f"hibernation: {n} small sessions awake, then all hibernated")
+    pss_before = pss_bytes(srv.pid)
+    replies, _ = srv.create_many(n, {"limits": {"max_executions": 100000}})
+    sids = [r["session_id"] for r in replies]
+    chans = [srv.open_channels(r["connection"]) for r in replies]
+    try:
+        for ch in chans:
+            wait_ready(ch, time.monotonic() + 120)
+            ch.execute(SMALL_STATE)
+        awake = [cgroup_memory(sid)[0] for sid in sids]
+        pss_awake = pss_bytes(srv.pid)
+        snaps = []
+        for sid in sids:
+            reply = srv.manager.call("session_hibernate_request", {"session_id": sid},
+                                     timeout=600)
+            snaps.append(reply["snapshot_bytes"])
+        deadline = time.monotonic() + 120
+        while any(os.path.isdir(f"/sys/fs/cgroup/memory/cellblock/cb-{s}") for s in sids):
+            if time.monotonic() > deadline:
+                raise BenchError("hibernated sessions' cgroups still there after 120 s")
+            time.sleep(0.2)
+        pss_asleep = pss_bytes(srv.pid)
+        # What the host holds for each: the server's growth over its idle self, shared.
+        asleep_each = max(0, pss_asleep - pss_before) / n
+        awake_each = [m + max(0, pss_awake - pss_before) / n for m in awake]
+        mb = 1 << 20
+        a = summary([asleep_each / mb])
+        b = summary([x / mb for x in awake_each])
+        per_24g_awake = 24 * 1024 / b["median"]
+        mixed = 0.1 * b["median"] + 0.9 * a["median"]
+        note = (f"{n} sessions; sessions per 24 GiB: {per_24g_awake:.0f} all awake, "
+                f"{24 * 1024 / mixed:.0f} with 90% asleep (RAM only)")
+        rows = [Row("17", "Host RAM per session, hibernated vs awake", "MB", a, b,
+                    "the same sessions awake", target="≤ 1 MB hibernated",
+                    met=a["median"] <= 1.0, note=note),
+                Row("17", "Disk per hibernated small session (sealed snapshot)", "MB",
+                    summary([s / mb for s in snaps]), None, "")]
+        # Waking them all: each answers with its own state.
+        for ch in chans:
+            ex = ch.execute("print(len(rows), f(21))", timeout=600, keep_outputs=True)
+            if ex.stream_text().strip() != "1000 42":
+                raise BenchError(f"a woken session answered {ex.stream_text()!r}")
+        return rows
+    finally:
+        for ch in chans:
+            ch.close()
+        for sid in sids:
+            srv.close_session(sid)
+
+
+def hibernation_figure(bench):
+    reps = bench.n(5, 2)
+    sizes = [100] if bench.quick else [100, 500]
+    n = bench.n(20, 4)
+    rows = []
+    with CellblockServer("hibernation", {"host": 2}) as srv:
+        srv.wait_pool()
+        bare = BareKernels(bench.zmq)
+        try:
+            [bare_ch], _ = bare.start(1)
+            bare_ch.execute("x = 1")
+            for mb in sizes:
+                rows += size_rows(bench, srv, bare_ch, mb, reps)
+        finally:
+            bare.stop()
+        rows += ram_rows(bench, srv, n)
+    return rows
