@@ -200,8 +200,12 @@ class SessionCore {
     void add_network_bytes(std::uint64_t bytes) { network_bytes_ += bytes; }
     std::uint64_t network_bytes() const { return network_bytes_; }
     std::uint64_t cpu_ms() const { return cpu_ms_total_; }
+    // An execution's start, or the snapshot's save or restore's: the relay's
+    // own work is the session's, not idle use the CPU balancer would demote.
     std::optional<Clock::time_point> running_since() const {
-        return execution_ ? std::optional(execution_->started) : std::nullopt;
+        if (execution_) return execution_->started;
+        if (own_) return own_->started;
+        return std::nullopt;
     }
     Clock::time_point idle_since() const { return idle_since_; }
 
@@ -237,7 +241,7 @@ class SessionCore {
     struct OwnRequest {
         std::string msg_id;
         bool restore = false;
-        Clock::time_point deadline;
+        Clock::time_point started, deadline;
     };
     using RequestHandler = bool (SessionCore::*)(Clock::time_point, Channel, InboundMessage&,
                                                  PendingRequest&);

@@ -121,6 +121,9 @@ void Server::finish_resume(PendingCreate& pending, WarmSandbox warm) {
     }
     spdlog::info("session {}: waking in sandbox {}", pending.resume_of,
                  warm.sandbox->container_id());
+    // A new sandbox at the pool's setting: the balancer starts over with it
+    // (a demotion of the old one is not carried to a sandbox without it).
+    session->fairness() = CpuFairness{};
     std::shared_ptr<InnerChannels> channels = warm.channels;
     relay->attach(std::move(warm.sandbox), std::move(*channels));
 }

@@ -102,6 +102,7 @@ void SessionCore::send_own(Clock::time_point now, bool restore) {
         restore ? options_.snapshot_restore_path : options_.snapshot_save_path;
     OwnRequest own;
     own.restore = restore;
+    own.started = now;
     own.deadline = now + options_.snapshot_timeout;
     own.msg_id = io_.send_to_kernel(Channel::shell, "execute_request",
                                     snapshot_request(restore ? "restore" : "save", path));

@@ -7,7 +7,12 @@
 //
 // usage: node run_notebook.js --url http://127.0.0.1:PORT/ --token T
 //          --notebook NAME.ipynb --screenshot OUT.png [--chromium /usr/bin/chromium]
-//          [--timeout-ms 180000]
+//          [--timeout-ms 180000] [--then-when-file PATH --then-code CODE]
+//
+// With --then-when-file, once every cell ran the page sits idle until PATH
+// exists (the test makes it when the kernel slept, docs/hibernation.md),
+// then a new cell with CODE is added and run as a person would; what it
+// showed is `thenCell`.
 'use strict';
 
 const crypto = require('crypto');
@@ -118,6 +123,36 @@ async function main() {
           .update(Buffer.from(image.src.slice(comma + 1), 'base64')).digest('hex');
         delete image.src;
       }
+    }
+
+    if (args.thenWhenFile) {
+      const fs = require('fs');
+      log(`waiting for ${args.thenWhenFile}`);
+      await waitFor(args.thenWhenFile, async () => fs.existsSync(args.thenWhenFile), args.timeoutMs);
+      const count = await page.locator('.cell.code_cell').count();
+      await page.evaluate((code) => {
+        const cell = Jupyter.notebook.insert_cell_at_bottom('code');
+        cell.set_text(code);
+        Jupyter.notebook.select(Jupyter.notebook.ncells() - 1);
+        Jupyter.notebook.execute_cell();
+      }, args.thenCode);
+      await page.waitForFunction((n) => {
+        const prompts = [...document.querySelectorAll('.cell.code_cell .input_prompt')].map((p) => p.textContent);
+        return prompts.length === n && /\[\d+\]/.test(prompts[n - 1]) &&
+          document.querySelector('#kernel_indicator_icon.kernel_idle_icon') !== null;
+      }, count + 1);
+      result.thenCell = await page.evaluate(() => {
+        const cells = document.querySelectorAll('.cell.code_cell');
+        const cell = cells[cells.length - 1];
+        return {
+          prompt: cell.querySelector('.input_prompt').textContent.replace(/\s+/g, ' ').trim(),
+          stdout: [...cell.querySelectorAll('.output_stdout pre')].map((e) => e.textContent).join(''),
+          errors: [...cell.querySelectorAll('.output_error pre')].map((e) => e.textContent),
+        };
+      });
+      result.kernelStatusAfterThen = await page.evaluate(() =>
+        document.querySelector('#kernel_indicator_icon').className);
+      log(`then-cell ran: ${result.thenCell.prompt}`);
     }
 
     // Scroll the plot into view and keep what the person would see.

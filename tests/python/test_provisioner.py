@@ -290,11 +290,8 @@ def test_notebook_in_chromium(provisioned, monkeypatch, tmp_path):
                     timeout=30)
 
 
-def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(provisioned):
-    """hibernate_after_s in the kernelspec's limits: the provisioned kernel
-    hibernates while `jupyter console` sits at its prompt (its heartbeats do
-    not wake it), and the next line the user types wakes it with its state."""
-    from test_console import JUPYTER_CONSOLE, Terminal
+def sleepy_kernel(provisioned):
+    """A provisioner kernelspec whose sessions hibernate after 3 idle seconds."""
     name = KERNEL + "-sleepy"
     prefix = os.path.dirname(os.path.dirname(os.path.dirname(provisioned.kernels_dir)))
     out = subprocess.run([CELLBLOCK_BIN, "kernelspec", "install", "--provisioner", "--prefix",
@@ -302,6 +299,70 @@ def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(prov
                           "--limit", "hibernate_after_s=3"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
+    return name
+
+
+def test_notebook_in_chromium_keeps_working_after_the_kernel_slept(provisioned, monkeypatch,
+                                                                    tmp_path):
+    """Notebook 6 in headless Chromium: the kernel (a session with
+    hibernate_after_s) sleeps while the page sits open, and a new cell then
+    runs in it with the state the first cells left."""
+    from test_frontends import CHROMIUM, FRONTEND_DIR, NOTEBOOK_APP, NotebookServer
+    for path in (NOTEBOOK_APP, CHROMIUM, os.path.join(FRONTEND_DIR, "node_modules", "playwright-core")):
+        assert os.path.exists(path), f"{path} missing: scripts/setup.sh installs it"
+    name = sleepy_kernel(provisioned)
+    before = {s["session_id"] for s in provisioned.sessions()}
+    monkeypatch.setenv("JUPYTER_PATH", provisioned.env["JUPYTER_PATH"])
+    monkeypatch.setenv("PYTHONPATH", provisioned.site)
+    server = NotebookServer(str(tmp_path / "server"))
+    slept = tmp_path / "slept"
+    try:
+        nb = notebook(name)
+        nb.cells.append(nbformat.v4.new_code_cell("kept = 6 * 7"))
+        nbformat.write(nb, os.path.join(server.notebook_dir, "sleepy.ipynb"))
+        node = subprocess.Popen(
+            ["node", os.path.join(FRONTEND_DIR, "run_notebook.js"), "--url", server.url,
+             "--token", server.token, "--notebook", "sleepy.ipynb",
+             "--screenshot", str(tmp_path / "sleepy.png"), "--chromium", CHROMIUM,
+             "--timeout-ms", "120000", "--then-when-file", str(slept),
+             "--then-code", "print(kept, Out[2])"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=FRONTEND_DIR)
+        try:
+            def new_session():
+                new = [s for s in provisioned.sessions(open_only=True) if s["session_id"] not in before]
+                return new[0]["session_id"] if new else None
+            sid = wait_for(new_session, timeout=120, interval=0.5)
+            assert sid, "no session for the notebook's kernel"
+            assert wait_for(lambda: provisioned.server.info_of(sid)["state"] == "hibernated",
+                            timeout=180, interval=0.5), provisioned.server.info_of(sid)
+            slept.write_text("asleep")
+            out, err = node.communicate(timeout=300)
+        finally:
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
+        assert node.returncode == 0, f"{err}\n{out}\n{server.log_text()[-4000:]}"
+        page = json.loads(out)
+    finally:
+        server.stop()
+    cells = page["cells"]
+    assert not any(c["errors"] for c in cells), cells
+    then = page["thenCell"]
+    assert not then["errors"], then
+    assert then["stdout"].strip() == "42 42", then
+    assert then["prompt"] == "In [4]:", then  # the count goes on across the sleep
+    kinds = [e["kind"] for e in provisioned.server.ok(
+        "session_history_request", {"session_id": sid})["content"]["events"]]
+    assert "hibernated" in kinds and "resumed" in kinds, kinds
+    assert page["kernelsAfter"] == [], page
+
+
+def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(provisioned):
+    """hibernate_after_s in the kernelspec's limits: the provisioned kernel
+    hibernates while `jupyter console` sits at its prompt (its heartbeats do
+    not wake it), and the next line the user types wakes it with its state."""
+    from test_console import JUPYTER_CONSOLE, Terminal
+    name = sleepy_kernel(provisioned)
     before = {s["session_id"] for s in provisioned.sessions()}
     env = dict(provisioned.env, TERM="xterm-256color")
     term = Terminal([JUPYTER_CONSOLE, "--kernel", name], env)
