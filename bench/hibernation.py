@@ -156,8 +156,8 @@ def ram_rows(bench, srv, n):
         rows = [Row("17", "Host RAM per session, hibernated vs awake", "MB", a, b,
                     "the same sessions awake", target="≤ 1 MB hibernated",
                     met=a["median"] <= 1.0, note=note),
-                Row("17", "Disk per hibernated small session (sealed snapshot)", "MB",
-                    summary([s / mb for s in snaps]), None, "")]
+                Row("17", "Disk per hibernated small session (sealed snapshot)", "kB",
+                    summary([s / 1024 for s in snaps]), None, "")]
         # Waking them all: each answers with its own state.
         for ch in chans:
             ex = ch.execute("print(len(rows), f(21))", timeout=600, keep_outputs=True)

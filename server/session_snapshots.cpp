@@ -46,7 +46,12 @@ std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
         const std::uint64_t bytes =
             crypt.seal ? seal_stream(in.get(), out.get(), *crypt.key, crypt.label)
                        : open_sealed_stream(in.get(), out.get(), *crypt.key, crypt.label);
-        if (::fsync(out.get()) != 0) throw SnapshotError("fsync: " + errno_text(errno));
+        // Kept: on disk before the sandbox goes. Placed: the new sandbox's
+        // input lives no longer than the sandbox; an fsync there would only
+        // add to the resume.
+        if (crypt.seal && ::fsync(out.get()) != 0) {
+            throw SnapshotError("fsync: " + errno_text(errno));
+        }
         return bytes;
     } catch (const std::exception& e) {
         ::unlink(to.c_str());
