@@ -69,63 +69,66 @@ struct Modes {
 };
 constexpr Modes kKept{0600, 0700}, kPlaced{0644, 0755};
 
+// Calls visit(name, stat) for each entry of `dir` but ".", ".." and `skip`,
+// never through a link; false when `dir` cannot be listed.
+template <typename Visit>
+bool for_each_entry(int dir, const std::string& skip, Visit&& visit) {
+    UniqueFd listing(::dup(dir));
+    DIR* d = listing ? ::fdopendir(listing.get()) : nullptr;
+    if (!d) return false;
+    listing.release();
+    struct Closer {
+        DIR* d;
+        ~Closer() { ::closedir(d); }
+    } closer{d};
+    ::rewinddir(d);
+    while (const dirent* entry = ::readdir(d)) {
+        const std::string name = entry->d_name;
+        if (name == "." || name == ".." || name == skip) continue;
+        struct stat st {};
+        if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+        visit(name, st);
+    }
+    return true;
+}
+
+UniqueFd open_child_dir(int dir, const std::string& name) {
+    return UniqueFd(::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+}
+
 void copy_tree(int dir, const fs::path& to, const std::string& skip, const std::string& step,
                Modes modes, const Crypt& crypt, int depth = 0) {
     if (depth > 64) throw SnapshotError(step + ": directories nested past 64 levels");
     fs::create_directories(to);
     ::chmod(to.c_str(), modes.dir);
-    UniqueFd listing(::dup(dir));
-    DIR* d = listing ? ::fdopendir(listing.get()) : nullptr;
-    if (!d) throw SnapshotError(step + ": listing: " + errno_text(errno));
-    listing.release();
-    struct Closer {
-        DIR* d;
-        ~Closer() { ::closedir(d); }
-    } closer{d};
-    ::rewinddir(d);
-    while (const dirent* entry = ::readdir(d)) {
-        const std::string name = entry->d_name;
-        if (name == "." || name == ".." || (depth == 0 && name == skip)) continue;
-        struct stat st {};
-        if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
-        Crypt below = crypt;
-        below.label += "/" + name;
-        if (S_ISREG(st.st_mode)) {
-            copy_regular(dir, name, to / name, step, modes.file, below);
-        } else if (S_ISDIR(st.st_mode)) {
-            UniqueFd child(
-                ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-            if (child) copy_tree(child.get(), to / name, skip, step, modes, below, depth + 1);
-        }
-    }
+    const bool listed =
+        for_each_entry(dir, depth == 0 ? skip : "", [&](const std::string& name, const auto& st) {
+            Crypt below = crypt;
+            below.label += "/" + name;
+            if (S_ISREG(st.st_mode)) {
+                copy_regular(dir, name, to / name, step, modes.file, below);
+            } else if (S_ISDIR(st.st_mode)) {
+                if (UniqueFd child = open_child_dir(dir, name)) {
+                    copy_tree(child.get(), to / name, skip, step, modes, below, depth + 1);
+                }
+            }
+        });
+    if (!listed) throw SnapshotError(step + ": listing: " + errno_text(errno));
 }
 
-// The bytes of the regular files under `dir` (as copy_tree takes them).
+// The bytes of the regular files under `dir` (as copy_tree takes them), sealed.
 std::uint64_t tree_bytes(int dir, const std::string& skip, int depth = 0) {
-    if (depth > 64) return 0;
-    UniqueFd listing(::dup(dir));
-    DIR* d = listing ? ::fdopendir(listing.get()) : nullptr;
-    if (!d) return 0;
-    listing.release();
-    struct Closer {
-        DIR* d;
-        ~Closer() { ::closedir(d); }
-    } closer{d};
-    ::rewinddir(d);
     std::uint64_t bytes = 0;
-    while (const dirent* entry = ::readdir(d)) {
-        const std::string name = entry->d_name;
-        if (name == "." || name == ".." || (depth == 0 && name == skip)) continue;
-        struct stat st {};
-        if (::fstatat(dir, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (depth > 64) return bytes;
+    for_each_entry(dir, depth == 0 ? skip : "", [&](const std::string& name, const auto& st) {
         if (S_ISREG(st.st_mode)) {
             bytes += static_cast<std::uint64_t>(st.st_size) + kSealOverhead;
         } else if (S_ISDIR(st.st_mode)) {
-            UniqueFd child(
-                ::openat(dir, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
-            if (child) bytes += tree_bytes(child.get(), skip, depth + 1);
+            if (UniqueFd child = open_child_dir(dir, name)) {
+                bytes += tree_bytes(child.get(), skip, depth + 1);
+            }
         }
-    }
+    });
     return bytes;
 }
 

@@ -292,9 +292,9 @@ std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
 std::string libexec_digest(const fs::path& libexec_dir) {
     std::string all;
     // Every file the sandbox runs from there (kernel-shim/CMakeLists.txt).
-    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
-                             "cellblock_containment.py", "cellblock_protocol.py",
-                             "cellblock_snapshot.py"}) {
+    for (const char* name :
+         {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
+          "cellblock_containment.py", "cellblock_protocol.py", "cellblock_snapshot.py"}) {
         std::ifstream in(libexec_dir / name, std::ios::binary);
         if (!in) throw SandboxError("no " + (libexec_dir / name).string());
         std::stringstream bytes;
