@@ -251,6 +251,10 @@ int main(int argc, char** argv) {
                      "the most all hibernated sessions' snapshots may take on disk together")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
+    std::vector<std::string> serve_default_limits;
+    serve_cmd->add_option("--default-limit", serve_default_limits,
+                          "KEY=VALUE (repeatable): the server's default for a session limit, "
+                          "under images' and requests' (e.g. hibernate_after_s=300)");
     std::vector<std::string> serve_resolve_items;
     add_egress_options(serve_cmd, serve.egress, serve_resolve_items);
     serve_cmd
@@ -364,6 +368,8 @@ int main(int argc, char** argv) {
                 return 1;
             }
             serve.pool[serve.default_image] = 2;
+            serve.policy.defaults = cellblock::SessionLimits::from_json(
+                cellblock::parse_limits(serve_default_limits), serve.policy.defaults);
             for (const auto& item : serve_resolve_items) serve.egress.add_resolve(item);
             serve.egress.apply_to(serve.policy);
             for (const auto& item : swarm_images) {

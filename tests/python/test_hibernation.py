@@ -5,6 +5,8 @@ host; its next request wakes it in a new sandbox with its namespace and files
 back, and what could not be carried is named."""
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -205,3 +207,28 @@ def test_a_snapshot_over_the_cap_is_storage_full_and_the_session_stays(server_fa
     assert srv.info_of(sid)["state"] == "idle"
     assert not os.listdir(os.path.join(srv.state_dir, "snapshots"))
     assert sh.run_ok(kc, "print(len(blob))").strip() == str(6 << 20)
+
+
+def test_the_servers_default_limit_puts_idle_sessions_to_sleep(server_factory):  # noqa: F811
+    srv = server_factory(["--default-limit", "hibernate_after_s=2"])
+    sid, kc, _ = srv.open_session()
+    assert srv.info_of(sid)["limits"]["hibernate_after_s"] == 2
+    sh.run_ok(kc, "kept = 'by default'")
+    assert sh.wait_for(lambda: srv.info_of(sid)["state"] == "hibernated", timeout=120), \
+        srv.info_of(sid)
+    assert sh.run_ok(kc, "print(kept)", timeout=120).strip() == "by default"
+
+
+def test_a_bad_default_limit_stops_the_server_with_why():
+    for item, words in (("hibernate_after_s=0", "hibernate_after_s"),
+                        ("hibernate_after_s=99999999", "hibernate_after_s"),
+                        ("no_such_limit=1", "no_such_limit")):
+        state_dir = sh.new_state_dir()
+        try:
+            run = subprocess.run([sh.CELLBLOCK_BIN, "serve", "--state-dir", state_dir,
+                                  "--default-limit", item],
+                                 capture_output=True, text=True, timeout=60)
+        finally:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        assert run.returncode != 0, (item, run.stdout, run.stderr)
+        assert words in run.stderr + run.stdout, (item, run.stderr)
