@@ -340,19 +340,7 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     }
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
     mark_resumed(md);
-    if (!lost_to_tell_.empty()) {
-        // Named on stderr too, in the first cell after the resume, where a
-        // person reads it.
-        std::string text = "cellblock: the session hibernated; not restored:\n";
-        for (const auto& item : lost_to_tell_) {
-            if (item.is_array() && item.size() == 2 && item[0].is_string() && item[1].is_string()) {
-                text +=
-                    "  " + item[0].get<std::string>() + ": " + item[1].get<std::string>() + "\n";
-            }
-        }
-        publish(held.request.header, "stream", {{"name", "stderr"}, {"text", text}});
-        lost_to_tell_ = json::array();
-    }
+    tell_lost(held.request.header);  // if the kernel's busy did not come first
     if (const NetworkLimits& network = governor_->limits().network; network.gateway()) {
         md["cellblock"]["network_bytes_used"] = network_bytes_;
         md["cellblock"]["network_max_bytes"] = network.max_bytes;

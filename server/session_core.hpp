@@ -289,6 +289,10 @@ class SessionCore {
     void replay_asleep(Clock::time_point now);
     // Puts resumed_ms and lost in the first reply's metadata.cellblock.
     void mark_resumed(nlohmann::json& metadata);
+    // Names what was lost on stderr, once, in the first execution after a
+    // resume: just after its busy (between busy and idle, where a client
+    // collects a cell's output), else at its reply.
+    void tell_lost(const nlohmann::json& parent);
     // The kernel's figures so far, kept before its sandbox goes.
     void keep_usage();
 

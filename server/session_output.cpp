@@ -88,7 +88,8 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
     switch (iopub_kind(msg.msg_type)) {
         case IopubKind::status: {
             const auto content = msg.parsed_content(8);
-            if (content && json_string(*content, "execution_state") == "idle") {
+            const std::string state = content ? json_string(*content, "execution_state") : "";
+            if (state == "idle") {
                 if (held_reply_) {
                     release_held_reply(now);
                 } else if (execution_) {
@@ -96,6 +97,7 @@ void SessionCore::shape_execution_output(Clock::time_point now, InboundMessage& 
                 }
             }
             io_.forward_output(msg, nullptr);
+            if (state == "busy" && execution_) tell_lost(msg.parent);
             return;
         }
         case IopubKind::stream: {

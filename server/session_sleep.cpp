@@ -184,6 +184,20 @@ void SessionCore::mark_resumed(json& metadata) {
     resumed_.reset();
 }
 
+void SessionCore::tell_lost(const json& parent) {
+    if (lost_to_tell_.empty()) return;
+    // Named on stderr too, in the first cell after the resume, where a
+    // person reads it.
+    std::string text = "cellblock: the session hibernated; not restored:\n";
+    for (const auto& item : lost_to_tell_) {
+        if (item.is_array() && item.size() == 2 && item[0].is_string() && item[1].is_string()) {
+            text += "  " + item[0].get<std::string>() + ": " + item[1].get<std::string>() + "\n";
+        }
+    }
+    lost_to_tell_ = json::array();
+    publish(parent, "stream", {{"name", "stderr"}, {"text", text}});
+}
+
 void SessionCore::keep_usage() {
     // The registry keeps the session's figures: each sandbox's whole life
     // since its hand-out, work between executions included, summed over the

@@ -938,6 +938,24 @@ TEST_F(SleepTest, ASaveThatTakesTooLongIsGivenUp) {
     EXPECT_TRUE(io.of("sleep").empty());
 }
 
+TEST_F(SleepTest, TheLostAreNamedBetweenBusyAndIdleEvenWhenIdleOutrunsTheReply) {
+    // A client collects a cell's output until its idle status: the notice
+    // must come before it, also when iopub's idle arrives before the reply.
+    sleep_at(t0);
+    core->on_client_request(t0 + 5s, Channel::shell, execute("c2"));
+    attach_and_restore(t0 + 5s, json::array({json::array({"gen", "TypeError: x"})}));
+    core->on_kernel_iopub(t0 + 6s, status("c2", "busy"));
+    core->on_kernel_iopub(t0 + 6s, status("c2", "idle"));
+    core->on_kernel_reply(t0 + 6s, Channel::shell, execute_reply("c2"));
+    std::vector<std::string> seen;
+    for (const auto& a : io.actions) {
+        if ((a.kind != "forward" && a.kind != "send") || a.parent_id != "c2") continue;
+        seen.push_back(a.msg_type == "status" ? a.content.value("execution_state", "")
+                                              : a.msg_type);
+    }
+    EXPECT_EQ(seen, (std::vector<std::string>{"busy", "stream", "idle", "execute_reply"}));
+}
+
 TEST_F(SleepTest, TheFirstReplyOfAnyKindSaysResumedAndTheFirstCellNamesTheLost) {
     sleep_at(t0);
     core->on_client_request(t0 + 5s, Channel::shell, request("kernel_info_request", "k1"));
