@@ -3,12 +3,57 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <sstream>
+
 #include <spdlog/spdlog.h>
 
 #include "cellblock/session_dir.hpp"
 #include "cellblock/signer.hpp"
 
 namespace cellblock {
+namespace fs = std::filesystem;
+
+namespace {
+
+// Field 22 of /proc/PID/stat, the process's start in clock ticks since
+// boot, or "" when it is gone: with the pid, who a process is.
+std::string start_ticks(pid_t pid) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) return "";
+    std::istringstream fields(line.substr(close + 2));
+    std::string field;
+    for (int i = 3; i <= 22 && fields >> field; ++i) {
+        if (i == 22) return field;
+    }
+    return "";
+}
+
+// Removes the dirs of kernel processes that are gone (one killed while its
+// session slept) and returns this process's own.
+fs::path own_root(const fs::path& root) {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+        const std::string name = entry.path().filename().string();
+        const auto dash = name.find('-');
+        pid_t pid = 0;
+        try {
+            pid = static_cast<pid_t>(std::stol(name.substr(0, dash)));
+        } catch (const std::exception&) {
+            continue;  // not one of ours
+        }
+        if (dash == std::string::npos || pid <= 0) continue;
+        if (start_ticks(pid) == name.substr(dash + 1)) continue;  // its kernel lives
+        spdlog::info("removing {}: its kernel process is gone", entry.path().string());
+        fs::remove_all(entry.path(), ec);
+    }
+    return root / (std::to_string(::getpid()) + "-" + start_ticks(::getpid()));
+}
+
+}  // namespace
 
 KernelSleep::KernelSleep(EventLoop& loop, zmq::context_t& context, std::string session_id,
                          Image image, SandboxLimits limits, RuntimeSettings settings,
@@ -20,7 +65,8 @@ KernelSleep::KernelSleep(EventLoop& loop, zmq::context_t& context, std::string s
       limits_(limits),
       settings_(std::move(settings)),
       transport_(transport),
-      store_(std::move(store_root)),
+      root_(own_root(store_root)),
+      store_(root_),
       done_fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
     if (!done_fd_) throw std::system_error(errno, std::generic_category(), "eventfd");
     watch_ = loop_.watch_fd(done_fd_.get(), [this] { finish(); });
@@ -31,6 +77,8 @@ KernelSleep::~KernelSleep() {
     abandoned_ = true;
     if (waking_.valid()) waking_.wait();  // its sandbox goes with the future's value
     store_.remove(session_id_);
+    std::error_code ec;
+    fs::remove_all(root_, ec);
 }
 
 void KernelSleep::on_woken(Woken woken, Failed failed) {

@@ -1,8 +1,10 @@
 // Hibernation in kernel mode (docs/hibernation.md, "Kernel mode"): the one
 // session of a `cellblock kernel` process sleeps after hibernate_after_s
-// like a served one. Its snapshot is kept under STATE_DIR/kernel-snapshots
-// and its wake starts a new sandbox of the same image off the event loop
-// (the relay keeps answering heartbeats meanwhile), then hands it over.
+// like a served one. Its snapshot is kept under
+// STATE_DIR/kernel-snapshots/<pid>-<start ticks>/ (the process's own, so a
+// later kernel removes what a dead one left) and its wake starts a new
+// sandbox of the same image off the event loop (the relay keeps answering
+// heartbeats meanwhile), then hands it over.
 #pragma once
 
 #include <atomic>
@@ -67,6 +69,7 @@ class KernelSleep : public SessionObserver {
     SandboxLimits limits_;
     RuntimeSettings settings_;
     RelayTransport transport_;
+    std::filesystem::path root_;  // this process's own dir under the store root
     SnapshotStore store_;
     UniqueFd done_fd_;
     EventLoop::WatchId watch_{};

@@ -177,9 +177,14 @@ def test_hibernate_after_holds_in_kernel_mode(governed_kernel, tmp_path):
     """Idle past hibernate_after_s, `cellblock kernel` saves its session and
     lets the sandbox go; the frontend's next request wakes it in a new
     sandbox with its state and its prompt count."""
+    # What a `cellblock kernel` killed while its session slept left behind
+    # (no process has this pid): the next kernel removes it.
+    orphan = "/run/cellblock/kernel-snapshots/999999999-1"
+    os.makedirs(os.path.join(orphan, "s"), exist_ok=True)
     log_path = tmp_path / "kernel.log"
     with open(log_path, "w") as log:
         _, km, kc = governed_kernel("hibernate_after_s=2", stderr=log)
+    assert not os.path.exists(orphan)
     reply, _ = execute(kc, "kept = [6, 7]")
     assert reply["content"]["status"] == "ok"
     count = reply["content"]["execution_count"]
