@@ -31,6 +31,10 @@ void Server::tick_metrics(Clock::time_point now, bool stopping) {
     }
     for (const auto& [order, pending] : creating_) ++snapshot.waiting[pending.image];
     snapshot.max_sessions = static_cast<std::size_t>(std::max(0, options_.policy.max_sessions));
+    if (snapshots_) {
+        snapshot.snapshot_bytes = snapshots_->total_bytes();
+        snapshot.snapshot_max_bytes = snapshots_->caps().total;
+    }
     snapshot.stopping = stopping;
     metrics_->tick(now, snapshot);
 }

@@ -33,10 +33,10 @@ bool contains(std::string_view text, std::string_view part) {
 }  // namespace
 
 std::string close_reason_label(std::string_view reason) {
-    static constexpr std::array<std::string_view, 10> kReasons = {
-        "closed_by_request", "idle_timeout", "lifetime",  "memory_limit",
-        "kernel_died",       "exec_timeout", "node_lost", "server_shutdown",
-        "interrupt_ignored", "server_error"};
+    static constexpr std::array<std::string_view, 11> kReasons = {
+        "closed_by_request", "idle_timeout", "lifetime",     "memory_limit",
+        "kernel_died",       "exec_timeout", "node_lost",    "server_shutdown",
+        "interrupt_ignored", "server_error", "resume_failed"};
     if (reason == "shutdown requested by the client") return "client_shutdown";
     const std::string_view word = reason.substr(0, reason.find(':'));
     for (const auto known : kReasons) {
@@ -122,11 +122,22 @@ ServerMetrics::ServerMetrics(const std::string& version)
           registry_.gauge("cellblock_build_info", "the running cellblock's version", {"version"})),
       sessions_(registry_.gauge(
           "cellblock_sessions",
-          "sessions by image and state: starting (a create waiting for a sandbox), idle, busy",
+          "sessions by image and state: starting (a create waiting for a sandbox), idle, busy, "
+          "hibernated (and hibernating, resuming while they do)",
           {"image", "state"})),
       sessions_max_(
           registry_.gauge("cellblock_sessions_max",
                           "open and starting sessions the server takes (--max-sessions)")),
+      snapshot_bytes_(registry_.gauge(
+          "cellblock_snapshot_bytes",
+          "hibernated sessions' sealed snapshots on the server's disk, all together")),
+      sleeps_(registry_.counter("cellblock_hibernations",
+                                "hibernation steps by image and outcome: hibernated, "
+                                "hibernate_failed (the session stayed awake), resumed",
+                                {"image", "outcome"})),
+      snapshot_max_bytes_(registry_.gauge(
+          "cellblock_snapshot_max_bytes",
+          "the most they may take together (--snapshots-max-mb); past it, StorageFull")),
       creates_(registry_.counter("cellblock_session_creates",
                                  "session_create requests answered, by image and outcome: warm "
                                  "or cold (created), or the ename of the refusal",
@@ -240,6 +251,8 @@ void ServerMetrics::event(SessionTag session, const std::string& kind, const std
         executions_.add({session.image, "refused", error});
     } else if (kind.starts_with("cpu_")) {
         cpu_events_.add({kind.substr(4)});
+    } else if (kind == "hibernated" || kind == "hibernate_failed" || kind == "resumed") {
+        sleeps_.add({session.image, kind});
     }
 }
 
@@ -283,12 +296,16 @@ void ServerMetrics::tick(Clock::time_point now, const Snapshot& snapshot) {
     // sum or an alert over it does not see a series vanish.
     std::map<LabelValues, double> sessions;
     for (const auto& image : snapshot.images) {
-        for (const char* state : {"starting", "idle", "busy"}) sessions[{image, state}] = 0;
+        for (const char* state : {"starting", "idle", "busy", "hibernated"}) {
+            sessions[{image, state}] = 0;
+        }
     }
     for (const auto& [key, count] : snapshot.sessions) sessions[{key.first, key.second}] = count;
     for (const auto& [image, count] : snapshot.waiting) sessions[{image, "starting"}] = count;
     sessions_.replace(sessions);
     sessions_max_.set({}, static_cast<double>(snapshot.max_sessions));
+    snapshot_bytes_.set({}, static_cast<double>(snapshot.snapshot_bytes));
+    snapshot_max_bytes_.set({}, static_cast<double>(snapshot.snapshot_max_bytes));
     std::size_t open = 0, waiting = 0;
     for (const auto& [key, count] : snapshot.sessions) open += static_cast<std::size_t>(count);
     for (const auto& [image, count] : snapshot.waiting) waiting += static_cast<std::size_t>(count);

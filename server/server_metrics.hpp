@@ -83,6 +83,8 @@ class ServerMetrics final : public SessionEvents {
         std::map<std::pair<std::string, std::string>, int> sessions;
         std::map<std::string, int> waiting;
         std::size_t max_sessions = 0;
+        // Hibernated sessions' sealed snapshots on disk, and their cap.
+        std::uint64_t snapshot_bytes = 0, snapshot_max_bytes = 0;
         bool stopping = false;
     };
     void tick(Clock::time_point now, const Snapshot& snapshot);
@@ -104,6 +106,9 @@ class ServerMetrics final : public SessionEvents {
     MetricFamily& build_info_;
     MetricFamily& sessions_;
     MetricFamily& sessions_max_;
+    MetricFamily& snapshot_bytes_;
+    MetricFamily& sleeps_;
+    MetricFamily& snapshot_max_bytes_;
     MetricFamily& creates_;
     MetricFamily& create_seconds_;
     MetricFamily& closes_;

@@ -232,3 +232,28 @@ def test_a_bad_default_limit_stops_the_server_with_why():
             shutil.rmtree(state_dir, ignore_errors=True)
         assert run.returncode != 0, (item, run.stdout, run.stderr)
         assert words in run.stderr + run.stdout, (item, run.stderr)
+
+
+def test_prometheus_sees_sleeping_sessions_and_their_snapshots(server_factory):  # noqa: F811
+    from test_metrics import http_get, metrics_address, sample
+    srv = server_factory(["--metrics", "127.0.0.1:0", "--snapshots-max-mb", "4096"])
+    address = metrics_address(srv)
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "x = 1")
+    image = srv.info_of(sid)["image"]
+    hibernate(srv, sid)
+
+    def scrape():
+        status, _, text = http_get(f"http://{address}/metrics")
+        assert status == 200
+        return text
+    # The gauges are refreshed every second.
+    assert sh.wait_for(lambda: sample(scrape(), "cellblock_sessions", image=image,
+                                      state="hibernated") == 1, timeout=10), scrape()
+    text = scrape()
+    assert sample(text, "cellblock_hibernations_total", image=image, outcome="hibernated") == 1
+    assert sample(text, "cellblock_snapshot_bytes") > 0
+    assert sample(text, "cellblock_snapshot_max_bytes") == 4096 << 20
+    sh.run_ok(kc, "print(x)", timeout=120)
+    assert sh.wait_for(lambda: sample(scrape(), "cellblock_snapshot_bytes") == 0, timeout=10)
+    assert sample(scrape(), "cellblock_hibernations_total", image=image, outcome="resumed") == 1
