@@ -87,24 +87,7 @@ void KernelSleep::on_woken(Woken woken, Failed failed) {
 }
 
 bool KernelSleep::keep(Sandbox& box, const nlohmann::json& report, std::string& why) {
-    const SandboxFiles* files = box.files();
-    if (!files) {
-        why = "the sandbox keeps no files on this host";
-        return false;
-    }
-    try {
-        const std::uint64_t bytes =
-            store_.keep(session_id_, files->output_dir(), files->input_dir());
-        spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id_,
-                     bytes, report.value("saved", 0),
-                     report.value("lost", nlohmann::json::array()).size());
-        return true;
-    } catch (const StorageFull& e) {
-        why = std::string("StorageFull: ") + e.what();
-    } catch (const std::exception& e) {
-        why = e.what();
-    }
-    return false;
+    return store_.keep_from(session_id_, box, report, why);
 }
 
 void KernelSleep::wake() {

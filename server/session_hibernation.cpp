@@ -36,24 +36,7 @@ json Server::session_resume(Request& r, std::vector<std::string>&) {
 
 bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
                            std::string& why) {
-    const SandboxFiles* files = box.files();
-    if (!files) {
-        why = "the " + box.runtime() +
-              " backend's sandboxes keep no files on this host: no snapshot can be kept";
-        return false;
-    }
-    try {
-        const std::uint64_t bytes =
-            snapshots_->keep(session_id, files->output_dir(), files->input_dir());
-        spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id,
-                     bytes, report.value("saved", 0), report.value("lost", json::array()).size());
-    } catch (const StorageFull& e) {
-        why = std::string(ename::StorageFull) + ": " + e.what();
-        return false;
-    } catch (const std::exception& e) {
-        why = e.what();
-        return false;
-    }
+    if (!snapshots_->keep_from(session_id, box, report, why)) return false;
     if (egress_) egress_->remove_session(session_id);  // its listener was in the old ipc dir
     trim_due_ = true;
     return true;

@@ -11,6 +11,9 @@
 #include <cstring>
 #include <system_error>
 
+#include <spdlog/spdlog.h>
+
+#include "cellblock/error_names.hpp"
 #include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
@@ -226,6 +229,28 @@ std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path&
         fs::remove_all(to, ec);
         throw;
     }
+}
+
+bool SnapshotStore::keep_from(const std::string& session_id, Sandbox& box,
+                              const nlohmann::json& report, std::string& why) {
+    const SandboxFiles* files = box.files();
+    if (!files) {
+        why = "the " + box.runtime() +
+              " backend's sandboxes keep no files on this host: no snapshot can be kept";
+        return false;
+    }
+    try {
+        const std::uint64_t bytes = keep(session_id, files->output_dir(), files->input_dir());
+        spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id,
+                     bytes, report.value("saved", 0),
+                     report.value("lost", nlohmann::json::array()).size());
+        return true;
+    } catch (const StorageFull& e) {
+        why = std::string(ename::StorageFull) + ": " + e.what();
+    } catch (const std::exception& e) {
+        why = e.what();
+    }
+    return false;
 }
 
 void SnapshotStore::place(const std::string& session_id, const fs::path& input_dir) const {

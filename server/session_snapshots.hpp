@@ -16,6 +16,9 @@
 #include <stdexcept>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "cellblock/sandbox.hpp"
 #include "snapshot_cipher.hpp"
 
 namespace cellblock {
@@ -62,6 +65,12 @@ class SnapshotStore {
     // space. On failure nothing of the session's is left in the store.
     std::uint64_t keep(const std::string& session_id, const std::filesystem::path& output_dir,
                        const std::filesystem::path& input_dir);
+    // keep() from a sandbox the kernel saved in (`report`: what
+    // cellblock_snapshot said, for the log), for a relay's put_to_sleep: false
+    // with `why` when the sandbox keeps no files here or keeping failed
+    // ("StorageFull: <the numbers>" past a cap).
+    bool keep_from(const std::string& session_id, Sandbox& box, const nlohmann::json& report,
+                   std::string& why);
     // Gives a new sandbox of the session its input files and the snapshot,
     // opened; SnapshotError when a file fails its check (nothing is left
     // half written).
