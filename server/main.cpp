@@ -251,6 +251,17 @@ int main(int argc, char** argv) {
                      "the most all hibernated sessions' snapshots may take on disk together")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
+    serve_cmd
+        ->add_option("--key-file", serve.key_file,
+                     "the server key (32 bytes, 0600, made on first use): SIGHUP seals the "
+                     "sessions it hands to the next start under it (docs/restarts.md)")
+        ->capture_default_str();
+    serve_cmd
+        ->add_option("--takeover-wait", serve.takeover_wait_s,
+                     "seconds SIGHUP waits for busy sessions to finish and hibernate before it "
+                     "closes them")
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     std::vector<std::string> serve_default_limits;
     serve_cmd->add_option("--default-limit", serve_default_limits,
                           "KEY=VALUE (repeatable): the server's default for a session limit, "
@@ -389,6 +400,11 @@ int main(int argc, char** argv) {
                     throw std::runtime_error("--pool " + item + ": expected IMAGE=N");
                 serve.pool[item.substr(0, eq)] = std::stoi(item.substr(eq + 1));
             }
+            // SIGHUP runs this program again, from the path it was started
+            // from (an upgrade installed over it runs), with these arguments.
+            std::error_code ec;
+            serve.self_exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+            serve.command_line.assign(argv, argv + argc);
             return cellblock::run_server(serve);
         }
 

@@ -48,6 +48,7 @@
 #include "session.hpp"
 #include "session_proxy.hpp"
 #include "session_snapshots.hpp"
+#include "snapshot_cipher.hpp"
 #include "version.hpp"
 
 namespace cellblock {
@@ -89,6 +90,9 @@ class Server final : public SessionObserver {
     explicit Server(const ServeOptions& options);
     ~Server() override;
     int run();
+    // run() ended with the sessions handed over on SIGHUP: the caller execs
+    // the server again (on SIGUSR2 it exits; the next start takes them).
+    bool handed_over() const { return handed_over_; }
 
     // SessionObserver
     void on_execution(const ExecutionRecord& record) override;
@@ -174,6 +178,27 @@ class Server final : public SessionObserver {
     // A create that will not be served: its client is answered, or the
     // session it was to wake is closed.
     void fail_create(PendingCreate& pending, const std::string& ename, const std::string& evalue);
+    // A planned restart (session_handover.cpp, docs/restarts.md).
+    ProxyOptions proxy_options(const std::string& session_id, const SessionLimits& limits);
+    // SIGHUP: false (logged) when the server key cannot be had; the server goes on.
+    bool begin_handover();
+    // Every session hibernated or given up on, or --takeover-wait passed.
+    bool handover_ready(Clock::time_point now) const;
+    // One sealed row per hibernated session; the others are closed with why.
+    void write_handover();
+    // The next start: the sessions the rows name, and the manager's endpoint and key.
+    std::set<std::string> handed_over_sessions() const;
+    void take_over_manager(std::vector<HandoverRow>& rows);
+    void take_over_sessions(const std::vector<HandoverRow>& rows);
+    void take_over_session(const HandoverRow& row);
+    bool handing_over_ = false;
+    bool exec_after_handover_ = false;  // SIGHUP; SIGUSR2 exits instead
+    std::string handover_signal_;
+    Clock::time_point handover_deadline_{};
+    std::unique_ptr<SnapshotKey> server_key_;
+    std::string server_key_error_;  // why server_key_ is null at start-up
+    // Sessions that could not hibernate for the handover, and why.
+    std::map<std::string, std::string> handover_refusals_;
     json file_request(Request& r, std::vector<std::string>& buffers);
     // What a transfer needs of a live session; FileError where the backend
     // keeps no files on this host.
@@ -274,6 +299,7 @@ class Server final : public SessionObserver {
     void count_create_reply(const WireMessage& request, const json& content);
     std::unique_ptr<ServerMetrics> metrics_;
     std::unique_ptr<MetricsHttpServer> metrics_http_;
+    bool handed_over_ = false;
 };
 
 }  // namespace cellblock

@@ -181,9 +181,21 @@ int Server::run() {
     loop_.watch_fd(signal_fd_.get(), [&] {
         signalfd_siginfo info;
         [[maybe_unused]] auto n = ::read(signal_fd_.get(), &info, sizeof info);
+        if ((info.ssi_signo == SIGHUP || info.ssi_signo == SIGUSR2) && !signalled) {
+            // A planned restart: the sessions go to the next start
+            // (session_handover.cpp), this program again (SIGHUP) or
+            // whichever server starts next on the state dir (SIGUSR2).
+            if (!handing_over_) {
+                exec_after_handover_ = info.ssi_signo == SIGHUP;
+                handover_signal_ = cellblock::signal_name(static_cast<int>(info.ssi_signo));
+                begin_handover();
+            }
+            return;
+        }
         signal_name = cellblock::signal_name(static_cast<int>(info.ssi_signo));
         spdlog::info("cellblock serve: {}; closing {} session(s)", signal_name, sessions_.size());
         signalled = true;
+        handing_over_ = false;  // a stop during a handover stops
     });
     // The server's own clock: CPU fairness, image versions, creates waiting.
     loop_.add_deadline(
@@ -192,6 +204,8 @@ int Server::run() {
             if (!sessions_.empty()) next = std::min(next, next_balance_);
             for (const auto& [order, pending] : creating_) next = std::min(next, pending.deadline);
             if (trim_due_) next = std::min(next, next_trim_);  // run() trims
+            // Handing over: run() checks each turn whether every session settled.
+            if (handing_over_) next = std::min(next, Clock::now() + std::chrono::milliseconds(100));
             return next;
         },
         [this](Clock::time_point now) {
@@ -213,7 +227,7 @@ int Server::run() {
                 next_tick = now + ServerMetrics::kTick;
             });
     }
-    while (!signalled) {
+    while (!signalled && !(handing_over_ && handover_ready(Clock::now()))) {
         loop_.run_once();
         audit_.flush();
         const auto now = Clock::now();
@@ -234,6 +248,11 @@ int Server::run() {
     // /readyz: shutting down; the flush below turns the loop without the tick.
     if (metrics_tick) loop_.remove_deadline(*metrics_tick);
     if (metrics_) tick_metrics(Clock::now(), true);
+    if (handing_over_) {
+        write_handover();
+        handed_over_ = exec_after_handover_;
+        signal_name = handover_signal_;
+    }
     shut_down(signal_name);
     // Sandboxes whose processes were slow to die: their cgroups go before we do.
     if (!await_cgroup_removals(kShutdownCgroupWait)) {
@@ -284,12 +303,31 @@ void Server::shut_down(const std::string& signal) {
 int run_server(const ServeOptions& options) {
     sigset_t set;
     sigemptyset(&set);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR2}) sigaddset(&set, sig);
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     ::signal(SIGPIPE, SIG_IGN);
     give_relay_priority(options.relay_nice);
-    Server server(options);
-    return server.run();
+    bool again = false;
+    int code = 0;
+    {
+        Server server(options);
+        code = server.run();
+        again = server.handed_over();
+    }
+    if (!again) return code;
+    // Every descriptor but the standard ones is close-on-exec, and the server
+    // lock went with the Server: the next start takes it.
+    spdlog::info("cellblock serve: starting again: {}", options.self_exe);
+    std::vector<char*> args;
+    for (const auto& arg : options.command_line) args.push_back(const_cast<char*>(arg.c_str()));
+    args.push_back(nullptr);
+    // SIGINT, SIGTERM, SIGHUP and SIGUSR2 stay blocked: one that comes meanwhile
+    // waits for the next start's signalfd.
+    ::execv(options.self_exe.c_str(), args.data());
+    spdlog::critical("cellblock serve: exec {}: {}; the sessions handed over wait for the next "
+                     "start on this state dir",
+                     options.self_exe, std::strerror(errno));
+    return 1;
 }
 
 }  // namespace cellblock

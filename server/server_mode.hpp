@@ -48,9 +48,20 @@ struct ServeOptions {
     // most one session's may take, and all of them together, in MB.
     std::uint64_t snapshot_max_mb = 16384;
     std::uint64_t snapshots_max_mb = 262144;
+    // A planned restart (docs/restarts.md): the key the handover is sealed
+    // under (outside the state dir, made on first use), and how long SIGHUP
+    // waits for busy sessions to finish before it closes them.
+    std::filesystem::path key_file = "/etc/cellblock/server.key";
+    double takeover_wait_s = 60;
+    // What SIGHUP runs again once the sessions are handed over: this
+    // program's path (read at start, so an upgrade installed over it runs)
+    // and its arguments.
+    std::string self_exe;
+    std::vector<std::string> command_line;
 };
 
-// Runs until SIGTERM/SIGINT; returns the process exit code.
+// Runs until SIGTERM/SIGINT; returns the process exit code. SIGHUP hands
+// the sessions over and execs `self_exe` with `command_line`.
 int run_server(const ServeOptions& options);
 
 }  // namespace cellblock

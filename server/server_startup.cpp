@@ -1,5 +1,6 @@
 // Start-up: the state directory and its lock, images, the pool, the manager socket.
 #include "server.hpp"
+#include "server_key.hpp"
 
 namespace cellblock {
 
@@ -166,20 +167,32 @@ Server::Server(const ServeOptions& options)
     for (const auto& path : remove_orphan_cgroups(std::chrono::seconds(60))) {
         spdlog::info("removed empty cgroup {} left by an earlier run", path.string());
     }
-    for (const auto& id : store_.close_all_open("server_restart", unix_now())) {
+    // Sessions the last server handed over (SIGHUP, docs/restarts.md) are
+    // taken over below; every other open one ended with that server.
+    std::vector<HandoverRow> handover = store_.handovers();
+    const std::set<std::string> handed = handed_over_sessions();
+    for (const auto& id : store_.close_all_open("server_restart", unix_now(), handed)) {
         spdlog::info("session {} marked closed: server_restart", id);
     }
-    // Hibernated sessions do not outlive their server yet (issue #32): their
-    // snapshots go with the sessions the registry just closed.
     SnapshotCaps caps;
     caps.per_session = options_.snapshot_max_mb << 20;
     caps.total = options_.snapshots_max_mb << 20;
     snapshots_ = std::make_unique<SnapshotStore>(settings_.state_dir / "snapshots", caps);
     for (const auto& left : fs::directory_iterator(snapshots_->root())) {
+        if (handed.count(left.path().filename().string())) continue;
         spdlog::info("snapshot of session {} removed: its server ended",
                      left.path().filename().string());
     }
-    snapshots_->clear();
+    snapshots_->clear(handed);
+    if (!handover.empty()) {
+        try {
+            server_key_ = load_server_key(options_.key_file, false);
+        } catch (const std::exception& e) {
+            server_key_error_ = e.what();
+            spdlog::error("handover: {}: the {} session(s) handed over cannot be taken back",
+                          server_key_error_, handed.size());
+        }
+    }
 
     handlers_ = {{"session_create_request", &Server::session_create},
                  {"session_list_request", &Server::session_list},
@@ -195,7 +208,7 @@ Server::Server(const ServeOptions& options)
     if (!wake_fd_) throw std::runtime_error(std::string("eventfd: ") + strerror(errno));
     sigset_t signals;
     sigemptyset(&signals);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&signals, sig);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR2}) sigaddset(&signals, sig);
     signal_fd_.reset(::signalfd(-1, &signals, SFD_CLOEXEC | SFD_NONBLOCK));
     if (!signal_fd_) throw std::runtime_error(std::string("signalfd: ") + strerror(errno));
     std::vector<PoolImage> pool_images;
@@ -255,8 +268,10 @@ Server::Server(const ServeOptions& options)
     // real limit, see on_manager); past it libzmq cuts the connection.
     manager_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kManagerFrameCeiling));
     manager_.set(zmq::sockopt::router_handover, 1);
+    take_over_manager(handover);  // the last server's endpoint and key, if it handed over
     manager_.bind(options_.manager_endpoint);
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
+    take_over_sessions(handover);
     open_local_files();
     if (!options_.metrics_address.empty()) start_metrics();
     write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_,

@@ -128,7 +128,10 @@ void SessionCore::on_client_request(Clock::time_point now, Channel channel, Inbo
 
 void SessionCore::dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg) {
     PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
-    if (asleep()) {
+    // Handing over: only an interrupt of the running execution goes to this
+    // kernel; the rest wait for the next server (handover_state).
+    const bool interrupt = channel == Channel::control && msg.msg_type == "interrupt_request";
+    if (asleep() || (handing_over_ && !(interrupt && execution_))) {
         // Answered once the session is awake, in the order they came.
         if (asleep_.size() >= options_.max_queued) {
             refuse(request, ename::SessionBusy,
@@ -138,7 +141,7 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
         }
         if (governor_) governor_->on_client_request(now);
         asleep_.push_back({channel, std::move(msg)});
-        if (lifecycle_.state() == SessionState::hibernated) wake(now);
+        if (lifecycle_.state() == SessionState::hibernated && !handing_over_) wake(now);
         return;
     }
     if (!lifecycle_.kernel_live()) {
@@ -402,6 +405,9 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
     }
+    if (handing_over_ && lifecycle_.state() == SessionState::idle && !handover_failed_) {
+        consider(now + std::chrono::milliseconds(50));  // settle_handover: free yet?
+    }
     if (governor_) {
         consider(governor_->next_expiry_check(now));
         if (std::string why; lifecycle_.state() == SessionState::idle && io_.can_sleep(why)) {
@@ -493,8 +499,10 @@ void SessionCore::on_tick(Clock::time_point now) {
             close(now, *reason);
             return;
         }
-        if (std::string why; lifecycle_.state() == SessionState::idle && io_.can_sleep(why) &&
-                             governor_->hibernation_due(now)) {
+        if (handing_over_) {
+            settle_handover(now);
+        } else if (std::string why; lifecycle_.state() == SessionState::idle &&
+                                    io_.can_sleep(why) && governor_->hibernation_due(now)) {
             event("hibernating", "idle for hibernate_after_s " +
                                      format_seconds(governor_->limits().hibernate_after_s) + " s");
             if (!hibernate(now, why)) {

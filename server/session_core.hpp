@@ -149,6 +149,21 @@ struct CoreOptions {
     std::chrono::milliseconds snapshot_timeout{300000};
 };
 
+// What a session carries from its server to the next (docs/restarts.md),
+// beside its snapshot: the policy's counters and the requests that came
+// once the handover began, verified, as their frames.
+struct HandoverState {
+    std::int64_t executions = 0;
+    double age_s = 0;   // since the session was created
+    double idle_s = 0;  // since its last client request
+    std::uint64_t cpu_ms = 0, memory_peak_bytes = 0, network_bytes = 0;
+    struct Request {
+        Channel channel = Channel::shell;
+        std::vector<std::string> frames;
+    };
+    std::vector<Request> requests;
+};
+
 class SessionCore {
   public:
     SessionCore(CoreOptions options, SessionIo& io, Clock::time_point now);
@@ -182,6 +197,18 @@ class SessionCore {
     bool hibernate(Clock::time_point now, std::string& why);
     // Wakes a hibernated session now, as its next request would.
     bool resume(Clock::time_point now, std::string& why);
+    // The server hands its sessions to the next one (docs/restarts.md): from
+    // now the session takes no new work (requests wait, not woken for, an
+    // interrupt of the running execution excepted) and hibernates once idle
+    // with nothing open. A session that cannot reports hibernate_failed.
+    void hand_over(Clock::time_point now);
+    bool handing_over() const { return handing_over_; }
+    // Hibernated, or closed: nothing more will change before the handover.
+    bool handover_settled() const;
+    HandoverState handover_state(Clock::time_point now) const;
+    // The next server: a session handed over hibernated, with its counters;
+    // its requests are given to on_client_request after, and wake it.
+    void take_over(Clock::time_point now, const HandoverState& state);
 
     bool kernel_live() const { return lifecycle_.kernel_live(); }
     // Hibernating, hibernated or resuming: requests wait for it to wake.
@@ -286,6 +313,8 @@ class SessionCore {
     void on_own_reply(Clock::time_point now, InboundMessage& msg);
     void hibernation_failed(Clock::time_point now, const std::string& why);
     void wake(Clock::time_point now);
+    // Handing over: hibernates once idle with nothing open.
+    void settle_handover(Clock::time_point now);
     void replay_asleep(Clock::time_point now);
     // Puts resumed_ms and lost in the first reply's metadata.cellblock.
     void mark_resumed(nlohmann::json& metadata);
@@ -330,6 +359,8 @@ class SessionCore {
     Clock::time_point idle_since_{};
 
     std::optional<OwnRequest> own_;
+    bool handing_over_ = false;
+    bool handover_failed_ = false;  // could not hibernate for it: the server closes it
     // Requests that came while the session slept or was being put to sleep,
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;

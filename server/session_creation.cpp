@@ -5,6 +5,10 @@
 namespace cellblock {
 
 json Server::session_create(Request& r, std::vector<std::string>&) {
+    if (handing_over_) {
+        throw RequestError{ename::ServerRestarting,
+                           "the server is restarting; send the create again"};
+    }
     const json& c = r.message.content;
     const std::string image_name = c.contains("image") && c["image"].is_string()
                                        ? c["image"].get<std::string>()
@@ -233,25 +237,12 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     outer.ip = "127.0.0.1";
     outer.key = make_random_key();
     outer.kernel_name = "cellblock-" + pending.image;
-    ProxyOptions opts;
-    opts.policy = &options_.policy;
-    opts.limits = pending.limits;
-    opts.observer = this;
-    opts.audit_code_hash_only = options_.audit_code_hash_only;
-    opts.client_transport = options_.client_transport;
-    SandboxPool* pool = pool_.get();
-    opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
     std::shared_ptr<InnerChannels> channels = warm.channels;
     const std::string runtime = warm.sandbox->runtime();
     const HostProcess* host = warm.sandbox->host_process();
     const IdMapping host_ids = host ? host->host_ids() : IdMapping{0, 0};
-    opts.on_expired = [this, id = pending.session_id] { expired_.push_back(id); };
-    opts.keep_snapshot = [this, id = pending.session_id](Sandbox& box, const json& report,
-                                                         std::string& why) {
-        return keep_snapshot(id, box, report, why);
-    };
-    opts.wake = [this, id = pending.session_id] { wake_session(id); };
-    auto proxy = std::make_unique<SessionProxy>(context_, loop_, pending.session_id, outer, opts);
+    auto proxy = std::make_unique<SessionProxy>(context_, loop_, pending.session_id, outer,
+                                                proxy_options(pending.session_id, pending.limits));
     proxy->attach(std::move(warm.sandbox), std::move(*channels));
 
     SessionRecord record;

@@ -28,6 +28,11 @@ json Server::session_resume(Request& r, std::vector<std::string>&) {
     if (state == SessionState::idle || state == SessionState::busy) {
         return {{"status", "ok"}, {"session_id", relay.session_id()}, {"state", relay.state()}};
     }
+    if (handing_over_) {
+        throw RequestError{ename::ServerRestarting,
+                           "the server is restarting; the session wakes at its next "
+                           "start: send the request again"};
+    }
     std::string why;
     if (!relay.resume(why)) throw RequestError{ename::SessionClosed, why};
     sessions_.find(relay.session_id())->waiting_wake().push_back(r.message);
@@ -135,6 +140,7 @@ void Server::on_sleep_event(Session& session, const std::string& kind, const std
         }
         session.waiting_sleep().clear();
     } else if (kind == "hibernate_failed") {
+        if (handing_over_) handover_refusals_[id] = detail;  // write_handover closes it with why
         for (const auto& request : session.waiting_sleep()) {
             // A cap or the disk's room: StorageFull, with the numbers.
             const std::string full = std::string(ename::StorageFull) + ": ";

@@ -370,17 +370,17 @@ RelaySocket* SessionProxy::inner_socket(Channel channel) {
     return nullptr;
 }
 
-void SessionProxy::on_client(Channel channel) {
+bool SessionProxy::on_client(Channel channel) {
     RelaySocket* socket = outer_socket(channel);
-    if (!socket) return;  // closed with the session in this same turn
+    if (!socket) return false;  // closed with the session in this same turn
     InboundMessage msg;
     std::string why, sender;
     switch (receive_verified(*socket, scratch_, client_rules_, msg, why, sender)) {
         case Received::nothing:
-            return;
+            return false;
         case Received::rejected:
             io_->rejected(channel_name(channel), sender, why);
-            return;
+            return true;
         case Received::message:
             break;
     }
@@ -388,6 +388,36 @@ void SessionProxy::on_client(Channel channel) {
         core_->on_client_input(Clock::now(), std::move(msg));
     } else {
         core_->on_client_request(Clock::now(), channel, std::move(msg));
+    }
+    return true;
+}
+
+HandoverState SessionProxy::handover_state() {
+    for (Channel channel : {Channel::control, Channel::shell}) {
+        while (on_client(channel)) {
+        }
+    }
+    return core_->handover_state(Clock::now());
+}
+
+void SessionProxy::take_over(const HandoverState& state) {
+    core_->take_over(Clock::now(), state);
+}
+
+void SessionProxy::replay(const std::vector<HandoverState::Request>& requests) {
+    for (const auto& request : requests) {
+        Multipart frames;
+        for (const auto& frame : request.frames) {
+            frames.total_bytes += frame.size();
+            frames.frames.emplace_back(frame);
+        }
+        InboundMessage msg;
+        std::string why;
+        if (!verify_frames(frames, client_rules_, msg, why)) {
+            io_->rejected(channel_name(request.channel), "", "carried over a restart: " + why);
+            continue;
+        }
+        core_->on_client_request(Clock::now(), request.channel, std::move(msg));
     }
 }
 

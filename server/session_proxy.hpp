@@ -89,6 +89,16 @@ class SessionProxy {
     bool hibernate(std::string& why) { return core_->hibernate(Clock::now(), why); }
     bool resume(std::string& why) { return core_->resume(Clock::now(), why); }
     SessionState lifecycle_state() const { return core_->lifecycle_state(); }
+    // Handing over to the next server (docs/restarts.md, SessionCore::hand_over).
+    void hand_over() { core_->hand_over(Clock::now()); }
+    bool handover_settled() const { return core_->handover_settled(); }
+    // Reads every request already waiting on the client's channels (they
+    // wait for the next server too), then says what the session carries.
+    HandoverState handover_state();
+    // The next server: the session as it was handed over, hibernated; then
+    // the requests it carried, verified again, in their order (they wake it).
+    void take_over(const HandoverState& state);
+    void replay(const std::vector<HandoverState::Request>& requests);
 
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering
@@ -119,7 +129,8 @@ class SessionProxy {
 
   private:
     class Io;
-    void on_client(Channel channel);
+    // Reads and hands on one client message; false when none waited.
+    bool on_client(Channel channel);
     void on_client_heartbeat();
     void on_kernel(Channel channel);
     void on_kernel_heartbeat();

@@ -135,7 +135,9 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
         event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost",
                                         ms_between(sleep_started_, now), report.value("bytes", 0),
                                         report.value("saved", 0), lost.size()));
-        if (!asleep_.empty()) wake(now);  // a request came while it was being saved
+        // A request came while it was being saved (not while handing over:
+        // the next server answers it).
+        if (!asleep_.empty() && !handing_over_) wake(now);
         return;
     }
     if (!ok) {
@@ -155,6 +157,7 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
 
 void SessionCore::hibernation_failed(Clock::time_point now, const std::string& why) {
     io_.log("hibernation failed: " + why);
+    if (handing_over_) handover_failed_ = true;
     event("hibernate_failed", why);
     if (governor_) governor_->hibernation_declined();  // until the next client request
     move_to(SessionState::idle);
@@ -174,6 +177,65 @@ void SessionCore::replay_asleep(Clock::time_point now) {
         if (lifecycle_.ending()) break;
         dispatch_request(now, request.channel, std::move(request.message));
     }
+}
+
+void SessionCore::hand_over(Clock::time_point now) {
+    if (handing_over_ || lifecycle_.ending()) return;
+    handing_over_ = true;
+    settle_handover(now);
+}
+
+void SessionCore::settle_handover(Clock::time_point now) {
+    if (!handing_over_ || handover_failed_ || lifecycle_.state() != SessionState::idle) return;
+    std::string why;
+    if (!governor_ || !io_.can_sleep(why)) {
+        handover_failed_ = true;
+        if (!governor_) why = "this session has no policy to hibernate under";
+        io_.log("cannot hand over: " + why);
+        event("hibernate_failed", why);
+        return;
+    }
+    if (execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_) {
+        return;  // again at the next tick
+    }
+    event("hibernating", "the server hands its sessions over");
+    hibernate(now, why);
+}
+
+bool SessionCore::handover_settled() const {
+    return lifecycle_.ending() || lifecycle_.state() == SessionState::hibernated ||
+           handover_failed_;
+}
+
+HandoverState SessionCore::handover_state(Clock::time_point now) const {
+    HandoverState state;
+    if (governor_) {
+        state.executions = governor_->executions();
+        state.age_s = governor_->age_s(now);
+        state.idle_s = governor_->idle_s(now);
+    }
+    state.cpu_ms = cpu_ms_total_;
+    state.memory_peak_bytes = memory_peak_bytes_;
+    state.network_bytes = network_bytes_;
+    for (const auto& waiting : asleep_) {
+        HandoverState::Request request;
+        request.channel = waiting.channel;
+        for (const auto& frame : waiting.message.frames) {
+            request.frames.emplace_back(frame.view());
+        }
+        state.requests.push_back(std::move(request));
+    }
+    return state;
+}
+
+void SessionCore::take_over(Clock::time_point now, const HandoverState& state) {
+    if (lifecycle_.state() != SessionState::starting) return;
+    move_to(SessionState::hibernated);
+    if (governor_) governor_->carry_on(now, state.executions, state.age_s, state.idle_s);
+    cpu_ms_total_ = cpu_ms_earlier_sandboxes_ = state.cpu_ms;
+    memory_peak_bytes_ = state.memory_peak_bytes;
+    network_bytes_ = state.network_bytes;
+    idle_since_ = now;
 }
 
 void SessionCore::mark_resumed(json& metadata) {

@@ -275,10 +275,33 @@ void SnapshotStore::remove(const std::string& session_id) {
     kept_.erase(session_id);
 }
 
-void SnapshotStore::clear() {
+void SnapshotStore::clear(const std::set<std::string>& except) {
     std::error_code ec;
-    for (const auto& left : fs::directory_iterator(root_, ec)) fs::remove_all(left.path(), ec);
-    kept_.clear();
+    for (const auto& left : fs::directory_iterator(root_, ec)) {
+        if (!except.count(left.path().filename().string())) fs::remove_all(left.path(), ec);
+    }
+    for (auto it = kept_.begin(); it != kept_.end();) {
+        it = except.count(it->first) ? std::next(it) : kept_.erase(it);
+    }
+}
+
+std::string SnapshotStore::key_bytes(const std::string& session_id) const {
+    const auto kept = kept_.find(session_id);
+    if (kept == kept_.end()) throw SnapshotError("no snapshot of session " + session_id);
+    return std::string(reinterpret_cast<const char*>(kept->second.key->bytes()),
+                       SnapshotKey::kBytes);
+}
+
+void SnapshotStore::adopt(const std::string& session_id, std::string_view key, SnapshotInfo info) {
+    struct stat st {};
+    const fs::path file = dir(session_id) / "snapshot";
+    if (::lstat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        throw SnapshotError("the snapshot " + file.string() + " is missing");
+    }
+    Kept kept;
+    kept.key = std::make_unique<SnapshotKey>(key);
+    kept.info = info;
+    kept_[session_id] = std::move(kept);
 }
 
 bool SnapshotStore::holds(const std::string& session_id) const {

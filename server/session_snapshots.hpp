@@ -13,8 +13,10 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -77,8 +79,14 @@ class SnapshotStore {
     void place(const std::string& session_id, const std::filesystem::path& input_dir) const;
     // The snapshot leaves the store (resumed, or the session closed).
     void remove(const std::string& session_id);
-    // The remove() of everything in the store; `root` stays.
-    void clear();
+    // The remove() of everything in the store; `root` stays. With `except`,
+    // those sessions' dirs stay (handed over by the last server, adopted next).
+    void clear(const std::set<std::string>& except = {});
+    // A handover (docs/restarts.md): the session's key, for the next server
+    // to seal under its own; and that server taking the snapshot back with
+    // it. adopt() throws SnapshotError when the store has no such snapshot.
+    std::string key_bytes(const std::string& session_id) const;
+    void adopt(const std::string& session_id, std::string_view key, SnapshotInfo info);
     bool holds(const std::string& session_id) const;
     std::uint64_t bytes(const std::string& session_id) const;
     std::optional<SnapshotInfo> info(const std::string& session_id) const;

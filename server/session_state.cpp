@@ -33,8 +33,8 @@ bool transition_allowed(SessionState from, SessionState to) {
     if (from == S::closed) return false;
     if (to == S::closing) return from != S::closing;
     switch (from) {
-        case S::starting:
-            return to == S::idle;
+        case S::starting:  // hibernated: handed over asleep by the last server
+            return to == S::idle || to == S::hibernated;
         case S::idle:
             return to == S::busy || to == S::hibernating;
         case S::busy:

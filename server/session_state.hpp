@@ -3,6 +3,7 @@
 // reports every move to its observers (SessionObserver::on_state).
 //
 //   starting ──▶ idle ◀──▶ busy
+//   starting ──▶ hibernated       (handed over asleep by the last server)
 //                 │ ▲
 //                 ▼ │ (resumed, or hibernation failed)
 //           hibernating ──▶ hibernated ──▶ resuming ──▶ idle

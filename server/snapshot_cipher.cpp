@@ -80,6 +80,14 @@ SnapshotKey::SnapshotKey() {
     }
 }
 
+SnapshotKey::SnapshotKey(std::string_view bytes) {
+    if (bytes.size() != key_.size()) {
+        throw std::invalid_argument("a key is " + std::to_string(key_.size()) + " bytes, not " +
+                                    std::to_string(bytes.size()));
+    }
+    std::memcpy(key_.data(), bytes.data(), key_.size());
+}
+
 SnapshotKey::~SnapshotKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
 
 std::uint64_t seal_stream(int in, int out, const SnapshotKey& key, const std::string& label) {
@@ -150,6 +158,47 @@ std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
     }
     OPENSSL_cleanse(plain.data(), plain.size());
     return total;
+}
+
+std::string seal(std::string_view plain, const SnapshotKey& key, const std::string& label) {
+    unsigned char nonce[kNonce];
+    if (RAND_bytes(nonce, sizeof nonce) != 1) fail("no random bytes for a nonce");
+    std::string out(sizeof kMagic + kNonce + plain.size() + kTag, '\0');
+    auto* at = reinterpret_cast<unsigned char*>(out.data());
+    std::memcpy(at, kMagic, sizeof kMagic);
+    std::memcpy(at + sizeof kMagic, nonce, kNonce);
+    Cipher ctx = start(true, key, nonce, label);
+    unsigned char* body = at + sizeof kMagic + kNonce;
+    int len = 0, last = 0;
+    if (EVP_EncryptUpdate(ctx.get(), body, &len,
+                          reinterpret_cast<const unsigned char*>(plain.data()),
+                          static_cast<int>(plain.size())) != 1 ||
+        EVP_EncryptFinal_ex(ctx.get(), body + len, &last) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_GET_TAG, kTag, body + plain.size()) != 1) {
+        fail("sealing failed");
+    }
+    return out;
+}
+
+std::string open_sealed(std::string_view sealed, const SnapshotKey& key, const std::string& label) {
+    if (sealed.size() < kSealOverhead) fail("it is too short to be sealed");
+    if (std::memcmp(sealed.data(), kMagic, sizeof kMagic) != 0) fail("it is not sealed");
+    const auto* at = reinterpret_cast<const unsigned char*>(sealed.data());
+    Cipher ctx = start(false, key, at + sizeof kMagic, label);
+    const std::size_t n = sealed.size() - kSealOverhead;
+    std::string plain(n, '\0');
+    int len = 0, last = 0;
+    unsigned char tag[kTag];
+    std::memcpy(tag, at + sizeof kMagic + kNonce + n, kTag);
+    if (EVP_DecryptUpdate(ctx.get(), reinterpret_cast<unsigned char*>(plain.data()), &len,
+                          at + sizeof kMagic + kNonce, static_cast<int>(n)) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_SET_TAG, kTag, tag) != 1 ||
+        EVP_DecryptFinal_ex(ctx.get(), reinterpret_cast<unsigned char*>(plain.data()) + len,
+                            &last) != 1) {
+        OPENSSL_cleanse(plain.data(), plain.size());
+        fail("it failed its integrity check (changed, or sealed under another key)");
+    }
+    return plain;
 }
 
 }  // namespace cellblock

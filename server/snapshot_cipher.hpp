@@ -12,16 +12,21 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace cellblock {
 
 class SnapshotKey {
   public:
-    SnapshotKey();   // fresh random bytes (RAND_bytes)
+    SnapshotKey();  // fresh random bytes (RAND_bytes)
+    // These 32 bytes (a key kept elsewhere: the server key, a wrapped one);
+    // std::invalid_argument for any other length.
+    explicit SnapshotKey(std::string_view bytes);
     ~SnapshotKey();  // wiped (OPENSSL_cleanse)
     SnapshotKey(const SnapshotKey&) = delete;
     SnapshotKey& operator=(const SnapshotKey&) = delete;
     const unsigned char* bytes() const { return key_.data(); }
+    static constexpr std::size_t kBytes = 32;
 
   private:
     std::array<unsigned char, 32> key_{};
@@ -39,5 +44,11 @@ std::uint64_t seal_stream(int in, int out, const SnapshotKey& key, const std::st
 // short, or fails its check (changed on disk, another key or label); what
 // was written to `out` by then must be thrown away by the caller.
 std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key, const std::string& label);
+
+// The same format in memory: `plain` sealed, and opened again (the
+// handover's rows, docs/restarts.md). open_sealed throws as
+// open_sealed_stream does.
+std::string seal(std::string_view plain, const SnapshotKey& key, const std::string& label);
+std::string open_sealed(std::string_view sealed, const SnapshotKey& key, const std::string& label);
 
 }  // namespace cellblock

@@ -566,6 +566,25 @@ SessionGovernor::ExecuteDecision SessionGovernor::on_execute_request(
     return decision;
 }
 
+double SessionGovernor::age_s(Clock::time_point now) const {
+    return std::chrono::duration<double>(now - created_).count();
+}
+
+double SessionGovernor::idle_s(Clock::time_point now) const {
+    return std::chrono::duration<double>(now - last_request_).count();
+}
+
+void SessionGovernor::carry_on(Clock::time_point now, std::int64_t executions, double age_s,
+                               double idle_s) {
+    const auto ago = [now](double s) {
+        return now - std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(std::max(0.0, s)));
+    };
+    executions_ = std::max<std::int64_t>(0, executions);
+    created_ = ago(age_s);
+    last_request_ = ago(std::min(idle_s, age_s));
+}
+
 void SessionGovernor::on_client_request(Clock::time_point now) {
     last_request_ = std::max(last_request_, now);
     hibernation_declined_ = false;

@@ -23,7 +23,7 @@ namespace {
 using nlohmann::json;
 
 // Bump when the schema changes, and teach open() to upgrade each older version.
-constexpr int kSchemaVersion = 3;
+constexpr int kSchemaVersion = 4;
 constexpr int kBusyTimeoutMs = 5000;
 
 constexpr const char* kSchemaV1 = R"sql(
@@ -78,6 +78,17 @@ ALTER TABLE sessions ADD COLUMN image_id TEXT NOT NULL DEFAULT '';
 constexpr const char* kSchemaV3 = R"sql(
 ALTER TABLE sessions ADD COLUMN host_id_base INTEGER NOT NULL DEFAULT 0 CHECK (host_id_base >= 0);
 ALTER TABLE sessions ADD COLUMN host_id_count INTEGER NOT NULL DEFAULT 0 CHECK (host_id_count >= 0);
+)sql";
+
+// Version 4: what a server hands its successor (docs/restarts.md): one row
+// per hibernated session, and one named "@server" for the manager socket,
+// each sealed under the server key (the rows are opaque here).
+constexpr const char* kSchemaV4 = R"sql(
+CREATE TABLE IF NOT EXISTS handover (
+    name    TEXT PRIMARY KEY NOT NULL,
+    sealed  BLOB NOT NULL,
+    made_at REAL NOT NULL
+);
 )sql";
 
 constexpr const char* kSessionColumns =
@@ -213,6 +224,7 @@ struct SessionStore::Impl {
                 if (version < 1) db.exec(kSchemaV1);
                 if (version < 2) db.exec(kSchemaV2);
                 if (version < 3) db.exec(kSchemaV3);
+                if (version < 4) db.exec(kSchemaV4);
                 db.exec("PRAGMA user_version = " + std::to_string(kSchemaVersion));
             }
             tx.commit();
@@ -403,7 +415,47 @@ std::vector<EventRecord> SessionStore::events(const std::string& session_id) con
     });
 }
 
-std::vector<std::string> SessionStore::close_all_open(const std::string& reason, double at) {
+void SessionStore::put_handover(const HandoverRow& row) {
+    impl_->guarded("put_handover " + row.name, [&] {
+        Impl::Use st_use(impl_->statement(
+            "INSERT OR REPLACE INTO handover (name, sealed, made_at) VALUES (?, ?, ?)"));
+        SQLite::Statement& st = *st_use;
+        st.bind(1, row.name);
+        st.bind(2, row.sealed.data(), static_cast<int>(row.sealed.size()));
+        st.bind(3, row.made_at);
+        st.exec();
+    });
+}
+
+std::vector<HandoverRow> SessionStore::handovers() const {
+    return impl_->guarded("handovers", [&] {
+        Impl::Use st_use(
+            impl_->statement("SELECT name, sealed, made_at FROM handover ORDER BY made_at, name"));
+        SQLite::Statement& st = *st_use;
+        std::vector<HandoverRow> rows;
+        while (st.executeStep()) {
+            HandoverRow row;
+            row.name = st.getColumn(0).getString();
+            const SQLite::Column blob = st.getColumn(1);
+            row.sealed.assign(static_cast<const char*>(blob.getBlob()),
+                              static_cast<std::size_t>(blob.getBytes()));
+            row.made_at = st.getColumn(2).getDouble();
+            rows.push_back(std::move(row));
+        }
+        return rows;
+    });
+}
+
+void SessionStore::remove_handover(const std::string& name) {
+    impl_->guarded("remove_handover " + name, [&] {
+        Impl::Use st_use(impl_->statement("DELETE FROM handover WHERE name = ?"));
+        (*st_use).bind(1, name);
+        (*st_use).exec();
+    });
+}
+
+std::vector<std::string> SessionStore::close_all_open(const std::string& reason, double at,
+                                                      const std::set<std::string>& except) {
     return impl_->guarded("close_all_open", [&] {
         // IMMEDIATE takes the write lock before the read, so the set cannot change under us.
         SQLite::Transaction tx(impl_->db, SQLite::TransactionBehavior::IMMEDIATE);
@@ -413,7 +465,10 @@ std::vector<std::string> SessionStore::close_all_open(const std::string& reason,
                 impl_->statement("SELECT id FROM sessions WHERE state NOT IN ('closed', "
                                  "'failed') ORDER BY created_at, rowid"));
             SQLite::Statement& open = *open_use;
-            while (open.executeStep()) ids.push_back(open.getColumn(0).getString());
+            while (open.executeStep()) {
+                std::string id = open.getColumn(0).getString();
+                if (!except.count(id)) ids.push_back(std::move(id));
+            }
         }
         Impl::Use close_use(
             impl_->statement("UPDATE sessions SET state = 'closed', close_reason = ?, "

@@ -47,6 +47,9 @@ enum class ErrorChannel { manager, session, both };
     X(ServerShuttingDown, both,                                                                 \
       "the server is stopping (a signal): the request was not carried out, or its session "     \
       "closed; evalue names the signal")                                                        \
+    X(ServerRestarting, manager,                                                                \
+      "the server is handing its sessions to its next start (SIGHUP, an upgrade): send the "    \
+      "request again; the Python client does")                                                  \
     X(HibernateFailed, manager,                                                                 \
       "the session did not hibernate (busy, or its snapshot could not be taken or kept); it "   \
       "stays awake with everything; evalue says why")                                           \

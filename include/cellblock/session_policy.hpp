@@ -199,6 +199,13 @@ class SessionGovernor {
 
     const SessionLimits& limits() const { return limits_; }
 
+    // Seconds since the session was created, and since its last client request.
+    double age_s(Clock::time_point now) const;
+    double idle_s(Clock::time_point now) const;
+    // A session taken over from an earlier server (docs/restarts.md): its
+    // executions, age and idle time go on from there.
+    void carry_on(Clock::time_point now, std::int64_t executions, double age_s, double idle_s);
+
   private:
     StreamDecision shape_stream(std::size_t bytes, std::size_t room_to_keep);
 

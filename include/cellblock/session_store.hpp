@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,14 @@ struct EventRecord {
     std::string detail;
 };
 
+// What a server hands the next one on the same state dir (docs/restarts.md):
+// sealed bytes under a name (a session's id, or "@server").
+struct HandoverRow {
+    std::string name;
+    std::string sealed;
+    double made_at = 0;
+};
+
 class SessionStore {
   public:
     // Opens or creates the database (WAL, foreign keys, schema version checked).
@@ -83,8 +92,16 @@ class SessionStore {
     std::vector<EventRecord> events(const std::string& session_id) const;
 
     // Marks every session not closed or failed as closed with `reason`
-    // (crash recovery: "server_restart"), returning their ids.
-    std::vector<std::string> close_all_open(const std::string& reason, double at);
+    // (crash recovery: "server_restart"), but those in `except` (handed
+    // over), returning their ids.
+    std::vector<std::string> close_all_open(const std::string& reason, double at,
+                                            const std::set<std::string>& except = {});
+
+    // The handover's rows (docs/restarts.md): written by a server that hands
+    // its sessions over, read and removed by the next.
+    void put_handover(const HandoverRow& row);
+    std::vector<HandoverRow> handovers() const;
+    void remove_handover(const std::string& name);
 
   private:
     struct Impl;

@@ -18,6 +18,7 @@ constexpr S kAll[] = {S::starting, S::idle,     S::busy,    S::hibernating, S::h
 // The drawing in session_state.hpp, written out pair by pair.
 const std::set<std::pair<S, S>> kMoves = {
     {S::starting, S::idle},
+    {S::starting, S::hibernated},
     {S::idle, S::busy},
     {S::busy, S::idle},
     {S::idle, S::hibernating},

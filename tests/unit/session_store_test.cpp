@@ -196,7 +196,7 @@ TEST_F(SessionStoreTest, WalModeIsOnForOtherConnections) {
     store.add_session(make_session("s1", 1.0));
     SQLite::Database other(db_path_.string(), SQLite::OPEN_READONLY);
     EXPECT_EQ(other.execAndGet("PRAGMA journal_mode").getString(), "wal");
-    EXPECT_EQ(other.execAndGet("PRAGMA user_version").getInt(), 3);
+    EXPECT_EQ(other.execAndGet("PRAGMA user_version").getInt(), 4);
     // A reader sees committed rows while the store stays open.
     EXPECT_EQ(other.execAndGet("SELECT count(*) FROM sessions").getInt(), 1);
 }
@@ -405,7 +405,7 @@ TEST_F(SessionStoreTest, UpgradesAVersion1Database) {
     EXPECT_EQ(store.session("new")->image_id, "abc");
     EXPECT_EQ(store.session("old")->host_id_base, 0u);
     SQLite::Database db(db_path_.string(), SQLite::OPEN_READONLY);
-    EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 3);
+    EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 4);
 }
 
 TEST_F(SessionStoreTest, RefusesANewerSchema) {
@@ -415,7 +415,7 @@ TEST_F(SessionStoreTest, RefusesANewerSchema) {
     }
     const std::string error = error_of([&] { SessionStore store(db_path_); });
     EXPECT_EQ(error, "database " + db_path_.string() +
-                         ": schema version 7 is newer than this cellblock (3)");
+                         ": schema version 7 is newer than this cellblock (4)");
     // The newer file is left alone: still version 7, not switched to WAL, no tables added.
     SQLite::Database db(db_path_.string(), SQLite::OPEN_READONLY);
     EXPECT_EQ(db.execAndGet("PRAGMA user_version").getInt(), 7);

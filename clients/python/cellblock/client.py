@@ -22,7 +22,8 @@ import time
 import zmq
 from jupyter_client.session import Session as WireSession
 
-from .errors import POLICY_ENAMES, ClientTimeout, ServerNotFound, SessionClosed, error_for
+from .errors import (POLICY_ENAMES, ClientTimeout, ServerNotFound, ServerRestarting, SessionClosed,
+                     error_for)
 from .files import SessionFiles
 from .results import Error, Execution, Result
 
@@ -185,8 +186,17 @@ class Server:
 
     def request(self, msg_type, content=None, buffers=None, timeout=60.0):
         """One manager request; returns (reply content, reply buffers) or raises
-        the exception named by the reply's ename."""
-        return self._wait(self._send(msg_type, content, buffers), msg_type, timeout)
+        the exception named by the reply's ename. A server restarting
+        (ServerRestarting: SIGHUP, an upgrade) is asked again until `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._wait(self._send(msg_type, content, buffers), msg_type,
+                                  max(0.1, deadline - time.monotonic()))
+            except ServerRestarting:
+                if time.monotonic() + 0.2 >= deadline:
+                    raise
+                time.sleep(0.2)
 
     # -- the manager API
     def info(self, timeout=60.0):
@@ -271,6 +281,10 @@ class Session(SessionFiles):
 
         self._shell = ctx.socket(zmq.DEALER)
         self._control = ctx.socket(zmq.DEALER)
+        # A routing identity of its own, as jupyter_client gives its sockets:
+        # a request carried over a server's restart (docs/restarts.md) is
+        # answered to the connection made again with the same identity.
+        self._shell.identity = self._control.identity = self._wire.bsession
         self._iopub = ctx.socket(zmq.SUB)
         self._iopub.setsockopt(zmq.SUBSCRIBE, b"")
         for sock, port in ((self._shell, c["shell_port"]), (self._control, c["control_port"]),

@@ -195,6 +195,12 @@ class ServerShuttingDown(ManagerError, PolicyError):
     out, or its session closed with it; evalue names the signal."""
 
 
+class ServerRestarting(ManagerError):
+    """The server is handing its sessions to its next start (SIGHUP, an
+    upgrade): the request was not carried out; send it again. Server.request
+    does so by itself until its timeout."""
+
+
 #: the class of each ename the server sends (its catalogue, and nothing else)
 _BY_NAME = {cls.__name__: cls for cls in (
     ExecutionLimitExceeded, ExecutionTimeout, InterruptIgnored, SessionClosed, MemoryLimitExceeded, KernelDied,
@@ -202,7 +208,7 @@ _BY_NAME = {cls.__name__: cls for cls in (
     TooManySessions, ServerBusy, SandboxStartFailed, NoSuchSession, InvalidRequest, InvalidPath,
     FileNotFound, FileTooLarge, FileError, ChecksumMismatch, FileChanged, TransferNotFound,
     TooManyTransfers, InvalidOffset, MessageTooLarge, UnknownRequest, ServerError,
-    ServerShuttingDown, HibernateFailed, StorageFull)}
+    ServerShuttingDown, ServerRestarting, HibernateFailed, StorageFull)}
 
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",

@@ -1,0 +1,317 @@
+// A planned restart (docs/restarts.md, phase 1): on SIGHUP the server stops
+// taking new work, hibernates every session (idle ones at once, busy ones
+// when their execution ends, bounded by --takeover-wait), writes one sealed
+// row per session to the registry and execs its binary again. The new
+// process reads the rows, binds each session's five ports with the same key,
+// and holds the session hibernated: its client's next request (or the ones
+// it sent meanwhile, carried in the row) wakes it, as after
+// hibernate_after_s.
+//
+// A row is CBOR sealed under the server key (server_key.hpp) with the label
+// "handover/<session>": the client's key and the snapshot's key never sit
+// in the state dir in the clear. Whatever cannot be carried is named: a
+// session that could not hibernate is closed `server_restart: <why>`, one
+// that cannot be taken back `restore_failed: <why>`.
+#include <fmt/format.h>
+
+#include "server.hpp"
+#include "server_key.hpp"
+
+namespace cellblock {
+
+namespace {
+
+constexpr const char* kServerRow = "@server";
+constexpr int kHandoverVersion = 1;
+
+std::string row_label(const std::string& name) { return "handover/" + name; }
+
+json frames_json(const std::vector<std::string>& frames) {
+    json out = json::array();
+    for (const auto& frame : frames) {
+        out.push_back(json::binary(std::vector<std::uint8_t>(frame.begin(), frame.end())));
+    }
+    return out;
+}
+
+std::vector<std::string> frames_of(const json& frames) {
+    std::vector<std::string> out;
+    for (const auto& frame : frames) {
+        const auto& bytes = frame.get_binary();
+        out.emplace_back(bytes.begin(), bytes.end());
+    }
+    return out;
+}
+
+Channel channel_named(const std::string& name) {
+    for (Channel c : {Channel::shell, Channel::control, Channel::stdin_, Channel::iopub}) {
+        if (name == channel_name(c)) return c;
+    }
+    throw std::runtime_error("no channel '" + name + "'");
+}
+
+}  // namespace
+
+ProxyOptions Server::proxy_options(const std::string& session_id, const SessionLimits& limits) {
+    ProxyOptions opts;
+    opts.policy = &options_.policy;
+    opts.limits = limits;
+    opts.observer = this;
+    opts.audit_code_hash_only = options_.audit_code_hash_only;
+    opts.client_transport = options_.client_transport;
+    SandboxPool* pool = pool_.get();
+    opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
+    opts.on_expired = [this, id = session_id] { expired_.push_back(id); };
+    opts.keep_snapshot = [this, id = session_id](Sandbox& box, const json& report,
+                                                 std::string& why) {
+        return keep_snapshot(id, box, report, why);
+    };
+    opts.wake = [this, id = session_id] { wake_session(id); };
+    return opts;
+}
+
+bool Server::begin_handover() {
+    try {
+        server_key_ = load_server_key(options_.key_file, true);
+    } catch (const std::exception& e) {
+        spdlog::error(
+            "cellblock serve: {}: the sessions cannot be handed over ({}); the "
+            "server goes on",
+            handover_signal_, e.what());
+        return false;
+    }
+    handing_over_ = true;
+    handover_deadline_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(options_.takeover_wait_s));
+    spdlog::info(
+        "cellblock serve: {}: handing {} session(s) to the next start (at most {:g} s "
+        "for busy ones)",
+        handover_signal_, sessions_.live_count(), options_.takeover_wait_s);
+    // Creates still waiting for a sandbox are answered: their clients try
+    // again, and the next start serves them. Wakes go on (they hibernate again).
+    for (auto it = creating_.begin(); it != creating_.end();) {
+        if (!it->second.resume_of.empty()) {
+            ++it;
+            continue;
+        }
+        fail_create(it->second, ename::ServerRestarting,
+                    "the server is restarting (" + handover_signal_ + "); send the create again");
+        release_cold_start(it->second.ticket, it->second.kind);
+        it = creating_.erase(it);
+    }
+    for (auto& [id, session] : sessions_) {
+        if (SessionProxy* relay = session.proxy(); relay && !relay->closed()) relay->hand_over();
+    }
+    return true;
+}
+
+bool Server::handover_ready(Clock::time_point now) const {
+    if (now >= handover_deadline_) return true;
+    for (const auto& [id, session] : sessions_) {
+        const SessionProxy* relay = session.proxy();
+        if (relay && !relay->handover_settled()) return false;
+    }
+    return true;
+}
+
+void Server::write_handover() {
+    const double now_unix = unix_now();
+    json server_row = {{"version", kHandoverVersion},
+                       {"manager_endpoint", manager_endpoint_},
+                       {"manager_key", key_}};
+    try {
+        const auto bytes = json::to_cbor(server_row);
+        store_.put_handover(
+            {kServerRow,
+             seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                  *server_key_, row_label(kServerRow)),
+             now_unix});
+    } catch (const std::exception& e) {
+        spdlog::error("cellblock serve: handover: the manager's row: {}", e.what());
+    }
+    std::vector<std::string> handed;
+    for (auto& [id, session] : sessions_) {
+        SessionProxy* relay = session.proxy();
+        if (!relay || relay->closed()) continue;
+        if (relay->lifecycle_state() != SessionState::hibernated) {
+            const auto refused = handover_refusals_.find(id);
+            const std::string why = refused != handover_refusals_.end()
+                                        ? "it could not hibernate: " + refused->second
+                                        : fmt::format("still {} after --takeover-wait {:g} s",
+                                                      relay->state(), options_.takeover_wait_s);
+            spdlog::warn("session {}: not handed over: {}", id, why);
+            relay->close("server_restart: " + why, ename::ServerShuttingDown,
+                         "the server restarted and the session could not be handed over");
+            continue;
+        }
+        try {
+            const HandoverState state = relay->handover_state();
+            const SessionOrigin& origin = session.origin();
+            const auto info = snapshots_->info(id);
+            json requests = json::array();
+            for (const auto& request : state.requests) {
+                requests.push_back({{"channel", channel_name(request.channel)},
+                                    {"frames", frames_json(request.frames)}});
+            }
+            const std::string key = snapshots_->key_bytes(id);
+            json body = {{"version", kHandoverVersion},
+                         {"session_id", id},
+                         {"image", session.image()},
+                         {"image_id", origin.image.content_id},
+                         {"runtime", origin.image.runtime},
+                         {"limits", origin.limits.to_json()},
+                         {"connection", relay->outer_connection().to_json()},
+                         {"executions", state.executions},
+                         {"age_s", state.age_s},
+                         {"idle_s", state.idle_s},
+                         {"cpu_ms", state.cpu_ms},
+                         {"memory_peak_bytes", state.memory_peak_bytes},
+                         {"network_bytes", state.network_bytes},
+                         {"snapshot",
+                          {{"key", json::binary(std::vector<std::uint8_t>(key.begin(), key.end()))},
+                           {"bytes", info ? info->bytes : 0},
+                           {"kept_at", info ? info->kept_at : 0.0}}},
+                         {"requests", std::move(requests)}};
+            const auto bytes = json::to_cbor(body);
+            store_.put_handover(
+                {id,
+                 seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                      *server_key_, row_label(id)),
+                 now_unix});
+            store_.add_event({id, now_unix, "handed_over",
+                              fmt::format("to the server's next start; {} request(s) carried",
+                                          state.requests.size())});
+            handed.push_back(id);
+        } catch (const std::exception& e) {
+            spdlog::error("session {}: not handed over: {}", id, e.what());
+            store_.remove_handover(id);
+            relay->close(std::string("server_restart: the handover failed: ") + e.what(),
+                         ename::ServerShuttingDown, "the server restarted");
+        }
+    }
+    // Gone from this process without a close: the registry's row stays open
+    // (hibernated), the snapshot stays on disk, the ports are let go.
+    for (const auto& id : handed) sessions_.erase(id);
+    spdlog::info("cellblock serve: {} session(s) handed over", handed.size());
+}
+
+std::set<std::string> Server::handed_over_sessions() const {
+    std::set<std::string> names;
+    for (const auto& row : store_.handovers()) {
+        if (row.name != kServerRow) names.insert(row.name);
+    }
+    return names;
+}
+
+void Server::take_over_manager(std::vector<HandoverRow>& rows) {
+    auto row = std::find_if(rows.begin(), rows.end(),
+                            [](const HandoverRow& r) { return r.name == kServerRow; });
+    if (row == rows.end()) return;
+    try {
+        if (!server_key_) throw std::runtime_error(server_key_error_);
+        const std::string plain = open_sealed(row->sealed, *server_key_, row_label(kServerRow));
+        const json manager = json::from_cbor(plain);
+        // The clients hold the last server's manager endpoint and key.
+        if (options_.manager_endpoint.find('*') != std::string::npos) {
+            options_.manager_endpoint = manager.at("manager_endpoint").get<std::string>();
+        }
+        key_ = manager.at("manager_key").get<std::string>();
+        signer_ = Signer(key_);
+    } catch (const std::exception& e) {
+        spdlog::warn("handover: the manager's row: {}; new manager endpoint and key", e.what());
+    }
+    store_.remove_handover(kServerRow);
+    rows.erase(row);
+}
+
+void Server::take_over_sessions(const std::vector<HandoverRow>& rows) {
+    for (const auto& row : rows) {
+        std::string why;
+        try {
+            take_over_session(row);
+        } catch (const std::exception& e) {
+            why = e.what();
+        }
+        store_.remove_handover(row.name);
+        if (why.empty()) continue;
+        spdlog::error("session {}: not taken over: {}", row.name, why);
+        if (SessionProxy* relay = sessions_.live(row.name)) {
+            relay->close("restore_failed: " + why);  // its clients are told, then it expires
+        } else {
+            snapshots_->remove(row.name);
+            try {
+                store_.close_session(row.name, "restore_failed: " + why, unix_now(), 0, 0, 0);
+                store_.add_event({row.name, unix_now(), "closed", "restore_failed: " + why});
+            } catch (const std::exception& e) {
+                spdlog::error("session {}: registry: {}", row.name, e.what());
+            }
+        }
+    }
+}
+
+void Server::take_over_session(const HandoverRow& row) {
+    if (!server_key_) throw std::runtime_error(server_key_error_);
+    json body;
+    try {
+        body = json::from_cbor(open_sealed(row.sealed, *server_key_, row_label(row.name)));
+    } catch (const std::exception& e) {
+        throw std::runtime_error(std::string("its handover row: ") + e.what());
+    }
+    if (body.value("version", 0) != kHandoverVersion || body.value("session_id", "") != row.name) {
+        throw std::runtime_error("its handover row is not one this server reads");
+    }
+    const std::string& id = row.name;
+    const std::string image_name = body.at("image").get<std::string>();
+    auto image = images_.find(image_name);
+    if (image == images_.end()) throw std::runtime_error("no image '" + image_name + "' any more");
+    Image resolved = resolve_image(image->second, image_store_);
+    if (resolved.content_id != body.value("image_id", "")) {
+        spdlog::warn("session {}: image {} moved from {} to {} meanwhile; it wakes on the new one",
+                     id, image_name, body.value("image_id", ""), resolved.content_id);
+    }
+    Image image_def = resolved;
+    image_def.runtime = body.at("runtime").get<std::string>();
+    const SessionLimits limits = options_.policy.effective(json::object(), body.at("limits"));
+    const json& snapshot = body.at("snapshot");
+    const auto& key = snapshot.at("key").get_binary();
+    snapshots_->adopt(
+        id, std::string(key.begin(), key.end()),
+        {snapshot.at("bytes").get<std::uint64_t>(), snapshot.at("kept_at").get<double>()});
+    HandoverState state;
+    state.executions = body.at("executions").get<std::int64_t>();
+    // The lifetime is wall-clock time, the server's downtime included; idle
+    // time is not (the client could not reach the session meanwhile).
+    state.age_s = body.at("age_s").get<double>() + std::max(0.0, unix_now() - row.made_at);
+    state.idle_s = body.at("idle_s").get<double>();
+    state.cpu_ms = body.at("cpu_ms").get<std::uint64_t>();
+    state.memory_peak_bytes = body.at("memory_peak_bytes").get<std::uint64_t>();
+    state.network_bytes = body.at("network_bytes").get<std::uint64_t>();
+    for (const auto& request : body.at("requests")) {
+        state.requests.push_back({channel_named(request.at("channel").get<std::string>()),
+                                  frames_of(request.at("frames"))});
+    }
+    const ConnectionInfo outer = ConnectionInfo::from_json(body.at("connection"));
+    // The same five ports and key: the clients reconnect by themselves.
+    auto proxy =
+        std::make_unique<SessionProxy>(context_, loop_, id, outer, proxy_options(id, limits));
+    SessionProxy& relay = *proxy;
+    Session& held = sessions_.add(Session(id, image_name, std::move(proxy)));
+    const std::string kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime +
+                             " " + limits.sandbox.to_json().dump();
+    const auto pool_id = pool_image_ids_.find(image_name);
+    const bool poolable = image_def.runtime == resolved.runtime &&
+                          pool_id != pool_image_ids_.end() &&
+                          pool_id->second == image_def.content_id;
+    held.origin() = {image_def, limits, kind, poolable};
+    relay.take_over(state);
+    store_.add_event({id, unix_now(), "taken_over",
+                      fmt::format("from the server's last start: hibernated, {} execution(s), {} "
+                                  "request(s) carried",
+                                  state.executions, state.requests.size())});
+    spdlog::info("session {}: taken over (hibernated; ports {}, {} request(s) carried)", id,
+                 outer.shell_port, state.requests.size());
+    relay.replay(state.requests);
+}
+
+}  // namespace cellblock

@@ -1,0 +1,138 @@
+"""Planned restarts (docs/restarts.md): SIGHUP hands every session to the
+server's next start, the same program exec'd in the same process, which binds
+each session's ports with the same keys and holds it hibernated; the clients
+keep their connection info and their state. SIGUSR2 hands over and exits: the
+next `cellblock serve` on the state dir takes the sessions. Real servers,
+real runc sandboxes, jupyter_client and the Python client."""
+import os
+import signal
+import sys
+
+import pytest
+
+import server_helpers as sh
+from server_helpers import server_factory  # noqa: F401
+
+sys.path.insert(0, os.path.join(sh.SOURCE_DIR, "clients", "python"))
+import cellblock  # noqa: E402
+
+
+def starts(srv):
+    """How many times this server's process has started (its log, one line each)."""
+    return srv.log().count("cellblock serve: manager on")
+
+
+def send_execute(kc, code):
+    msg = kc.session.msg("execute_request", {
+        "code": code, "silent": False, "store_history": True, "user_expressions": {},
+        "allow_stdin": False, "stop_on_error": True})
+    kc.shell_channel.send(msg)
+    return msg["header"]["msg_id"]
+
+
+def events_of(srv, sid):
+    return [e["kind"] for e in srv.ok("session_history_request",
+                                      {"session_id": sid})["content"]["events"]]
+
+
+def test_sighup_hands_every_session_over_and_their_clients_go_on(
+        server_factory, tmp_path):  # noqa: F811
+    key = tmp_path / "keys" / "server.key"
+    srv = server_factory(["--key-file", str(key)])
+    pid = srv.proc.pid
+    # A: jupyter_client, awake with state; B: hibernated already; C: the
+    # Python client, through the manager's endpoint and key.
+    sid_a, kc_a, _ = srv.open_session(limits={"max_executions": 5})
+    sh.run_ok(kc_a, "x = 41\nimport numpy as np\narr = np.arange(5)")
+    sid_b, kc_b, _ = srv.open_session()
+    sh.run_ok(kc_b, "word = 'kept'")
+    srv.ok("session_hibernate_request", {"session_id": sid_b}, timeout=120)
+    client = cellblock.connect(state_dir=srv.state_dir)
+    try:
+        s = client.session()
+        assert s.run("y = 7").ok
+        sid_c = s.id
+
+        srv.proc.send_signal(signal.SIGHUP)
+        # Sent while the server restarts: answered after, by the next start.
+        during = send_execute(kc_a, "print(x + 1, arr.sum())")
+        sh.wait_for(lambda: starts(srv) >= 2, timeout=180)
+        assert srv.proc.poll() is None and srv.proc.pid == pid
+        assert not os.stat(key).st_mode & 0o077, oct(os.stat(key).st_mode)
+
+        reply, iopub, _ = sh.collect_execution(kc_a, during, timeout=180)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert sh.stream_text(iopub).strip() == "42 10"
+        # The count and the cap go on from where they were.
+        assert reply["content"]["execution_count"] == 2
+        assert reply["metadata"]["cellblock"]["executions_left"] == 3, reply["metadata"]
+        assert sh.run_ok(kc_b, "print(word)").strip() == "kept"
+        assert s.run("print(y * 6)").stdout == "42\n"
+        for sid in (sid_a, sid_b, sid_c):
+            kinds = events_of(srv, sid)
+            assert "handed_over" in kinds and "taken_over" in kinds, (sid, kinds)
+            assert srv.info_of(sid)["state"] == "idle"
+        # The next start serves new sessions as before.
+        _, kc_d, _ = srv.open_session()
+        assert sh.run_ok(kc_d, "print(6 * 7)").strip() == "42"
+        s.close()
+    finally:
+        client.close()
+
+
+def test_a_handover_that_cannot_be_opened_closes_its_sessions_with_why(
+        server_factory, tmp_path):  # noqa: F811
+    key = tmp_path / "server.key"
+    srv = server_factory(["--key-file", str(key)])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "z = 1")
+    kc.stop_channels()
+    srv.clients.clear()
+    srv.proc.send_signal(signal.SIGUSR2)  # hand over and exit
+    assert srv.proc.wait(timeout=180) == 0, srv.log()[-3000:]
+    assert "1 session(s) handed over" in srv.log()
+    # Another key under the same name: the rows open to nothing.
+    os.unlink(key)
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    srv.start()
+    info = srv.info_of(sid)
+    assert info["state"] == "closed", info
+    assert info["close_reason"].startswith("restore_failed: its handover row:"), info
+    assert "integrity check" in info["close_reason"], info
+    assert not os.path.exists(os.path.join(srv.state_dir, "snapshots", sid))
+
+
+def test_a_key_file_others_can_read_is_refused_and_the_server_goes_on(
+        server_factory, tmp_path):  # noqa: F811
+    key = tmp_path / "server.key"
+    key.write_bytes(os.urandom(32))
+    os.chmod(key, 0o644)
+    srv = server_factory(["--key-file", str(key)])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "w = 3")
+    srv.proc.send_signal(signal.SIGHUP)
+    sh.wait_for(lambda: "cannot be handed over" in srv.log(), timeout=60)
+    assert "mode 0644 lets others read it" in srv.log()
+    # Nothing was handed over: the session goes on in the same server.
+    assert sh.run_ok(kc, "print(w)").strip() == "3"
+    assert starts(srv) == 1
+
+
+@pytest.mark.parametrize("wait", ["2"])
+def test_a_session_still_busy_past_the_takeover_wait_is_closed_with_why(
+        server_factory, tmp_path, wait):  # noqa: F811
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--takeover-wait", wait])
+    sid, kc, _ = srv.open_session()
+    running = send_execute(kc, "import time\ntime.sleep(600)")
+    sh.wait_for(lambda: srv.info_of(sid)["state"] == "busy", timeout=60)
+    srv.proc.send_signal(signal.SIGHUP)
+    reply, _, _ = sh.collect_execution(kc, running, timeout=120)
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "ServerShuttingDown", reply["content"]
+    sh.wait_for(lambda: starts(srv) >= 2, timeout=120)
+    info = srv.info_of(sid)
+    assert info["state"] == "closed"
+    assert info["close_reason"] == f"server_restart: still busy after --takeover-wait {wait} s", \
+        info
