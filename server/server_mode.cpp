@@ -324,9 +324,10 @@ int run_server(const ServeOptions& options) {
     // SIGINT, SIGTERM, SIGHUP and SIGUSR2 stay blocked: one that comes meanwhile
     // waits for the next start's signalfd.
     ::execv(options.self_exe.c_str(), args.data());
-    spdlog::critical("cellblock serve: exec {}: {}; the sessions handed over wait for the next "
-                     "start on this state dir",
-                     options.self_exe, std::strerror(errno));
+    spdlog::critical(
+        "cellblock serve: exec {}: {}; the sessions handed over wait for the next "
+        "start on this state dir",
+        options.self_exe, std::strerror(errno));
     return 1;
 }
 

@@ -400,9 +400,7 @@ HandoverState SessionProxy::handover_state() {
     return core_->handover_state(Clock::now());
 }
 
-void SessionProxy::take_over(const HandoverState& state) {
-    core_->take_over(Clock::now(), state);
-}
+void SessionProxy::take_over(const HandoverState& state) { core_->take_over(Clock::now(), state); }
 
 void SessionProxy::replay(const std::vector<HandoverState::Request>& requests) {
     for (const auto& request : requests) {

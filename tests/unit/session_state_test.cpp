@@ -17,24 +17,12 @@ constexpr S kAll[] = {S::starting, S::idle,     S::busy,    S::hibernating, S::h
 
 // The drawing in session_state.hpp, written out pair by pair.
 const std::set<std::pair<S, S>> kMoves = {
-    {S::starting, S::idle},
-    {S::starting, S::hibernated},
-    {S::idle, S::busy},
-    {S::busy, S::idle},
-    {S::idle, S::hibernating},
-    {S::hibernating, S::hibernated},
-    {S::hibernating, S::idle},
-    {S::hibernated, S::resuming},
-    {S::resuming, S::idle},
-    {S::adopting, S::idle},
-    {S::adopting, S::busy},
-    {S::starting, S::closing},
-    {S::idle, S::closing},
-    {S::busy, S::closing},
-    {S::hibernating, S::closing},
-    {S::hibernated, S::closing},
-    {S::resuming, S::closing},
-    {S::adopting, S::closing},
+    {S::starting, S::idle},      {S::starting, S::hibernated}, {S::idle, S::busy},
+    {S::busy, S::idle},          {S::idle, S::hibernating},    {S::hibernating, S::hibernated},
+    {S::hibernating, S::idle},   {S::hibernated, S::resuming}, {S::resuming, S::idle},
+    {S::adopting, S::idle},      {S::adopting, S::busy},       {S::starting, S::closing},
+    {S::idle, S::closing},       {S::busy, S::closing},        {S::hibernating, S::closing},
+    {S::hibernated, S::closing}, {S::resuming, S::closing},    {S::adopting, S::closing},
     {S::closing, S::closed},
 };
 
