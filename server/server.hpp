@@ -195,6 +195,7 @@ class Server final : public SessionObserver {
     bool exec_after_handover_ = false;  // SIGHUP; SIGUSR2 exits instead
     std::string handover_signal_;
     Clock::time_point handover_deadline_{};
+    Clock::time_point next_handover_check_{};  // run() turns at least this often meanwhile
     std::unique_ptr<SnapshotKey> server_key_;
     std::string server_key_error_;  // why server_key_ is null at start-up
     // Sessions that could not hibernate for the handover, and why.

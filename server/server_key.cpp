@@ -25,6 +25,8 @@ namespace {
 
 void make_key_file(const fs::path& path) {
     const fs::path dir = path.parent_path();
+    std::error_code ec;
+    if (!dir.empty() && !dir.parent_path().empty()) fs::create_directories(dir.parent_path(), ec);
     if (!dir.empty() && ::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
         refuse(path, std::string("cannot make its directory: ") + std::strerror(errno));
     }

@@ -205,11 +205,14 @@ int Server::run() {
             for (const auto& [order, pending] : creating_) next = std::min(next, pending.deadline);
             if (trim_due_) next = std::min(next, next_trim_);  // run() trims
             // Handing over: run() checks each turn whether every session settled.
-            if (handing_over_) next = std::min(next, Clock::now() + std::chrono::milliseconds(100));
+            if (handing_over_) next = std::min(next, next_handover_check_);
             return next;
         },
         [this](Clock::time_point now) {
             expire_creates(now);
+            if (handing_over_ && now >= next_handover_check_) {
+                next_handover_check_ = now + std::chrono::milliseconds(100);
+            }
             if (!sessions_.empty() && now >= next_balance_) balance_cpu(now);
             if (now >= next_version_check_) {
                 for (const auto& [name, image] : images_) follow_image_version(name);

@@ -406,7 +406,7 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
     }
     if (handing_over_ && lifecycle_.state() == SessionState::idle && !handover_failed_) {
-        consider(now + std::chrono::milliseconds(50));  // settle_handover: free yet?
+        consider(settle_at_);  // settle_handover: free yet? (due at once after a reply)
     }
     if (governor_) {
         consider(governor_->next_expiry_check(now));

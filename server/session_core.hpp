@@ -360,7 +360,8 @@ class SessionCore {
 
     std::optional<OwnRequest> own_;
     bool handing_over_ = false;
-    bool handover_failed_ = false;  // could not hibernate for it: the server closes it
+    bool handover_failed_ = false;   // could not hibernate for it: the server closes it
+    Clock::time_point settle_at_{};  // when settle_handover looks again
     // Requests that came while the session slept or was being put to sleep,
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;

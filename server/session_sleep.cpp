@@ -196,7 +196,8 @@ void SessionCore::settle_handover(Clock::time_point now) {
         return;
     }
     if (execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_) {
-        return;  // again at the next tick
+        settle_at_ = now + std::chrono::milliseconds(50);  // a reply still to come: look again
+        return;
     }
     event("hibernating", "the server hands its sessions over");
     hibernate(now, why);

@@ -5,8 +5,10 @@ keep their connection info and their state. SIGUSR2 hands over and exits: the
 next `cellblock serve` on the state dir takes the sessions. Real servers,
 real runc sandboxes, jupyter_client and the Python client."""
 import os
+import shutil
 import signal
 import sys
+import threading
 
 import pytest
 
@@ -136,3 +138,65 @@ def test_a_session_still_busy_past_the_takeover_wait_is_closed_with_why(
     assert info["state"] == "closed"
     assert info["close_reason"] == f"server_restart: still busy after --takeover-wait {wait} s", \
         info
+
+
+def test_an_upgrade_under_load_refuses_nothing_and_answers_every_step_once(
+        tmp_path, monkeypatch):
+    """The binary the server runs is replaced (a rebuilt one renamed over
+    it, as `install` does), then SIGHUP: agents stepping all along see every
+    step answered once, in order, and the server runs the new file."""
+    build_bin = os.path.dirname(os.path.abspath(sh.CELLBLOCK_BIN))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "cellblock"
+    shutil.copy2(sh.CELLBLOCK_BIN, exe)
+    os.symlink(os.path.join(build_bin, "cellblock-gateway"), bindir / "cellblock-gateway")
+    (tmp_path / "libexec").mkdir()
+    os.symlink(os.path.join(os.path.dirname(build_bin), "libexec", "cellblock"),
+               tmp_path / "libexec" / "cellblock")
+    monkeypatch.setattr(sh, "CELLBLOCK_BIN", str(exe))
+    srv = sh.start_server(["--key-file", str(tmp_path / "server.key")])
+    client = cellblock.connect(state_dir=srv.state_dir)
+    upgraded = threading.Event()
+    results, errors = {}, []
+
+    def agent(name):
+        try:
+            s = client.session()
+            seen = results.setdefault(name, [])
+            steps_after = 0
+            while steps_after < 3:
+                r = s.run("n = globals().get('n', 0) + 1\nprint(n)")
+                assert r.ok, r.error
+                seen.append(int(r.stdout))
+                if upgraded.is_set():
+                    steps_after += 1
+            s.close()
+        except Exception as e:  # reported below with the agent's name
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+
+    agents = [threading.Thread(target=agent, args=(f"agent{i}",)) for i in range(3)]
+    try:
+        for t in agents:
+            t.start()
+        sh.wait_for(lambda: len(results) == 3 and all(len(v) >= 3 for v in results.values()),
+                    timeout=180)
+        new = bindir / "cellblock.new"
+        shutil.copy2(sh.CELLBLOCK_BIN, new)
+        os.rename(new, exe)
+        srv.proc.send_signal(signal.SIGHUP)
+        sh.wait_for(lambda: starts(srv) >= 2, timeout=180)
+        upgraded.set()
+        for t in agents:
+            t.join(timeout=300)
+        assert not errors, errors
+        for name, seen in results.items():
+            assert seen == list(range(1, len(seen) + 1)), (name, seen)
+        # The process runs the file now at the path, not the one replaced.
+        assert os.stat(f"/proc/{srv.proc.pid}/exe").st_ino == os.stat(exe).st_ino
+        assert "ServerRestarting" not in srv.log()
+    finally:
+        upgraded.set()
+        client.close()
+        problems = srv.shutdown(keep_log=bool(errors))
+    assert not problems, "\n".join(problems)

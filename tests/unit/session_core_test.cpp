@@ -1093,6 +1093,98 @@ TEST_F(SleepTest, AFailedAutomaticHibernationWaitsForTheNextRequest) {
     EXPECT_EQ(io.of("own").size(), 2u);
 }
 
+// A planned restart (docs/restarts.md): the session stops taking work,
+// hibernates once free, and carries its counters and the requests that came
+// meanwhile to the next server's core.
+TEST_F(SleepTest, HandingOverHoldsNewWorkAndHibernatesOnceTheRunningCellEnds) {
+    SessionLimits limits;
+    limits.max_executions = 5;
+    start(limits);
+    run_cell("c0", t0);
+    core->on_client_request(t0 + 1s, Channel::shell, execute("c1"));
+    core->hand_over(t0 + 2s);
+    EXPECT_TRUE(core->handing_over());
+    EXPECT_FALSE(core->handover_settled());
+    core->on_client_request(t0 + 3s, Channel::shell, request("kernel_info_request", "r2"));
+    core->on_client_request(t0 + 3s, Channel::shell, execute("c3"));
+    EXPECT_EQ(io.of("kernel").size(), 2u) << "c0 and c1 only: the rest waits for the next server";
+    // An interrupt of the running cell still reaches this kernel.
+    core->on_client_request(t0 + 3s, Channel::control, request("interrupt_request", "i1"));
+    EXPECT_EQ(io.of("interrupt").size(), 1u);
+    core->on_kernel_iopub(t0 + 4s, status("c1", "busy"));
+    core->on_kernel_iopub(t0 + 4s, status("c1", "idle"));
+    core->on_kernel_reply(t0 + 4s, Channel::shell, execute_reply("c1"));
+    EXPECT_TRUE(io.of("own").empty());
+    const auto due = core->next_deadline(t0 + 4s);
+    ASSERT_TRUE(due.has_value());
+    EXPECT_LE(*due, t0 + 4s) << "free now: it settles at once";
+    EXPECT_EQ(core->next_deadline(t0 + 4s + 1ms), due) << "a fixed time, not always ahead";
+    core->on_tick(t0 + 4s + 50ms);
+    const auto own = io.of("own");
+    ASSERT_EQ(own.size(), 1u);
+    core->on_kernel_reply(t0 + 5s, Channel::shell,
+                          own_reply(own[0].parent_id, {{"saved", 2}, {"bytes", 100}}));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernated);
+    EXPECT_TRUE(io.of("wake").empty()) << "the requests that wait do not wake it here";
+    EXPECT_TRUE(core->handover_settled());
+    const HandoverState state = core->handover_state(t0 + 6s);
+    EXPECT_EQ(state.executions, 2);
+    EXPECT_DOUBLE_EQ(state.age_s, 6.0);
+    EXPECT_DOUBLE_EQ(state.idle_s, 2.0) << "since c1's reply, which restarts the idle clock";
+    ASSERT_EQ(state.requests.size(), 2u);
+    EXPECT_EQ(state.requests[0].channel, Channel::shell);
+    ASSERT_GE(state.requests[0].frames.size(), 4u);
+    EXPECT_NE(state.requests[0].frames[3].find("kernel_info_request"), std::string::npos)
+        << state.requests[0].frames[3];
+    EXPECT_NE(state.requests[1].frames[3].find("execute_request"), std::string::npos);
+    EXPECT_EQ(state.requests[0].frames[0], kClient[0]) << "the client's routing identity goes too";
+}
+
+TEST_F(SleepTest, TheNextServersCoreGoesOnFromTheCountersItWasHanded) {
+    SessionLimits limits;
+    limits.max_executions = 5;
+    CoreOptions options;
+    options.session_id = "s1";
+    options.policy = &policy;
+    options.limits = limits;
+    options.observer = &audit;
+    audit.states.clear();
+    core = std::make_unique<SessionCore>(options, io, t0);
+    HandoverState state;
+    state.executions = 4;
+    state.age_s = 100;
+    state.idle_s = 10;
+    state.cpu_ms = 700;
+    core->take_over(t0, state);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernated);
+    EXPECT_EQ(core->cpu_ms(), 700u);
+    EXPECT_EQ(core->governor()->executions(), 4);
+    EXPECT_EQ(audit.states, (std::vector<std::string>{"hibernated"}));
+    core->on_client_request(t0 + 1s, Channel::shell, execute("c5"));
+    EXPECT_EQ(io.of("wake").size(), 1u);
+    attach_and_restore(t0 + 2s);
+    core->on_kernel_iopub(t0 + 3s, status("c5", "busy"));
+    core->on_kernel_iopub(t0 + 3s, status("c5", "idle"));
+    core->on_kernel_reply(t0 + 3s, Channel::shell, execute_reply("c5"));
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].metadata["cellblock"]["executions_left"], 0);
+    core->on_client_request(t0 + 4s, Channel::shell, execute("c6"));
+    ASSERT_EQ(io.to_client("execute_reply").size(), 2u);
+    EXPECT_EQ(io.to_client("execute_reply").back().content["ename"], "ExecutionLimitExceeded");
+}
+
+TEST_F(SleepTest, ASessionThatCannotSleepFailsItsHandoverWithWhy) {
+    io.sleep_possible = false;
+    core->hand_over(t0);
+    EXPECT_TRUE(core->handover_settled());
+    EXPECT_TRUE(io.of("own").empty());
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    ASSERT_FALSE(audit.events.empty());
+    EXPECT_EQ(audit.events.back(),
+              "hibernate_failed the swarm backend's sandboxes keep no files on this host");
+}
+
 TEST(HibernateAfter, IsALimitLikeTheOthers) {
     const ServerPolicy policy;
     EXPECT_GE(policy.defaults.hibernate_after_s, policy.defaults.idle_timeout_s)

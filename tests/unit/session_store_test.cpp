@@ -262,6 +262,29 @@ TEST_F(SessionStoreTest, CloseAllOpenTouchesOnlyOpenSessions) {
     EXPECT_TRUE(store.close_all_open("server_restart", 200.0).empty());
 }
 
+TEST_F(SessionStoreTest, HandedOverSessionsStayOpenAndTheirRowsRoundTrip) {
+    SessionStore store(db_path_);
+    store.add_session(make_session("asleep", 1.0, "hibernated"));
+    store.add_session(make_session("other", 2.0, "idle"));
+    // Rows are opaque bytes: NULs and high bytes come back whole.
+    const std::string sealed("CBSEAL1\n\0\xff\x01 sealed", 18);
+    store.put_handover({"asleep", sealed, 10.0});
+    store.put_handover({"@server", "manager", 10.0});
+    store.put_handover({"asleep", sealed + "!", 11.0});  // written again: replaced
+    const auto rows = store.handovers();
+    ASSERT_EQ(rows.size(), 2u);
+    EXPECT_EQ(rows[0].name, "@server");
+    EXPECT_EQ(rows[1].name, "asleep");
+    EXPECT_EQ(rows[1].sealed, sealed + "!");
+    EXPECT_DOUBLE_EQ(rows[1].made_at, 11.0);
+    EXPECT_EQ(store.close_all_open("server_restart", 20.0, {"asleep"}),
+              std::vector<std::string>{"other"});
+    EXPECT_EQ(store.session("asleep")->state, "hibernated");
+    store.remove_handover("asleep");
+    store.remove_handover("@server");
+    EXPECT_TRUE(store.handovers().empty());
+}
+
 TEST_F(SessionStoreTest, SessionsAreNewestFirstAndFilterable) {
     SessionStore store(db_path_);
     store.add_session(make_session("middle", 20.0));

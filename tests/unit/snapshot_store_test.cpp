@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 
+#include "../../server/server_key.hpp"
 #include "../../server/session_snapshots.hpp"
 
 namespace cellblock {
@@ -208,6 +209,87 @@ TEST_F(SnapshotStoreTest, LinksAndOddFilesFromTheSandboxAreNotFollowed) {
     fs::remove(output / kSnapshotFile);
     fs::create_symlink(base / "host-secret", output / kSnapshotFile);
     EXPECT_THROW(store.keep("s2", output, input), SnapshotError);
+}
+
+TEST_F(SnapshotStoreTest, AHandedOverSnapshotOpensInTheNextStoreWithItsKey) {
+    // A planned restart (docs/restarts.md): the key leaves with the handover
+    // row, and the next server's store opens the same files with it.
+    fs::path next = base / "next-input";
+    fs::create_directories(next);
+    std::string key;
+    {
+        SnapshotStore store(base / "store");
+        kernel_wrote("kept across the restart");
+        store.keep("s1", output, input);
+        key = store.key_bytes("s1");
+        EXPECT_EQ(key.size(), SnapshotKey::kBytes);
+    }
+    SnapshotStore again(base / "store");
+    again.clear({"s1"});
+    EXPECT_TRUE(fs::exists(base / "store" / "s1" / "snapshot")) << "kept by clear()'s except";
+    EXPECT_THROW(again.adopt("s2", key, {}), SnapshotError) << "no such snapshot on disk";
+    again.adopt("s1", key, {123, 4.0});
+    EXPECT_EQ(again.bytes("s1"), 123u);
+    again.place("s1", next);
+    EXPECT_EQ(read_file(next / kSnapshotFile), "kept across the restart");
+    EXPECT_EQ(read_file(next / "sub" / "deep.txt"), "secret-deep-file");
+    // With another key it is refused, not opened.
+    SnapshotStore third(base / "store");
+    third.adopt("s1", std::string(SnapshotKey::kBytes, 'k'), {});
+    fs::remove_all(next);
+    fs::create_directories(next);
+    EXPECT_THROW(third.place("s1", next), SnapshotError);
+}
+
+TEST(SnapshotCipher, SealedBytesRoundTripAndRefuseAnotherKeyOrLabel) {
+    const SnapshotKey key;
+    const std::string plain("the client's key\0and its ports", 31);
+    const std::string sealed = seal(plain, key, "handover/s1");
+    EXPECT_EQ(sealed.size(), plain.size() + kSealOverhead);
+    EXPECT_EQ(sealed.find("client"), std::string::npos);
+    EXPECT_EQ(open_sealed(sealed, key, "handover/s1"), plain);
+    EXPECT_THROW(open_sealed(sealed, key, "handover/s2"), std::runtime_error);
+    EXPECT_THROW(open_sealed(sealed, SnapshotKey(), "handover/s1"), std::runtime_error);
+    std::string changed = sealed;
+    changed[20] ^= 1;
+    EXPECT_THROW(open_sealed(changed, key, "handover/s1"), std::runtime_error);
+    EXPECT_THROW(open_sealed(sealed.substr(0, 10), key, "handover/s1"), std::runtime_error);
+    EXPECT_EQ(open_sealed(seal("", key, "x"), key, "x"), "");
+}
+
+TEST(ServerKey, IsMadeOnceOwnerOnlyAndRefusedWhenOthersCouldReadIt) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-server-key-" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    const fs::path path = dir / "keys" / "server.key";
+    const auto error_of = [](auto&& f) -> std::string {
+        try {
+            f();
+        } catch (const std::exception& e) {
+            return e.what();
+        }
+        return "";
+    };
+    EXPECT_NE(error_of([&] { load_server_key(path, false); }).find("No such file"),
+              std::string::npos);
+    const auto made = load_server_key(path, true);
+    EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+    EXPECT_EQ(fs::status(path.parent_path()).permissions(), fs::perms::owner_all);
+    const auto again = load_server_key(path, true);  // read, not made anew
+    EXPECT_EQ(std::string(reinterpret_cast<const char*>(made->bytes()), SnapshotKey::kBytes),
+              std::string(reinterpret_cast<const char*>(again->bytes()), SnapshotKey::kBytes));
+    fs::permissions(path, fs::perms::group_read, fs::perm_options::add);
+    EXPECT_NE(error_of([&] { load_server_key(path, false); }).find("mode 0640 lets others read it"),
+              std::string::npos);
+    fs::permissions(path, fs::perms::owner_read | fs::perms::owner_write);
+    write_file(dir / "short.key", "too short");
+    fs::permissions(dir / "short.key", fs::perms::owner_read);
+    EXPECT_NE(error_of([&] { load_server_key(dir / "short.key", false); }).find("9 bytes, not 32"),
+              std::string::npos);
+    fs::create_symlink(path, dir / "link.key");
+    EXPECT_FALSE(error_of([&] { load_server_key(dir / "link.key", false); }).empty())
+        << "a link is not followed";
+    fs::remove_all(dir);
 }
 
 TEST(SnapshotCipher, SealedStreamsRoundTripAndCarryNoPlainText) {
