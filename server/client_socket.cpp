@@ -90,6 +90,14 @@ class ZmtpListener final : public RelaySocket {
         return false;
     }
 
+    void read_waiting() override {
+        if (closed_ || pub_) return;
+        for (auto& [id, peer] : peers_) {
+            peer->stream.pump();
+            if (!peer->registered && peer->stream.zmtp().ready()) register_peer(*peer);
+        }
+    }
+
     pollfd poll_item() override { return {listen_.get(), POLLIN, 0}; }
 
     void watch(EventLoop& loop, EventLoop::Handler on_readable) override {

@@ -40,6 +40,11 @@ class RelaySocket {
     // sender's identity); frames past `max_frames` are not kept
     // (out.dropped_frames counts them).
     virtual bool receive(Multipart& out, std::size_t max_frames) = 0;
+    // Reads what has arrived from every peer into decoded messages now,
+    // without waiting for the loop (a handover takes every request already
+    // on the host before the socket closes, docs/restarts.md). libzmq's I/O
+    // thread does this by itself.
+    virtual void read_waiting() {}
     // What poll() should wait for while no loop watches it (the probe).
     // Receive until nothing waits before waiting on it.
     virtual pollfd poll_item() = 0;

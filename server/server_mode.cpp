@@ -226,7 +226,7 @@ int Server::run() {
         metrics_tick = loop_.add_deadline(
             [&next_tick]() -> std::optional<Clock::time_point> { return next_tick; },
             [&, this](Clock::time_point now) {
-                tick_metrics(now, signalled);
+                tick_metrics(now, signalled || handing_over_);
                 next_tick = now + ServerMetrics::kTick;
             });
     }

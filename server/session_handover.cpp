@@ -130,8 +130,11 @@ void Server::write_handover() {
     } catch (const std::exception& e) {
         spdlog::error("cellblock serve: handover: the manager's row: {}", e.what());
     }
-    std::vector<std::string> handed;
-    for (auto& [id, session] : sessions_) {
+    std::vector<std::string> ids;
+    for (const auto& [id, session] : sessions_) ids.push_back(id);
+    std::size_t handed = 0;
+    for (const auto& id : ids) {
+        Session& session = *sessions_.find(id);
         SessionProxy* relay = session.proxy();
         if (!relay || relay->closed()) continue;
         if (relay->lifecycle_state() != SessionState::hibernated) {
@@ -182,7 +185,12 @@ void Server::write_handover() {
             store_.add_event({id, now_unix, "handed_over",
                               fmt::format("to the server's next start; {} request(s) carried",
                                           state.requests.size())});
-            handed.push_back(id);
+            ++handed;
+            // Gone from this process without a close, its sockets at once
+            // (what a client sends from now waits in the client for the
+            // next start): the registry's row stays open (hibernated), the
+            // snapshot stays on disk.
+            sessions_.erase(id);
         } catch (const std::exception& e) {
             spdlog::error("session {}: not handed over: {}", id, e.what());
             store_.remove_handover(id);
@@ -190,10 +198,7 @@ void Server::write_handover() {
                          ename::ServerShuttingDown, "the server restarted");
         }
     }
-    // Gone from this process without a close: the registry's row stays open
-    // (hibernated), the snapshot stays on disk, the ports are let go.
-    for (const auto& id : handed) sessions_.erase(id);
-    spdlog::info("cellblock serve: {} session(s) handed over", handed.size());
+    spdlog::info("cellblock serve: {} session(s) handed over", handed);
 }
 
 std::set<std::string> Server::handed_over_sessions() const {
@@ -263,6 +268,15 @@ void Server::take_over_session(const HandoverRow& row) {
     }
     const std::string& id = row.name;
     const std::string image_name = body.at("image").get<std::string>();
+    const SessionLimits limits = options_.policy.effective(json::object(), body.at("limits"));
+    const ConnectionInfo outer = ConnectionInfo::from_json(body.at("connection"));
+    // The same five ports and key: the clients reconnect by themselves. From
+    // here a failure closes the session on them (take_over_sessions), so its
+    // clients are told why.
+    auto proxy =
+        std::make_unique<SessionProxy>(context_, loop_, id, outer, proxy_options(id, limits));
+    SessionProxy& relay = *proxy;
+    Session& held = sessions_.add(Session(id, image_name, std::move(proxy)));
     auto image = images_.find(image_name);
     if (image == images_.end()) throw std::runtime_error("no image '" + image_name + "' any more");
     Image resolved = resolve_image(image->second, image_store_);
@@ -272,7 +286,13 @@ void Server::take_over_session(const HandoverRow& row) {
     }
     Image image_def = resolved;
     image_def.runtime = body.at("runtime").get<std::string>();
-    const SessionLimits limits = options_.policy.effective(json::object(), body.at("limits"));
+    const std::string kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime +
+                             " " + limits.sandbox.to_json().dump();
+    const auto pool_id = pool_image_ids_.find(image_name);
+    const bool poolable = image_def.runtime == resolved.runtime &&
+                          pool_id != pool_image_ids_.end() &&
+                          pool_id->second == image_def.content_id;
+    held.origin() = {image_def, limits, kind, poolable};
     const json& snapshot = body.at("snapshot");
     const auto& key = snapshot.at("key").get_binary();
     snapshots_->adopt(
@@ -291,19 +311,6 @@ void Server::take_over_session(const HandoverRow& row) {
         state.requests.push_back({channel_named(request.at("channel").get<std::string>()),
                                   frames_of(request.at("frames"))});
     }
-    const ConnectionInfo outer = ConnectionInfo::from_json(body.at("connection"));
-    // The same five ports and key: the clients reconnect by themselves.
-    auto proxy =
-        std::make_unique<SessionProxy>(context_, loop_, id, outer, proxy_options(id, limits));
-    SessionProxy& relay = *proxy;
-    Session& held = sessions_.add(Session(id, image_name, std::move(proxy)));
-    const std::string kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime +
-                             " " + limits.sandbox.to_json().dump();
-    const auto pool_id = pool_image_ids_.find(image_name);
-    const bool poolable = image_def.runtime == resolved.runtime &&
-                          pool_id != pool_image_ids_.end() &&
-                          pool_id->second == image_def.content_id;
-    held.origin() = {image_def, limits, kind, poolable};
     relay.take_over(state);
     store_.add_event({id, unix_now(), "taken_over",
                       fmt::format("from the server's last start: hibernated, {} execution(s), {} "

@@ -394,6 +394,7 @@ bool SessionProxy::on_client(Channel channel) {
 
 HandoverState SessionProxy::handover_state() {
     for (Channel channel : {Channel::control, Channel::shell}) {
+        if (RelaySocket* socket = outer_socket(channel)) socket->read_waiting();
         while (on_client(channel)) {
         }
     }

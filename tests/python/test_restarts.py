@@ -200,3 +200,32 @@ def test_an_upgrade_under_load_refuses_nothing_and_answers_every_step_once(
         client.close()
         problems = srv.shutdown(keep_log=bool(errors))
     assert not problems, "\n".join(problems)
+
+
+def test_a_session_whose_port_was_taken_meanwhile_is_closed_with_why(
+        server_factory, tmp_path):  # noqa: F811
+    import socket
+    srv = server_factory(["--key-file", str(tmp_path / "server.key")])
+    sid, kc, created = srv.open_session()
+    other, kc2, created2 = srv.open_session()
+    sh.run_ok(kc2, "kept = 'yes'")
+    for c in (kc, kc2):
+        c.stop_channels()
+    srv.clients.clear()
+    srv.proc.send_signal(signal.SIGUSR2)
+    assert srv.proc.wait(timeout=180) == 0, srv.log()[-3000:]
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", created["connection"]["shell_port"]))
+    squatter.listen()
+    try:
+        srv.start()
+        info = srv.info_of(sid)
+        assert info["state"] == "closed", info
+        assert info["close_reason"].startswith("restore_failed: "), info
+        assert "in use" in info["close_reason"], info
+        # The other session goes on.
+        again = srv.connect(created2["connection"])
+        assert sh.run_ok(again, "print(kept)").strip() == "yes"
+    finally:
+        squatter.close()

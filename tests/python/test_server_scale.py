@@ -17,7 +17,10 @@ from server_helpers import (assert_session_present, execute, mounts_under, pids_
 
 SESSIONS = 20
 CELLS = 20
-CYCLES = 200
+# Under ASan+UBSan (scripts/test.sh sets ASAN_OPTIONS) a cycle costs several
+# times more; 80 still cross the pool's refills many times over, and LSan
+# checks the server's exit after them (the CI budget: docs/field-notes.md).
+CYCLES = 80 if os.environ.get("ASAN_OPTIONS") else 200
 
 
 def fd_count(pid):
