@@ -102,6 +102,9 @@ class KernelChannels:
         self.iopub.connect(_endpoint(connection, "iopub"))
         self.shell = ctx.socket(zmq.DEALER)
         self.shell.linger = 0
+        # An identity of its own, as jupyter_client's: a request carried over
+        # a server's restart is answered to this socket (figure 18).
+        self.shell.identity = self.session.bsession
         self.shell.connect(_endpoint(connection, "shell"))
         self.poller = zmq.Poller()
         self.poller.register(self.shell, zmq.POLLIN)

@@ -1146,6 +1146,7 @@ from floods import floods_figure  # noqa: E402  (figure 14 lives in its own file
 from metrics_cost import metrics_cost  # noqa: E402  (figure 15 lives in its own file)
 from host_share import host_share  # noqa: E402  (figure 16 lives in its own file)
 from hibernation import hibernation_figure  # noqa: E402  (figure 17 lives in its own file)
+from restarts import restarts_figure  # noqa: E402  (figure 18 lives in its own file)
 
 FIGURES = {
     "ready": ("1. Session ready", session_ready),
@@ -1165,6 +1166,8 @@ FIGURES = {
     "metrics": ("15. Metrics cost", metrics_cost),
     "hostshare": ("16. Sessions beside host processes", host_share),
     "hibernation": ("17. Hibernation", hibernation_figure),
+    "restarts": ("18. Restarts", restarts_figure),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress", "swarm", "floods", "metrics", "hostshare", "hibernation"]
+         "kernel", "zygote", "egress", "swarm", "floods", "metrics", "hostshare", "hibernation",
+         "restarts"]

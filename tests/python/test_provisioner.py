@@ -38,7 +38,8 @@ class Provisioned:
     """A server, the client installed with pip, and a provisioner kernelspec."""
 
     def __init__(self, root):
-        self.server = start_server()
+        # Its own server key: a test restarts the server (SIGHUP).
+        self.server = start_server(["--key-file", os.path.join(root, "server.key")])
         source = os.path.join(root, "src")
         shutil.copytree(CLIENT_DIR, source, ignore=shutil.ignore_patterns("__pycache__", "build",
                                                                            "*.egg-info"))
@@ -389,3 +390,39 @@ def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(prov
     kinds = [e["kind"] for e in provisioned.server.ok(
         "session_history_request", {"session_id": sid})["content"]["events"]]
     assert "hibernated" in kinds and "resumed" in kinds, kinds
+
+
+def test_a_server_restart_is_invisible_to_the_console_and_its_provisioned_kernel(provisioned):
+    """SIGHUP restarts the server under a `jupyter console` whose kernel the
+    provisioner created (docs/restarts.md): the next line typed is answered
+    with the earlier state, the prompt numbers go on, and neither the
+    console nor jupyter_client's restarter sees a dead kernel."""
+    from test_console import JUPYTER_CONSOLE, Terminal
+    srv = provisioned.server
+    before = {s["session_id"] for s in provisioned.sessions()}
+    env = dict(provisioned.env, TERM="xterm-256color")
+    term = Terminal([JUPYTER_CONSOLE, "--kernel", KERNEL], env)
+    try:
+        term.prompt(1, timeout=90)
+        mark = term.type_line("kept = 6 * 7")
+        term.prompt(2, mark)
+        [new] = [s for s in provisioned.sessions(open_only=True) if s["session_id"] not in before]
+        sid = new["session_id"]
+        starts = srv.log().count("cellblock serve: manager on")
+        srv.proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: srv.log().count("cellblock serve: manager on") > starts,
+                        timeout=120), srv.log()[-3000:]
+        time.sleep(2)  # the console's heartbeats and the provisioner's polls go on
+        mark = term.type_line("print(kept)")
+        term.expect(r"^42$", mark, timeout=120)
+        term.prompt(3, mark)
+        assert "restarting" not in term.text.lower(), term.text[-2000:]
+        mark = term.type_line("exit")
+        status, sig = term.wait_exit(timeout=60)
+        assert (status, sig) == (0, None), term.text[mark:]
+    finally:
+        term.kill()
+    kinds = [e["kind"] for e in srv.ok(
+        "session_history_request", {"session_id": sid})["content"]["events"]]
+    assert "handed_over" in kinds and "taken_over" in kinds and "resumed" in kinds, kinds
+
