@@ -131,6 +131,16 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
     // Handing over: only an interrupt of the running execution goes to this
     // kernel; the rest wait for the next server (handover_state).
     const bool interrupt = channel == Channel::control && msg.msg_type == "interrupt_request";
+    if ((asleep() || handing_over_) && msg.msg_type == "is_complete_request") {
+        // A console asks this as the user presses Enter, and gives up after
+        // a second (then stops asking for the rest of its life): a wake takes
+        // longer. "unknown" is the spec's answer for a kernel that cannot
+        // tell; the line runs as typed, and the session starts waking.
+        if (governor_) governor_->on_client_request(now);
+        reply(request, "is_complete_reply", {{"status", "unknown"}});
+        if (lifecycle_.state() == SessionState::hibernated && !handing_over_) wake(now);
+        return;
+    }
     if (asleep() || (handing_over_ && !(interrupt && execution_))) {
         // Answered once the session is awake, in the order they came.
         if (asleep_.size() >= options_.max_queued) {

@@ -878,6 +878,25 @@ TEST_F(SleepTest, ARequestWakesItAndIsAnsweredAfterTheRestoreInOrder) {
     EXPECT_EQ(sent[1].msg_type, "kernel_info_request");
 }
 
+TEST_F(SleepTest, AConsolesIsCompleteIsAnsweredAtOnceAndStartsTheWake) {
+    // jupyter_console waits 1 s for is_complete_reply, then stops asking for
+    // good (every later line then needs an extra Enter): a wake takes longer.
+    sleep_at(t0);
+    core->on_client_request(t0 + 5s, Channel::shell,
+                            request("is_complete_request", "ic1", {{"code", "x = 1"}}));
+    const auto replies = io.to_client("is_complete_reply");
+    ASSERT_EQ(replies.size(), 1u);
+    EXPECT_EQ(replies[0].content["status"], "unknown");
+    EXPECT_EQ(replies[0].parent_id, "ic1");
+    EXPECT_EQ(io.of("wake").size(), 1u);
+    EXPECT_TRUE(io.of("kernel").empty());
+    attach_and_restore(t0 + 7s);
+    EXPECT_TRUE(io.of("kernel").empty()) << "answered already: not replayed to the kernel";
+    // Awake, the kernel answers it again.
+    core->on_client_request(t0 + 8s, Channel::shell, request("is_complete_request", "ic2"));
+    EXPECT_EQ(io.of("kernel").size(), 1u);
+}
+
 TEST_F(SleepTest, TheFirstReplyAfterAResumeSaysSoAndNamesWhatWasLost) {
     sleep_at(t0);
     core->on_client_request(t0 + 5s, Channel::shell, execute("c2"));
