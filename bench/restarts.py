@@ -61,7 +61,7 @@ def restarts_figure(bench):
 
 def measure(bench, srv, n):
     srv.wait_pool()
-    replies, _ = srv.create_many(n, {"limits": {"max_executions": 1000000}})
+    replies, _ = srv.create_many(n, {"limits": {"max_executions": 100000}})
     chans = [srv.open_channels(r["connection"]) for r in replies]
     for ch in chans:
         wait_ready(ch, time.monotonic() + 120)
