@@ -188,7 +188,9 @@ class Server final : public SessionObserver {
     void write_handover();
     // The next start: the sessions the rows name, and the manager's endpoint and key.
     std::set<std::string> handed_over_sessions() const;
-    void take_over_manager(std::vector<HandoverRow>& rows);
+    // The last server's manager endpoint when ours has a wildcard port ("":
+    // none), and its key (key_, signer_).
+    std::string take_over_manager(std::vector<HandoverRow>& rows);
     void take_over_sessions(const std::vector<HandoverRow>& rows);
     void take_over_session(const HandoverRow& row);
     bool handing_over_ = false;

@@ -268,8 +268,18 @@ Server::Server(const ServeOptions& options)
     // real limit, see on_manager); past it libzmq cuts the connection.
     manager_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kManagerFrameCeiling));
     manager_.set(zmq::sockopt::router_handover, 1);
-    take_over_manager(handover);  // the last server's endpoint and key, if it handed over
-    manager_.bind(options_.manager_endpoint);
+    // The last server's endpoint and key, if it handed over: its clients
+    // hold them. Its port taken meanwhile, a new one (logged; the clients
+    // read server.json again).
+    const std::string last_endpoint = take_over_manager(handover);
+    try {
+        manager_.bind(last_endpoint.empty() ? options_.manager_endpoint : last_endpoint);
+    } catch (const zmq::error_t& e) {
+        if (last_endpoint.empty()) throw;
+        spdlog::warn("handover: the manager's last endpoint {}: {}; binding {}", last_endpoint,
+                     e.what(), options_.manager_endpoint);
+        manager_.bind(options_.manager_endpoint);
+    }
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
     take_over_sessions(handover);
     open_local_files();

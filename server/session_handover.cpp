@@ -209,17 +209,18 @@ std::set<std::string> Server::handed_over_sessions() const {
     return names;
 }
 
-void Server::take_over_manager(std::vector<HandoverRow>& rows) {
+std::string Server::take_over_manager(std::vector<HandoverRow>& rows) {
     auto row = std::find_if(rows.begin(), rows.end(),
                             [](const HandoverRow& r) { return r.name == kServerRow; });
-    if (row == rows.end()) return;
+    if (row == rows.end()) return {};
+    std::string endpoint;
     try {
         if (!server_key_) throw std::runtime_error(server_key_error_);
         const std::string plain = open_sealed(row->sealed, *server_key_, row_label(kServerRow));
         const json manager = json::from_cbor(plain);
         // The clients hold the last server's manager endpoint and key.
         if (options_.manager_endpoint.find('*') != std::string::npos) {
-            options_.manager_endpoint = manager.at("manager_endpoint").get<std::string>();
+            endpoint = manager.at("manager_endpoint").get<std::string>();
         }
         key_ = manager.at("manager_key").get<std::string>();
         signer_ = Signer(key_);
@@ -228,6 +229,7 @@ void Server::take_over_manager(std::vector<HandoverRow>& rows) {
     }
     store_.remove_handover(kServerRow);
     rows.erase(row);
+    return endpoint;
 }
 
 void Server::take_over_sessions(const std::vector<HandoverRow>& rows) {

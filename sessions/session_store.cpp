@@ -6,9 +6,11 @@
 // from elsewhere wait up to the busy timeout.
 #include "cellblock/session_store.hpp"
 
-#include "cellblock/sha256.hpp"
+#include <sys/stat.h>
 
 #include <array>
+#include <cerrno>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -16,6 +18,8 @@
 #include <unordered_map>
 
 #include <SQLiteCpp/SQLiteCpp.h>
+
+#include "cellblock/sha256.hpp"
 
 namespace cellblock {
 namespace {
@@ -157,7 +161,17 @@ struct SessionStore::Impl {
 
     explicit Impl(const std::filesystem::path& p)
         : path(p.string()),
-          db(p.string(), SQLite::OPEN_READWRITE | SQLite::OPEN_CREATE, kBusyTimeoutMs) {}
+          db(p.string(), SQLite::OPEN_READWRITE | SQLite::OPEN_CREATE, kBusyTimeoutMs) {
+        // The registry holds every execution's code and the handover's rows:
+        // its owner's only. SQLite makes the -wal and -shm files with the
+        // database's mode, so this comes before WAL is turned on.
+        for (const char* suffix : {"", "-wal", "-shm"}) {
+            const std::string file = path + suffix;
+            if (::chmod(file.c_str(), 0600) != 0 && errno != ENOENT) {
+                throw std::runtime_error("chmod 600 " + file + ": " + std::strerror(errno));
+            }
+        }
+    }
 
     // Runs `body`, turning any failure into "database <path>: <what>: <why>".
     template <typename Body>

@@ -262,6 +262,27 @@ TEST_F(SessionStoreTest, CloseAllOpenTouchesOnlyOpenSessions) {
     EXPECT_TRUE(store.close_all_open("server_restart", 200.0).empty());
 }
 
+TEST_F(SessionStoreTest, TheRegistryIsItsOwnersOnly) {
+    // It holds every execution's code and the handover's rows.
+    {
+        SessionStore store(db_path_);
+        store.add_session(make_session("s1", 1.0));
+    }
+    for (const char* suffix : {"", "-wal", "-shm"}) {
+        const std::filesystem::path file = db_path_.string() + suffix;
+        if (!std::filesystem::exists(file)) continue;
+        EXPECT_EQ(std::filesystem::status(file).permissions(),
+                  std::filesystem::perms::owner_read | std::filesystem::perms::owner_write)
+            << file;
+    }
+    // A file an older cellblock left readable is made private at the next open.
+    std::filesystem::permissions(db_path_, std::filesystem::perms::others_read,
+                                 std::filesystem::perm_options::add);
+    SessionStore again(db_path_);
+    EXPECT_EQ(std::filesystem::status(db_path_).permissions(),
+              std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+}
+
 TEST_F(SessionStoreTest, HandedOverSessionsStayOpenAndTheirRowsRoundTrip) {
     SessionStore store(db_path_);
     store.add_session(make_session("asleep", 1.0, "hibernated"));
