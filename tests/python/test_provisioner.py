@@ -358,21 +358,30 @@ def test_notebook_in_chromium_keeps_working_after_the_kernel_slept(provisioned, 
     assert page["kernelsAfter"] == [], page
 
 
-def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(provisioned):
-    """hibernate_after_s in the kernelspec's limits: the provisioned kernel
-    hibernates while `jupyter console` sits at its prompt (its heartbeats do
-    not wake it), and the next line the user types wakes it with its state."""
+def console_with_state(provisioned, kernel_name):
+    """`jupyter console` on a provisioned kernel of `kernel_name`, with
+    `kept = 6 * 7` run at its first prompt: (the terminal, the session id)."""
     from test_console import JUPYTER_CONSOLE, Terminal
-    name = sleepy_kernel(provisioned)
     before = {s["session_id"] for s in provisioned.sessions()}
     env = dict(provisioned.env, TERM="xterm-256color")
-    term = Terminal([JUPYTER_CONSOLE, "--kernel", name], env)
+    term = Terminal([JUPYTER_CONSOLE, "--kernel", kernel_name], env)
     try:
         term.prompt(1, timeout=90)
         mark = term.type_line("kept = 6 * 7")
         term.prompt(2, mark)
         [new] = [s for s in provisioned.sessions(open_only=True) if s["session_id"] not in before]
-        sid = new["session_id"]
+    except BaseException:
+        term.kill()
+        raise
+    return term, new["session_id"]
+
+
+def test_a_kernel_idle_past_hibernate_after_sleeps_and_the_console_wakes_it(provisioned):
+    """hibernate_after_s in the kernelspec's limits: the provisioned kernel
+    hibernates while `jupyter console` sits at its prompt (its heartbeats do
+    not wake it), and the next line the user types wakes it with its state."""
+    term, sid = console_with_state(provisioned, sleepy_kernel(provisioned))
+    try:
         assert provisioned.server.info_of(sid)["limits"]["hibernate_after_s"] == 3
         assert wait_for(lambda: provisioned.server.info_of(sid)["state"] == "hibernated",
                         timeout=120), provisioned.server.info_of(sid)
@@ -397,17 +406,9 @@ def test_a_server_restart_is_invisible_to_the_console_and_its_provisioned_kernel
     provisioner created (docs/restarts.md): the next line typed is answered
     with the earlier state, the prompt numbers go on, and neither the
     console nor jupyter_client's restarter sees a dead kernel."""
-    from test_console import JUPYTER_CONSOLE, Terminal
     srv = provisioned.server
-    before = {s["session_id"] for s in provisioned.sessions()}
-    env = dict(provisioned.env, TERM="xterm-256color")
-    term = Terminal([JUPYTER_CONSOLE, "--kernel", KERNEL], env)
+    term, sid = console_with_state(provisioned, KERNEL)
     try:
-        term.prompt(1, timeout=90)
-        mark = term.type_line("kept = 6 * 7")
-        term.prompt(2, mark)
-        [new] = [s for s in provisioned.sessions(open_only=True) if s["session_id"] not in before]
-        sid = new["session_id"]
         starts = srv.log().count("cellblock serve: manager on")
         srv.proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: srv.log().count("cellblock serve: manager on") > starts,
