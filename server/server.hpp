@@ -178,6 +178,11 @@ class Server final : public SessionObserver {
     // A create that will not be served: its client is answered, or the
     // session it was to wake is closed.
     void fail_create(PendingCreate& pending, const std::string& ename, const std::string& evalue);
+    // What a session of `image_name` runs as (`image_def`: `resolved`, the
+    // image's current version, with the runtime the request named): which
+    // warm sandboxes fit it, and whether the image's pool holds them.
+    SessionOrigin origin_of(const std::string& image_name, const Image& image_def,
+                            const Image& resolved, const SessionLimits& limits) const;
     // A planned restart (session_handover.cpp, docs/restarts.md).
     ProxyOptions proxy_options(const std::string& session_id, const SessionLimits& limits);
     // SIGHUP: false (logged) when the server key cannot be had; the server goes on.

@@ -4,6 +4,18 @@
 
 namespace cellblock {
 
+SessionOrigin Server::origin_of(const std::string& image_name, const Image& image_def,
+                                const Image& resolved, const SessionLimits& limits) const {
+    SessionOrigin origin{image_def, limits, {}, false};
+    origin.kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime + " " +
+                  limits.sandbox.to_json().dump();
+    // The pool holds sandboxes of the image's own runtime and pool version only.
+    const auto pool_id = pool_image_ids_.find(image_name);
+    origin.poolable = image_def.runtime == resolved.runtime && pool_id != pool_image_ids_.end() &&
+                      pool_id->second == image_def.content_id;
+    return origin;
+}
+
 json Server::session_create(Request& r, std::vector<std::string>&) {
     if (handing_over_) {
         throw RequestError{ename::ServerRestarting,
@@ -77,8 +89,8 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
     pending.started = Clock::now();
     pending.image_id = image_def.content_id;
     pending.image_def = image_def;
-    pending.kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime + " " +
-                   limits.sandbox.to_json().dump();
+    const SessionOrigin origin = origin_of(image_name, image_def, resolved, limits);
+    pending.kind = origin.kind;
     pending.client_timeout_s = client_timeout_s;
     const auto wait_bound = std::chrono::duration<double>(options_.policy.max_create_wait_s);
     pending.deadline = pending.started + std::chrono::duration_cast<Clock::duration>(wait_bound);
@@ -89,10 +101,7 @@ json Server::session_create(Request& r, std::vector<std::string>&) {
             std::chrono::duration<double>(*client_timeout_s - margin));
         pending.deadline = std::min(pending.deadline, pending.started + client_wait);
     }
-    // The pool holds sandboxes of the image's own runtime and pool version only.
-    const auto pool_id = pool_image_ids_.find(image_name);
-    pending.poolable = image_def.runtime == resolved.runtime && pool_id != pool_image_ids_.end() &&
-                       pool_id->second == image_def.content_id;
+    pending.poolable = origin.poolable;
     // First come, first served: a warm sandbox goes to this create only if
     // no earlier one still waits.
     if (pending.poolable && creating_.empty()) {

@@ -288,13 +288,7 @@ void Server::take_over_session(const HandoverRow& row) {
     }
     Image image_def = resolved;
     image_def.runtime = body.at("runtime").get<std::string>();
-    const std::string kind = image_name + "@" + image_def.content_id + " on " + image_def.runtime +
-                             " " + limits.sandbox.to_json().dump();
-    const auto pool_id = pool_image_ids_.find(image_name);
-    const bool poolable = image_def.runtime == resolved.runtime &&
-                          pool_id != pool_image_ids_.end() &&
-                          pool_id->second == image_def.content_id;
-    held.origin() = {image_def, limits, kind, poolable};
+    held.origin() = origin_of(image_name, image_def, resolved, limits);
     const json& snapshot = body.at("snapshot");
     const auto& key = snapshot.at("key").get_binary();
     snapshots_->adopt(
