@@ -270,6 +270,10 @@ def init_b(fds, report_sock, request, bpf):
     os.dup2(devnull, 1)
     os.closerange(clear, os.sysconf("SC_OPEN_MAX"))
     env = dict(e.split("=", 1) for e in request["env"])
+    # The shim's alone (it strips CELLBLOCK_ variables from what it passes on).
+    grace = int(request.get(protocol.ADOPT_GRACE_REQUEST, 0))
+    if grace > 0:
+        env[protocol.ADOPT_GRACE_ENV] = str(grace)
     os.execve(protocol.SHIM, [protocol.SHIM, protocol.SHIM_ADOPT_OPTION, str(kernel),
                               str(protocol.ADOPTED_STDERR_FD)], env)
 

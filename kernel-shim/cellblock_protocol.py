@@ -41,3 +41,7 @@ MAX_CGROUP_FDS = 32
 SHIM_ADOPT_OPTION = "--adopt"
 LIFELINE_FD = 3
 ADOPTED_STDERR_FD = 4
+# A fork request's grace (ms) for the session's sandbox to outlive its
+# server, passed to the forked session's shim in this variable.
+ADOPT_GRACE_ENV = "CELLBLOCK_ADOPT_GRACE_MS"
+ADOPT_GRACE_REQUEST = "adopt_grace_ms"

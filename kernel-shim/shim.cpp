@@ -14,11 +14,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +87,36 @@ bool connect_lifeline(const char* path) {
     return dup3(fd.get(), kLifelineFd, O_CLOEXEC) == kLifelineFd;
 }
 
+// After the lifeline ended (docs/restarts.md, phase 2): one try to connect
+// to a restarted server's lifeline socket, as fd 3 again. Only the server's
+// listener is taken: one outside the sandbox's PID namespace (SO_PEERCRED
+// names it pid 0 here) or, in a zygote's container (no PID or user
+// namespace), root's. No process of a sandbox is either: a session's run as
+// its mapped user without capabilities, a zygote's as its first host id.
+bool reconnect_lifeline() {
+    const std::string path = std::string(protocol::kIpcDir) + "/" + protocol::kLifelineSocketName;
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+    UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (!fd || connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        return false;
+    }
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+        (cred.pid != 0 && cred.uid != 0)) {
+        say("%s", "a lifeline listener inside the sandbox was refused");
+        return false;
+    }
+    // fd 3 was closed when the last lifeline ended: the socket may be it.
+    if (fd.get() == kLifelineFd) {
+        fd.release();
+        return true;
+    }
+    return dup3(fd.get(), kLifelineFd, O_CLOEXEC) == kLifelineFd;
+}
+
 std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
     for (char** e = environ; *e; ++e) {
         if (strncmp(*e, kOwnVariables, strlen(kOwnVariables)) == 0) continue;
@@ -131,6 +163,12 @@ int main(int argc, char** argv) {
         }
     }
     bool have_lifeline = fcntl(kLifelineFd, F_GETFD) != -1;
+    // A passed lifeline may be waited for again after it ends (see
+    // reconnect_lifeline); one the shim connected itself (runsc) may not.
+    int adopt_grace_ms = 0;
+    if (const char* grace = getenv(protocol::kAdoptGraceEnv); have_lifeline && grace) {
+        adopt_grace_ms = std::max(0, atoi(grace));
+    }
     if (have_lifeline) {
         fcntl(kLifelineFd, F_SETFD, FD_CLOEXEC);
     } else if (const char* path = getenv(protocol::kLifelineEnv); path && *path) {
@@ -197,21 +235,46 @@ int main(int argc, char** argv) {
     std::string lifeline_line;  // what the server sent, up to a newline
     size_t stderr_copied = 0;
     bool stderr_open = true;
-    int term_deadline_ms = -1;
-    protocol::KernelExit exit;  // how the kernel ended, once it has
+    using Clock = std::chrono::steady_clock;
+    std::optional<Clock::time_point> term_at;         // told to stop: the kernel's last moment
+    std::optional<Clock::time_point> orphaned_until;  // no server: the end of the grace
+    protocol::KernelExit exit;                        // how the kernel ended, once it has
     bool checked_adopted = adopted < 0;
 
     using How = protocol::KernelExit::How;
     while (exit.how == How::unknown) {
+        const auto now = Clock::now();
+        int timeout_ms = -1;
+        const auto until = [&](Clock::time_point t) {
+            return static_cast<int>(
+                std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1);
+        };
+        if (term_at) {
+            if (now >= *term_at) {
+                exit = {How::terminated, 0};
+                break;
+            }
+            timeout_ms = until(*term_at);
+        }
+        if (orphaned_until) {
+            if (reconnect_lifeline()) {
+                say("%s", "adopted by a restarted server");
+                have_lifeline = true;
+                orphaned_until.reset();
+            } else if (now >= *orphaned_until) {
+                say("%s", "no server adopted the sandbox within its grace; ending it");
+                return 1;
+            } else {
+                timeout_ms = timeout_ms < 0 ? protocol::kAdoptRetryMs
+                                            : std::min(timeout_ms, protocol::kAdoptRetryMs);
+            }
+        }
+        if (adopted > 0 && !checked_adopted) timeout_ms = 0;
         pollfd fds[3] = {{sigfd, POLLIN, 0},
                          {have_lifeline ? kLifelineFd : -1, POLLIN, 0},
                          {stderr_open ? err_pipe[0] : -1, POLLIN, 0}};
-        const int ready = poll(fds, 3, adopted > 0 && !checked_adopted ? 0 : term_deadline_ms);
+        const int ready = poll(fds, 3, timeout_ms);
         if (ready < 0 && errno != EINTR) break;
-        if (ready == 0 && term_deadline_ms >= 0) {
-            exit = {How::terminated, 0};
-            break;
-        }
         const bool check_children = (fds[0].revents & POLLIN) || !checked_adopted;
         checked_adopted = true;
         if (check_children) {
@@ -222,7 +285,9 @@ int main(int argc, char** argv) {
                     kill(kernel, SIGINT);
                 } else if (sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT) {
                     kill(kernel, SIGTERM);
-                    term_deadline_ms = protocol::kShimTermGraceMs;
+                    if (!term_at)
+                        term_at =
+                            Clock::now() + std::chrono::milliseconds(protocol::kShimTermGraceMs);
                 }
             }
             int status = 0;
@@ -240,9 +305,20 @@ int main(int argc, char** argv) {
             char buf[256];
             const ssize_t n = read(kLifelineFd, buf, sizeof buf);
             if (n <= 0) {
-                // The server is gone: end the sandbox with it.
-                say("server gone; ending the sandbox");
-                return 1;
+                if (adopt_grace_ms <= 0) {
+                    // The server is gone: end the sandbox with it.
+                    say("server gone; ending the sandbox");
+                    return 1;
+                }
+                // The sandbox outlives its server for the grace, and no
+                // longer: a server started on the same state dir adopts it.
+                close(kLifelineFd);
+                have_lifeline = false;
+                lifeline_line.clear();
+                orphaned_until = Clock::now() + std::chrono::milliseconds(adopt_grace_ms);
+                say("server gone; the sandbox waits %s ms for a server to adopt it",
+                    std::to_string(adopt_grace_ms).c_str());
+                continue;
             }
             // "interrupt\n": SIGINT to the kernel (runsc's init pid is the
             // Sentry, which the server cannot signal on the kernel's behalf).

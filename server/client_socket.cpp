@@ -145,6 +145,12 @@ class ZmtpListener final : public RelaySocket {
         return std::any_of(peers_.begin(), peers_.end(),
                            [](const auto& peer) { return peer.second->stream.unsent(); });
     }
+    std::optional<std::size_t> subscribers() const override {
+        return static_cast<std::size_t>(
+            std::count_if(peers_.begin(), peers_.end(), [](const auto& peer) {
+                return peer.second->registered && !peer.second->subscriptions.empty();
+            }));
+    }
 
   private:
     struct Peer {

@@ -262,6 +262,13 @@ int main(int argc, char** argv) {
                      "closes them")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
+    serve_cmd
+        ->add_option("--adopt-grace", serve.adopt_grace_s,
+                     "seconds a session's sandbox outlives a server killed by anything, "
+                     "for the next start on the same state dir to adopt it with its state; "
+                     "0: sandboxes end with the server (docs/restarts.md)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
     std::vector<std::string> serve_default_limits;
     serve_cmd->add_option("--default-limit", serve_default_limits,
                           "KEY=VALUE (repeatable): the server's default for a session limit, "

@@ -58,6 +58,8 @@ class RelaySocket {
     // transport; libzmq's queues drain on its own thread and linger at close):
     // a server that stops turns its loop until none are left, or a bound.
     virtual bool unsent() const = 0;
+    // A PUB's clients with a subscription; unknown (libzmq keeps it to itself).
+    virtual std::optional<std::size_t> subscribers() const { return std::nullopt; }
 };
 
 // A libzmq socket, already configured and connected or bound.

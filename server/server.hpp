@@ -32,6 +32,7 @@
 #include "cellblock/image_builder.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/runc_backend.hpp"
+#include "cellblock/runc_sandbox.hpp"
 #include "cellblock/sandbox_pool.hpp"
 #include "cellblock/session_store.hpp"
 #include "cellblock/signer.hpp"
@@ -198,6 +199,30 @@ class Server final : public SessionObserver {
     std::string take_over_manager(std::vector<HandoverRow>& rows);
     void take_over_sessions(const std::vector<HandoverRow>& rows);
     void take_over_session(const HandoverRow& row);
+    // Sessions that outlive a crash (session_adoption.cpp, docs/restarts.md
+    // phase 2): each live sandbox's sealed row, written when it starts to
+    // relay and removed when it goes; at start, the sandboxes the rows name
+    // taken back before the reaper runs, then their sessions relayed again.
+    static bool live_row(const HandoverRow& row);
+    void record_live(const std::string& id);
+    void forget_live(const std::string& id);
+    void adopt_sandboxes(std::vector<HandoverRow>& rows);  // takes the live rows out
+    void take_over_adopted();
+    // A fork's zygote (its mounts are the fork's root), adopted once.
+    std::shared_ptr<RuncSandbox> adopt_zygote(
+        const json& from, const Image& image, const SandboxLimits& limits,
+        std::map<std::string, std::pair<std::shared_ptr<RuncSandbox>, std::string>>& zygotes);
+    std::int64_t executions_recorded(const std::string& id) const;
+    struct AdoptedSandbox {
+        std::string id;
+        json body;
+        std::unique_ptr<RuncSandbox> sandbox;
+        double created_at = 0;
+        std::int64_t executions = 0;
+    };
+    std::vector<AdoptedSandbox> adopting_;
+    std::map<std::string, std::string> adopt_failures_;    // session id: why not adopted
+    std::map<std::string, const Sandbox*> live_recorded_;  // whose row holds which sandbox
     bool handing_over_ = false;
     bool exec_after_handover_ = false;  // SIGHUP; SIGUSR2 exits instead
     std::string handover_signal_;

@@ -30,21 +30,32 @@ void make_key_file(const fs::path& path) {
     if (!dir.empty() && ::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
         refuse(path, std::string("cannot make its directory: ") + std::strerror(errno));
     }
-    UniqueFd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-    if (!fd) {
-        if (errno == EEXIST) return;  // another server made it first: read theirs
-        refuse(path, std::string("cannot create it: ") + std::strerror(errno));
-    }
+    // Written whole under a name of this process's, then linked into place:
+    // a server starting at the same moment reads the whole key or makes its
+    // own first (link(2) never replaces a file).
+    const fs::path staging = path.string() + ".new-" + std::to_string(::getpid());
+    ::unlink(staging.c_str());
+    UniqueFd fd(
+        ::open(staging.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!fd) refuse(path, std::string("cannot create it: ") + std::strerror(errno));
     std::array<unsigned char, SnapshotKey::kBytes> bytes{};
     if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1) {
+        ::unlink(staging.c_str());
         refuse(path, "no random bytes");
     }
     const ssize_t n = ::write(fd.get(), bytes.data(), bytes.size());
     OPENSSL_cleanse(bytes.data(), bytes.size());
     if (n != static_cast<ssize_t>(bytes.size()) || ::fsync(fd.get()) != 0) {
         const std::string why = std::strerror(errno);
-        ::unlink(path.c_str());
+        ::unlink(staging.c_str());
         refuse(path, "cannot write it: " + why);
+    }
+    const int linked = ::link(staging.c_str(), path.c_str());
+    const int link_errno = errno;
+    ::unlink(staging.c_str());
+    // EEXIST: another server made it first; this one reads theirs.
+    if (linked != 0 && link_errno != EEXIST) {
+        refuse(path, std::string("cannot create it: ") + std::strerror(link_errno));
     }
 }
 

@@ -121,6 +121,13 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
 void Server::on_state(const std::string& session_id, const std::string& state) {
     const SessionTag tag = tag_of(session_id);
     for (auto* o : observers_) o->state(tag, state);
+    // The record a restarted server adopts the sandbox by: written once the
+    // sandbox relays, gone with it.
+    if (state == "idle") {
+        record_live(session_id);
+    } else if (state == "hibernating" || state == "closing" || state == "closed") {
+        forget_live(session_id);
+    }
 }
 
 void Server::on_event(const std::string& session_id, const std::string& kind,

@@ -53,6 +53,10 @@ struct ServeOptions {
     // waits for busy sessions to finish before it closes them.
     std::filesystem::path key_file = "/etc/cellblock/server.key";
     double takeover_wait_s = 60;
+    // After a crash (docs/restarts.md, phase 2): how long each session's
+    // sandbox outlives this server, waiting for the next start on the same
+    // state dir to adopt it; 0: sandboxes end with the server.
+    double adopt_grace_s = 180;
     // What SIGHUP runs again once the sessions are handed over: this
     // program's path (read at start, so an upgrade installed over it runs)
     // and its arguments.

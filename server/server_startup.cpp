@@ -148,12 +148,36 @@ Server::Server(const ServeOptions& options)
         }
     }
 
+    // The server key seals what outlives this process (docs/restarts.md):
+    // made on first use when sandboxes are to outlive a crash, read when the
+    // last server left rows. Without it sandboxes end with the server.
+    std::vector<HandoverRow> handover = store_.handovers();
+    const bool grace = options_.adopt_grace_s > 0 && options_.backend != "swarm";
+    if (grace || !handover.empty()) {
+        try {
+            server_key_ = load_server_key(options_.key_file, grace);
+        } catch (const std::exception& e) {
+            server_key_error_ = e.what();
+            spdlog::error("server key: {}: {}", server_key_error_,
+                          grace ? "sandboxes end with this server (no --adopt-grace)"
+                                : "the sessions the last server left cannot be taken back");
+        }
+    }
+    if (grace && server_key_) {
+        settings_.adopt_grace_ms = static_cast<int>(options_.adopt_grace_s * 1000);
+    }
+    // Sandboxes a crashed server left running within their grace are taken
+    // back first (their locks held, the reaper passes them by).
+    adopt_sandboxes(handover);
+    std::set<std::string> adopted;
+    for (const auto& a : adopting_) adopted.insert(a.id);
+
     // Crash recovery: whatever an earlier server left is reaped, then marked.
     // First any process still running as an open session's host ids (the
     // registry has the range; while its session dir is there no one else can
     // lease it), then the sandboxes themselves.
     for (const auto& s : store_.sessions(true, 1000000)) {
-        if (s.host_id_count == 0) continue;
+        if (s.host_id_count == 0 || adopted.count(s.id)) continue;
         const auto killed = kill_leftovers_in(settings_.host_ids, {s.host_id_base, s.host_id_count},
                                               settings_.sessions_dir() / s.id);
         if (!killed.empty()) {
@@ -167,12 +191,17 @@ Server::Server(const ServeOptions& options)
     for (const auto& path : remove_orphan_cgroups(std::chrono::seconds(60))) {
         spdlog::info("removed empty cgroup {} left by an earlier run", path.string());
     }
-    // Sessions the last server handed over (SIGHUP, docs/restarts.md) are
-    // taken over below; every other open one ended with that server.
-    std::vector<HandoverRow> handover = store_.handovers();
+    // Sessions the last server handed over (SIGHUP, docs/restarts.md) and
+    // those adopted are taken over below; every other open one ended with
+    // that server.
     const std::set<std::string> handed = handed_over_sessions();
-    for (const auto& id : store_.close_all_open("server_restart", unix_now(), handed)) {
+    std::set<std::string> carried = handed;
+    carried.insert(adopted.begin(), adopted.end());
+    for (const auto& id : store_.close_all_open("server_restart", unix_now(), carried)) {
         spdlog::info("session {} marked closed: server_restart", id);
+        if (auto failed = adopt_failures_.find(id); failed != adopt_failures_.end()) {
+            store_.add_event({id, unix_now(), "closed", "not adopted: " + failed->second});
+        }
     }
     SnapshotCaps caps;
     caps.per_session = options_.snapshot_max_mb << 20;
@@ -184,15 +213,6 @@ Server::Server(const ServeOptions& options)
                      left.path().filename().string());
     }
     snapshots_->clear(handed);
-    if (!handover.empty()) {
-        try {
-            server_key_ = load_server_key(options_.key_file, false);
-        } catch (const std::exception& e) {
-            server_key_error_ = e.what();
-            spdlog::error("handover: {}: the {} session(s) handed over cannot be taken back",
-                          server_key_error_, handed.size());
-        }
-    }
 
     handlers_ = {{"session_create_request", &Server::session_create},
                  {"session_list_request", &Server::session_list},
@@ -282,6 +302,7 @@ Server::Server(const ServeOptions& options)
     }
     manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
     take_over_sessions(handover);
+    take_over_adopted();
     open_local_files();
     if (!options_.metrics_address.empty()) start_metrics();
     write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_,

@@ -76,6 +76,14 @@ void SessionCore::on_kernel_attached(Clock::time_point now,
         send_own(now, true);  // the snapshot first; the requests that woke it after
         return;
     }
+    if (lifecycle_.state() == SessionState::adopting) {
+        // Its clients' SUB sockets connect again by themselves, about 0.2 s
+        // after the port is bound: requests wait for them (settle_adoption).
+        adopt_settle_until_ = now + options_.adopt_settle;
+        if (governor_) governor_->on_client_request(now);
+        settle_adoption(now);
+        return;
+    }
     if (lifecycle_.state() == SessionState::starting) move_to(SessionState::idle);
     if (governor_) governor_->on_client_request(now);
 }
@@ -415,6 +423,10 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
     }
+    if (adopt_settle_until_) {
+        // A subscription is seen only by looking: every 20 ms, up to the bound.
+        consider(std::min(*adopt_settle_until_, now + std::chrono::milliseconds(20)));
+    }
     if (handing_over_ && lifecycle_.state() == SessionState::idle && !handover_failed_) {
         consider(settle_at_);  // settle_handover: free yet? (due at once after a reply)
     }
@@ -435,6 +447,7 @@ bool SessionCore::expired(Clock::time_point now) const {
 
 void SessionCore::on_tick(Clock::time_point now) {
     if (lifecycle_.ending()) return;
+    settle_adoption(now);
     if (shutdown_deadline_ && now >= *shutdown_deadline_) {
         shutdown_deadline_.reset();
         if (shutdown_request_) {

@@ -108,6 +108,10 @@ class SessionIo {
     // A hibernated session was asked something: get it a sandbox with its
     // snapshot in reach; on_kernel_attached() follows, or close().
     virtual void wake() = 0;
+    // Whether the session's clients listen on iopub (a subscription came):
+    // an adopted session holds requests until then, so that the outputs of
+    // the first are not published to nobody (docs/restarts.md).
+    virtual bool clients_listening() const { return true; }
     // A message dropped by the relay's rules, for the log; `identity` is the
     // client's routing identity (empty for the kernel's messages).
     virtual void rejected(std::string_view where, std::string_view identity,
@@ -147,6 +151,9 @@ struct CoreOptions {
     std::string snapshot_save_path = std::string("/data/output/") + kSnapshotFile;
     std::string snapshot_restore_path = std::string("/data/input/") + kSnapshotFile;
     std::chrono::milliseconds snapshot_timeout{300000};
+    // After an adoption, the longest requests wait for a subscriber on
+    // iopub (clients_listening): a client that never subscribes is served then.
+    std::chrono::milliseconds adopt_settle{2000};
 };
 
 // What a session carries from its server to the next (docs/restarts.md),
@@ -209,6 +216,9 @@ class SessionCore {
     // The next server: a session handed over hibernated, with its counters;
     // its requests are given to on_client_request after, and wake it.
     void take_over(Clock::time_point now, const HandoverState& state);
+    // The next server after a crash: a session whose sandbox ran on, with
+    // its counters (executions, age); the kernel is attached next.
+    void adopt(Clock::time_point now, const HandoverState& state);
 
     bool kernel_live() const { return lifecycle_.kernel_live(); }
     // Hibernating, hibernated or resuming: requests wait for it to wake.
@@ -362,6 +372,11 @@ class SessionCore {
     bool handing_over_ = false;
     bool handover_failed_ = false;   // could not hibernate for it: the server closes it
     Clock::time_point settle_at_{};  // when settle_handover looks again
+    // Adopted with its kernel attached: until when requests wait for a
+    // subscriber (adopt_settle); checked every kAdoptSettlePoll meanwhile.
+    std::optional<Clock::time_point> adopt_settle_until_;
+    // The adoption is over: idle, and the requests that waited go on.
+    void settle_adoption(Clock::time_point now);
     // Requests that came while the session slept or was being put to sleep,
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;

@@ -204,7 +204,7 @@ void Server::write_handover() {
 std::set<std::string> Server::handed_over_sessions() const {
     std::set<std::string> names;
     for (const auto& row : store_.handovers()) {
-        if (row.name != kServerRow) names.insert(row.name);
+        if (row.name != kServerRow && !live_row(row)) names.insert(row.name);
     }
     return names;
 }
@@ -212,7 +212,25 @@ std::set<std::string> Server::handed_over_sessions() const {
 std::string Server::take_over_manager(std::vector<HandoverRow>& rows) {
     auto row = std::find_if(rows.begin(), rows.end(),
                             [](const HandoverRow& r) { return r.name == kServerRow; });
-    if (row == rows.end()) return {};
+    if (row == rows.end()) {
+        if (adopting_.empty()) return {};
+        // A crash (no handover): the sessions adopted keep their clients,
+        // and those clients the manager's endpoint and key the dead
+        // server's server.json still holds (root's, 0600).
+        try {
+            std::ifstream in(server_file(settings_.state_dir));
+            const json last = json::parse(in);
+            key_ = last.at("key").get<std::string>();
+            signer_ = Signer(key_);
+            if (options_.manager_endpoint.find('*') != std::string::npos) {
+                return last.at("manager").get<std::string>();
+            }
+        } catch (const std::exception& e) {
+            spdlog::warn("the last server's server.json: {}; new manager endpoint and key",
+                         e.what());
+        }
+        return {};
+    }
     std::string endpoint;
     try {
         if (!server_key_) throw std::runtime_error(server_key_error_);

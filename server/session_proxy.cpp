@@ -125,6 +125,11 @@ class SessionProxy::Io final : public SessionIo {
         return true;
     }
 
+    bool clients_listening() const override {
+        // libzmq's PUB does not say: the adoption waits its bound then.
+        const auto n = p_.outer_iopub_ ? p_.outer_iopub_->subscribers() : std::nullopt;
+        return n && *n > 0;
+    }
     bool can_sleep(std::string& why) const override {
         if (!p_.options_.keep_snapshot || !p_.options_.wake) {
             why = "this server keeps no snapshots";

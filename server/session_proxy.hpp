@@ -99,6 +99,9 @@ class SessionProxy {
     // the requests it carried, verified again, in their order (they wake it).
     void take_over(const HandoverState& state);
     void replay(const std::vector<HandoverState::Request>& requests);
+    // After a crash: the session whose sandbox ran on, adopting; attach()
+    // its sandbox next (docs/restarts.md, phase 2).
+    void adopt(const HandoverState& state) { core_->adopt(Clock::now(), state); }
 
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering

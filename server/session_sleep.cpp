@@ -52,6 +52,7 @@ bool SessionCore::asleep() const {
         case SessionState::hibernating:
         case SessionState::hibernated:
         case SessionState::resuming:
+        case SessionState::adopting:  // until its clients listen again
             return true;
         default:
             return false;
@@ -237,6 +238,21 @@ void SessionCore::take_over(Clock::time_point now, const HandoverState& state) {
     memory_peak_bytes_ = state.memory_peak_bytes;
     network_bytes_ = state.network_bytes;
     idle_since_ = now;
+}
+
+void SessionCore::adopt(Clock::time_point now, const HandoverState& state) {
+    if (lifecycle_.state() != SessionState::starting) return;
+    move_to(SessionState::adopting);
+    if (governor_) governor_->carry_on(now, state.executions, state.age_s, state.idle_s);
+    idle_since_ = now;
+}
+
+void SessionCore::settle_adoption(Clock::time_point now) {
+    if (lifecycle_.state() != SessionState::adopting || !adopt_settle_until_) return;
+    if (!io_.clients_listening() && now < *adopt_settle_until_) return;
+    adopt_settle_until_.reset();
+    move_to(SessionState::idle);
+    replay_asleep(now);
 }
 
 void SessionCore::mark_resumed(json& metadata) {

@@ -33,8 +33,8 @@ bool transition_allowed(SessionState from, SessionState to) {
     if (from == S::closed) return false;
     if (to == S::closing) return from != S::closing;
     switch (from) {
-        case S::starting:  // hibernated: handed over asleep by the last server
-            return to == S::idle || to == S::hibernated;
+        case S::starting:  // hibernated: handed over asleep; adopting: after a crash
+            return to == S::idle || to == S::hibernated || to == S::adopting;
         case S::idle:
             return to == S::busy || to == S::hibernating;
         case S::busy:
@@ -46,7 +46,7 @@ bool transition_allowed(SessionState from, SessionState to) {
         case S::resuming:
             return to == S::idle;
         case S::adopting:
-            return to == S::idle || to == S::busy;
+            return to == S::idle;
         case S::closing:
             return to == S::closed;
         case S::closed:

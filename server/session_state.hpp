@@ -7,12 +7,12 @@
 //                 │ ▲
 //                 ▼ │ (resumed, or hibernation failed)
 //           hibernating ──▶ hibernated ──▶ resuming ──▶ idle
-//   adopting ──▶ idle | busy      (a session taken over after a restart)
+//   starting ──▶ adopting ──▶ idle (a sandbox that outlived a crashed server)
 //   any state but closed ──▶ closing ──▶ closed
 //
 // hibernating, hibernated and resuming are a hibernating session's
-// (session_sleep.cpp, docs/hibernation.md); adopting is for a session that
-// outlives its server, which the relay does not enter yet.
+// (session_sleep.cpp, docs/hibernation.md); adopting is a session whose
+// sandbox outlived its server, being taken back (session_adoption.cpp).
 #pragma once
 
 #include <cstdint>

@@ -138,6 +138,24 @@ HostIdLease lease_host_ids(const HostIdPool& pool, const fs::path& holder) {
                              " still used by processes, keys or sandboxes not cleaned up)");
 }
 
+HostIdLease relet_host_ids(const HostIdPool& pool, const IdMapping& ids, const fs::path& holder) {
+    if (ids.host_base < pool.first_id || (ids.host_base - pool.first_id) % pool.range_size != 0 ||
+        ids.size != pool.range_size) {
+        throw std::runtime_error("host ids " + std::to_string(ids.host_base) +
+                                 ".. are not a range of the pool");
+    }
+    const std::uint32_t index = (ids.host_base - pool.first_id) / pool.range_size;
+    const fs::path path = lease_file(pool, index);
+    UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+    if (!fd || ::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+        throw std::runtime_error("host id lease " + path.string() + ": not free");
+    }
+    if (read_holder(fd.get()) != holder.string()) {
+        throw std::runtime_error("host id lease " + path.string() + " names another holder");
+    }
+    return HostIdLease(std::move(fd), index, pool.range(index));
+}
+
 std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
                                    const fs::path& holder) {
     std::vector<int> killed;

@@ -39,7 +39,7 @@ using nlohmann::json;
 // The lifeline of a runtime that cannot pass fds: a listening socket in the
 // session's ipc dir (bind-mounted at /run/cellblock), connectable only by the
 // sandbox's user.
-int listen_lifeline(const fs::path& path, std::uint32_t owner) {
+int listen_lifeline(const fs::path& path, std::uint32_t owner, mode_t mode) {
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     if (path.string().size() >= sizeof addr.sun_path) {
@@ -49,7 +49,7 @@ int listen_lifeline(const fs::path& path, std::uint32_t owner) {
     UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (!fd) throw SandboxError("lifeline socket: " + errno_text());
     if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::chown(path.c_str(), owner, owner) != 0 || ::chmod(path.c_str(), 0600) != 0 ||
+        ::chown(path.c_str(), owner, owner) != 0 || ::chmod(path.c_str(), mode) != 0 ||
         ::listen(fd.get(), 1) != 0 || ::fcntl(fd.get(), F_SETFL, O_NONBLOCK) != 0) {
         throw SandboxError("lifeline socket " + path.string() + ": " + errno_text());
     }
@@ -62,13 +62,40 @@ bool process_gone(pid_t pid) {
     return paren == std::string::npos || stat.compare(paren + 1, 3, " Z ") == 0;
 }
 
-// Accepts the shim's connection; -1 if the sandbox ended or the time passed first.
-int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout) {
+std::uint64_t process_start_ticks(pid_t pid) {
+    const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+    const auto paren = stat.rfind(')');
+    if (paren == std::string::npos) return 0;
+    // Past the command: state is field 3, the start time field 22.
+    std::istringstream fields(stat.substr(paren + 1));
+    std::string field;
+    for (int i = 3; i <= 22 && fields >> field; ++i) {
+        if (i == 22) {
+            std::uint64_t ticks = 0;
+            std::from_chars(field.data(), field.data() + field.size(), ticks);
+            return ticks;
+        }
+    }
+    return 0;
+}
+
+int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
+                    bool only_init) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
         // A sandbox that ended at once may still have connected first: accept before judging.
-        const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) return fd;
+        UniqueFd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+        if (fd && only_init) {
+            ucred cred{};
+            socklen_t len = sizeof cred;
+            if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+                cred.pid != init_pid) {
+                spdlog::warn("lifeline {}: a connection from pid {} refused (not the init {})",
+                             init_pid, cred.pid, init_pid);
+                continue;
+            }
+        }
+        if (fd) return fd.release();
         if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) return -1;
         if ((init_pid > 0 && process_gone(init_pid)) ||
             std::chrono::steady_clock::now() >= deadline) {

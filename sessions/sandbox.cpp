@@ -288,6 +288,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     spec.output_dir = paths.output();
     spec.libexec_dir = settings.libexec_dir;
     spec.runtime = settings.runtime;
+    spec.adopt_grace_ms = settings.adopt_grace_ms;
     json config = make_oci_config(spec);
     if (settings.start_cpu_shares > 0)
         config["linux"]["resources"]["cpu"]["shares"] = settings.start_cpu_shares;

@@ -39,9 +39,16 @@ void write_value(const fs::path& file, const std::string& value);
 void reap_child(pid_t pid);
 // What runtime_file says of a session forked from a zygote.
 inline constexpr const char* kForkedRuntime = "zygote";
-int listen_lifeline(const fs::path& path, std::uint32_t owner);
+// The lifeline's listening socket at `path`, `owner`'s, of `mode`.
+int listen_lifeline(const fs::path& path, std::uint32_t owner, mode_t mode = 0600);
 bool process_gone(pid_t pid);
-int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout);
+// The shim's connection; -1 if the sandbox ended or the time passed first.
+// With `only_init`, a connection from any process but `init_pid` (SO_PEERCRED)
+// is closed and the wait goes on: the kernel runs by then (an adoption).
+int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
+                    bool only_init = false);
+// /proc/PID/stat's start time (clock ticks since boot); 0 if there is no such process.
+std::uint64_t process_start_ticks(pid_t pid);
 // Removes the cgroups (rmdir once empty); those whose last processes take
 // longer than half a second to go are retried by a thread until they are
 // empty (await_cgroup_removals waits for it).

@@ -181,6 +181,7 @@ class Zygote::ForkInProgress {
         box_ = RuncSandbox::prepare(session_id_, zygote_.image_, limits_, settings_);
         box_->forked_ = true;
         box_->keep_ = zygote_.shared_from_this();
+        box_->zygote_box_ = zygote_.box_.get();
         write_runtime_file(box_->dir(), kForkedRuntime);
     }
 
@@ -264,7 +265,8 @@ class Zygote::ForkInProgress {
                                 {"nofile", std::min(limits_.nofile, zygote_nofile())},
                                 {"nproc", limits_.pids * tuning::kRuncNprocFactor},
                                 {"nice", nice}}},
-                              {"cgroups", v1_tasks_.size()}};
+                              {"cgroups", v1_tasks_.size()},
+                              {protocol::kAdoptGraceRequest, settings_.adopt_grace_ms}};
         // In the order the zygote names them (sandbox_protocol.hpp).
         std::vector<int> passed(protocol::kForkFdCount, -1);
         passed[protocol::position(protocol::ForkFd::report)] = child_.report.get();

@@ -66,6 +66,12 @@ class HostIdLease {
 // Throws std::runtime_error naming the pool when every range is taken.
 HostIdLease lease_host_ids(const HostIdPool& pool, const std::filesystem::path& holder);
 
+// A restarted server adopting a live sandbox (docs/restarts.md): takes the
+// lease of `ids` back, provided its file is free and still names `holder`.
+// Throws std::runtime_error otherwise.
+HostIdLease relet_host_ids(const HostIdPool& pool, const IdMapping& ids,
+                           const std::filesystem::path& holder);
+
 // Crash recovery: kills every host process running with an id of `ids`, a
 // range the registry says a dead owner's session had, provided its lease is
 // free and still names that session's dir as its holder (so the range has not

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -30,6 +31,8 @@ inline constexpr std::uint32_t kSandboxUid = 1000;
 // it an fd (runsc): the server listens there, accepts one connection, unlinks it.
 inline constexpr const char* kLifelineEnv = sandbox_protocol::kLifelineEnv;
 inline constexpr const char* kSandboxLifelineSocket = "/run/cellblock/lifeline.sock";
+static_assert(
+    std::string_view(kSandboxLifelineSocket).ends_with(sandbox_protocol::kLifelineSocketName));
 // The cgroup every sandbox's own cgroup is made in, in each hierarchy (the
 // bundle's cgroupsPath is /cellblock/<container id>; runc_sandbox.hpp has
 // the rest of the layout).
@@ -89,6 +92,10 @@ struct SandboxSpec {
     // time of the fork: that sum must not be what stops a session.
     std::uint64_t nproc = 0;
     std::string runtime = "runc";  // runc, crun, runsc (or a path to one)
+    // A session's sandbox (or a zygote, whose forks' mounts are its own)
+    // outlives its server this long, waiting to be adopted (kAdoptGraceEnv);
+    // runtimes that pass the lifeline only.
+    int adopt_grace_ms = 0;
 };
 
 // config.json for the spec: namespaces, user namespace mapping, read-only root,

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,6 +28,10 @@ struct RuntimeSettings {
     // that a kernel booting in the background does not slow the sessions in
     // use; the sandbox gets the default back when a session takes it.
     int start_cpu_shares = 0;
+    // How long a session's sandbox outlives its server, waiting to be
+    // adopted by the next start (kAdoptGraceEnv; runc and crun); 0: it ends
+    // with its server. Server mode only.
+    int adopt_grace_ms = 0;
     std::filesystem::path runtime_root() const { return state_dir / "runtime"; }
     std::filesystem::path sessions_dir() const { return state_dir / "sessions"; }
 };
@@ -58,6 +63,27 @@ class RuncSandbox final : public Sandbox,
                                               const RuntimeSettings& settings,
                                               SandboxRole role = SandboxRole::session);
     ~RuncSandbox() override;  // destroy()
+
+    // A server that restarts adopts the sandboxes its last process left
+    // running (docs/restarts.md, phase 2; sandbox_adopt.cpp). The record is
+    // what it needs beside the session's dir: the init's pid and start time,
+    // the inner connection with its key (the copy in the sandbox is the
+    // sandbox's to change), the host ids and the runtime. Null for a sandbox
+    // that cannot be adopted (runsc's, a zygote's fork).
+    std::optional<nlohmann::json> adoption_record() const;
+    // Takes the sandbox back: its session lock and host id lease, an init
+    // that is still the record's (pid, start time, in the container's
+    // cgroup), and its shim's lifeline, which the shim connects again within
+    // `wait` (only the init's connection is taken). Throws SandboxError
+    // naming what does not match; the sandbox is then the reaper's.
+    // A fork's record names its zygote's (forked_from): the zygote is
+    // adopted first and held, as `keep`, for as long as the fork lives.
+    static std::unique_ptr<RuncSandbox> adopt(const std::string& session_id,
+                                              const nlohmann::json& record, const Image& image,
+                                              const SandboxLimits& limits,
+                                              const RuntimeSettings& settings,
+                                              std::chrono::milliseconds wait,
+                                              std::shared_ptr<void> keep = nullptr);
 
     // The runtime this sandbox runs on ("runc", "runsc", ...).
     const std::string& runtime() const override { return settings_.runtime; }
@@ -132,6 +158,8 @@ class RuncSandbox final : public Sandbox,
     // A forked session's zygote, kept (with the root it runs on) until the
     // session is destroyed, whatever the pool does with it meanwhile.
     std::shared_ptr<void> keep_;
+    // A fork's zygote's sandbox, which keep_ holds (its record is the fork's).
+    const RuncSandbox* zygote_box_ = nullptr;
     SessionDir dir_;
     RuntimeSettings settings_;
     pid_t init_pid_ = -1;

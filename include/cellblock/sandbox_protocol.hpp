@@ -46,7 +46,11 @@ namespace cellblock::sandbox_protocol {
     /* with the lifeline at its usual fd and the kernel's stderr pipe at the next one. */   \
     W(kShimAdoptOption, "SHIM_ADOPT_OPTION", "--adopt")                                     \
     N(kLifelineFd, "LIFELINE_FD", 3)                                                        \
-    N(kAdoptedStderrFd, "ADOPTED_STDERR_FD", 4)
+    N(kAdoptedStderrFd, "ADOPTED_STDERR_FD", 4)                                             \
+    /* A fork request's "adopt_grace_ms" goes to the forked session's shim as this */       \
+    /* variable (see "A session's sandbox that outlives its server" below). */              \
+    W(kAdoptGraceEnv, "ADOPT_GRACE_ENV", "CELLBLOCK_ADOPT_GRACE_MS")                        \
+    W(kAdoptGraceRequest, "ADOPT_GRACE_REQUEST", "adopt_grace_ms")
 
 // The descriptors attached to a fork request, in this order; then one v1
 // cgroup `tasks` file per hierarchy (the request's "cgroups" count).
@@ -115,6 +119,17 @@ inline constexpr char kEgressSocketName[] = "egress.sock";
 // socket the shim connects to at the path in this variable before the kernel
 // exists. Either way one line at a time, each ended by '\n'.
 inline constexpr char kLifelineEnv[] = "CELLBLOCK_LIFELINE";
+// A session's sandbox that outlives its server (docs/restarts.md, phase 2):
+// where the runtime passed the lifeline (runc, crun) and this variable holds
+// a number of milliseconds, the shim does not end the sandbox when the
+// lifeline ends. It connects, every kAdoptRetryMs, to the lifeline socket
+// (kLifelineSocketName in the ipc dir) that a restarted server listens on,
+// and takes the first connection whose listener is outside the sandbox's
+// PID namespace (SO_PEERCRED pid 0) or root's (a zygote's container has no
+// PID namespace) as its lifeline again: nothing in a sandbox can listen so.
+// Past the grace, no server: it ends the sandbox.
+inline constexpr char kLifelineSocketName[] = "lifeline.sock";
+inline constexpr int kAdoptRetryMs = 100;
 // Server -> shim: SIGINT to the kernel (runsc's init pid is the Sentry,
 // which the server cannot signal on the kernel's behalf).
 inline constexpr char kInterruptLine[] = "interrupt";

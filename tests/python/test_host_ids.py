@@ -144,7 +144,8 @@ def test_two_sessions_run_as_different_host_ids(server_factory):  # noqa: F811
 
 
 def test_a_range_is_freed_after_a_server_kill_and_restart(server_factory):  # noqa: F811
-    srv = server_factory(["--pool", "host=0"])
+    # Sandboxes that end with their server (no --adopt-grace): reaped, not adopted.
+    srv = server_factory(["--pool", "host=0", "--adopt-grace", "0"])
     sid, kc, _reply = srv.open_session()
     run(kc, "print(1)")
     base, count = host_ids_of(srv, sid)

@@ -724,7 +724,9 @@ def run_console(conn_file):
 # ---------------------------------------------------------------- crash recovery
 
 def test_kill9_then_restart(server_factory):
-    srv = server_factory(["--pool", "host=1"])
+    # Without --adopt-grace the sandboxes end with their server, and the next
+    # start reaps them (with it they are adopted: test_adoption.py).
+    srv = server_factory(["--pool", "host=1", "--adopt-grace", "0"])
     sessions = {}
     for name in ("a", "b"):
         sid, kc, _ = srv.open_session(metadata={"name": name})

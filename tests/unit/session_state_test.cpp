@@ -20,7 +20,7 @@ const std::set<std::pair<S, S>> kMoves = {
     {S::starting, S::idle},      {S::starting, S::hibernated}, {S::idle, S::busy},
     {S::busy, S::idle},          {S::idle, S::hibernating},    {S::hibernating, S::hibernated},
     {S::hibernating, S::idle},   {S::hibernated, S::resuming}, {S::resuming, S::idle},
-    {S::adopting, S::idle},      {S::adopting, S::busy},       {S::starting, S::closing},
+    {S::adopting, S::idle},      {S::starting, S::adopting},   {S::starting, S::closing},
     {S::idle, S::closing},       {S::busy, S::closing},        {S::hibernating, S::closing},
     {S::hibernated, S::closing}, {S::resuming, S::closing},    {S::adopting, S::closing},
     {S::closing, S::closed},

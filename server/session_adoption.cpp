@@ -1,0 +1,213 @@
+// Sessions that outlive a crashed server (docs/restarts.md, phase 2). While a
+// session's sandbox runs, the registry holds a "live/<session>" row sealed
+// under the server key: its client's connection and key, its image, limits
+// and the sandbox's record (RuncSandbox::adoption_record). A server killed
+// by anything leaves the rows and the sandboxes: each shim waits
+// --adopt-grace for a lifeline. The next start on the state dir opens each
+// row, takes its sandbox back (RuncSandbox::adopt: the same init, its lock,
+// its host ids, a new lifeline), binds the session's five ports with the
+// same key and relays again: the kernel never stopped, so nothing of its
+// state is lost. What cannot be adopted is reaped as before and closed
+// `server_restart: <why>`.
+#include <fmt/format.h>
+
+#include "server.hpp"
+#include "server_key.hpp"
+
+namespace cellblock {
+
+namespace {
+
+constexpr const char* kLivePrefix = "live/";
+constexpr int kLiveVersion = 1;
+// How long a start waits for each adopted sandbox's shim to connect again
+// (it tries every kAdoptRetryMs).
+constexpr std::chrono::milliseconds kAdoptConnectWait{3000};
+
+std::string live_name(const std::string& id) { return kLivePrefix + id; }
+
+}  // namespace
+
+bool Server::live_row(const HandoverRow& row) { return row.name.rfind(kLivePrefix, 0) == 0; }
+
+void Server::record_live(const std::string& id) {
+    if (!server_key_ || settings_.adopt_grace_ms <= 0) return;
+    Session* session = sessions_.find(id);
+    SessionProxy* relay = session ? session->proxy() : nullptr;
+    auto* box = relay ? dynamic_cast<RuncSandbox*>(relay->sandbox()) : nullptr;
+    if (!box) return;
+    auto known = live_recorded_.find(id);
+    if (known != live_recorded_.end() && known->second == box) return;
+    const auto record = box->adoption_record();
+    if (!record) return;
+    const SessionOrigin& origin = session->origin();
+    json body = {{"version", kLiveVersion},
+                 {"session_id", id},
+                 {"image", session->image()},
+                 {"image_id", origin.image.content_id},
+                 {"runtime", origin.image.runtime},
+                 {"limits", origin.limits.to_json()},
+                 {"connection", relay->outer_connection().to_json()},
+                 {"sandbox", *record}};
+    try {
+        const auto bytes = json::to_cbor(body);
+        store_.put_handover(
+            {live_name(id),
+             seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                  *server_key_, live_name(id)),
+             unix_now()});
+        live_recorded_[id] = box;
+    } catch (const std::exception& e) {
+        spdlog::warn("session {}: no record to adopt it by after a crash: {}", id, e.what());
+    }
+}
+
+void Server::forget_live(const std::string& id) {
+    if (live_recorded_.erase(id) == 0) return;
+    store_.remove_handover(live_name(id));
+}
+
+void Server::adopt_sandboxes(std::vector<HandoverRow>& rows) {
+    std::vector<HandoverRow> live;
+    for (auto it = rows.begin(); it != rows.end();) {
+        if (live_row(*it)) {
+            live.push_back(std::move(*it));
+            it = rows.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    // The zygotes the forks came from, each adopted once and held by its
+    // forks (null: it could not be, with why).
+    std::map<std::string, std::pair<std::shared_ptr<RuncSandbox>, std::string>> zygotes;
+    for (const auto& row : live) {
+        // Written again once the session relays (record_live).
+        store_.remove_handover(row.name);
+        const std::string id = row.name.substr(std::string(kLivePrefix).size());
+        try {
+            if (!server_key_) throw std::runtime_error(server_key_error_);
+            json body;
+            try {
+                body = json::from_cbor(open_sealed(row.sealed, *server_key_, row.name));
+            } catch (const std::exception& e) {
+                throw std::runtime_error(std::string("its record: ") + e.what());
+            }
+            if (body.value("version", 0) != kLiveVersion || body.value("session_id", "") != id) {
+                throw std::runtime_error("its record is not one this server reads");
+            }
+            const auto open = store_.session(id);
+            if (!open || open->closed_at > 0) throw std::runtime_error("it is not open");
+            const auto image = images_.find(body.at("image").get<std::string>());
+            if (image == images_.end()) {
+                throw std::runtime_error("no image '" + body.at("image").get<std::string>() +
+                                         "' any more");
+            }
+            Image resolved = resolve_image(image->second, image_store_);
+            if (resolved.content_id != body.value("image_id", "")) {
+                // The sandbox runs the version it started on: hold that one.
+                resolved.content_id = body.value("image_id", "");
+                resolved.rootfs.clear();
+            }
+            const SessionLimits limits =
+                options_.policy.effective(json::object(), body.at("limits"));
+            const json& record = body.at("sandbox");
+            std::shared_ptr<RuncSandbox> zygote;
+            if (const json& from = record.value("forked_from", json()); from.is_object()) {
+                zygote = adopt_zygote(from, resolved, limits.sandbox, zygotes);
+            }
+            auto box = RuncSandbox::adopt(id, record, resolved, limits.sandbox, settings_,
+                                          kAdoptConnectWait, zygote);
+            spdlog::info("session {}: its sandbox adopted (init pid {})", id, box->init_pid());
+            adopting_.push_back(
+                {id, std::move(body), std::move(box), open->created_at, open->execution_count});
+        } catch (const std::exception& e) {
+            spdlog::warn("session {}: not adopted: {}; its sandbox is reaped", id, e.what());
+            adopt_failures_[id] = e.what();
+        }
+    }
+}
+
+std::shared_ptr<RuncSandbox> Server::adopt_zygote(
+    const json& from, const Image& image, const SandboxLimits& limits,
+    std::map<std::string, std::pair<std::shared_ptr<RuncSandbox>, std::string>>& zygotes) {
+    const std::string id = from.at("session_id").get<std::string>();
+    auto known = zygotes.find(id);
+    if (known == zygotes.end()) {
+        std::pair<std::shared_ptr<RuncSandbox>, std::string> adopted;
+        try {
+            adopted.first = RuncSandbox::adopt(id, from.at("record"), image, limits, settings_,
+                                               kAdoptConnectWait);
+            spdlog::info("zygote {} adopted for its forks (init pid {})", id,
+                         adopted.first->init_pid());
+        } catch (const std::exception& e) {
+            adopted.second = e.what();
+        }
+        known = zygotes.emplace(id, std::move(adopted)).first;
+    }
+    if (!known->second.first) throw std::runtime_error("its zygote: " + known->second.second);
+    return known->second.first;
+}
+
+void Server::take_over_adopted() {
+    for (auto& adopted : adopting_) {
+        const std::string& id = adopted.id;
+        try {
+            const json& body = adopted.body;
+            const std::string image_name = body.at("image").get<std::string>();
+            const SessionLimits limits =
+                options_.policy.effective(json::object(), body.at("limits"));
+            const ConnectionInfo outer = ConnectionInfo::from_json(body.at("connection"));
+            auto proxy = std::make_unique<SessionProxy>(context_, loop_, id, outer,
+                                                        proxy_options(id, limits));
+            SessionProxy& relay = *proxy;
+            Session& held = sessions_.add(Session(id, image_name, std::move(proxy)));
+            Image image_def = images_.at(image_name);
+            Image resolved = image_def;
+            try {
+                resolved = resolve_image(image_def, image_store_);
+            } catch (const std::exception&) {
+            }
+            image_def = resolved;
+            image_def.runtime = body.at("runtime").get<std::string>();
+            held.origin() = origin_of(image_name, image_def, resolved, limits);
+            HandoverState state;
+            state.executions = std::max(adopted.executions, executions_recorded(id));
+            // Wall-clock lifetime, the outage included; the idle time starts again.
+            state.age_s = std::max(0.0, unix_now() - adopted.created_at);
+            relay.adopt(state);
+            auto channels = probe_kernel(context_, *adopted.sandbox, kProbeTimeout, 64 << 20,
+                                         &stopping_, options_.kernel_transport, false);
+            relay.attach(std::move(adopted.sandbox), std::move(*channels));
+            store_.add_event({id, unix_now(), "adopted",
+                              fmt::format("by the server's next start: its sandbox ran on; {} "
+                                          "execution(s)",
+                                          state.executions)});
+            spdlog::info("session {}: adopted (ports {}..{}, {} execution(s))", id,
+                         outer.shell_port, outer.hb_port, state.executions);
+        } catch (const std::exception& e) {
+            spdlog::error("session {}: not adopted: {}", id, e.what());
+            if (SessionProxy* relay = sessions_.live(id)) {
+                relay->close(std::string("server_restart: not adopted: ") + e.what());
+            } else {
+                adopt_failures_[id] = e.what();
+                if (adopted.sandbox) adopted.sandbox->destroy();
+                try {
+                    store_.close_session(id,
+                                         std::string("server_restart: not adopted: ") + e.what(),
+                                         unix_now(), 0, 0, 0);
+                } catch (const std::exception& f) {
+                    spdlog::error("session {}: registry: {}", id, f.what());
+                }
+            }
+        }
+    }
+    adopting_.clear();
+}
+
+std::int64_t Server::executions_recorded(const std::string& id) const {
+    std::int64_t most = 0;
+    for (const auto& e : store_.executions(id)) most = std::max(most, e.count);
+    return most;
+}
+
+}  // namespace cellblock

@@ -1,0 +1,151 @@
+// A sandbox that outlived its server, taken back by the next start
+// (docs/restarts.md, phase 2). The shim waited for a lifeline (its grace,
+// kAdoptGraceEnv); this file checks that the sandbox is still the one the
+// record names and gives it one.
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/host_ids.hpp"
+#include "cellblock/image_builder.hpp"
+#include "cellblock/session_dir.hpp"
+#include "sandbox_internal.hpp"
+
+namespace cellblock {
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace sandbox_detail;
+
+namespace {
+constexpr int kRecordVersion = 1;
+
+bool in_cgroup(const std::vector<fs::path>& dirs, pid_t pid) {
+    for (const auto& dir : dirs) {
+        std::ifstream procs(dir / "cgroup.procs");
+        for (pid_t member; procs >> member;) {
+            if (member == pid) return true;
+        }
+    }
+    return false;
+}
+}  // namespace
+
+std::optional<json> RuncSandbox::adoption_record() const {
+    // A fork of a zygote has its lifeline passed too; runsc's shim connects
+    // its own and does not wait (kAdoptGraceEnv).
+    if (init_pid_ <= 0 || exited_ || settings_.adopt_grace_ms <= 0 ||
+        !runtime_passes_fds(runtime_kind(settings_.runtime))) {
+        return std::nullopt;
+    }
+    ConnectionInfo inner = inner_;
+    inner.ip = std::string(kSandboxIpcDir) + "/k";  // as the sandbox's file says
+    json zygote = nullptr;
+    if (forked_) {
+        // A fork's root is its zygote's mount tree: adopted with it, or not at all.
+        const auto zygote_record = zygote_box_ ? zygote_box_->adoption_record() : std::nullopt;
+        if (!zygote_record) return std::nullopt;
+        zygote = {{"session_id", zygote_box_->session_id()}, {"record", *zygote_record}};
+    }
+    return json{{"forked_from", zygote},
+                {"version", kRecordVersion},
+                {"runtime", settings_.runtime},
+                {"forked", forked_},
+                {"init_pid", init_pid_},
+                {"init_start", process_start_ticks(init_pid_)},
+                {"host_base", host_ids().host_base},
+                {"host_count", host_ids().size},
+                {"inner", inner.to_json()}};
+}
+
+std::unique_ptr<RuncSandbox> RuncSandbox::adopt(const std::string& session_id, const json& record,
+                                                const Image& image, const SandboxLimits& limits,
+                                                const RuntimeSettings& settings,
+                                                std::chrono::milliseconds wait,
+                                                std::shared_ptr<void> keep) {
+    const auto fail = [&](const std::string& why) {
+        return SandboxError("session " + session_id + ": its sandbox cannot be adopted: " + why);
+    };
+    if (record.value("version", 0) != kRecordVersion)
+        throw fail("a record this server cannot read");
+    std::unique_ptr<RuncSandbox> box(new RuncSandbox());
+    box->session_id_ = session_id;
+    box->container_id_ = container_id_for(session_id);
+    box->settings_ = settings;
+    box->settings_.runtime = record.at("runtime").get<std::string>();
+    box->limits_ = limits;
+    box->image_name_ = image.name;
+    box->preload_ = image.preload;
+    box->dir_ = SessionDir(settings.sessions_dir() / session_id);
+    const SessionDir& paths = box->dir_;
+    std::error_code ec;
+    if (!fs::is_directory(paths.root(), ec)) throw fail("its session dir is gone");
+    // What the session dir says ran it: the runtime, or a zygote's fork.
+    box->forked_ = record.value("forked", false);
+    if (box->forked_ && !keep) throw fail("a fork whose zygote is not adopted");
+    box->keep_ = std::move(keep);
+    const std::string ran_by = box->forked_ ? kForkedRuntime : box->settings_.runtime;
+    if (!runtime_passes_fds(runtime_kind(box->settings_.runtime)) ||
+        read_text(runtime_file(paths.root())) != ran_by + "\n") {
+        throw fail("its runtime is not the record's " + ran_by);
+    }
+    // The dead server's lock went with it; whoever holds it now owns the sandbox.
+    box->lock_fd_.reset(::open(paths.lock().c_str(), O_RDWR | O_CLOEXEC));
+    if (!box->lock_fd_ || ::flock(box->lock_fd_.get(), LOCK_EX | LOCK_NB) != 0) {
+        throw fail("its session lock is held or gone");
+    }
+    try {
+        box->host_ids_ = relet_host_ids(settings.host_ids,
+                                        {record.at("host_base").get<std::uint32_t>(),
+                                         record.at("host_count").get<std::uint32_t>()},
+                                        paths.root());
+    } catch (const std::exception& e) {
+        throw fail(e.what());
+    }
+    // The init is the record's: the same pid, started at the same tick (not
+    // a pid used again), still in the container's cgroup, not ended.
+    const auto init = record.at("init_pid").get<pid_t>();
+    if (init <= 0 || process_gone(init)) throw fail("its init has ended");
+    if (process_start_ticks(init) != record.at("init_start").get<std::uint64_t>()) {
+        throw fail("pid " + std::to_string(init) + " is not its init any more");
+    }
+    box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
+    if (!in_cgroup(box->cgroup_dirs_, init)) {
+        throw fail("pid " + std::to_string(init) + " is not in the container's cgroup");
+    }
+    box->init_pid_ = init;
+    if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
+        try {
+            box->version_fd_.reset(hold_stored_version(image.rootfs));
+        } catch (const std::exception& e) {
+            throw fail(std::string("its image: ") + e.what());
+        }
+    }
+    // The shim connects every kAdoptRetryMs to this socket. Root's, 0666 in
+    // the sticky ipc dir: the sandbox can connect (only the init's
+    // connection is taken) but neither remove nor replace it.
+    const fs::path socket = paths.lifeline_socket();
+    ::unlink(socket.c_str());  // whatever the sandbox left under the name
+    try {
+        const UniqueFd listener(listen_lifeline(socket, 0, 0666));
+        box->lifeline_.reset(accept_lifeline(listener.get(), init, wait, true));
+    } catch (const std::exception& e) {
+        ::unlink(socket.c_str());
+        throw fail(e.what());
+    }
+    ::unlink(socket.c_str());
+    if (!box->lifeline_) {
+        throw fail("its shim did not connect within " + std::to_string(wait.count()) +
+                   " ms (its grace over, or the sandbox ending)");
+    }
+    box->inner_ = ConnectionInfo::from_json(record.at("inner"));
+    box->inner_.ip = paths.kernel_sockets().string();
+    box->open_counters();
+    return box;
+}
+
+}  // namespace cellblock

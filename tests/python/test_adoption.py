@@ -1,0 +1,219 @@
+"""Sessions that outlive a crashed server (docs/restarts.md, phase 2): a
+server killed by SIGKILL leaves each session's sandbox running for
+--adopt-grace, and the next start on the same state dir adopts it: the same
+five ports and key, the same kernel with its variables, the counters going
+on. A sandbox no server adopts ends itself at the end of its grace; one whose
+record cannot be opened is reaped, never adopted. Real servers, real runc
+sandboxes, jupyter_client and the Python client."""
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+
+import server_helpers as sh
+from server_helpers import server_factory  # noqa: F401
+
+sys.path.insert(0, os.path.join(sh.SOURCE_DIR, "clients", "python"))
+import cellblock  # noqa: E402
+
+
+def send_execute(kc, code):
+    msg = kc.session.msg("execute_request", {
+        "code": code, "silent": False, "store_history": True, "user_expressions": {},
+        "allow_stdin": False, "stop_on_error": True})
+    kc.shell_channel.send(msg)
+    return msg["header"]["msg_id"]
+
+
+def shim_log(srv, sid):
+    try:
+        with open(os.path.join(srv.state_dir, "sessions", sid, "log", "shim.log"),
+                  errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def alive(pids):
+    return [p for p in pids if sh.proc_state(p) not in (None, "Z")]
+
+
+def test_a_killed_servers_sessions_are_adopted_with_their_state(
+        server_factory, tmp_path):  # noqa: F811
+    key = tmp_path / "server.key"
+    srv = server_factory(["--key-file", str(key), "--adopt-grace", "120", "--pool", "host=0"])
+    # A: jupyter_client with state and a cap; B: the Python client through
+    # the manager's endpoint and key (server.json).
+    sid_a, kc_a, _ = srv.open_session(limits={"max_executions": 4})
+    sh.run_ok(kc_a, "x = 41\nimport numpy as np\narr = np.arange(5)")
+    client = cellblock.connect(state_dir=srv.state_dir)
+    try:
+        s = client.session()
+        assert s.run("y = 7").ok
+        sid_b = s.id
+        pids = {sid: sh.session_pids(sid) for sid in (sid_a, sid_b)}
+        assert all(pids.values()), pids
+
+        srv.kill9()
+        # The sandboxes outlive the server: their shims wait for the next one.
+        assert sh.wait_for(lambda: all("waits 120000 ms" in shim_log(srv, sid)
+                                       for sid in pids), timeout=30), \
+            {sid: shim_log(srv, sid)[-500:] for sid in pids}
+        time.sleep(1)
+        for sid, ps in pids.items():
+            assert alive(ps) == ps, (sid, ps, alive(ps))
+        # Sent while no server runs: answered once the next one adopts A.
+        during = send_execute(kc_a, "print(x + 1, arr.sum())")
+
+        srv.start()
+        log = srv.log()
+        for sid in pids:
+            assert f"session {sid}: adopted" in log, log[-3000:]
+        reply, iopub, _ = sh.collect_execution(kc_a, during, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        assert sh.stream_text(iopub).strip() == "42 10"
+        # The same kernel: its count, and the cap, go on.
+        assert reply["content"]["execution_count"] == 2
+        assert reply["metadata"]["cellblock"]["executions_left"] == 2, reply["metadata"]
+        assert s.run("print(y * 6)").stdout == "42\n"
+        for sid, ps in pids.items():
+            info = srv.info_of(sid)
+            assert info["state"] == "idle", info
+            kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                               {"session_id": sid})["content"]["events"]]
+            assert "adopted" in kinds, (sid, kinds)
+            assert sh.session_pids(sid) == ps, (sid, ps)
+            assert "adopted by a restarted server" in shim_log(srv, sid)
+        # The cap holds across the crash: 4 in all.
+        sh.run_ok(kc_a, "x = 1")
+        sh.run_ok(kc_a, "x = 2")
+        capped = sh.execute(kc_a, "x = 3")[0]["content"]
+        assert capped["status"] == "error" and capped["ename"] == "ExecutionLimitExceeded", capped
+        s.close()
+    finally:
+        client.close()
+
+
+def test_a_sandbox_no_server_adopts_ends_itself_after_its_grace(
+        server_factory, tmp_path):  # noqa: F811
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "2",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "z = 1")
+    pids = sh.session_pids(sid)
+    srv.close_clients()
+    srv.kill9()
+    started = time.monotonic()
+    assert sh.wait_for(lambda: not alive(pids), timeout=60, interval=0.2), alive(pids)
+    lived = time.monotonic() - started
+    assert "no server adopted the sandbox within its grace" in shim_log(srv, sid), \
+        shim_log(srv, sid)
+    # It waited its grace (less the kill's own time), not one second more than it must.
+    assert lived >= 1.0, lived
+    srv.start()
+    info = srv.info_of(sid)
+    assert info["state"] == "closed" and info["close_reason"] == "server_restart", info
+    assert f"session {sid}: not adopted" in srv.log(), srv.log()[-3000:]
+    sh.assert_session_gone(srv.state_dir, sid, pids)
+
+
+def test_a_record_that_does_not_open_is_reaped_not_adopted(
+        server_factory, tmp_path):  # noqa: F811
+    """A row sealed under another key (or altered): the sandbox is reaped and
+    the session closed, naming why; nothing of it is left."""
+    key = tmp_path / "server.key"
+    srv = server_factory(["--key-file", str(key), "--adopt-grace", "120", "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "secret = 1")
+    pids = sh.session_pids(sid)
+    srv.close_clients()
+    srv.kill9()
+    db = sqlite3.connect(os.path.join(srv.state_dir, "cellblock.db"))
+    with db:
+        (sealed,) = db.execute("SELECT sealed FROM handover WHERE name = ?",
+                               (f"live/{sid}",)).fetchone()
+        tampered = bytearray(sealed)
+        tampered[len(tampered) // 2] ^= 0x01
+        db.execute("UPDATE handover SET sealed = ? WHERE name = ?",
+                   (bytes(tampered), f"live/{sid}"))
+    db.close()
+    srv.start()
+    log = srv.log()
+    assert f"session {sid}: not adopted: its record:" in log, log[-3000:]
+    info = srv.info_of(sid)
+    assert info["state"] == "closed" and info["close_reason"] == "server_restart", info
+    kinds = {e["kind"]: e["detail"] for e in srv.ok("session_history_request",
+                                                     {"session_id": sid})["content"]["events"]}
+    assert kinds.get("closed", "").startswith("not adopted: its record:"), kinds
+    sh.assert_session_gone(srv.state_dir, sid, pids)
+
+
+IMPOSTOR = r"""
+import os, socket, threading, time
+PATH = "/run/cellblock/lifeline.sock"
+impostor = []
+def listen():
+    # A listener of the sandbox's own at the path the shim connects to while
+    # it waits for a server.
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(PATH)
+    srv.listen(8)
+    while True:
+        conn, _ = srv.accept()
+        impostor.append("the shim came")
+        conn.close()
+def connect():
+    # And a caller that connects, as the shim would, to the listener a
+    # server puts there (not the sandbox's: someone else owns it).
+    while True:
+        try:
+            if os.stat(PATH).st_uid != os.getuid():
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(PATH)
+                impostor.append(c)
+        except OSError:
+            pass
+        time.sleep(0.01)
+threading.Thread(target=listen, daemon=True).start()
+threading.Thread(target=connect, daemon=True).start()
+"""
+
+
+def test_the_kernel_can_neither_catch_the_shim_nor_pose_as_it(
+        server_factory, tmp_path):  # noqa: F811
+    """Attack: the kernel listens at the path the waiting shim connects to, and
+    connects to the next server's listener there as if it were the shim. The
+    shim takes only a listener outside the sandbox's PID namespace; the
+    server only the init's connection. The sandbox is adopted through both.
+    (The init is stopped while the server listens, so that the kernel's
+    connection surely comes first.)"""
+    key = tmp_path / "server.key"
+    srv = server_factory(["--key-file", str(key), "--adopt-grace", "120", "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, IMPOSTOR + "\nkept = 'yes'")
+    with open(os.path.join(srv.state_dir, "sessions", sid, "init.pid")) as f:
+        init = int(f.read().strip())
+    srv.kill9()
+    assert sh.wait_for(lambda: "a lifeline listener inside the sandbox was refused"
+                       in shim_log(srv, sid), timeout=30), shim_log(srv, sid)[-1000:]
+    os.kill(init, signal.SIGSTOP)
+    starting = threading.Thread(target=srv.start)
+    try:
+        starting.start()
+        assert sh.wait_for(lambda: "refused (not the init" in srv.log(), timeout=60), \
+            srv.log()[-3000:]
+    finally:
+        os.kill(init, signal.SIGCONT)
+        starting.join(timeout=120)
+    log = srv.log()
+    assert f"session {sid}: adopted" in log, log[-3000:]
+    assert sh.run_ok(kc, "print(kept)").strip() == "yes"
+    # The kernel's caller reached the server's listener, and nothing came of it.
+    assert int(sh.run_ok(kc, "print(sum(1 for i in impostor if i != 'the shim came'))")) >= 1
+    # The shim's lifeline is the server's: closing the session ends the sandbox.
+    pids = sh.session_pids(sid)
+    srv.close_clients()
+    srv.ok("session_close_request", {"session_id": sid}, timeout=60)
+    sh.assert_session_gone(srv.state_dir, sid, pids)
