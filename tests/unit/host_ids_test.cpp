@@ -139,6 +139,28 @@ TEST_F(HostIdsTest, ALeaseIsReleasedOnDestructionAndMove) {
     EXPECT_EQ(lease_host_ids(pool_, dir_ / "c").index(), first);
 }
 
+// A restarted server adopting a sandbox takes its range back: only while the
+// lease is free and still names the sandbox's dir (docs/restarts.md).
+TEST_F(HostIdsTest, ARangeIsLetAgainOnlyToItsHolderAndOnlyWhenFree) {
+    cellblock::IdMapping ids;
+    {
+        HostIdLease a = lease_host_ids(pool_, dir_ / "a");
+        ids = a.ids();
+        EXPECT_THROW(cellblock::relet_host_ids(pool_, ids, dir_ / "a"), std::runtime_error)
+            << "held by a live lease";
+    }
+    EXPECT_THROW(cellblock::relet_host_ids(pool_, ids, dir_ / "b"), std::runtime_error)
+        << "another holder's range";
+    EXPECT_THROW(cellblock::relet_host_ids(pool_, {ids.host_base + 1, ids.size}, dir_ / "a"),
+                 std::runtime_error)
+        << "not a range of the pool";
+    HostIdLease again = cellblock::relet_host_ids(pool_, ids, dir_ / "a");
+    EXPECT_TRUE(again.held());
+    EXPECT_EQ(again.ids().host_base, ids.host_base);
+    EXPECT_NE(lease_host_ids(pool_, dir_ / "c").ids().host_base, ids.host_base)
+        << "held again: no one else gets it";
+}
+
 TEST_F(HostIdsTest, AnotherProcessHoldingALeaseIsRespected) {
     // A child process (a second cellblock on the host) holds range 0 until told to stop.
     int go[2];

@@ -92,6 +92,8 @@ class RecordingIo final : public SessionIo {
         return sleep_possible;
     }
     void wake() override { actions.emplace_back("wake"); }
+    bool listening = true;
+    bool clients_listening() const override { return listening; }
     void rejected(std::string_view where, std::string_view, const std::string& why) override {
         Action a("rejected");
         a.why = std::string(where) + ": " + why;
@@ -1191,6 +1193,63 @@ TEST_F(SleepTest, TheNextServersCoreGoesOnFromTheCountersItWasHanded) {
     core->on_client_request(t0 + 4s, Channel::shell, execute("c6"));
     ASSERT_EQ(io.to_client("execute_reply").size(), 2u);
     EXPECT_EQ(io.to_client("execute_reply").back().content["ename"], "ExecutionLimitExceeded");
+}
+
+// After a crash (docs/restarts.md, phase 2): the sandbox ran on; the core
+// goes on from the counters, and requests wait until a client subscribes
+// again (or adopt_settle passes), so the first one's outputs reach it.
+TEST_F(SleepTest, AnAdoptedSessionHoldsRequestsUntilItsClientsListen) {
+    SessionLimits limits;
+    limits.max_executions = 5;
+    CoreOptions options;
+    options.session_id = "s1";
+    options.policy = &policy;
+    options.limits = limits;
+    options.observer = &audit;
+    audit.states.clear();
+    core = std::make_unique<SessionCore>(options, io, t0);
+    HandoverState state;
+    state.executions = 3;
+    state.age_s = 100;
+    core->adopt(t0, state);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::adopting);
+    io.listening = false;
+    core->on_kernel_attached(t0, {"probe-1"});
+    EXPECT_EQ(core->lifecycle_state(), SessionState::adopting) << "no subscriber yet";
+    core->on_client_request(t0 + 100ms, Channel::shell, execute("c4"));
+    EXPECT_TRUE(io.of("kernel").empty()) << "held until its client listens";
+    const auto poll = core->next_deadline(t0 + 100ms);
+    ASSERT_TRUE(poll.has_value());
+    EXPECT_LE(*poll, t0 + 120ms) << "a subscription is looked for, not waited on";
+    core->on_tick(t0 + 200ms);
+    EXPECT_TRUE(io.of("kernel").empty());
+    io.listening = true;
+    core->on_tick(t0 + 300ms);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::busy) << "c4, which waited, runs";
+    ASSERT_EQ(io.of("kernel", "execute_request").size(), 1u);
+    EXPECT_EQ(audit.states, (std::vector<std::string>{"adopting", "idle", "busy"}));
+    core->on_kernel_iopub(t0 + 1s, status("c4", "busy"));
+    core->on_kernel_iopub(t0 + 1s, status("c4", "idle"));
+    core->on_kernel_reply(t0 + 1s, Channel::shell, execute_reply("c4"));
+    ASSERT_EQ(io.to_client("execute_reply").size(), 1u);
+    EXPECT_EQ(io.to_client("execute_reply")[0].metadata["cellblock"]["executions_left"], 1)
+        << "the cap goes on from the executions before the crash";
+}
+
+TEST_F(SleepTest, AnAdoptedSessionWhoseClientsNeverSubscribeIsServedAfterTheBound) {
+    CoreOptions options;
+    options.session_id = "s1";
+    options.policy = &policy;
+    options.limits = SessionLimits{};
+    core = std::make_unique<SessionCore>(options, io, t0);
+    core->adopt(t0, HandoverState{});
+    io.listening = false;
+    core->on_kernel_attached(t0, {});
+    core->on_client_request(t0 + 10ms, Channel::shell, execute("c1"));
+    core->on_tick(t0 + options.adopt_settle - 1ms);
+    EXPECT_TRUE(io.of("kernel").empty());
+    core->on_tick(t0 + options.adopt_settle);
+    EXPECT_EQ(io.of("kernel", "execute_request").size(), 1u);
 }
 
 TEST_F(SleepTest, ASessionThatCannotSleepFailsItsHandoverWithWhy) {
