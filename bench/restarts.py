@@ -1,8 +1,11 @@
-"""Figure 18: a planned restart (docs/restarts.md) as agents stepping see it.
+"""Figure 18: restarts (docs/restarts.md) as agents stepping see them: a
+planned one (SIGHUP: the sessions hibernate, the next start wakes them) and
+a crash (SIGKILL, then a new `cellblock serve`: the sandboxes ran on and are
+adopted).
 
 N sessions (20; 4 with --quick) each step `1+1` in a loop, each on a thread
-of its own with its own sockets; the server gets SIGHUP while they step, and
-every step's send and reply times are kept.
+of its own with its own sockets; the server gets SIGHUP (or SIGKILL and a
+new start) while they step, and every step's send and reply times are kept.
 
 - The longest reply gap a session saw across the restart (ms). Baseline: the
   server's own restart in the same run, SIGHUP until the next start's
@@ -51,15 +54,22 @@ def server_starts(srv):
 
 def restarts_figure(bench):
     n = bench.n(20, 4)
-    with CellblockServer("restarts", {"host": 2}, extra_args=["--key-file", KEY_FILE]) as srv:
-        try:
-            return measure(bench, srv, n)
-        finally:
-            if os.path.exists(KEY_FILE):
-                os.unlink(KEY_FILE)
+    rows = []
+    for crash in (False, True):
+        with CellblockServer("restarts", {"host": 2},
+                             extra_args=["--key-file", KEY_FILE]) as srv:
+            try:
+                rows += measure(bench, srv, n, crash)
+            finally:
+                if os.path.exists(KEY_FILE):
+                    os.unlink(KEY_FILE)
+    return rows
 
 
-def measure(bench, srv, n):
+def measure(bench, srv, n, crash):
+    """crash: SIGKILL and a new `cellblock serve` (the sandboxes adopted);
+    otherwise SIGHUP (the sessions handed over hibernated)."""
+    how = "kill -9 and a new start" if crash else "SIGHUP"
     srv.wait_pool()
     replies, _ = srv.create_many(n, {"limits": {"max_executions": 100000}})
     chans = [srv.open_channels(r["connection"]) for r in replies]
@@ -70,7 +80,7 @@ def measure(bench, srv, n):
     stop = threading.Event()
     threads = [threading.Thread(target=stepper, args=(ch, s, failures, stop))
                for ch, s in zip(chans, steps)]
-    bench.log(f"restarts: {n} sessions stepping 1+1, then SIGHUP")
+    bench.log(f"restarts: {n} sessions stepping 1+1, then {how}")
     for t in threads:
         t.start()
     try:
@@ -80,11 +90,14 @@ def measure(bench, srv, n):
                 raise BenchError("the sessions did not step 5 times each in 120 s")
             time.sleep(0.05)
         hup = time.perf_counter()
-        os.kill(srv.proc.pid, signal.SIGHUP)
-        while server_starts(srv) < 2:
-            if time.perf_counter() - hup > 300:
-                raise BenchError("no second start 300 s after SIGHUP: " + srv.log_tail())
-            time.sleep(0.01)
+        if crash:
+            srv.kill9_and_start()
+        else:
+            os.kill(srv.proc.pid, signal.SIGHUP)
+            while server_starts(srv) < 2:
+                if time.perf_counter() - hup > 300:
+                    raise BenchError("no second start 300 s after SIGHUP: " + srv.log_tail())
+                time.sleep(0.01)
         up = time.perf_counter()
         # Each session steps a few times more on the next start.
         deadline = time.monotonic() + 300
@@ -108,12 +121,16 @@ def measure(bench, srv, n):
             back.append(after[0] - hup)
     restart_ms = (up - hup) * 1000
     a = summary(gaps)
-    rows = [Row("18", f"Longest reply gap across a SIGHUP restart, {n} sessions stepping", "ms",
-                a, summary([restart_ms]), "the server's own restart (SIGHUP → bound again)",
+    first = ("its first reply from the adopting start" if crash
+             else "its first reply from the next start: a wake")
+    rows = [Row("18", f"Longest reply gap across {how}, {n} sessions stepping", "ms",
+                a, summary([restart_ms]),
+                "the server's own restart (" + ("kill → the new start's server.json"
+                                                if crash else "SIGHUP → bound again") + ")",
                 target="≤ 2 s + the server's start", met=a["max"] <= 2000 + restart_ms,
                 detail=f"every session answered again {max(back) if back else float('nan'):.1f}"
-                       " s after SIGHUP (its first reply from the next start: a wake)"),
-            Row("18", "Requests refused or lost across the restart", "count",
+                       f" s after the {'kill' if crash else 'SIGHUP'} ({first})"),
+            Row("18", f"Requests refused or lost across {how}", "count",
                 summary([float(len(failures))]), None, "", target="0", met=not failures,
                 note="; ".join(failures[:3]))]
     return rows

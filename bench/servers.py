@@ -170,6 +170,31 @@ class CellblockServer:
         self.manager = ManagerClient(self.ctx, info)
         return self
 
+    def kill9_and_start(self, timeout=300):
+        """SIGKILL, then a new `cellblock serve` on the same state dir and
+        arguments (figure 18's crash); returns once its server.json is written."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        env = dict(os.environ)
+        if self.images_dir:
+            env["CELLBLOCK_IMAGES_DIR"] = self.images_dir
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=self._log, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"cellblock serve exited with {self.proc.returncode}: "
+                                 f"{self.log_tail()}")
+            try:
+                with open(os.path.join(self.state_dir, "server.json")) as f:
+                    if json.load(f).get("pid") == self.proc.pid:
+                        return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"no server.json from the restarted server in {timeout} s")
+            time.sleep(0.01)
+
     def __exit__(self, *exc):
         if self.manager:
             self.manager.close()

@@ -145,6 +145,9 @@ class ZmtpListener final : public RelaySocket {
         return std::any_of(peers_.begin(), peers_.end(),
                            [](const auto& peer) { return peer.second->stream.unsent(); });
     }
+    std::optional<bool> has_peer(const std::string& identity) const override {
+        return by_identity_.count(identity) > 0;
+    }
     std::optional<std::size_t> subscribers() const override {
         return static_cast<std::size_t>(
             std::count_if(peers_.begin(), peers_.end(), [](const auto& peer) {

@@ -38,6 +38,9 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                                             int max_frame_bytes = 64 << 20,
                                             const std::atomic<bool>* abandoned = nullptr,
                                             RelayTransport transport = RelayTransport::libzmq,
-                                            bool warm_up = true);
+                                            bool warm_up = true, bool on_control = false);
+// `on_control`: kernel_info is asked on control, which the kernel answers
+// while an execution runs (an adopted kernel's may: docs/restarts.md); no
+// warm-up then, and what waits on shell is left for the relay.
 
 }  // namespace cellblock

@@ -139,7 +139,8 @@ void connect_zmtp(InnerChannels& ch, const ConnectionInfo& linked, const std::st
 std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sandbox,
                                             std::chrono::milliseconds timeout, int max_frame_bytes,
                                             const std::atomic<bool>* abandoned,
-                                            RelayTransport transport, bool warm_up) {
+                                            RelayTransport transport, bool warm_up,
+                                            bool on_control) {
     const ConnectionInfo& inner = sandbox.inner_connection();
     const Signer signer(inner.key, inner.signature_scheme);
     auto ch = std::make_unique<InnerChannels>();
@@ -166,13 +167,15 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     }
 
     const std::string probe_session = make_uuid();
+    // The channel the probe's requests go on and are answered on.
+    const auto asked = [&]() -> RelaySocket& { return on_control ? *ch->control : *ch->shell; };
     auto send = [&](std::string_view msg_type, nlohmann::json content) {
         WireMessage msg;
         msg.header = make_header(msg_type, probe_session);
         msg.content = std::move(content);
         ch->probe_msg_ids.push_back(msg.msg_id());
         auto frames = to_frames(encode(msg, signer));
-        ch->shell->send(frames);
+        asked().send(frames);
         return msg.msg_id();
     };
     auto fail = [&](const std::string& why) {
@@ -200,7 +203,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
                 resend_at = now + std::chrono::milliseconds(250);
             }
             {
-                while (ch->shell->receive(scratch, 64)) {
+                while (asked().receive(scratch, 64)) {
                     const auto views = scratch.views();
                     auto decoded = decode(views, signer, nullptr);
                     if (decoded.message && decoded.message->parent_msg_id() == request_id &&
@@ -227,7 +230,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
             {
                 // Every waiting message was read above (a ZMQ_FD signals only
                 // a change), so this waits for something new.
-                pollfd items[] = {ch->shell->poll_item(),
+                pollfd items[] = {asked().poll_item(),
                                   ch->iopub->poll_item(),
                                   {sandbox.lifeline_fd(), POLLIN, 0}};
                 // At most 100 ms at a time, so an abandoned start is noticed soon.
@@ -245,7 +248,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     };
     const auto kernel_info = [&] { return send("kernel_info_request", nlohmann::json::object()); };
     exchange(kernel_info(), "kernel_info_reply", kernel_info);
-    if (!warm_up) return ch;
+    if (!warm_up || on_control) return ch;
 
     // Warm-up: a fresh interpreter's first execution costs about twice a
     // later one (lazy imports and first-use caches in IPython's execution

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <memory>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -60,6 +61,11 @@ class RelaySocket {
     virtual bool unsent() const = 0;
     // A PUB's clients with a subscription; unknown (libzmq keeps it to itself).
     virtual std::optional<std::size_t> subscribers() const { return std::nullopt; }
+    // A ROUTER's: whether a client with this identity is connected; unknown
+    // with libzmq.
+    virtual std::optional<bool> has_peer(const std::string& /*identity*/) const {
+        return std::nullopt;
+    }
 };
 
 // A libzmq socket, already configured and connected or bound.

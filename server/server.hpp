@@ -102,6 +102,7 @@ class Server final : public SessionObserver {
                   const std::string& detail) override;
     void on_closed(const std::string& session_id, const std::string& reason) override;
     void on_rejected(std::string_view where, std::string_view why) override;
+    void on_requests_changed(const std::string& session_id) override;
 
   private:
     struct Request {
@@ -204,8 +205,12 @@ class Server final : public SessionObserver {
     // relay and removed when it goes; at start, the sandboxes the rows name
     // taken back before the reaper runs, then their sessions relayed again.
     static bool live_row(const HandoverRow& row);
+    // Written (again) after each turn in which the session became idle or
+    // its open requests changed (live_dirty_).
     void record_live(const std::string& id);
     void forget_live(const std::string& id);
+    void flush_live();  // the rows of the sessions whose requests changed this turn
+    std::set<std::string> live_dirty_;
     void adopt_sandboxes(std::vector<HandoverRow>& rows);  // takes the live rows out
     void take_over_adopted();
     // A fork's zygote (its mounts are the fork's root), adopted once.
@@ -221,8 +226,8 @@ class Server final : public SessionObserver {
         std::int64_t executions = 0;
     };
     std::vector<AdoptedSandbox> adopting_;
-    std::map<std::string, std::string> adopt_failures_;    // session id: why not adopted
-    std::map<std::string, const Sandbox*> live_recorded_;  // whose row holds which sandbox
+    std::map<std::string, std::string> adopt_failures_;  // session id: why not adopted
+    std::set<std::string> live_recorded_;                // the sessions with a row
     bool handing_over_ = false;
     bool exec_after_handover_ = false;  // SIGHUP; SIGUSR2 exits instead
     std::string handover_signal_;

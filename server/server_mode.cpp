@@ -122,9 +122,10 @@ void Server::on_state(const std::string& session_id, const std::string& state) {
     const SessionTag tag = tag_of(session_id);
     for (auto* o : observers_) o->state(tag, state);
     // The record a restarted server adopts the sandbox by: written once the
-    // sandbox relays, gone with it.
+    // sandbox relays (after this turn: a new session is not registered yet),
+    // gone with it.
     if (state == "idle") {
-        record_live(session_id);
+        live_dirty_.insert(session_id);
     } else if (state == "hibernating" || state == "closing" || state == "closed") {
         forget_live(session_id);
     }
@@ -240,6 +241,7 @@ int Server::run() {
     while (!signalled && !(handing_over_ && handover_ready(Clock::now()))) {
         loop_.run_once();
         audit_.flush();
+        flush_live();  // the requests open in each session, for a crash
         const auto now = Clock::now();
         transfers_.expire(now);
         for (const auto& id : expired_) sessions_.erase(id);

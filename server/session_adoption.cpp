@@ -11,6 +11,7 @@
 // `server_restart: <why>`.
 #include <fmt/format.h>
 
+#include "carried_frames.hpp"
 #include "server.hpp"
 #include "server_key.hpp"
 
@@ -30,14 +31,24 @@ std::string live_name(const std::string& id) { return kLivePrefix + id; }
 
 bool Server::live_row(const HandoverRow& row) { return row.name.rfind(kLivePrefix, 0) == 0; }
 
+void Server::on_requests_changed(const std::string& session_id) { live_dirty_.insert(session_id); }
+
+void Server::flush_live() {
+    if (live_dirty_.empty()) return;
+    for (const auto& id : live_dirty_) record_live(id);
+    live_dirty_.clear();
+}
+
 void Server::record_live(const std::string& id) {
     if (!server_key_ || settings_.adopt_grace_ms <= 0) return;
     Session* session = sessions_.find(id);
     SessionProxy* relay = session ? session->proxy() : nullptr;
-    auto* box = relay ? dynamic_cast<RuncSandbox*>(relay->sandbox()) : nullptr;
+    if (!relay || (relay->lifecycle_state() != SessionState::idle &&
+                   relay->lifecycle_state() != SessionState::busy)) {
+        return;
+    }
+    auto* box = dynamic_cast<RuncSandbox*>(relay->sandbox());
     if (!box) return;
-    auto known = live_recorded_.find(id);
-    if (known != live_recorded_.end() && known->second == box) return;
     const auto record = box->adoption_record();
     if (!record) return;
     const SessionOrigin& origin = session->origin();
@@ -49,6 +60,23 @@ void Server::record_live(const std::string& id) {
                  {"limits", origin.limits.to_json()},
                  {"connection", relay->outer_connection().to_json()},
                  {"sandbox", *record}};
+    // What a crash now would leave open: the requests at the kernel (their
+    // clients are answered after the adoption) and those queued for it.
+    const HandoverState open = relay->in_flight();
+    json in_kernel = json::array();
+    for (const auto& request : open.in_kernel) {
+        in_kernel.push_back({{"channel", channel_name(request.channel)},
+                             {"identities", frames_json(request.identities)},
+                             {"msg_type", request.msg_type},
+                             {"header", request.header}});
+    }
+    json queued = json::array();
+    for (const auto& request : open.requests) {
+        queued.push_back(
+            {{"channel", channel_name(request.channel)}, {"frames", frames_json(request.frames)}});
+    }
+    body["in_kernel"] = std::move(in_kernel);
+    body["queued"] = std::move(queued);
     try {
         const auto bytes = json::to_cbor(body);
         store_.put_handover(
@@ -56,7 +84,7 @@ void Server::record_live(const std::string& id) {
              seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
                   *server_key_, live_name(id)),
              unix_now()});
-        live_recorded_[id] = box;
+        live_recorded_.insert(id);
     } catch (const std::exception& e) {
         spdlog::warn("session {}: no record to adopt it by after a crash: {}", id, e.what());
     }
@@ -174,14 +202,28 @@ void Server::take_over_adopted() {
             state.executions = std::max(adopted.executions, executions_recorded(id));
             // Wall-clock lifetime, the outage included; the idle time starts again.
             state.age_s = std::max(0.0, unix_now() - adopted.created_at);
+            for (const auto& request : body.value("in_kernel", json::array())) {
+                state.in_kernel.push_back({channel_named(request.at("channel").get<std::string>()),
+                                           frames_of(request.at("identities")),
+                                           request.at("msg_type").get<std::string>(),
+                                           request.at("header")});
+            }
+            for (const auto& request : body.value("queued", json::array())) {
+                state.requests.push_back({channel_named(request.at("channel").get<std::string>()),
+                                          frames_of(request.at("frames"))});
+            }
             relay.adopt(state);
+            // On control: the kernel may still run what the last server sent it.
             auto channels = probe_kernel(context_, *adopted.sandbox, kProbeTimeout, 64 << 20,
-                                         &stopping_, options_.kernel_transport, false);
+                                         &stopping_, options_.kernel_transport, false, true);
             relay.attach(std::move(adopted.sandbox), std::move(*channels));
-            store_.add_event({id, unix_now(), "adopted",
-                              fmt::format("by the server's next start: its sandbox ran on; {} "
-                                          "execution(s)",
-                                          state.executions)});
+            relay.replay(state.requests);  // verified again; they wait for the settle
+            store_.add_event(
+                {id, unix_now(), "adopted",
+                 fmt::format("by the server's next start: its sandbox ran on; {} "
+                             "execution(s), {} request(s) open at the kernel, {} "
+                             "queued",
+                             state.executions, state.in_kernel.size(), state.requests.size())});
             spdlog::info("session {}: adopted (ports {}..{}, {} execution(s))", id,
                          outer.shell_port, outer.hb_port, state.executions);
         } catch (const std::exception& e) {

@@ -80,6 +80,12 @@ void SessionCore::on_kernel_attached(Clock::time_point now,
         // Its clients' SUB sockets connect again by themselves, about 0.2 s
         // after the port is bound: requests wait for them (settle_adoption).
         adopt_settle_until_ = now + options_.adopt_settle;
+        if (std::any_of(carried_.begin(), carried_.end(),
+                        [](const auto& c) { return c.second.channel == Channel::shell; })) {
+            carried_fence_ =
+                io_.send_to_kernel(Channel::shell, "kernel_info_request", json::object());
+            probe_ids_.insert(carried_fence_);  // its statuses are no client's
+        }
         if (governor_) governor_->on_client_request(now);
         settle_adoption(now);
         return;
@@ -122,6 +128,10 @@ void SessionCore::remember_parent(const std::string& msg_id) {
 
 bool SessionCore::known_parent(const std::string& msg_id) const {
     return !msg_id.empty() && recent_.count(msg_id) > 0;
+}
+
+void SessionCore::requests_changed() {
+    if (options_.observer) options_.observer->on_requests_changed(options_.session_id);
 }
 
 // --- the client's side ---
@@ -189,6 +199,7 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
     }
     remember_parent(msg.msg_id);
     pending_[msg.msg_id] = std::move(request);
+    requests_changed();
     if (!io_.forward_to_kernel(channel, msg)) {
         io_.log(std::string(channel_name(channel)) + ": kernel queue full; request " + msg.msg_id +
                 " dropped");
@@ -222,6 +233,7 @@ bool SessionCore::on_execute_request(Clock::time_point now, Channel channel, Inb
             return false;
         }
         queue_.push_back({channel, std::move(msg)});
+        requests_changed();
         return false;
     }
     std::optional<double> timeout;
@@ -270,6 +282,7 @@ void SessionCore::drain_queue(Clock::time_point now, bool previous_failed) {
     while (!queue_.empty() && !execution_ && !lifecycle_.ending()) {
         QueuedRequest next = std::move(queue_.front());
         queue_.pop_front();
+        requests_changed();
         const json& content = next.message.content;
         const bool stop_on_error =
             !content.contains("stop_on_error") || content["stop_on_error"] != false;
@@ -303,7 +316,14 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
         return;
     }
     const std::string where = std::string("kernel ") + channel_name(channel);
+    if (!carried_fence_.empty() && msg.parent_id == carried_fence_) {
+        carried_fence_.clear();
+        fence_passed_ = true;
+        if (lifecycle_.state() != SessionState::adopting) answer_lost_carried();
+        return;
+    }
     auto it = pending_.find(msg.parent_id);
+    if (it == pending_.end() && reply_carried(channel, msg)) return;
     if (it == pending_.end() || it->second.channel != channel) {
         io_.rejected(where, "", "reply to a request that is not open: '" + msg.parent_id + "'");
         return;
@@ -314,6 +334,7 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
     }
     PendingRequest request = std::move(it->second);
     pending_.erase(it);
+    requests_changed();
 
     if (execution_ && execution_->msg_id == msg.parent_id && governor_) {
         held_reply_ =
@@ -334,6 +355,49 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
     if (request.msg_type == "shutdown_request") {
         shutdown_request_.reset();
         close(now, "shutdown requested by the client");
+    }
+}
+
+bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
+    auto it = carried_.find(msg.parent_id);
+    if (it == carried_.end() || it->second.channel != channel ||
+        msg.msg_type != reply_type_for(it->second.msg_type)) {
+        return false;
+    }
+    PendingRequest request = std::move(it->second);
+    carried_.erase(it);
+    requests_changed();
+    if (lifecycle_.state() == SessionState::adopting) {
+        carried_replies_.emplace_back(std::move(request),
+                                      std::move(msg));  // its client is not back yet
+        return true;
+    }
+    // Whole, but what it published while no server ran reached no one.
+    auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
+    json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+    if (!md["cellblock"].is_object()) md["cellblock"] = json::object();
+    md["cellblock"]["server_restarted"] = {
+        {"outputs_lost", "uncounted: what the kernel published while no server ran"}};
+    const std::string new_metadata = md.dump();
+    io_.forward_reply(channel, request.identities, msg, &new_metadata);
+    return true;
+}
+
+void SessionCore::answer_lost_carried() {
+    for (auto it = carried_.begin(); it != carried_.end();) {
+        // Control is served by a thread of its own: no fence orders it, and
+        // its requests (interrupts, shutdowns) are answered at the settle.
+        if (it->second.channel == Channel::shell && !fence_passed_) {
+            ++it;
+            continue;
+        }
+        refuse(it->second, ename::ServerRestarting,
+               "the server restarted while this request ran; the kernel's reply was lost with "
+               "it (what the request did to the kernel's state is kept): send it again if it "
+               "is needed");
+        event("reply_lost", it->second.msg_type + " " + it->first + ", answered at the adoption");
+        it = carried_.erase(it);
+        requests_changed();
     }
 }
 
@@ -644,6 +708,8 @@ void SessionCore::close(Clock::time_point now, const std::string& reason, const 
         refuse(request, ename, evalue);
     }
     asleep_.clear();
+    for (const auto& [id, request] : carried_) refuse(request, ename, evalue);
+    carried_.clear();
     own_.reset();
     close_reason_ = reason;
     move_to(SessionState::closing);

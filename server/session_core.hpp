@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -49,6 +50,9 @@ class SessionObserver {
     virtual void on_closed(const std::string& session_id, const std::string& reason) = 0;
     // A message the relay dropped (SessionIo::rejected), for the metrics.
     virtual void on_rejected(std::string_view /*where*/, std::string_view /*why*/) {}
+    // The requests open at the kernel or queued for it changed (what a
+    // restart after a crash must know: in_flight()).
+    virtual void on_requests_changed(const std::string& /*session_id*/) {}
 };
 
 // How the kernel ended, read once its process is gone.
@@ -112,6 +116,9 @@ class SessionIo {
     // an adopted session holds requests until then, so that the outputs of
     // the first are not published to nobody (docs/restarts.md).
     virtual bool clients_listening() const { return true; }
+    // Whether a client with this routing identity is connected on shell
+    // (true where the transport cannot tell).
+    virtual bool client_connected(const std::string& /*identity*/) const { return true; }
     // A message dropped by the relay's rules, for the log; `identity` is the
     // client's routing identity (empty for the kernel's messages).
     virtual void rejected(std::string_view where, std::string_view identity,
@@ -169,6 +176,17 @@ struct HandoverState {
         std::vector<std::string> frames;
     };
     std::vector<Request> requests;
+    // After a crash (phase 2): the requests the kernel had been sent and not
+    // yet answered. Its replies, if it sends them once the next server is
+    // attached, reach their clients; a reply sent while no server ran is
+    // lost, and answered ServerRestarting instead.
+    struct InKernel {
+        Channel channel = Channel::shell;
+        std::vector<std::string> identities;
+        std::string msg_type;
+        nlohmann::json header;
+    };
+    std::vector<InKernel> in_kernel;
 };
 
 class SessionCore {
@@ -217,8 +235,13 @@ class SessionCore {
     // its requests are given to on_client_request after, and wake it.
     void take_over(Clock::time_point now, const HandoverState& state);
     // The next server after a crash: a session whose sandbox ran on, with
-    // its counters (executions, age); the kernel is attached next.
+    // its counters (executions, age) and the requests its kernel had open
+    // (state.in_kernel); the kernel is attached next, and the queued
+    // requests (state.requests) handed to on_client_request after.
     void adopt(Clock::time_point now, const HandoverState& state);
+    // What a crash now would leave open: requests at the kernel (in_kernel)
+    // and the executions queued behind the running one (requests).
+    HandoverState in_flight() const;
 
     bool kernel_live() const { return lifecycle_.kernel_live(); }
     // Hibernating, hibernated or resuming: requests wait for it to wake.
@@ -375,6 +398,23 @@ class SessionCore {
     // Adopted with its kernel attached: until when requests wait for a
     // subscriber (adopt_settle); checked every kAdoptSettlePoll meanwhile.
     std::optional<Clock::time_point> adopt_settle_until_;
+    // Requests the last server had sent the kernel (adopt): answered by the
+    // kernel's reply if it comes, else ServerRestarting once the adoption settles.
+    std::map<std::string, PendingRequest> carried_;
+    // Replies to carried requests that came before the clients were back.
+    std::vector<std::pair<PendingRequest, InboundMessage>> carried_replies_;
+    // A kernel_info the relay sent on shell after the adoption: its reply
+    // comes after the replies to every shell request sent before it (the
+    // kernel serves shell in order), so a carried one still open by then
+    // lost its reply with the server.
+    std::string carried_fence_;
+    bool fence_passed_ = false;
+    // Forwards (or, while adopting, holds) a reply to a carried request;
+    // false: not one.
+    bool reply_carried(Channel channel, InboundMessage& msg);
+    // Answers the carried requests whose replies are lost (ServerRestarting).
+    void answer_lost_carried();
+    void requests_changed();
     // The adoption is over: idle, and the requests that waited go on.
     void settle_adoption(Clock::time_point now);
     // Requests that came while the session slept or was being put to sleep,

@@ -14,6 +14,7 @@
 // that cannot be taken back `restore_failed: <why>`.
 #include <fmt/format.h>
 
+#include "carried_frames.hpp"
 #include "server.hpp"
 #include "server_key.hpp"
 
@@ -25,6 +26,8 @@ constexpr const char* kServerRow = "@server";
 constexpr int kHandoverVersion = 1;
 
 std::string row_label(const std::string& name) { return "handover/" + name; }
+
+}  // namespace
 
 json frames_json(const std::vector<std::string>& frames) {
     json out = json::array();
@@ -49,8 +52,6 @@ Channel channel_named(const std::string& name) {
     }
     throw std::runtime_error("no channel '" + name + "'");
 }
-
-}  // namespace
 
 ProxyOptions Server::proxy_options(const std::string& session_id, const SessionLimits& limits) {
     ProxyOptions opts;

@@ -125,6 +125,10 @@ class SessionProxy::Io final : public SessionIo {
         return true;
     }
 
+    bool client_connected(const std::string& identity) const override {
+        const auto known = p_.outer_shell_ ? p_.outer_shell_->has_peer(identity) : std::nullopt;
+        return !known || *known;
+    }
     bool clients_listening() const override {
         // libzmq's PUB does not say: the adoption waits its bound then.
         const auto n = p_.outer_iopub_ ? p_.outer_iopub_->subscribers() : std::nullopt;
@@ -463,9 +467,6 @@ void SessionProxy::sign_early() {
 }
 
 void SessionProxy::on_kernel(Channel channel) {
-    InboundMessage msg;
-    std::string why;
-    const std::string where = std::string("kernel ") + channel_name(channel);
     RelaySocket* socket = inner_socket(channel);
     if (!socket || !socket->receive(scratch_, kernel_rules_.limits.max_frames)) return;
     // Not once the execution's output is cut: then a large message is most
@@ -481,7 +482,14 @@ void SessionProxy::on_kernel(Channel channel) {
             early.reset();
         }
     } join{early_};
-    if (!verify_frames(scratch_, kernel_rules_, msg, why)) {
+    deliver_kernel(channel, scratch_);
+}
+
+void SessionProxy::deliver_kernel(Channel channel, Multipart& frames) {
+    InboundMessage msg;
+    std::string why;
+    const std::string where = std::string("kernel ") + channel_name(channel);
+    if (!verify_frames(frames, kernel_rules_, msg, why)) {
         io_->rejected(where, "", why);
         return;
     }

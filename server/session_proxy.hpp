@@ -102,6 +102,7 @@ class SessionProxy {
     // After a crash: the session whose sandbox ran on, adopting; attach()
     // its sandbox next (docs/restarts.md, phase 2).
     void adopt(const HandoverState& state) { core_->adopt(Clock::now(), state); }
+    HandoverState in_flight() const { return core_->in_flight(); }
 
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering
@@ -136,6 +137,8 @@ class SessionProxy {
     bool on_client(Channel channel);
     void on_client_heartbeat();
     void on_kernel(Channel channel);
+    // Verifies one message of the kernel and hands it to the core.
+    void deliver_kernel(Channel channel, Multipart& frames);
     void on_kernel_heartbeat();
     void on_lifeline();
     // The sandbox goes and the kernel's channels with it; the client's stay.

@@ -245,13 +245,62 @@ void SessionCore::adopt(Clock::time_point now, const HandoverState& state) {
     move_to(SessionState::adopting);
     if (governor_) governor_->carry_on(now, state.executions, state.age_s, state.idle_s);
     idle_since_ = now;
+    for (const auto& open : state.in_kernel) {
+        const std::string id = json_string(open.header, "msg_id");
+        if (id.empty()) continue;
+        carried_[id] = {open.channel, open.identities, open.msg_type, open.header};
+        remember_parent(id);  // its outputs pass, the status after its reply too
+    }
+}
+
+HandoverState SessionCore::in_flight() const {
+    HandoverState state;
+    for (const auto& [id, request] : pending_) {
+        state.in_kernel.push_back(
+            {request.channel, request.identities, request.msg_type, request.header});
+    }
+    for (const auto& [id, request] : carried_) {
+        state.in_kernel.push_back(
+            {request.channel, request.identities, request.msg_type, request.header});
+    }
+    for (const auto* waiting : {&queue_, &asleep_}) {
+        for (const auto& queued : *waiting) {
+            HandoverState::Request request;
+            request.channel = queued.channel;
+            for (const auto& frame : queued.message.frames) {
+                request.frames.emplace_back(frame.view());
+            }
+            state.requests.push_back(std::move(request));
+        }
+    }
+    return state;
 }
 
 void SessionCore::settle_adoption(Clock::time_point now) {
     if (lifecycle_.state() != SessionState::adopting || !adopt_settle_until_) return;
-    if (!io_.clients_listening() && now < *adopt_settle_until_) return;
+    if (now < *adopt_settle_until_) {
+        // Its clients back: a subscriber on iopub, and on shell each client
+        // a reply is owed to.
+        if (!io_.clients_listening()) return;
+        for (const auto* owed : {&carried_replies_}) {
+            for (const auto& [request, reply] : *owed) {
+                if (!request.identities.empty() && !io_.client_connected(request.identities[0]))
+                    return;
+            }
+        }
+        for (const auto& [id, request] : carried_) {
+            if (!request.identities.empty() && !io_.client_connected(request.identities[0])) return;
+        }
+    }
     adopt_settle_until_.reset();
     move_to(SessionState::idle);
+    auto held = std::move(carried_replies_);
+    carried_replies_.clear();
+    for (auto& [request, reply] : held) {
+        carried_[reply.parent_id] = std::move(request);
+        reply_carried(request.channel, reply);
+    }
+    answer_lost_carried();
     replay_asleep(now);
 }
 

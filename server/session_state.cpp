@@ -71,6 +71,7 @@ bool SessionLifecycle::kernel_live() const {
         case SessionState::busy:
         case SessionState::hibernating:
         case SessionState::resuming:  // once its sandbox is attached: the restore is asked
+        case SessionState::adopting:  // its sandbox ran on: attached as it is adopted
             return true;
         default:
             return false;

@@ -96,6 +96,42 @@ def test_a_killed_servers_sessions_are_adopted_with_their_state(
         client.close()
 
 
+def test_requests_in_flight_at_the_crash_are_answered(server_factory, tmp_path):  # noqa: F811
+    """What a session had open when its server died: an execution still
+    running is answered by its kernel after the adoption (its reply marked:
+    what it published meanwhile reached no one); one queued behind it runs
+    after; one the kernel finished while no server ran lost its reply, and
+    is answered ServerRestarting naming that, never left unanswered."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    sid_a, kc_a, _ = srv.open_session()
+    sid_b, kc_b, _ = srv.open_session()
+    running = send_execute(kc_a, "import time\ntime.sleep(10)\nprint('slept')")
+    queued = send_execute(kc_a, "print('second')")
+    finished = send_execute(kc_b, "import time\ntime.sleep(1)\nprint('lost')")
+    sh.wait_for(lambda: srv.info_of(sid_a)["state"] == "busy"
+                and srv.info_of(sid_b)["state"] == "busy", timeout=60)
+    time.sleep(0.5)
+    srv.kill9()
+    time.sleep(3)  # B's execution ends while no server runs
+    srv.start()
+    reply, _, _ = sh.collect_execution(kc_a, running, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "outputs_lost" in reply["metadata"]["cellblock"]["server_restarted"], reply["metadata"]
+    reply, iopub, _ = sh.collect_execution(kc_a, queued, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert sh.stream_text(iopub).strip() == "second"
+    reply, _, _ = sh.collect_execution(kc_b, finished, timeout=120)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "ServerRestarting", reply["content"]
+    assert "the kernel's reply was lost" in reply["content"]["evalue"], reply["content"]
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid_b})["content"]["events"]]
+    assert "reply_lost" in kinds, kinds
+    # Both go on.
+    assert sh.run_ok(kc_b, "print(6 * 7)").strip() == "42"
+
+
 def test_a_sandbox_no_server_adopts_ends_itself_after_its_grace(
         server_factory, tmp_path):  # noqa: F811
     srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "2",
