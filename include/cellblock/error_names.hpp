@@ -47,9 +47,10 @@ enum class ErrorChannel { manager, session, both };
     X(ServerShuttingDown, both,                                                                 \
       "the server is stopping (a signal): the request was not carried out, or its session "     \
       "closed; evalue names the signal")                                                        \
-    X(ServerRestarting, manager,                                                                \
-      "the server is handing its sessions to its next start (SIGHUP, an upgrade): send the "    \
-      "request again; the Python client does")                                                  \
+    X(ServerRestarting, both,                                                                   \
+      "the server is handing its sessions to its next start (SIGHUP, an upgrade), or (on a "    \
+      "session) restarted after a crash while the request ran and its reply was lost: send "    \
+      "the request again; the Python client does for manager requests")                         \
     X(HibernateFailed, manager,                                                                 \
       "the session did not hibernate (busy, or its snapshot could not be taken or kept); it "   \
       "stays awake with everything; evalue says why")                                           \

@@ -195,10 +195,12 @@ class ServerShuttingDown(ManagerError, PolicyError):
     out, or its session closed with it; evalue names the signal."""
 
 
-class ServerRestarting(ManagerError):
+class ServerRestarting(ManagerError, PolicyError):
     """The server is handing its sessions to its next start (SIGHUP, an
     upgrade): the request was not carried out; send it again. Server.request
-    does so by itself until its timeout."""
+    does so by itself until its timeout. On a session's reply: the server
+    restarted after a crash while the request ran, and the kernel's reply was
+    lost with it (what the request did to the kernel's state is kept)."""
 
 
 #: the class of each ename the server sends (its catalogue, and nothing else)
@@ -213,7 +215,8 @@ _BY_NAME = {cls.__name__: cls for cls in (
 #: enames the server itself sends on execute replies (not the code's exceptions)
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",
                            "SessionClosed", "MemoryLimitExceeded", "KernelDied", "SessionBusy",
-                           "InvalidLimits", "LimitAboveMaximum", "ServerShuttingDown"})
+                           "InvalidLimits", "LimitAboveMaximum", "ServerShuttingDown",
+                           "ServerRestarting"})
 
 
 def error_for(ename, evalue="", traceback=None, execution=None, default=CellblockError):
