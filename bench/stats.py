@@ -114,7 +114,7 @@ def markdown_table(rows):
             base = r.baseline_name
         ratio = r.ratio
         ratio_text = "–" if ratio is None else f"{ratio:.2f}× ({r.ratio_on})"
-        if ratio is not None and ratio < 0.1:
+        if ratio is not None and 0 < ratio < 0.1:
             ratio_text = f"{ratio:.4f}× ({r.ratio_on}; {1 / ratio:.0f}× faster)"
         met = "–" if r.met is None else ("yes" if r.met else "**no**")
         lines.append(f"| {r.figure} | {name} | {r.unit or '–'} | {triple(r.cellblock, r.unit)} "
