@@ -282,14 +282,14 @@ void SessionCore::settle_adoption(Clock::time_point now) {
         // Its clients back: a subscriber on iopub, and on shell each client
         // a reply is owed to.
         if (!io_.clients_listening()) return;
-        for (const auto* owed : {&carried_replies_}) {
-            for (const auto& [request, reply] : *owed) {
-                if (!request.identities.empty() && !io_.client_connected(request.identities[0]))
-                    return;
-            }
+        const auto back = [this](const PendingRequest& request) {
+            return request.identities.empty() || io_.client_connected(request.identities[0]);
+        };
+        for (const auto& [request, reply] : carried_replies_) {
+            if (!back(request)) return;
         }
         for (const auto& [id, request] : carried_) {
-            if (!request.identities.empty() && !io_.client_connected(request.identities[0])) return;
+            if (!back(request)) return;
         }
     }
     adopt_settle_until_.reset();
@@ -297,8 +297,9 @@ void SessionCore::settle_adoption(Clock::time_point now) {
     auto held = std::move(carried_replies_);
     carried_replies_.clear();
     for (auto& [request, reply] : held) {
+        const Channel channel = request.channel;
         carried_[reply.parent_id] = std::move(request);
-        reply_carried(request.channel, reply);
+        reply_carried(channel, reply);
     }
     answer_lost_carried();
     replay_asleep(now);
