@@ -395,6 +395,15 @@ def _next_message(kc, get, deadline, what, poll=0.25):
                                  f"log {server.log_path} ends:\n{server.log()[-3000:]}")
 
 
+def send_execute(kc, code):
+    """Sends an execute_request without waiting; returns its msg_id."""
+    msg = kc.session.msg("execute_request", {
+        "code": code, "silent": False, "store_history": True, "user_expressions": {},
+        "allow_stdin": False, "stop_on_error": True})
+    kc.shell_channel.send(msg)
+    return msg["header"]["msg_id"]
+
+
 def execute(kc, code, metadata=None, timeout=60):
     """Executes code, optionally with request metadata (e.g. {"cellblock": {"timeout_s": 5}}).
 

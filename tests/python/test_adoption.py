@@ -13,18 +13,10 @@ import threading
 import time
 
 import server_helpers as sh
-from server_helpers import server_factory  # noqa: F401
+from server_helpers import send_execute, server_factory  # noqa: F401
 
 sys.path.insert(0, os.path.join(sh.SOURCE_DIR, "clients", "python"))
 import cellblock  # noqa: E402
-
-
-def send_execute(kc, code):
-    msg = kc.session.msg("execute_request", {
-        "code": code, "silent": False, "store_history": True, "user_expressions": {},
-        "allow_stdin": False, "stop_on_error": True})
-    kc.shell_channel.send(msg)
-    return msg["header"]["msg_id"]
 
 
 def shim_log(srv, sid):

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import server_helpers as sh
-from server_helpers import server_factory  # noqa: F401
+from server_helpers import send_execute, server_factory  # noqa: F401
 
 sys.path.insert(0, os.path.join(sh.SOURCE_DIR, "clients", "python"))
 import cellblock  # noqa: E402
@@ -22,14 +22,6 @@ import cellblock  # noqa: E402
 def starts(srv):
     """How many times this server's process has started (its log, one line each)."""
     return srv.log().count("cellblock serve: manager on")
-
-
-def send_execute(kc, code):
-    msg = kc.session.msg("execute_request", {
-        "code": code, "silent": False, "store_history": True, "user_expressions": {},
-        "allow_stdin": False, "stop_on_error": True})
-    kc.shell_channel.send(msg)
-    return msg["header"]["msg_id"]
 
 
 def events_of(srv, sid):
