@@ -417,6 +417,8 @@ class SessionCore {
     void requests_changed();
     // The adoption is over: idle, and the requests that waited go on.
     void settle_adoption(Clock::time_point now);
+    // A waiting request as the frames a restart carries (handover, adoption).
+    static HandoverState::Request as_frames(const QueuedRequest& queued);
     // Requests that came while the session slept or was being put to sleep,
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;

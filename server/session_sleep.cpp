@@ -219,15 +219,15 @@ HandoverState SessionCore::handover_state(Clock::time_point now) const {
     state.cpu_ms = cpu_ms_total_;
     state.memory_peak_bytes = memory_peak_bytes_;
     state.network_bytes = network_bytes_;
-    for (const auto& waiting : asleep_) {
-        HandoverState::Request request;
-        request.channel = waiting.channel;
-        for (const auto& frame : waiting.message.frames) {
-            request.frames.emplace_back(frame.view());
-        }
-        state.requests.push_back(std::move(request));
-    }
+    for (const auto& waiting : asleep_) state.requests.push_back(as_frames(waiting));
     return state;
+}
+
+HandoverState::Request SessionCore::as_frames(const QueuedRequest& queued) {
+    HandoverState::Request request;
+    request.channel = queued.channel;
+    for (const auto& frame : queued.message.frames) request.frames.emplace_back(frame.view());
+    return request;
 }
 
 void SessionCore::take_over(Clock::time_point now, const HandoverState& state) {
@@ -264,14 +264,7 @@ HandoverState SessionCore::in_flight() const {
             {request.channel, request.identities, request.msg_type, request.header});
     }
     for (const auto* waiting : {&queue_, &asleep_}) {
-        for (const auto& queued : *waiting) {
-            HandoverState::Request request;
-            request.channel = queued.channel;
-            for (const auto& frame : queued.message.frames) {
-                request.frames.emplace_back(frame.view());
-            }
-            state.requests.push_back(std::move(request));
-        }
+        for (const auto& queued : *waiting) state.requests.push_back(as_frames(queued));
     }
     return state;
 }

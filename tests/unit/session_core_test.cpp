@@ -805,6 +805,18 @@ class SleepTest : public CoreTest {
                                         {{"saved", 3}, {"bytes", 4096}, {"lost", json::array()}}));
     }
     // The sandbox it woke for is attached and the restore answers.
+    // A new core, as a restarted server makes one: `max_executions`, the audit observing.
+    void restart_core(int max_executions) {
+        SessionLimits limits;
+        limits.max_executions = max_executions;
+        CoreOptions options;
+        options.session_id = "s1";
+        options.policy = &policy;
+        options.limits = limits;
+        options.observer = &audit;
+        audit.states.clear();
+        core = std::make_unique<SessionCore>(options, io, t0);
+    }
     void attach_and_restore(Clock::time_point at, json lost = json::array()) {
         core->on_kernel_attached(at, {"probe-2"});
         const auto own = io.of("own");
@@ -1162,15 +1174,7 @@ TEST_F(SleepTest, HandingOverHoldsNewWorkAndHibernatesOnceTheRunningCellEnds) {
 }
 
 TEST_F(SleepTest, TheNextServersCoreGoesOnFromTheCountersItWasHanded) {
-    SessionLimits limits;
-    limits.max_executions = 5;
-    CoreOptions options;
-    options.session_id = "s1";
-    options.policy = &policy;
-    options.limits = limits;
-    options.observer = &audit;
-    audit.states.clear();
-    core = std::make_unique<SessionCore>(options, io, t0);
+    restart_core(5);
     HandoverState state;
     state.executions = 4;
     state.age_s = 100;
@@ -1199,15 +1203,7 @@ TEST_F(SleepTest, TheNextServersCoreGoesOnFromTheCountersItWasHanded) {
 // goes on from the counters, and requests wait until a client subscribes
 // again (or adopt_settle passes), so the first one's outputs reach it.
 TEST_F(SleepTest, AnAdoptedSessionHoldsRequestsUntilItsClientsListen) {
-    SessionLimits limits;
-    limits.max_executions = 5;
-    CoreOptions options;
-    options.session_id = "s1";
-    options.policy = &policy;
-    options.limits = limits;
-    options.observer = &audit;
-    audit.states.clear();
-    core = std::make_unique<SessionCore>(options, io, t0);
+    restart_core(5);
     HandoverState state;
     state.executions = 3;
     state.age_s = 100;
