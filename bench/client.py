@@ -37,7 +37,7 @@ class Execution:
     """What one execute round trip produced, with its timings (seconds, perf_counter)."""
 
     __slots__ = ("msg_id", "sent", "sent_wall", "reply_at", "idle_at", "result_at", "reply",
-                 "outputs", "busy_date", "idle_date", "done_wall")
+                 "outputs", "busy_date", "idle_date", "done_wall", "msg", "sent_again")
 
     def __init__(self, msg_id, sent):
         self.msg_id = msg_id
@@ -51,6 +51,8 @@ class Execution:
         self.result_at = None   # first execute_result or display_data on iopub
         self.reply = None       # the execute_reply (content and metadata parsed)
         self.outputs = []       # iopub messages of this execution (content parsed), if kept
+        self.msg = None         # the request, to send again after a reconnection
+        self.sent_again = 0
 
     @property
     def done(self):
@@ -111,8 +113,40 @@ class KernelChannels:
         self.poller.register(self.iopub, zmq.POLLIN)
         self.pending = {}   # msg_id -> Execution
         self.keep_outputs = False
+        self.monitor = None
+        self.dropped = False
+
+    def watch_reconnects(self):
+        """After this, a shell connection that drops and comes back (a server's
+        restart) has every open request sent again under its msg_id: one the
+        dead server read but never recorded is otherwise lost (libzmq counted
+        it as sent). The server runs none twice (docs/restarts.md)."""
+        self.monitor = self.shell.get_monitor_socket(zmq.EVENT_CONNECTED |
+                                                     zmq.EVENT_DISCONNECTED)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def on_monitor(self):
+        from zmq.utils.monitor import recv_monitor_message
+        back = False
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            if event == zmq.EVENT_DISCONNECTED:
+                self.dropped = True
+            elif event == zmq.EVENT_CONNECTED and self.dropped:
+                self.dropped = False
+                back = True
+        if back:
+            for ex in self.pending.values():
+                ex.sent_again += 1
+                self.session.send(self.shell, ex.msg)
 
     def close(self):
+        if self.monitor is not None:
+            self.shell.disable_monitor()
+            self.monitor.close(linger=0)
         self.shell.close(linger=0)
         self.iopub.close(linger=0)
 
@@ -125,6 +159,7 @@ class KernelChannels:
         msg["header"]["version"] = PROTOCOL_VERSION
         self.keep_outputs = keep_outputs
         ex = Execution(msg["header"]["msg_id"], 0.0)
+        ex.msg = msg
         self.pending[ex.msg_id] = ex
         ex.sent_wall = time.time()
         ex.sent = time.perf_counter()
@@ -194,6 +229,8 @@ class KernelChannels:
             done += self.on_shell(now)
         if self.iopub in events:
             done += self.on_iopub(now)
+        if self.monitor is not None and self.monitor in events:
+            self.on_monitor()
         return done
 
     def execute(self, code, timeout=60.0, keep_outputs=False, user_expressions=None, check=True):
@@ -208,7 +245,8 @@ class KernelChannels:
                 self.pending.pop(ex.msg_id, None)
                 raise BenchError(f"no reply and idle for {code[:40]!r} in {timeout} s "
                                  f"(reply {'seen' if ex.reply_at else 'missing'}, "
-                                 f"idle {'seen' if ex.idle_at else 'missing'})")
+                                 f"idle {'seen' if ex.idle_at else 'missing'}; "
+                                 f"msg_id {ex.msg_id}, sent again {ex.sent_again}x)")
             self.pump(left)
         if check and ex.status() != "ok":
             c = ex.reply["content"]

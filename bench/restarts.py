@@ -28,10 +28,11 @@ from stats import Row, summary
 KEY_FILE = "/run/cellblock-bench-restarts.key"
 
 
-def stepper(ch, steps, failures, stop, resent):
-    """Steps `1+1` until stop is set; appends (sent, replied) per step. A
-    step whose reply a crash lost is answered ServerRestarting: counted in
-    `resent`, and sent again, as an agent would."""
+def stepper(ch, steps, failures, stop, resent, again):
+    """Steps `1+1` until stop is set; appends (sent, replied) per step. The
+    channels send what is open again when their connection comes back
+    (Channels.watch_reconnects). A step whose reply a crash lost is answered
+    ServerRestarting: counted in `resent`, and sent again, as an agent would."""
     while not stop.is_set():
         sent = time.perf_counter()
         try:
@@ -39,6 +40,8 @@ def stepper(ch, steps, failures, stop, resent):
         except BenchError as e:
             failures.append(f"lost: {e}")
             return
+        if ex.sent_again:
+            again.append(ex.msg_id)
         if ex.status() != "ok":
             c = ex.reply["content"]
             if c.get("ename") == "ServerRestarting":
@@ -80,10 +83,11 @@ def measure(bench, srv, n, crash):
     chans = [srv.open_channels(r["connection"]) for r in replies]
     for ch in chans:
         wait_ready(ch, time.monotonic() + 120)
+        ch.watch_reconnects()
     steps = [[] for _ in chans]
-    failures, resent = [], []
+    failures, resent, again = [], [], []
     stop = threading.Event()
-    threads = [threading.Thread(target=stepper, args=(ch, s, failures, stop, resent))
+    threads = [threading.Thread(target=stepper, args=(ch, s, failures, stop, resent, again))
                for ch, s in zip(chans, steps)]
     bench.log(f"restarts: {n} sessions stepping 1+1, then {how}")
     for t in threads:
@@ -138,6 +142,7 @@ def measure(bench, srv, n, crash):
             Row("18", f"Requests refused or lost across {how}", "count",
                 summary([float(len(failures))]), None, "", target="0", met=not failures,
                 note="; ".join(failures[:3]),
-                detail=f"{len(resent)} step(s) answered ServerRestarting (their reply lost "
-                       "with the killed server) and sent again" if crash else "")]
+                detail=f"{len(again)} step(s) sent again as the connection came back; "
+                       f"{len(resent)} answered ServerRestarting (their reply lost with the "
+                       "killed server) and sent again" if crash else "")]
     return rows

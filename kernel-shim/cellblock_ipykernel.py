@@ -27,6 +27,18 @@ ipykernel PR #1129).
 Packages: pip installs into PIP_TARGET (the session's home, on PYTHONPATH);
 the directory is made before ipykernel is imported and import caches are
 dropped after every cell, so `%pip install x` then `import x` works.
+
+Replies outlive the relay. The kernel's shell and control sockets are set to
+report a reply they cannot route (ZMQ_ROUTER_MANDATORY): a reply sent while
+no server relays (a crashed server, before the next one adopts the sandbox,
+docs/restarts.md) is kept, in order and bounded, and sent when the relay
+connects again under the same routing identity. What passes the bound is
+dropped, oldest first, and logged; the server answers those requests
+ServerRestarting. The last replies sent are kept too: one can be sent and
+still be lost, in the dead server's socket buffer. An adopting server's first
+shell request (a kernel_info_request with content
+{"cellblock": {"resend_replies": true}}) has them sent again, before its own
+reply; the server passes those it still owes and drops the rest.
 """
 import importlib
 import os
@@ -66,7 +78,10 @@ def _writable_connection_file(argv):
 _make_package_dir()
 
 import codecs  # noqa: E402
+import collections  # noqa: E402
 import threading  # noqa: E402
+
+import zmq  # noqa: E402
 
 from ipykernel.iostream import OutStream  # noqa: E402
 from ipykernel.ipkernel import IPythonKernel  # noqa: E402
@@ -282,6 +297,132 @@ def _forget_finders_under(home):
             del cache[path]
 
 
+class KeptReplies:
+    """What the kernel sends on one ROUTER socket (shell or control), sent at
+    once when its peer is connected, and kept while it is not: the socket
+    reports an identity it cannot route (EHOSTUNREACH) instead of dropping
+    the message, and a full peer (EAGAIN) instead of blocking. Kept messages
+    go out in order, before any later one, when the relay connects again
+    under the same identity: at the next send, or at a retry every 100 ms on
+    the socket's own event loop (the shell's waits for a running execution to
+    end). Used from the socket's own thread only.
+
+    The socket is its ZMQStream's, which watches it for requests: a send
+    outside the stream can take the readiness edge the stream waits for, so
+    the stream looks again after each send (the kernel's dispatch does, with
+    flush(POLLOUT); the retry does it here)."""
+
+    RETRY_S = 0.1
+    # The replies sent last, for resend_recent.
+    RECENT_MESSAGES = 32
+    RECENT_BYTES = 16 << 20
+
+    def __init__(self, stream, name, max_messages=1000, max_bytes=64 << 20):
+        stream.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.stream = stream
+        self.socket = stream.socket
+        self.io_loop = stream.io_loop
+        self.name = name
+        self.max_messages = max_messages
+        self.max_bytes = max_bytes
+        self.kept = collections.deque()
+        self.kept_bytes = 0
+        self.dropped = 0
+        self.recent = collections.deque()
+        self.recent_bytes = 0
+        self._retry_armed = False
+
+    # What jupyter_client's Session.send calls on its stream.
+    def send_multipart(self, frames, flags=0, copy=True, track=False, **kwargs):
+        if not self.kept and self._send(frames):
+            self._sent(frames, sum(len(f) for f in frames))
+            return
+        frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
+        size = sum(len(f) for f in frames)
+        self.kept.append((frames, size))
+        self.kept_bytes += size
+        while self.kept and (len(self.kept) > self.max_messages
+                             or self.kept_bytes > self.max_bytes):
+            _, dropped = self.kept.popleft()
+            self.kept_bytes -= dropped
+            self.dropped += 1
+            print(f"cellblock: {self.name}: a reply kept while no relay was connected was "
+                  f"dropped (over {self.max_messages} messages or {self.max_bytes} bytes; "
+                  f"{self.dropped} so far)", file=sys.__stderr__, flush=True)
+        self.flush()
+
+    def _send(self, frames):
+        """True: sent; False: no peer to take it now (kept by the caller)."""
+        try:
+            self.socket.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                raise
+            self._arm_retry()
+            return False
+
+    def flush(self):
+        while self.kept:
+            frames, size = self.kept[0]
+            if not self._send(frames):
+                return
+            self.kept.popleft()
+            self.kept_bytes -= size
+            self._sent(frames, size)
+
+    def _sent(self, frames, size):
+        frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
+        self.recent.append((frames, size))
+        self.recent_bytes += size
+        while len(self.recent) > self.RECENT_MESSAGES or self.recent_bytes > self.RECENT_BYTES:
+            self.recent_bytes -= self.recent.popleft()[1]
+
+    def resend_recent(self):
+        """Sends the last replies again, in order, ahead of anything later."""
+        again = list(self.recent)
+        self.recent.clear()
+        self.recent_bytes = 0
+        self.kept.extendleft(reversed(again))
+        self.kept_bytes += sum(size for _, size in again)
+        self.flush()
+
+    def _arm_retry(self):
+        if not self._retry_armed:
+            self._retry_armed = True
+            self.io_loop.call_later(self.RETRY_S, self._retry)
+
+    def _retry(self):
+        self._retry_armed = False
+        if self.stream.closed():
+            return
+        self.flush()
+        self.stream.flush(zmq.POLLOUT)
+
+
+def _keep_replies(kernel):
+    """Routes the kernel's shell and control replies through a KeptReplies
+    each (every reply goes through Session.send)."""
+    keepers = {}
+    for stream, name in ((kernel.shell_stream, "shell"), (kernel.control_stream, "control")):
+        if stream is not None:
+            keepers[id(stream)] = KeptReplies(stream, name)
+    if not keepers:
+        return
+    session = kernel.session
+    send = session.send
+
+    def send_kept(stream, *args, **kwargs):
+        keeper = keepers.get(id(stream))
+        if keeper is not None:
+            kwargs.pop("track", None)
+            return send(keeper, *args, **kwargs)
+        return send(stream, *args, **kwargs)
+
+    session.send = send_kept
+    kernel._cellblock_kept_replies = keepers
+
+
 class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -294,6 +435,7 @@ class SandboxKernel(IPythonKernel):
         _forget_finders_under(os.path.expanduser("~"))
         self.shell.events.register("post_execute", importlib.invalidate_caches)
         self.shell.display_pub.register_hook(_budget_display)
+        _keep_replies(self)
 
     def init_metadata(self, parent):
         metadata = super().init_metadata(parent)
@@ -305,6 +447,15 @@ class SandboxKernel(IPythonKernel):
         metadata = super().finish_metadata(parent, metadata, reply_content)
         metadata["cellblock_source"] = BUDGET.report()
         return metadata
+
+    async def kernel_info_request(self, stream, ident, parent):
+        # An adopting server's fence (docs/restarts.md): the replies sent
+        # last go again first, for those lost in the dead server's buffers.
+        ask = (parent.get("content") or {}).get("cellblock")
+        keepers = getattr(self, "_cellblock_kept_replies", {})
+        if isinstance(ask, dict) and ask.get("resend_replies") and id(stream) in keepers:
+            keepers[id(stream)].resend_recent()
+        return await super().kernel_info_request(stream, ident, parent)
 
     def _abort_queues(self):
         if self.stop_on_error_timeout or not hasattr(self, "schedule_dispatch"):

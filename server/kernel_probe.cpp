@@ -103,7 +103,7 @@ void connect_libzmq(InnerChannels& ch, zmq::context_t& context, const Connection
         return make_zmq_relay_socket(std::move(s));
     };
     ch.shell = dealer(Channel::shell, max_frame_bytes, identity);
-    ch.control = dealer(Channel::control, max_frame_bytes, "");
+    ch.control = dealer(Channel::control, max_frame_bytes, identity);
     ch.stdin_ = dealer(Channel::stdin_, max_frame_bytes, identity);
     zmq::socket_t iopub = inner_socket(context, zmq::socket_type::sub, max_frame_bytes);
     iopub.set(zmq::sockopt::subscribe, "");
@@ -128,7 +128,7 @@ void connect_zmtp(InnerChannels& ch, const ConnectionInfo& linked, const std::st
     };
     const auto frame_cap = static_cast<std::size_t>(max_frame_bytes);
     ch.shell = open(Channel::shell, "DEALER", frame_cap, identity);
-    ch.control = open(Channel::control, "DEALER", frame_cap, "");
+    ch.control = open(Channel::control, "DEALER", frame_cap, identity);
     ch.stdin_ = open(Channel::stdin_, "DEALER", frame_cap, identity);
     ch.iopub = open(Channel::iopub, "SUB", frame_cap, "");
     ch.hb = open(Channel::hb, "DEALER", 1024, "");
@@ -145,7 +145,10 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     const Signer signer(inner.key, inner.signature_scheme);
     auto ch = std::make_unique<InnerChannels>();
     // The kernel routes input_request to the shell sender's identity, so the
-    // stdin socket shares the shell socket's identity.
+    // stdin socket shares the shell socket's identity. Control has it too: a
+    // kernel keeps the replies it could not route while no server relayed
+    // (cellblock_ipykernel.KeptReplies), and sends them when a relay connects
+    // under the identity they were sent to (an adopting server's).
     const std::string identity = "cellblock-" + sandbox.session_id();
     const auto check_abandoned = [&] {
         if (abandoned && abandoned->load()) {

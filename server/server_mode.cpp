@@ -309,7 +309,10 @@ void Server::shut_down(const std::string& signal) {
         return std::any_of(sessions_.begin(), sessions_.end(),
                            [](auto& s) { return s.second.proxy() && s.second.proxy()->unsent(); });
     };
-    while (unsent() && Clock::now() < until) loop_.run_once(std::chrono::milliseconds(20));
+    while (unsent() && Clock::now() < until) {
+        loop_.run_once(std::chrono::milliseconds(20));
+        flush_live();
+    }
 }
 
 int run_server(const ServeOptions& options) {

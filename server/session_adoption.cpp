@@ -36,6 +36,11 @@ void Server::on_requests_changed(const std::string& session_id) { live_dirty_.in
 void Server::flush_live() {
     if (live_dirty_.empty()) return;
     for (const auto& id : live_dirty_) record_live(id);
+    // Only now what the rows name goes out (ProxyOptions::hold_for_record).
+    for (const auto& id : live_dirty_) {
+        Session* session = sessions_.find(id);
+        if (SessionProxy* relay = session ? session->proxy() : nullptr) relay->release_held();
+    }
     live_dirty_.clear();
 }
 
@@ -77,6 +82,7 @@ void Server::record_live(const std::string& id) {
     }
     body["in_kernel"] = std::move(in_kernel);
     body["queued"] = std::move(queued);
+    body["answered"] = open.answered;
     try {
         const auto bytes = json::to_cbor(body);
         store_.put_handover(
@@ -211,6 +217,9 @@ void Server::take_over_adopted() {
             for (const auto& request : body.value("queued", json::array())) {
                 state.requests.push_back({channel_named(request.at("channel").get<std::string>()),
                                           frames_of(request.at("frames"))});
+            }
+            for (const auto& id : body.value("answered", json::array())) {
+                if (id.is_string()) state.answered.push_back(id.get<std::string>());
             }
             relay.adopt(state);
             // On control: the kernel may still run what the last server sent it.

@@ -80,11 +80,18 @@ void SessionCore::on_kernel_attached(Clock::time_point now,
         // Its clients' SUB sockets connect again by themselves, about 0.2 s
         // after the port is bound: requests wait for them (settle_adoption).
         adopt_settle_until_ = now + options_.adopt_settle;
-        if (std::any_of(carried_.begin(), carried_.end(),
+        if (!answered_before_.empty() ||
+            std::any_of(carried_.begin(), carried_.end(),
                         [](const auto& c) { return c.second.channel == Channel::shell; })) {
-            carried_fence_ =
-                io_.send_to_kernel(Channel::shell, "kernel_info_request", json::object());
+            // cellblock's kernel sends its last replies again first: one it
+            // sent may have been lost in the dead server's socket buffer.
+            carried_fence_ = io_.send_to_kernel(Channel::shell, "kernel_info_request",
+                                                {{"cellblock", {{"resend_replies", true}}}});
             probe_ids_.insert(carried_fence_);  // its statuses are no client's
+            fence_status_id_ = carried_fence_;
+            for (const auto& [id, request] : carried_) {
+                if (request.channel == Channel::shell) idle_owed_[id] = request.header;
+            }
         }
         if (governor_) governor_->on_client_request(now);
         settle_adoption(now);
@@ -141,7 +148,60 @@ void SessionCore::on_client_request(Clock::time_point now, Channel channel, Inbo
         io_.rejected(channel_name(channel), sender(msg), "'" + msg.msg_type + "' is not a request");
         return;
     }
+    if (sent_again(msg, channel)) return;
     dispatch_request(now, channel, std::move(msg));
+}
+
+bool SessionCore::sent_again(const InboundMessage& msg, Channel channel) {
+    const std::string& id = msg.msg_id;
+    if (id.empty()) return false;
+    const auto has = [&id](const auto& queue) {
+        return std::any_of(queue.begin(), queue.end(),
+                           [&id](const QueuedRequest& q) { return q.message.msg_id == id; });
+    };
+    const bool open = pending_.count(id) || carried_.count(id) || has(queue_) || has(asleep_) ||
+                      std::any_of(carried_replies_.begin(), carried_replies_.end(),
+                                  [&id](const auto& r) { return r.second.parent_id == id; });
+    if (open || std::find(answered_.begin(), answered_.end(), id) != answered_.end()) {
+        // Its reply is coming, or went to this connection already.
+        io_.log(std::string(channel_name(channel)) + ": " + msg.msg_type + " " + id +
+                " sent again (" + (open ? "still open" : "answered") + "): not run twice");
+        return true;
+    }
+    if (!answered_before_.count(id)) return false;
+    answered_before_.erase(id);
+    // Answered by the last server, which may have died with the reply: the
+    // kernel's copy (sent again at the fence) if it came or is still to come.
+    PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
+    if (channel == Channel::shell) {
+        auto resent = resent_.find(id);
+        if (resent != resent_.end() || !carried_fence_.empty()) {
+            carried_[id] = std::move(request);
+            idle_owed_[id] = msg.header;
+            requests_changed();
+            if (resent != resent_.end() && lifecycle_.state() != SessionState::adopting) {
+                InboundMessage reply = std::move(resent->second);
+                resent_.erase(resent);
+                reply_carried(Channel::shell, reply);
+            } else if (resent != resent_.end()) {
+                carried_replies_.emplace_back(std::move(carried_[id]), std::move(resent->second));
+                carried_.erase(id);
+                resent_.erase(resent);
+            }
+            return true;
+        }
+    }
+    refuse(request, ename::ServerRestarting,
+           "the server restarted after answering this request; the reply was lost with it "
+           "(what the request did to the kernel's state is kept): it is not run again");
+    event("reply_lost", msg.msg_type + " " + id + ", sent again after the restart");
+    return true;
+}
+
+void SessionCore::note_answered(const std::string& msg_id) {
+    if (msg_id.empty()) return;
+    answered_.push_back(msg_id);
+    if (answered_.size() > kAnsweredKept) answered_.pop_front();
 }
 
 void SessionCore::dispatch_request(Clock::time_point now, Channel channel, InboundMessage msg) {
@@ -324,6 +384,12 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
     }
     auto it = pending_.find(msg.parent_id);
     if (it == pending_.end() && reply_carried(channel, msg)) return;
+    if (it == pending_.end() && !carried_fence_.empty() && channel == Channel::shell) {
+        // Sent again at the fence's asking, and answered already; kept if the
+        // last server answered it: its client may ask again (sent_again).
+        if (answered_before_.count(msg.parent_id)) resent_.emplace(msg.parent_id, std::move(msg));
+        return;
+    }
     if (it == pending_.end() || it->second.channel != channel) {
         io_.rejected(where, "", "reply to a request that is not open: '" + msg.parent_id + "'");
         return;
@@ -334,6 +400,7 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
     }
     PendingRequest request = std::move(it->second);
     pending_.erase(it);
+    note_answered(msg.parent_id);
     requests_changed();
 
     if (execution_ && execution_->msg_id == msg.parent_id && governor_) {
@@ -366,6 +433,7 @@ bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
     }
     PendingRequest request = std::move(it->second);
     carried_.erase(it);
+    note_answered(msg.parent_id);
     requests_changed();
     if (lifecycle_.state() == SessionState::adopting) {
         carried_replies_.emplace_back(std::move(request),
@@ -380,6 +448,7 @@ bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
         {"outputs_lost", "uncounted: what the kernel published while no server ran"}};
     const std::string new_metadata = md.dump();
     io_.forward_reply(channel, request.identities, msg, &new_metadata);
+    publish_owed_idles();
     return true;
 }
 
@@ -391,6 +460,7 @@ void SessionCore::answer_lost_carried() {
             ++it;
             continue;
         }
+        idle_owed_.erase(it->first);  // refuse publishes its statuses
         refuse(it->second, ename::ServerRestarting,
                "the server restarted while this request ran; the kernel's reply was lost with "
                "it (what the request did to the kernel's state is kept): send it again if it "
@@ -398,6 +468,35 @@ void SessionCore::answer_lost_carried() {
         event("reply_lost", it->second.msg_type + " " + it->first + ", answered at the adoption");
         it = carried_.erase(it);
         requests_changed();
+    }
+}
+
+void SessionCore::note_owed_idle(const InboundMessage& msg) {
+    if (msg.msg_type != "status") return;
+    const bool fence = !fence_status_id_.empty() && msg.parent_id == fence_status_id_;
+    if (!fence && !idle_owed_.count(msg.parent_id)) return;
+    const auto content = msg.parsed_content(8);
+    if (!content || json_string(*content, "execution_state") != "idle") return;
+    if (fence) {
+        fence_idle_seen_ = true;
+        fence_status_id_.clear();
+        publish_owed_idles();
+    } else {
+        idle_owed_.erase(msg.parent_id);
+    }
+}
+
+void SessionCore::publish_owed_idles() {
+    // After the fence's idle, and once the clients are back (not adopting):
+    // those answered by now had their idle published to no one.
+    if (!fence_idle_seen_ || lifecycle_.state() == SessionState::adopting) return;
+    for (auto it = idle_owed_.begin(); it != idle_owed_.end();) {
+        if (carried_.count(it->first)) {
+            ++it;
+            continue;
+        }
+        publish_status(it->second, "idle");
+        it = idle_owed_.erase(it);
     }
 }
 
@@ -653,6 +752,7 @@ void SessionCore::publish_status(const json& parent, const char* state) {
 }
 
 void SessionCore::reply(const PendingRequest& request, const std::string& msg_type, json content) {
+    note_answered(json_string(request.header, "msg_id"));
     io_.send_reply(request.channel, request.identities, request.header, msg_type,
                    std::move(content));
 }

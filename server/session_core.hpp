@@ -187,6 +187,10 @@ struct HandoverState {
         nlohmann::json header;
     };
     std::vector<InKernel> in_kernel;
+    // The msg_ids of the requests answered last (SessionCore::kAnsweredKept):
+    // one a client sends again after the restart had its reply, maybe lost
+    // with the server, and is not run again.
+    std::vector<std::string> answered;
 };
 
 class SessionCore {
@@ -409,6 +413,26 @@ class SessionCore {
     // lost its reply with the server.
     std::string carried_fence_;
     bool fence_passed_ = false;
+    // Carried shell requests whose idle status the kernel may have published
+    // while no server ran (a reply it kept, cellblock_ipykernel.KeptReplies):
+    // each is published here once the fence's own idle status shows the
+    // kernel's went by (iopub is in order), unless the kernel's came.
+    std::map<std::string, nlohmann::json> idle_owed_;
+    std::string fence_status_id_;
+    bool fence_idle_seen_ = false;
+    // The requests answered last (msg_ids, oldest first): by this server
+    // (answered_), by the one before a crash (answered_before_, from its
+    // record). A client that saw its connection drop sends what it had open
+    // again under the same msg_id (sent_again).
+    static constexpr std::size_t kAnsweredKept = 32;
+    std::deque<std::string> answered_;
+    std::unordered_set<std::string> answered_before_;
+    // The kernel's replies to those, sent again at the fence's asking.
+    std::map<std::string, InboundMessage> resent_;
+    void note_answered(const std::string& msg_id);
+    bool sent_again(const InboundMessage& msg, Channel channel);
+    void note_owed_idle(const InboundMessage& msg);
+    void publish_owed_idles();
     // Forwards (or, while adopting, holds) a reply to a carried request;
     // false: not one.
     bool reply_carried(Channel channel, InboundMessage& msg);

@@ -68,6 +68,7 @@ ProxyOptions Server::proxy_options(const std::string& session_id, const SessionL
         return keep_snapshot(id, box, report, why);
     };
     opts.wake = [this, id = session_id] { wake_session(id); };
+    opts.hold_for_record = server_key_ && settings_.adopt_grace_ms > 0;
     return opts;
 }
 

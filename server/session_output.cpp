@@ -35,6 +35,7 @@ IopubKind iopub_kind(const std::string& msg_type) {
 
 void SessionCore::on_kernel_iopub(Clock::time_point now, InboundMessage msg) {
     if (!kernel_live()) return;
+    if (!idle_owed_.empty() || !fence_status_id_.empty()) note_owed_idle(msg);
     // The kernel's own "starting" status, and the readiness probe's late
     // statuses: no client asked for them.
     if (msg.parent_id.empty() || probe_ids_.count(msg.parent_id)) return;

@@ -63,8 +63,7 @@ class SessionProxy::Io final : public SessionIo {
         for (std::size_t i = at.header(); i < msg.frames.size(); ++i) {
             out.push_back(std::move(msg.frames[i]));
         }
-        RelaySocket* socket = p_.inner_socket(channel);
-        return socket && socket->send(out);
+        return p_.send_or_hold(true, channel, out);
     }
 
     void interrupt_kernel() override {
@@ -114,7 +113,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.metadata = json::object();
         msg.content = std::move(content);
         auto frames = to_frames(encode(msg, p_.inner_signer_));
-        if (RelaySocket* socket = p_.inner_socket(channel)) socket->send(frames);
+        p_.send_or_hold(true, channel, frames);
         return json_string(msg.header, "msg_id");
     }
 
@@ -200,7 +199,7 @@ class SessionProxy::Io final : public SessionIo {
         for (std::size_t i = at.first_buffer(); i < frames.size(); ++i) {
             out.push_back(std::move(frames[i]));
         }
-        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(out);
+        p_.send_or_hold(false, channel, out);
     }
 
     // A message the server writes itself, signed with the client's key.
@@ -212,7 +211,7 @@ class SessionProxy::Io final : public SessionIo {
         msg.parent_header = parent;
         msg.content = std::move(content);
         auto frames = to_frames(encode(msg, p_.outer_signer_));
-        if (RelaySocket* socket = p_.outer_socket(channel)) socket->send(frames);
+        p_.send_or_hold(false, channel, frames);
     }
 
     SessionProxy& p_;
@@ -334,7 +333,32 @@ void SessionProxy::close(const std::string& reason, const char* ename, const std
     core_->close(Clock::now(), reason, ename, why);
 }
 
+bool SessionProxy::send_or_hold(bool to_kernel, Channel channel, std::vector<Frame>& frames) {
+    if (options_.hold_for_record && (channel == Channel::shell || channel == Channel::control)) {
+        held_.push_back({to_kernel, channel, std::move(frames)});
+        if (held_.size() == 1 && options_.observer) {
+            options_.observer->on_requests_changed(session_id_);
+        }
+        return true;
+    }
+    RelaySocket* socket = to_kernel ? inner_socket(channel) : outer_socket(channel);
+    return socket && socket->send(frames);
+}
+
+void SessionProxy::release_held() {
+    auto held = std::move(held_);
+    held_.clear();
+    for (auto& h : held) {
+        RelaySocket* socket = h.to_kernel ? inner_socket(h.channel) : outer_socket(h.channel);
+        if (socket && !socket->send(h.frames) && h.to_kernel) {
+            spdlog::warn("session {}: {}: kernel queue full; a request dropped", session_id_,
+                         channel_name(h.channel));
+        }
+    }
+}
+
 bool SessionProxy::unsent() const {
+    if (!held_.empty()) return true;
     for (const auto* s : {&outer_shell_, &outer_control_, &outer_stdin_, &outer_iopub_}) {
         if (*s && (*s)->unsent()) return true;
     }

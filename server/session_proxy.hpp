@@ -69,6 +69,13 @@ struct ProxyOptions {
     std::function<bool(Sandbox& sandbox, const nlohmann::json& report, std::string& why)>
         keep_snapshot;
     std::function<void()> wake;
+    // Adoption after a crash (docs/restarts.md): what goes to the kernel and
+    // to the clients on shell and control waits in the proxy until
+    // release_held(), which the server calls once the session's record says
+    // so (Server::flush_live). A crash then never leaves a request at the
+    // kernel that the record does not name, nor a reply delivered that the
+    // record still counts open (answered twice after the adoption).
+    bool hold_for_record = false;
 };
 
 class SessionProxy {
@@ -112,6 +119,8 @@ class SessionProxy {
     bool closed() const { return core_->closed(); }
     // Replies and statuses still queued for this session's clients.
     bool unsent() const;
+    // Sends what hold_for_record kept back this turn, in order.
+    void release_held();
     // True once a closed session has answered SessionClosed long enough.
     bool expired(Clock::time_point now) const { return core_->expired(now); }
     const std::string& close_reason() const { return core_->close_reason(); }
@@ -143,6 +152,15 @@ class SessionProxy {
     void on_lifeline();
     // The sandbox goes and the kernel's channels with it; the client's stay.
     void detach_kernel();
+    // Sends `frames` on the kernel's (to_kernel) or the client's socket of
+    // `channel`, or holds them for release_held(); false: refused now.
+    bool send_or_hold(bool to_kernel, Channel channel, std::vector<Frame>& frames);
+    struct Held {
+        bool to_kernel;
+        Channel channel;
+        std::vector<Frame> frames;
+    };
+    std::vector<Held> held_;
     // Starts the client's signature of a large kernel message (scratch_) on
     // another thread; Io uses it if the core forwards the message unchanged.
     void sign_early();

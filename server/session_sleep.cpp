@@ -251,6 +251,7 @@ void SessionCore::adopt(Clock::time_point now, const HandoverState& state) {
         carried_[id] = {open.channel, open.identities, open.msg_type, open.header};
         remember_parent(id);  // its outputs pass, the status after its reply too
     }
+    answered_before_.insert(state.answered.begin(), state.answered.end());
 }
 
 HandoverState SessionCore::in_flight() const {
@@ -266,6 +267,8 @@ HandoverState SessionCore::in_flight() const {
     for (const auto* waiting : {&queue_, &asleep_}) {
         for (const auto& queued : *waiting) state.requests.push_back(as_frames(queued));
     }
+    state.answered.assign(answered_before_.begin(), answered_before_.end());
+    state.answered.insert(state.answered.end(), answered_.begin(), answered_.end());
     return state;
 }
 
@@ -295,6 +298,7 @@ void SessionCore::settle_adoption(Clock::time_point now) {
         reply_carried(channel, reply);
     }
     answer_lost_carried();
+    publish_owed_idles();
     replay_asleep(now);
 }
 

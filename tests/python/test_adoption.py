@@ -92,20 +92,27 @@ def test_requests_in_flight_at_the_crash_are_answered(server_factory, tmp_path):
     """What a session had open when its server died: an execution still
     running is answered by its kernel after the adoption (its reply marked:
     what it published meanwhile reached no one); one queued behind it runs
-    after; one the kernel finished while no server ran lost its reply, and
-    is answered ServerRestarting naming that, never left unanswered."""
+    after; one the kernel finished while no server ran is answered by the
+    reply its kernel kept (and its idle status, published to no one, is
+    published again). A kernel that kept nothing (here: its keeper turned
+    off by code in the session) has its request answered ServerRestarting
+    naming that: never left unanswered."""
     srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
                           "--pool", "host=0"])
     sid_a, kc_a, _ = srv.open_session()
     sid_b, kc_b, _ = srv.open_session()
+    sid_c, kc_c, _ = srv.open_session()
+    sh.run_ok(kc_c, "for k in get_ipython().kernel._cellblock_kept_replies.values():\n"
+                    "    k.max_messages = 0")
     running = send_execute(kc_a, "import time\ntime.sleep(10)\nprint('slept')")
     queued = send_execute(kc_a, "print('second')")
-    finished = send_execute(kc_b, "import time\ntime.sleep(1)\nprint('lost')")
-    sh.wait_for(lambda: srv.info_of(sid_a)["state"] == "busy"
-                and srv.info_of(sid_b)["state"] == "busy", timeout=60)
+    finished = send_execute(kc_b, "import time\ntime.sleep(1)\nprint('lost')\n6 * 7")
+    dropped = send_execute(kc_c, "import time\ntime.sleep(1)\nprint('lost')")
+    sh.wait_for(lambda: all(srv.info_of(sid)["state"] == "busy" for sid in (sid_a, sid_b, sid_c)),
+                timeout=60)
     time.sleep(0.5)
     srv.kill9()
-    time.sleep(3)  # B's execution ends while no server runs
+    time.sleep(3)  # B's and C's executions end while no server runs
     srv.start()
     reply, _, _ = sh.collect_execution(kc_a, running, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
@@ -113,15 +120,54 @@ def test_requests_in_flight_at_the_crash_are_answered(server_factory, tmp_path):
     reply, iopub, _ = sh.collect_execution(kc_a, queued, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     assert sh.stream_text(iopub).strip() == "second"
-    reply, _, _ = sh.collect_execution(kc_b, finished, timeout=120)
+    # B: the kernel's own reply, kept while no server ran; its idle status too.
+    reply, iopub, _ = sh.collect_execution(kc_b, finished, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert reply["content"]["execution_count"] == 1, reply["content"]
+    assert "outputs_lost" in reply["metadata"]["cellblock"]["server_restarted"], reply["metadata"]
+    assert [m for m in iopub if m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"], iopub
+    # C: nothing kept, the loss named.
+    reply, _, _ = sh.collect_execution(kc_c, dropped, timeout=120)
     assert reply["content"]["status"] == "error", reply["content"]
     assert reply["content"]["ename"] == "ServerRestarting", reply["content"]
     assert "the kernel's reply was lost" in reply["content"]["evalue"], reply["content"]
     kinds = [e["kind"] for e in srv.ok("session_history_request",
-                                       {"session_id": sid_b})["content"]["events"]]
+                                       {"session_id": sid_c})["content"]["events"]]
     assert "reply_lost" in kinds, kinds
-    # Both go on.
-    assert sh.run_ok(kc_b, "print(6 * 7)").strip() == "42"
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid_b})["content"]["events"]]
+    assert "reply_lost" not in kinds, kinds
+    # All go on.
+    assert sh.run_ok(kc_b, "print(_ + 1)").strip() == "43"
+    assert sh.run_ok(kc_c, "print(6 * 7)").strip() == "42"
+
+
+def test_a_request_sent_again_after_the_crash_is_not_run_twice(
+        server_factory, tmp_path):  # noqa: F811
+    """A client whose connection dropped cannot tell whether the dead server
+    read its request, or died with the reply: it sends it again, under the
+    same msg_id (cellblock's clients do). The next start runs it no second
+    time: the kernel's own reply, which the kernel keeps and sends again when
+    adopted, answers it."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    msg = kc.session.msg("execute_request", {
+        "code": "n = globals().get('n', 0) + 1\nn", "silent": False, "store_history": True,
+        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+    kc.shell_channel.send(msg)
+    first, _, _ = sh.collect_execution(kc, msg["header"]["msg_id"])
+    assert first["content"]["status"] == "ok", first["content"]
+    srv.kill9()
+    srv.start()
+    kc.shell_channel.send(msg)
+    again, _, _ = sh.collect_execution(kc, msg["header"]["msg_id"], timeout=120)
+    assert again["content"]["status"] == "ok", again["content"]
+    assert again["content"]["execution_count"] == first["content"]["execution_count"]
+    assert "outputs_lost" in again["metadata"]["cellblock"]["server_restarted"], again["metadata"]
+    assert sh.run_ok(kc, "print(n)").strip() == "1", "run once"
+    assert "sent again" not in srv.log() or "not run twice" in srv.log()
 
 
 def test_a_sandbox_no_server_adopts_ends_itself_after_its_grace(

@@ -1232,6 +1232,117 @@ TEST_F(SleepTest, AnAdoptedSessionHoldsRequestsUntilItsClientsListen) {
         << "the cap goes on from the executions before the crash";
 }
 
+// Requests open at the kernel when the server died (docs/restarts.md): c1
+// finished while no server ran, and the kernel kept its reply
+// (cellblock_ipykernel.KeptReplies) but its idle status went to no one; c2
+// still ran; c3's reply was lost. Each is answered once, and each client
+// waiting for an idle status gets one: c1's published by the relay once the
+// fence's idle shows the kernel's went by, c2's the kernel's own.
+TEST_F(SleepTest, AnAdoptedSessionAnswersEachCarriedRequestAndOwesNoIdleStatus) {
+    restart_core(5);
+    HandoverState state;
+    for (const char* id : {"c1", "c2", "c3"}) {
+        state.in_kernel.push_back({Channel::shell, kClient, "execute_request", execute(id).header});
+    }
+    core->adopt(t0, state);
+    core->on_kernel_attached(t0, {"probe-1"});
+    const auto fence = io.of("own", "kernel_info_request");
+    ASSERT_EQ(fence.size(), 1u) << "a fence on shell, behind the carried requests";
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle) << "its clients are back at once";
+    core->on_kernel_reply(t0 + 10ms, Channel::shell, execute_reply("c1"));  // kept
+    core->on_kernel_iopub(t0 + 20ms, status("c2", "idle"));
+    core->on_kernel_reply(t0 + 20ms, Channel::shell, execute_reply("c2"));
+    core->on_kernel_iopub(t0 + 30ms, status(fence[0].parent_id, "busy"));
+    core->on_kernel_iopub(t0 + 30ms, status(fence[0].parent_id, "idle"));
+    core->on_kernel_reply(t0 + 30ms, Channel::shell,
+                          from_kernel("kernel_info_reply", fence[0].parent_id));
+    const auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 3u);
+    EXPECT_EQ(replies[0].parent_id, "c1");
+    EXPECT_TRUE(replies[0].metadata["cellblock"]["server_restarted"].contains("outputs_lost"))
+        << replies[0].metadata;
+    EXPECT_EQ(replies[1].parent_id, "c2");
+    EXPECT_EQ(replies[2].parent_id, "c3");
+    EXPECT_EQ(replies[2].content["ename"], "ServerRestarting");
+    std::map<std::string, int> idles;
+    for (const auto& a : io.to_client("status")) {
+        if (a.content.value("execution_state", "") == "idle") ++idles[a.parent_id];
+    }
+    EXPECT_EQ(idles, (std::map<std::string, int>{{"c1", 1}, {"c2", 1}, {"c3", 1}}))
+        << "one idle each, none for the fence";
+    std::vector<std::string> lost;
+    for (const auto& e : audit.events) {
+        if (e.rfind("reply_lost", 0) == 0) lost.push_back(e);
+    }
+    ASSERT_EQ(lost.size(), 1u);
+    EXPECT_NE(lost[0].find("c3"), std::string::npos) << lost[0];
+}
+
+// A client that saw its connection drop (a server restart) sends what it had
+// open again, under the same msg_id: never run twice. Still open, or answered
+// by this server: dropped (its reply comes, or came). Answered by the server
+// before the crash (its record's `answered`), whose reply may have died with
+// it: answered by the kernel's copy (cellblock's kernel sends its last
+// replies again at the fence), else ServerRestarting; never run again.
+TEST_F(SleepTest, ARequestSentAgainAfterARestartIsNeverRunTwice) {
+    restart_core(5);
+    HandoverState state;
+    state.answered = {"a0", "a1", "a2", "a3"};
+    core->adopt(t0, state);
+    core->on_kernel_attached(t0, {});
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    const auto fence = io.of("own", "kernel_info_request");
+    ASSERT_EQ(fence.size(), 1u) << "the last replies asked for again";
+    EXPECT_EQ(fence[0].content["cellblock"]["resend_replies"], true);
+    // a0 asked again before the kernel's copy came, a1 after it.
+    core->on_client_request(t0 + 10ms, Channel::shell, execute("a0"));
+    core->on_kernel_reply(t0 + 20ms, Channel::shell, execute_reply("a0"));
+    core->on_kernel_reply(t0 + 20ms, Channel::shell, execute_reply("a1"));
+    core->on_kernel_reply(t0 + 20ms, Channel::shell, execute_reply("a3"));
+    core->on_client_request(t0 + 30ms, Channel::shell, execute("a1"));
+    core->on_kernel_iopub(t0 + 40ms, status(fence[0].parent_id, "idle"));
+    core->on_kernel_reply(t0 + 40ms, Channel::shell,
+                          from_kernel("kernel_info_reply", fence[0].parent_id));
+    // a2: no copy came before the fence passed; a3's did, asked for after.
+    core->on_client_request(t0 + 50ms, Channel::shell, execute("a2"));
+    core->on_client_request(t0 + 60ms, Channel::shell, execute("a3"));
+    EXPECT_TRUE(io.of("kernel", "execute_request").empty()) << "none runs again";
+    auto replies = io.to_client("execute_reply");
+    ASSERT_EQ(replies.size(), 4u);
+    EXPECT_EQ(replies[0].parent_id, "a0");
+    EXPECT_EQ(replies[0].content["status"], "ok");
+    EXPECT_TRUE(replies[0].metadata["cellblock"]["server_restarted"].contains("outputs_lost"));
+    EXPECT_EQ(replies[1].parent_id, "a1");
+    EXPECT_EQ(replies[1].content["status"], "ok");
+    EXPECT_EQ(replies[2].parent_id, "a2");
+    EXPECT_EQ(replies[2].content["ename"], "ServerRestarting");
+    EXPECT_EQ(replies[3].parent_id, "a3");
+    EXPECT_EQ(replies[3].content["status"], "ok");
+    std::map<std::string, int> idles;
+    for (const auto& a : io.to_client("status")) {
+        if (a.content.value("execution_state", "") == "idle") ++idles[a.parent_id];
+    }
+    EXPECT_EQ(idles, (std::map<std::string, int>{{"a0", 1}, {"a1", 1}, {"a2", 1}, {"a3", 1}}));
+    EXPECT_EQ(std::count_if(audit.events.begin(), audit.events.end(),
+                            [](const std::string& e) { return e.rfind("reply_lost", 0) == 0; }),
+              1);
+
+    core->on_client_request(t0 + 1s, Channel::shell, execute("c1"));
+    core->on_client_request(t0 + 1s, Channel::shell, execute("c1"));
+    EXPECT_EQ(io.of("kernel", "execute_request").size(), 1u) << "open: the copy is dropped";
+    core->on_kernel_iopub(t0 + 2s, status("c1", "busy"));
+    core->on_kernel_iopub(t0 + 2s, status("c1", "idle"));
+    core->on_kernel_reply(t0 + 2s, Channel::shell, execute_reply("c1"));
+    ASSERT_EQ(io.to_client("execute_reply").size(), 5u);
+    core->on_client_request(t0 + 3s, Channel::shell, execute("c1"));
+    EXPECT_EQ(io.of("kernel", "execute_request").size(), 1u) << "answered: dropped too";
+    EXPECT_EQ(io.to_client("execute_reply").size(), 5u);
+    const auto answered = core->in_flight().answered;
+    EXPECT_EQ(std::vector<std::string>(answered.end() - 5, answered.end()),
+              (std::vector<std::string>{"a0", "a1", "a2", "a3", "c1"}))
+        << "the next record names what was answered";
+}
+
 TEST_F(SleepTest, AnAdoptedSessionWhoseClientsNeverSubscribeIsServedAfterTheBound) {
     CoreOptions options;
     options.session_id = "s1";
