@@ -308,9 +308,10 @@ class KeptReplies:
     end). Used from the socket's own thread only.
 
     The socket is its ZMQStream's, which watches it for requests: a send
-    outside the stream can take the readiness edge the stream waits for, so
-    the stream looks again after each send (the kernel's dispatch does, with
-    flush(POLLOUT); the retry does it here)."""
+    outside the stream can take the readiness edge (libzmq's descriptor is
+    edge-triggered) of a request that came meanwhile, and the stream would
+    never read it (seen here: a kernel that answered nothing more). So after
+    sending, the stream is asked to read what waits (_check_readable)."""
 
     RETRY_S = 0.1
     # The replies sent last, for resend_recent.
@@ -331,6 +332,7 @@ class KeptReplies:
         self.recent = collections.deque()
         self.recent_bytes = 0
         self._retry_armed = False
+        self._check_armed = False
 
     # What jupyter_client's Session.send calls on its stream.
     def send_multipart(self, frames, flags=0, copy=True, track=False, **kwargs):
@@ -353,6 +355,9 @@ class KeptReplies:
 
     def _send(self, frames):
         """True: sent; False: no peer to take it now (kept by the caller)."""
+        if not self._check_armed:
+            self._check_armed = True
+            self.io_loop.add_callback(self._check_readable)
         try:
             self.socket.send_multipart(frames, zmq.NOBLOCK)
             return True
@@ -370,6 +375,11 @@ class KeptReplies:
             self.kept.popleft()
             self.kept_bytes -= size
             self._sent(frames, size)
+
+    def _check_readable(self):
+        self._check_armed = False
+        if not self.stream.closed() and self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self.stream.flush(zmq.POLLIN)
 
     def _sent(self, frames, size):
         frames = [f if isinstance(f, bytes) else bytes(f) for f in frames]
@@ -397,7 +407,6 @@ class KeptReplies:
         if self.stream.closed():
             return
         self.flush()
-        self.stream.flush(zmq.POLLOUT)
 
 
 def _keep_replies(kernel):

@@ -170,6 +170,37 @@ def test_a_request_sent_again_after_the_crash_is_not_run_twice(
     assert "sent again" not in srv.log() or "not run twice" in srv.log()
 
 
+def test_the_python_client_sends_again_across_a_crash_and_nothing_runs_twice(
+        server_factory, tmp_path):  # noqa: F811
+    """The Python client sends its open request again when its shell
+    connection comes back; the adopting server, which carried it, drops the
+    copy, and the kernel's reply answers the run once."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    client = cellblock.connect(state_dir=srv.state_dir)
+    try:
+        s = client.session()
+        assert s.run("n = 0").ok
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault(
+            "ex", s.run("import time\ntime.sleep(4)\nn += 1\nn", timeout=120)))
+        t.start()
+        assert sh.wait_for(lambda: srv.info_of(s.id)["state"] == "busy", timeout=60)
+        time.sleep(0.5)
+        srv.kill9()
+        time.sleep(1)
+        srv.start()
+        t.join(timeout=150)
+        ex = done["ex"]
+        assert ex.ok, (ex.status, ex.error)
+        assert ex.budget["server_restarted"], ex.budget
+        assert "sent again (still open): not run twice" in srv.log(), srv.log()[-3000:]
+        assert s.run("print(n)").stdout == "1\n"
+        s.close()
+    finally:
+        client.close()
+
+
 def test_a_sandbox_no_server_adopts_ends_itself_after_its_grace(
         server_factory, tmp_path):  # noqa: F811
     srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "2",

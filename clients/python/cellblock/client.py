@@ -291,6 +291,15 @@ class Session(SessionFiles):
                            (self._iopub, c["iopub_port"])):
             sock.linger = 0
             sock.connect(url(port))
+        # Whether shell's connection dropped and came back (a server's
+        # restart): run() then sends its request again, under the same
+        # msg_id. The dead server may have read it and died before it was
+        # recorded (libzmq counts it as sent and never sends it again); the
+        # next server runs none twice (docs/restarts.md).
+        self._shell_monitor = self._shell.get_monitor_socket(zmq.EVENT_CONNECTED |
+                                                             zmq.EVENT_DISCONNECTED)
+        self._shell_dropped = False
+        self._shell_back = False
 
     # -- channels
     def _recv(self, sock):
@@ -319,10 +328,34 @@ class Session(SessionFiles):
         raise ClientTimeout(f"session {self.id} did not answer kernel_info in {timeout:g} s")
 
     def _poll(self, ms):
+        """Shell and iopub sockets with a message waiting, within ms; notes
+        shell's reconnections on the way (_shell_back)."""
         poller = zmq.Poller()
         poller.register(self._shell, zmq.POLLIN)
         poller.register(self._iopub, zmq.POLLIN)
-        return poller.poll(ms)
+        poller.register(self._shell_monitor, zmq.POLLIN)
+        deadline = time.monotonic() + ms / 1000
+        while True:
+            ready = poller.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+            if not any(sock is self._shell_monitor for sock, _ in ready):
+                return ready
+            self._watch_shell()
+            ready = [(sock, ev) for sock, ev in ready if sock is not self._shell_monitor]
+            if ready or self._shell_back or time.monotonic() >= deadline:
+                return ready
+
+    def _watch_shell(self):
+        from zmq.utils.monitor import recv_monitor_message
+        while True:
+            try:
+                event = recv_monitor_message(self._shell_monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                self._shell_dropped = True
+            elif event == zmq.EVENT_CONNECTED and self._shell_dropped:
+                self._shell_dropped = False
+                self._shell_back = True
 
     # -- code
     def run(self, code, *, on_stdout=None, on_stderr=None, on_result=None, on_error=None,
@@ -352,8 +385,12 @@ class Session(SessionFiles):
         started = time.monotonic()
         deadline = started + server_timeout + KILL_GRACE_S + REPLY_MARGIN_S
         self._wire.send(self._shell, msg)
+        self._shell_back = False
         reply, idle, idle_grace = None, False, None
         while not (reply is not None and idle):
+            if self._shell_back and reply is None:
+                self._shell_back = False
+                self._wire.send(self._shell, msg)  # the server may have died with it
             now = time.monotonic()
             if reply is not None and idle_grace is None:
                 idle_grace = now + 2.0            # a reply whose idle got lost
@@ -467,7 +504,8 @@ class Session(SessionFiles):
         except SessionClosed:
             pass                  # closed already (a limit, a timeout, the kernel died)
         finally:
-            for sock in (self._shell, self._control, self._iopub):
+            self._shell.disable_monitor()
+            for sock in (self._shell_monitor, self._shell, self._control, self._iopub):
                 sock.close(linger=0)
             try:
                 self.server._sessions.remove(self)
