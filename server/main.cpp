@@ -18,6 +18,7 @@
 #include "client_commands.hpp"
 #include "eval_command.hpp"
 #include "image_cli.hpp"
+#include "keeper.hpp"
 #include "kernel_mode.hpp"
 #include "manager_client.hpp"
 #include "manager_paths.hpp"
@@ -314,6 +315,18 @@ int main(int argc, char** argv) {
                      "seconds a closed session's channels still answer SessionClosed")
         ->capture_default_str();
 
+    // keep: started by `serve` itself (server/keeper.hpp); not for people.
+    cellblock::KeeperOptions keeper;
+    std::string keeper_start;
+    auto* keep_cmd = app.add_subcommand(
+        "keep", "clean up after a crashed server that none follows (started by serve)");
+    keep_cmd->group("");  // hidden from --help
+    keep_cmd->add_option("--state-dir", keeper.state_dir)->required();
+    keep_cmd->add_option("--libexec-dir", keeper.libexec_dir)->required();
+    keep_cmd->add_option("--server-pid", keeper.server_pid)->required();
+    keep_cmd->add_option("--server-start", keeper.server_start)->required();
+    keep_cmd->add_option("--grace-ms", keeper.grace_ms)->required();
+
     // new | ls | info | close | put | get | history | server-info
     cellblock::ClientCommands client_cli(app);
     bool as_json = false;
@@ -415,6 +428,7 @@ int main(int argc, char** argv) {
             return cellblock::run_server(serve);
         }
 
+        if (keep_cmd->parsed()) return cellblock::run_keeper(keeper);
         if (client_cli.parsed()) return client_cli.run();
         if (mcp_cli.parsed()) return mcp_cli.run(cellblock::parse_limits(mcp_cli.limit_items()));
     } catch (const std::exception& e) {

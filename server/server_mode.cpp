@@ -1,6 +1,7 @@
 #include "server_mode.hpp"
 
 #include "cellblock/runc_sandbox.hpp"
+#include "keeper.hpp"
 #include "relay_priority.hpp"
 #include "server.hpp"
 #include "signal_name.hpp"
@@ -175,6 +176,11 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
 int Server::run() {
     spdlog::info("cellblock serve: manager on {}, state in {}, {} image(s)", manager_endpoint_,
                  settings_.state_dir.string(), images_.size());
+    // Sandboxes outlive this process: something must clean up after them if
+    // no server comes back (server/keeper.hpp).
+    if (settings_.adopt_grace_ms > 0) {
+        spawn_keeper(settings_.state_dir, settings_.libexec_dir, settings_.adopt_grace_ms);
+    }
     bool signalled = false;
     loop_.watch(manager_, [this] {
         audit_.flush();  // history read in this turn sees the executions that ended in it

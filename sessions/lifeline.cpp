@@ -57,26 +57,9 @@ int listen_lifeline(const fs::path& path, std::uint32_t owner, mode_t mode) {
 }
 
 bool process_gone(pid_t pid) {
-    const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
+    const std::string stat = sandbox_detail::read_text("/proc/" + std::to_string(pid) + "/stat");
     const auto paren = stat.rfind(')');
     return paren == std::string::npos || stat.compare(paren + 1, 3, " Z ") == 0;
-}
-
-std::uint64_t process_start_ticks(pid_t pid) {
-    const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
-    const auto paren = stat.rfind(')');
-    if (paren == std::string::npos) return 0;
-    // Past the command: state is field 3, the start time field 22.
-    std::istringstream fields(stat.substr(paren + 1));
-    std::string field;
-    for (int i = 3; i <= 22 && fields >> field; ++i) {
-        if (i == 22) {
-            std::uint64_t ticks = 0;
-            std::from_chars(field.data(), field.data() + field.size(), ticks);
-            return ticks;
-        }
-    }
-    return 0;
 }
 
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
@@ -106,3 +89,24 @@ int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds time
     }
 }
 }  // namespace cellblock::sandbox_detail
+
+namespace cellblock {
+
+std::uint64_t process_start_ticks(pid_t pid) {
+    const std::string stat = sandbox_detail::read_text("/proc/" + std::to_string(pid) + "/stat");
+    const auto paren = stat.rfind(')');
+    if (paren == std::string::npos) return 0;
+    // Past the command: state is field 3, the start time field 22.
+    std::istringstream fields(stat.substr(paren + 1));
+    std::string field;
+    for (int i = 3; i <= 22 && fields >> field; ++i) {
+        if (i == 22) {
+            std::uint64_t ticks = 0;
+            std::from_chars(field.data(), field.data() + field.size(), ticks);
+            return ticks;
+        }
+    }
+    return 0;
+}
+
+}  // namespace cellblock

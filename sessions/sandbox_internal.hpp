@@ -47,8 +47,6 @@ bool process_gone(pid_t pid);
 // is closed and the wait goes on: the kernel runs by then (an adoption).
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
                     bool only_init = false);
-// /proc/PID/stat's start time (clock ticks since boot); 0 if there is no such process.
-std::uint64_t process_start_ticks(pid_t pid);
 // Removes the cgroups (rmdir once empty); those whose last processes take
 // longer than half a second to go are retried by a thread until they are
 // empty (await_cgroup_removals waits for it).

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -187,6 +188,10 @@ class RuncSandbox final : public Sandbox,
 // is not held (their owner died) are killed, deleted, unmounted and removed.
 // Returns the ids of the sessions reaped.
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings);
+
+// /proc/PID/stat's start time (clock ticks since boot); 0 if there is no
+// such process. With the pid, what names one process for its whole life.
+std::uint64_t process_start_ticks(pid_t pid);
 
 // Waits up to `timeout` until the cgroups of closed sandboxes whose last
 // processes were slow to die are removed (a server waits for them before it

@@ -81,6 +81,20 @@ def proc_state(pid):
         return None
 
 
+def cmdline(pid):
+    """A process's command line, its arguments joined by spaces ("" if gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def pgrep_full(text):
+    """The pids whose command line contains `text`."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and text in cmdline(p)]
+
+
 def process_nice(pid):
     """The nice value of a process (field 19 of /proc/PID/stat)."""
     with open(f"/proc/{pid}/stat") as f:

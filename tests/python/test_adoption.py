@@ -224,6 +224,43 @@ def test_a_sandbox_no_server_adopts_ends_itself_after_its_grace(
     sh.assert_session_gone(srv.state_dir, sid, pids)
 
 
+def test_when_no_server_comes_back_the_keeper_leaves_nothing(
+        server_factory, tmp_path):  # noqa: F811
+    """No server starts after the crash: the sandbox ends itself at its grace,
+    and the keeper the server started (`cellblock keep`, its own session)
+    reaps what the sandbox cannot: its dir, mounts, cgroups and record, and
+    marks the session closed in the registry, naming why."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "2",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "z = 1")
+    pids = sh.session_pids(sid)
+    sh.assert_session_present(srv.state_dir, sid)
+    keepers = [p for p in sh.pgrep_full("cellblock keep") if srv.state_dir in sh.cmdline(p)]
+    assert len(keepers) == 1, keepers
+    srv.close_clients()
+    srv.kill9()
+    # The grace, the keeper's margin (3 s), its polls: nothing left after.
+    sh.assert_session_gone(srv.state_dir, sid, pids, timeout=60)
+    assert sh.wait_for(lambda: sh.proc_state(keepers[0]) in (None, "Z"), timeout=30)
+    db = sqlite3.connect(os.path.join(srv.state_dir, "cellblock.db"))
+    try:
+        (state, reason), = db.execute("SELECT state, close_reason FROM sessions WHERE id = ?",
+                                      (sid,)).fetchall()
+        details = [d for (d,) in db.execute(
+            "SELECT detail FROM events WHERE session_id = ? AND kind = 'closed'", (sid,))]
+        live = db.execute("SELECT count(*) FROM handover WHERE name LIKE 'live/%'").fetchone()
+    finally:
+        db.close()
+    assert (state, reason) == ("closed", "server_restart"), (state, reason)
+    assert any("no server took it back within --adopt-grace" in d for d in details), details
+    assert live == (0,), live
+    assert "cellblock keep: reaped the sandbox of session " + sid in srv.log(), srv.log()[-3000:]
+    # A server starts on it as on any state dir.
+    srv.start()
+    assert srv.info_of(sid)["state"] == "closed"
+
+
 def test_a_record_that_does_not_open_is_reaped_not_adopted(
         server_factory, tmp_path):  # noqa: F811
     """A row sealed under another key (or altered): the sandbox is reaped and

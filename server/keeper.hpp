@@ -1,0 +1,37 @@
+// The keeper: what cleans up after a crashed server that no server follows
+// (docs/restarts.md, phase 2). The sandboxes end themselves when their
+// grace passes; their session dirs, mounts, cgroups and registry rows are the
+// host's to remove, and no process of theirs may do it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <filesystem>
+
+namespace cellblock {
+
+struct KeeperOptions {
+    std::filesystem::path state_dir;
+    std::filesystem::path libexec_dir;
+    pid_t server_pid = 0;
+    std::uint64_t server_start = 0;  // process_start_ticks of server_pid
+    int grace_ms = 0;                // the server's --adopt-grace
+};
+
+// Starts `cellblock keep` for this process (a server) as a process of its
+// own (a session of its own, not this one's child), which outlives it. At
+// most one keeper runs per state dir; a server re-executed by SIGHUP keeps
+// its first one (the same pid). Logs and goes on if it cannot.
+void spawn_keeper(const std::filesystem::path& state_dir, const std::filesystem::path& libexec_dir,
+                  int grace_ms);
+
+// `cellblock keep`: waits for the server to end; if nothing of its sandboxes
+// is left, or a server takes the state dir within the grace (and a margin),
+// exits. Otherwise takes the state dir's lock and reaps what is left as the
+// next start would: the sessions' processes, sandboxes, mounts, cgroups and
+// dirs, their live rows, and marks them closed in the registry (those handed
+// over by SIGHUP/SIGUSR2 stay for the next start). Returns the exit status.
+int run_keeper(const KeeperOptions& options);
+
+}  // namespace cellblock
