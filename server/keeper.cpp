@@ -121,10 +121,27 @@ int run_keeper(const KeeperOptions& o) {
     RuntimeSettings settings;
     settings.state_dir = o.state_dir;
     settings.libexec_dir = o.libexec_dir;
-    // One keeper per state dir (held for this process's life).
+    // One keeper per state dir, holding keeper.lock for its life; the file
+    // names the server it watches. A server that re-executed itself (SIGHUP,
+    // the same pid) has its keeper already. A server that follows a crashed
+    // one waits for the last keeper, which ends when it sees this server.
     const UniqueFd keeper_lock(
         ::open(keeper_lock_file(o.state_dir).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-    if (!keeper_lock || ::flock(keeper_lock.get(), LOCK_EX | LOCK_NB) != 0) return 0;
+    if (!keeper_lock) return 1;
+    const std::string watched =
+        std::to_string(o.server_pid) + " " + std::to_string(o.server_start) + "\n";
+    if (::flock(keeper_lock.get(), LOCK_EX | LOCK_NB) != 0) {
+        char held[64] = {};
+        const ssize_t n = ::pread(keeper_lock.get(), held, sizeof held - 1, 0);
+        if (n > 0 && std::string(held, static_cast<std::size_t>(n)) == watched) return 0;
+        while (::flock(keeper_lock.get(), LOCK_EX) != 0 && errno == EINTR) {
+        }
+    }
+    if (::ftruncate(keeper_lock.get(), 0) != 0 ||
+        ::pwrite(keeper_lock.get(), watched.data(), watched.size(), 0) < 0) {
+        spdlog::warn("cellblock keep: {}: {}", keeper_lock_file(o.state_dir).string(),
+                     std::strerror(errno));
+    }
 
     while (o.server_start != 0 && process_start_ticks(o.server_pid) == o.server_start) {
         std::this_thread::sleep_for(kPoll);

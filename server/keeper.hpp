@@ -20,9 +20,11 @@ struct KeeperOptions {
 };
 
 // Starts `cellblock keep` for this process (a server) as a process of its
-// own (a session of its own, not this one's child), which outlives it. At
-// most one keeper runs per state dir; a server re-executed by SIGHUP keeps
-// its first one (the same pid). Logs and goes on if it cannot.
+// own (a session of its own, not this one's child), which outlives it. One
+// keeper watches a state dir at a time: a server re-executed by SIGHUP keeps
+// its first one (the same pid); the keeper of a server that follows a crash
+// waits for the last one, which ends when it sees the new server. Logs and
+// goes on if it cannot start one.
 void spawn_keeper(const std::filesystem::path& state_dir, const std::filesystem::path& libexec_dir,
                   int grace_ms);
 

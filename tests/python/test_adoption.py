@@ -28,6 +28,15 @@ def shim_log(srv, sid):
         return ""
 
 
+def keeper_of(srv):
+    """The pid of the server the state dir's keeper watches (keeper.lock)."""
+    try:
+        with open(os.path.join(srv.state_dir, "keeper.lock")) as f:
+            return (f.read().split() or [""])[0]
+    except OSError:
+        return ""
+
+
 def alive(pids):
     return [p for p in pids if sh.proc_state(p) not in (None, "Z")]
 
@@ -63,6 +72,11 @@ def test_a_killed_servers_sessions_are_adopted_with_their_state(
         log = srv.log()
         for sid in pids:
             assert f"session {sid}: adopted" in log, log[-3000:]
+        # The dead server's keeper ended; the new server's watches it.
+        assert sh.wait_for(lambda: keeper_of(srv) == str(srv.proc.pid), timeout=30), \
+            keeper_of(srv)
+        keepers = [p for p in sh.pgrep_full("cellblock keep") if srv.state_dir in sh.cmdline(p)]
+        assert len(keepers) == 1, [sh.cmdline(p) for p in keepers]
         reply, iopub, _ = sh.collect_execution(kc_a, during, timeout=120)
         assert reply["content"]["status"] == "ok", reply["content"]
         assert sh.stream_text(iopub).strip() == "42 10"
