@@ -152,29 +152,54 @@ void SessionCore::on_client_request(Clock::time_point now, Channel channel, Inbo
     dispatch_request(now, channel, std::move(msg));
 }
 
+// What tells a request sent again from another one: its msg_id, type and
+// header date. msg_ids alone repeat: jupyter_client's KernelManager and the
+// client it makes have a Session each, with the same session id and their
+// own counters (KernelManager.client clones it), so an interrupt_request of
+// the manager and a kernel_info_request of the client can share an id. A
+// request sent again is the same header, date and all.
+std::string SessionCore::request_key(const json& header) {
+    const auto date = header.find("date");
+    std::string key = json_string(header, "msg_id") + '\x1f' + json_string(header, "msg_type");
+    key += '\x1f';
+    if (date != header.end()) key += date->is_string() ? date->get<std::string>() : date->dump();
+    return key;
+}
+
 bool SessionCore::sent_again(const InboundMessage& msg, Channel channel) {
     const std::string& id = msg.msg_id;
     if (id.empty()) return false;
-    const auto has = [&id](const auto& queue) {
-        return std::any_of(queue.begin(), queue.end(),
-                           [&id](const QueuedRequest& q) { return q.message.msg_id == id; });
+    const std::string key = request_key(msg.header);
+    const auto same = [&key](const json& header) { return request_key(header) == key; };
+    const auto in_map = [&](const auto& requests) {
+        auto it = requests.find(id);
+        return it != requests.end() && same(it->second.header);
     };
-    const bool open = pending_.count(id) || carried_.count(id) || has(queue_) || has(asleep_) ||
+    const auto has = [&](const auto& queue) {
+        return std::any_of(queue.begin(), queue.end(),
+                           [&](const QueuedRequest& q) { return same(q.message.header); });
+    };
+    const bool open = in_map(pending_) || in_map(carried_) || has(queue_) || has(asleep_) ||
                       std::any_of(carried_replies_.begin(), carried_replies_.end(),
-                                  [&id](const auto& r) { return r.second.parent_id == id; });
-    if (open || std::find(answered_.begin(), answered_.end(), id) != answered_.end()) {
+                                  [&](const auto& r) { return same(r.first.header); });
+    if (open || std::find(answered_.begin(), answered_.end(), key) != answered_.end()) {
         // Its reply is coming, or went to this connection already.
         io_.log(std::string(channel_name(channel)) + ": " + msg.msg_type + " " + id +
                 " sent again (" + (open ? "still open" : "answered") + "): not run twice");
         return true;
     }
-    if (!answered_before_.count(id)) return false;
-    answered_before_.erase(id);
+    if (!answered_before_.count(key)) return false;
+    answered_before_.erase(key);
     // Answered by the last server, which may have died with the reply: the
     // kernel's copy (sent again at the fence) if it came or is still to come.
     PendingRequest request{channel, msg.identities(), msg.msg_type, msg.header};
-    if (channel == Channel::shell) {
+    if (channel == Channel::shell && !carried_.count(id)) {
+        // The kernel's copy, by its parent's msg_id (the kernel writes the
+        // parent header back as it parsed it): of the same kind of request.
         auto resent = resent_.find(id);
+        if (resent != resent_.end() && resent->second.msg_type != reply_type_for(msg.msg_type)) {
+            resent = resent_.end();
+        }
         if (resent != resent_.end() || !carried_fence_.empty()) {
             carried_[id] = std::move(request);
             idle_owed_[id] = msg.header;
@@ -198,9 +223,9 @@ bool SessionCore::sent_again(const InboundMessage& msg, Channel channel) {
     return true;
 }
 
-void SessionCore::note_answered(const std::string& msg_id) {
-    if (msg_id.empty()) return;
-    answered_.push_back(msg_id);
+void SessionCore::note_answered(const json& header) {
+    if (json_string(header, "msg_id").empty()) return;
+    answered_.push_back(request_key(header));
     if (answered_.size() > kAnsweredKept) answered_.pop_front();
 }
 
@@ -387,7 +412,11 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
     if (it == pending_.end() && !carried_fence_.empty() && channel == Channel::shell) {
         // Sent again at the fence's asking, and answered already; kept if the
         // last server answered it: its client may ask again (sent_again).
-        if (answered_before_.count(msg.parent_id)) resent_.emplace(msg.parent_id, std::move(msg));
+        const std::string prefix = msg.parent_id + '\x1f';
+        if (std::any_of(answered_before_.begin(), answered_before_.end(),
+                        [&prefix](const std::string& k) { return k.rfind(prefix, 0) == 0; })) {
+            resent_.emplace(msg.parent_id, std::move(msg));
+        }
         return;
     }
     if (it == pending_.end() || it->second.channel != channel) {
@@ -398,9 +427,9 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
         io_.rejected(where, "", "'" + msg.msg_type + "' does not answer " + it->second.msg_type);
         return;
     }
+    note_answered(it->second.header);
     PendingRequest request = std::move(it->second);
     pending_.erase(it);
-    note_answered(msg.parent_id);
     requests_changed();
 
     if (execution_ && execution_->msg_id == msg.parent_id && governor_) {
@@ -431,9 +460,9 @@ bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
         msg.msg_type != reply_type_for(it->second.msg_type)) {
         return false;
     }
+    note_answered(it->second.header);
     PendingRequest request = std::move(it->second);
     carried_.erase(it);
-    note_answered(msg.parent_id);
     requests_changed();
     if (lifecycle_.state() == SessionState::adopting) {
         carried_replies_.emplace_back(std::move(request),
@@ -752,7 +781,7 @@ void SessionCore::publish_status(const json& parent, const char* state) {
 }
 
 void SessionCore::reply(const PendingRequest& request, const std::string& msg_type, json content) {
-    note_answered(json_string(request.header, "msg_id"));
+    note_answered(request.header);
     io_.send_reply(request.channel, request.identities, request.header, msg_type,
                    std::move(content));
 }

@@ -187,7 +187,8 @@ struct HandoverState {
         nlohmann::json header;
     };
     std::vector<InKernel> in_kernel;
-    // The msg_ids of the requests answered last (SessionCore::kAnsweredKept):
+    // The requests answered last (SessionCore::kAnsweredKept; their msg_id
+    // and header date, SessionCore::request_key):
     // one a client sends again after the restart had its reply, maybe lost
     // with the server, and is not run again.
     std::vector<std::string> answered;
@@ -246,6 +247,9 @@ class SessionCore {
     // What a crash now would leave open: requests at the kernel (in_kernel)
     // and the executions queued behind the running one (requests).
     HandoverState in_flight() const;
+    // What names a request for telling one sent again (after a restart)
+    // from another: msg_id, msg_type and date (HandoverState::answered).
+    static std::string request_key(const nlohmann::json& header);
 
     bool kernel_live() const { return lifecycle_.kernel_live(); }
     // Hibernating, hibernated or resuming: requests wait for it to wake.
@@ -420,16 +424,18 @@ class SessionCore {
     std::map<std::string, nlohmann::json> idle_owed_;
     std::string fence_status_id_;
     bool fence_idle_seen_ = false;
-    // The requests answered last (msg_ids, oldest first): by this server
+    // The requests answered last (request_key: msg_id and date, oldest
+    // first): by this server
     // (answered_), by the one before a crash (answered_before_, from its
     // record). A client that saw its connection drop sends what it had open
     // again under the same msg_id (sent_again).
     static constexpr std::size_t kAnsweredKept = 32;
     std::deque<std::string> answered_;
     std::unordered_set<std::string> answered_before_;
-    // The kernel's replies to those, sent again at the fence's asking.
+    // The kernel's replies to those, sent again at the fence's asking (by
+    // their parent's msg_id).
     std::map<std::string, InboundMessage> resent_;
-    void note_answered(const std::string& msg_id);
+    void note_answered(const nlohmann::json& header);
     bool sent_again(const InboundMessage& msg, Channel channel);
     void note_owed_idle(const InboundMessage& msg);
     void publish_owed_idles();
