@@ -1,6 +1,7 @@
 #include "keeper.hpp"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -118,6 +119,11 @@ void spawn_keeper(const fs::path& state_dir, const fs::path& libexec_dir, int gr
 }
 
 int run_keeper(const KeeperOptions& o) {
+    // The server blocks its signals for its signalfd, and exec keeps the
+    // mask: a keeper must end on SIGTERM like any process.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
     RuntimeSettings settings;
     settings.state_dir = o.state_dir;
     settings.libexec_dir = o.libexec_dir;
