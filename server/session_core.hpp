@@ -160,10 +160,7 @@ struct CoreOptions {
     std::chrono::milliseconds snapshot_timeout{300000};
     // After an adoption, the longest requests wait for a subscriber on
     // iopub (clients_listening): a client that never subscribes is served then.
-    // 2 s was too short on a loaded host: 100 sessions adopted at a load of
-    // 39 here, and 2 clients' SUBs came back after their replies' idle
-    // statuses had gone out to no one.
-    std::chrono::milliseconds adopt_settle{10000};
+    std::chrono::milliseconds adopt_settle{2000};
 };
 
 // What a session carries from its server to the next (docs/restarts.md),
