@@ -218,8 +218,11 @@ def serve(path, bpf_holder, refused=None):
     seccomp = f"{protocol.SECCOMP} ".encode()
     spare = None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
+    # The server waits for the path to appear, then connects: bound under
+    # another name and renamed once listening, it is never there refusing.
+    listener.bind(path + ".new")
     listener.listen(1)
+    os.rename(path + ".new", path)
     while True:
         conn, _ = listener.accept()
         with conn:

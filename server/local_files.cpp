@@ -56,12 +56,14 @@ void Server::open_local_files() {
     UniqueFd listener(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
     ::unlink(path.c_str());  // a dead server's (the state dir's lock is ours)
     // Only the server's own user may connect: the socket's mode says so
-    // before the first byte, the request's signature after it.
-    const mode_t old_mask = ::umask(0077);
+    // before the first byte (set before it listens: until then a connect is
+    // refused), the request's signature after it. Not by umask, which is the
+    // whole process's: a sandbox directory made meanwhile by another thread
+    // would come out 0700, out of its sessions' reach.
     const bool bound =
         listener && local_wake_ &&
-        ::bind(listener.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) == 0;
-    ::umask(old_mask);
+        ::bind(listener.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr) == 0 &&
+        ::chmod(path.c_str(), 0600) == 0;
     if (!bound || ::listen(listener.get(), 16) != 0) {
         spdlog::warn("local file socket {}: {}; clients stream files", path.string(),
                      std::strerror(errno));

@@ -66,7 +66,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::adopt(const std::string& session_id, c
                                                 const Image& image, const SandboxLimits& limits,
                                                 const RuntimeSettings& settings,
                                                 std::chrono::milliseconds wait,
-                                                std::shared_ptr<void> keep) {
+                                                std::shared_ptr<RuncSandbox> zygote) {
     const auto fail = [&](const std::string& why) {
         return SandboxError("session " + session_id + ": its sandbox cannot be adopted: " + why);
     };
@@ -86,8 +86,11 @@ std::unique_ptr<RuncSandbox> RuncSandbox::adopt(const std::string& session_id, c
     if (!fs::is_directory(paths.root(), ec)) throw fail("its session dir is gone");
     // What the session dir says ran it: the runtime, or a zygote's fork.
     box->forked_ = record.value("forked", false);
-    if (box->forked_ && !keep) throw fail("a fork whose zygote is not adopted");
-    box->keep_ = std::move(keep);
+    if (box->forked_ && !zygote) throw fail("a fork whose zygote is not adopted");
+    // Its record names the zygote again (adoption_record): a second crash
+    // adopts it as the first did.
+    box->zygote_box_ = zygote.get();
+    box->keep_ = std::move(zygote);
     const std::string ran_by = box->forked_ ? kForkedRuntime : box->settings_.runtime;
     if (!runtime_passes_fds(runtime_kind(box->settings_.runtime)) ||
         read_text(runtime_file(paths.root())) != ran_by + "\n") {

@@ -78,13 +78,13 @@ class RuncSandbox final : public Sandbox,
     // `wait` (only the init's connection is taken). Throws SandboxError
     // naming what does not match; the sandbox is then the reaper's.
     // A fork's record names its zygote's (forked_from): the zygote is
-    // adopted first and held, as `keep`, for as long as the fork lives.
+    // adopted first and held, as `zygote`, for as long as the fork lives.
     static std::unique_ptr<RuncSandbox> adopt(const std::string& session_id,
                                               const nlohmann::json& record, const Image& image,
                                               const SandboxLimits& limits,
                                               const RuntimeSettings& settings,
                                               std::chrono::milliseconds wait,
-                                              std::shared_ptr<void> keep = nullptr);
+                                              std::shared_ptr<RuncSandbox> zygote = nullptr);
 
     // The runtime this sandbox runs on ("runc", "runsc", ...).
     const std::string& runtime() const override { return settings_.runtime; }

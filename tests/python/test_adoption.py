@@ -92,7 +92,16 @@ def test_a_killed_servers_sessions_are_adopted_with_their_state(
             assert "adopted" in kinds, (sid, kinds)
             assert sh.session_pids(sid) == ps, (sid, ps)
             assert "adopted by a restarted server" in shim_log(srv, sid)
-        # The cap holds across the crash: 4 in all.
+        # A second crash: the adopting server wrote its own records (a
+        # fork's names its zygote again), so the next start adopts them too.
+        srv.kill9()
+        srv.start()
+        log = srv.log()
+        for sid in pids:
+            assert log.count(f"session {sid}: adopted") == 2, log[-3000:]
+            assert sh.session_pids(sid) == pids[sid], sid
+        assert s.run("print(y * 6)").stdout == "42\n"
+        # The cap holds across the crashes: 4 in all.
         sh.run_ok(kc_a, "x = 1")
         sh.run_ok(kc_a, "x = 2")
         capped = sh.execute(kc_a, "x = 3")[0]["content"]

@@ -39,6 +39,11 @@ def provisioned():
     assert not problems, "\n".join(problems)
 
 
+def session_lines(log, session_id):
+    """What the server's log says of one session (a failure's evidence)."""
+    return "\n".join(line for line in log.splitlines() if session_id in line)
+
+
 def test_twenty_sessions_with_four_kinds_of_client_survive_kill_9(provisioned):
     p, root = provisioned
     srv = p.server
@@ -92,7 +97,9 @@ def test_twenty_sessions_with_four_kinds_of_client_survive_kill_9(provisioned):
         for i, (sid, kc) in enumerate(jc):
             assert sh.run_ok(kc, "print(v)").strip() == str(i), sid
         for i, s in enumerate(pyc):
-            assert s.run("print(v)").stdout == f"{100 + i}\n", s.id
+            ex = s.run("print(v)")
+            assert ex.stdout == f"{100 + i}\n", (s.id, ex.status, ex.error, ex.budget,
+                                                 session_lines(srv.log(), s.id))
         for i, (km, kc) in enumerate(prov):
             assert sh.run_ok(kc, "print(v)").strip() == str(200 + i)
             assert km.is_alive()
