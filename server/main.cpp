@@ -342,6 +342,11 @@ int main(int argc, char** argv) {
 
     CLI11_PARSE(app, argc, argv);
     setup_logging(log_level);
+    // What cellblock makes (image files, bundles, session dirs) is read by
+    // the sandboxes' own host uids; what must be private is made with its
+    // mode. A caller's umask of 0077 would otherwise leave every sandbox
+    // unable to exec its shim. Set once here: umask is the whole process's.
+    ::umask(022);
 
     if (image_cli.parsed()) return image_cli.run();
     if (errors_cmd->parsed()) {

@@ -388,6 +388,26 @@ def test_max_executions(clients):
     server.ok("session_close_request", {"session_id": sid})
 
 
+def test_a_server_started_under_a_private_umask_still_runs_sessions(server_factory):
+    """An operator's umask of 0077 (common on hardened hosts) reaches neither
+    the sandboxes' files nor their modes: a booted and a forked session run,
+    and the server's private files stay private."""
+    old = os.umask(0o077)
+    try:
+        srv = server_factory(["--pool", "host=0"])
+    finally:
+        os.umask(old)
+    # runc boots the image's zygote; each session is its fork.
+    for _ in range(2):
+        sid, kc, _ = srv.open_session()
+        rep, iopub = execute(kc, "print(6 * 7)")
+        assert rep["content"]["status"] == "ok", rep["content"]
+        assert stream_text(iopub) == "42\n"
+        assert is_forked(srv.state_dir, sid)
+        kc.stop_channels()
+    assert os.stat(os.path.join(srv.state_dir, "cellblock.db")).st_mode & 0o077 == 0
+
+
 def test_idle_timeout_closes_session(clients):
     server = clients
     sid, kc, reply = server.open_session(limits={"idle_timeout_s": 2})
