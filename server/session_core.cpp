@@ -615,10 +615,7 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         consider(execution_->kill_at ? *execution_->kill_at : execution_->deadline);
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
     }
-    if (adopt_settle_until_) {
-        // A subscription is seen only by looking: every 20 ms, up to the bound.
-        consider(std::min(*adopt_settle_until_, now + std::chrono::milliseconds(20)));
-    }
+    if (adopt_settle_until_) consider(adopt_look_at_);
     if (handing_over_ && lifecycle_.state() == SessionState::idle && !handover_failed_) {
         consider(settle_at_);  // settle_handover: free yet? (due at once after a reply)
     }

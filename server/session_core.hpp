@@ -404,8 +404,11 @@ class SessionCore {
     bool handover_failed_ = false;   // could not hibernate for it: the server closes it
     Clock::time_point settle_at_{};  // when settle_handover looks again
     // Adopted with its kernel attached: until when requests wait for a
-    // subscriber (adopt_settle); checked every kAdoptSettlePoll meanwhile.
+    // subscriber (adopt_settle), and when settle_adoption looks next (a
+    // subscription is seen only by looking). A fixed time: one computed
+    // from `now` in next_deadline would move on with every look, never due.
     std::optional<Clock::time_point> adopt_settle_until_;
+    Clock::time_point adopt_look_at_{};
     // Requests the last server had sent the kernel (adopt): answered by the
     // kernel's reply if it comes, else ServerRestarting once the adoption settles.
     std::map<std::string, PendingRequest> carried_;

@@ -7,10 +7,15 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace cellblock {
 using nlohmann::json;
 
 namespace {
+
+// How often an adopting session looks for its clients (settle_adoption).
+constexpr std::chrono::milliseconds kAdoptLook{20};
 
 // The snapshot module's calls, run by the kernel as a silent execute
 // (kernel-shim/cellblock_snapshot.py); its report comes back as a user
@@ -276,16 +281,18 @@ void SessionCore::settle_adoption(Clock::time_point now) {
     if (lifecycle_.state() != SessionState::adopting || !adopt_settle_until_) return;
     if (now < *adopt_settle_until_) {
         // Its clients back: a subscriber on iopub, and on shell each client
-        // a reply is owed to.
-        if (!io_.clients_listening()) return;
+        // a reply is owed to. Else a look again in 20 ms, up to the bound.
         const auto back = [this](const PendingRequest& request) {
             return request.identities.empty() || io_.client_connected(request.identities[0]);
         };
-        for (const auto& [request, reply] : carried_replies_) {
-            if (!back(request)) return;
-        }
-        for (const auto& [id, request] : carried_) {
-            if (!back(request)) return;
+        const bool all_back = io_.clients_listening() &&
+                              std::all_of(carried_replies_.begin(), carried_replies_.end(),
+                                          [&](const auto& r) { return back(r.first); }) &&
+                              std::all_of(carried_.begin(), carried_.end(),
+                                          [&](const auto& c) { return back(c.second); });
+        if (!all_back) {
+            adopt_look_at_ = std::min(*adopt_settle_until_, now + kAdoptLook);
+            return;
         }
     }
     adopt_settle_until_.reset();

@@ -409,6 +409,32 @@ def _next_message(kc, get, deadline, what, poll=0.25):
                                  f"log {server.log_path} ends:\n{server.log()[-3000:]}")
 
 
+class ShellWatch:
+    """Sees a client's shell connection close (a socket monitor on its
+    DEALER). jupyter_client never sends a request again: one written before
+    its libzmq has seen the server's connection close goes into the dead
+    socket, so a test that means to send during an outage waits for this."""
+
+    def __init__(self, kc):
+        self.socket = kc.shell_channel.socket
+        # The channel's socket is a zmq.asyncio one; its monitor is read here
+        # through a plain socket of the same (shadowed) context.
+        address = f"inproc://cellblock-test-monitor-{secrets.token_hex(8)}"
+        self.socket.monitor(address, zmq.EVENT_DISCONNECTED)
+        self.monitor = zmq.Context.shadow(self.socket.context.underlying).socket(zmq.PAIR)
+        self.monitor.connect(address)
+
+    def wait_closed(self, timeout=30):
+        from zmq.utils.monitor import recv_monitor_message
+        try:
+            if not self.monitor.poll(int(timeout * 1000)):
+                return False
+            return recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        finally:
+            self.socket.disable_monitor()
+            self.monitor.close()
+
+
 def send_execute(kc, code):
     """Sends an execute_request without waiting; returns its msg_id."""
     msg = kc.session.msg("execute_request", {

@@ -57,6 +57,7 @@ def test_a_killed_servers_sessions_are_adopted_with_their_state(
         pids = {sid: sh.session_pids(sid) for sid in (sid_a, sid_b)}
         assert all(pids.values()), pids
 
+        watch = sh.ShellWatch(kc_a)
         srv.kill9()
         # The sandboxes outlive the server: their shims wait for the next one.
         assert sh.wait_for(lambda: all("waits 120000 ms" in shim_log(srv, sid)
@@ -65,7 +66,9 @@ def test_a_killed_servers_sessions_are_adopted_with_their_state(
         time.sleep(1)
         for sid, ps in pids.items():
             assert alive(ps) == ps, (sid, ps, alive(ps))
-        # Sent while no server runs: answered once the next one adopts A.
+        # Sent while no server runs (once A's client has seen it go):
+        # answered once the next one adopts A.
+        assert watch.wait_closed(timeout=60)
         during = send_execute(kc_a, "print(x + 1, arr.sum())")
 
         srv.start()

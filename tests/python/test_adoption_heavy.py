@@ -80,13 +80,15 @@ def test_twenty_sessions_with_four_kinds_of_client_survive_kill_9(provisioned):
         sessions = srv.ok("session_list_request", {"open_only": True})["content"]["sessions"]
         assert len(sessions) == 4 * EACH, sessions
 
+        watch = sh.ShellWatch(jc[0][1])
         srv.kill9()
         # Sent once the client's libzmq has seen the connection close: one
         # written in the instant the server dies goes into the dead socket,
         # and jupyter_client never sends it again (docs/restarts.md).
-        time.sleep(1)
+        assert watch.wait_closed(timeout=60)
         during = send_execute(jc[0][1], "print(v + 1000)")
         srv.start(timeout=120)
+        started = time.monotonic()
         log = srv.log()
         for s in sessions:
             assert f"session {s['session_id']}: adopted" in log, log[-3000:]
@@ -103,6 +105,10 @@ def test_twenty_sessions_with_four_kinds_of_client_survive_kill_9(provisioned):
         for i, (km, kc) in enumerate(prov):
             assert sh.run_ok(kc, "print(v)").strip() == str(200 + i)
             assert km.is_alive()
+        # jupyter console looks at its heartbeat once a second, and shows no
+        # output of a cell typed while it has not heard one (its run_cell
+        # stops waiting): a person's pause after the outage (docs/client.md).
+        time.sleep(max(0.0, started + 2.5 - time.monotonic()))
         for i, term in enumerate(consoles):
             mark = term.type_line("print(v)")
             term.expect(rf"^{300 + i}$", mark, timeout=120)

@@ -1220,6 +1220,8 @@ TEST_F(SleepTest, AnAdoptedSessionHoldsRequestsUntilItsClientsListen) {
     const auto poll = core->next_deadline(t0 + 100ms);
     ASSERT_TRUE(poll.has_value());
     EXPECT_LE(*poll, t0 + 120ms) << "a subscription is looked for, not waited on";
+    EXPECT_LE(*core->next_deadline(*poll), *poll)
+        << "the look is due when its time comes (it does not move on with the clock)";
     core->on_tick(t0 + 200ms);
     EXPECT_TRUE(io.of("kernel").empty());
     io.listening = true;
