@@ -200,6 +200,15 @@ class Server final : public SessionObserver {
     std::string take_over_manager(std::vector<HandoverRow>& rows);
     void take_over_sessions(const std::vector<HandoverRow>& rows);
     void take_over_session(const HandoverRow& row);
+    // A hibernated session's sealed row (the handover's): written by
+    // write_handover, and whenever a session hibernates or is taken over
+    // hibernated (record_asleep), so that a crash takes it back as a planned
+    // restart does; removed once it has resumed or closed (forget_asleep).
+    void put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
+                        double now_unix);
+    void record_asleep(const std::string& id);
+    void forget_asleep(const std::string& id);
+    std::set<std::string> asleep_recorded_;
     // Sessions that outlive a crash (session_adoption.cpp, docs/restarts.md
     // phase 2): each live sandbox's sealed row, written when it starts to
     // relay and removed when it goes; at start, the sandboxes the rows name

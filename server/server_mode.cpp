@@ -162,6 +162,7 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     const SessionEnd end = session ? session->end(reason) : SessionEnd{session_id, "", reason};
     for (auto* o : observers_) o->closed(end);
     if (snapshots_) snapshots_->remove(session_id);
+    forget_asleep(session_id);
     if (session) {
         for (auto* waiting : {&session->waiting_sleep(), &session->waiting_wake()}) {
             for (const auto& request : *waiting) {

@@ -117,6 +117,66 @@ bool Server::handover_ready(Clock::time_point now) const {
     return true;
 }
 
+void Server::put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
+                            double now_unix) {
+    const HandoverState state = relay.handover_state();
+    const SessionOrigin& origin = session.origin();
+    const auto info = snapshots_->info(id);
+    json requests = json::array();
+    for (const auto& request : state.requests) {
+        requests.push_back(
+            {{"channel", channel_name(request.channel)}, {"frames", frames_json(request.frames)}});
+    }
+    const std::string key = snapshots_->key_bytes(id);
+    json body = {{"version", kHandoverVersion},
+                 {"session_id", id},
+                 {"image", session.image()},
+                 {"image_id", origin.image.content_id},
+                 {"runtime", origin.image.runtime},
+                 {"limits", origin.limits.to_json()},
+                 {"connection", relay.outer_connection().to_json()},
+                 {"executions", state.executions},
+                 {"age_s", state.age_s},
+                 {"idle_s", state.idle_s},
+                 {"cpu_ms", state.cpu_ms},
+                 {"memory_peak_bytes", state.memory_peak_bytes},
+                 {"network_bytes", state.network_bytes},
+                 {"snapshot",
+                  {{"key", json::binary(std::vector<std::uint8_t>(key.begin(), key.end()))},
+                   {"bytes", info ? info->bytes : 0},
+                   {"kept_at", info ? info->kept_at : 0.0}}},
+                 {"requests", std::move(requests)}};
+    const auto bytes = json::to_cbor(body);
+    store_.put_handover(
+        {id,
+         seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+              *server_key_, row_label(id)),
+         now_unix});
+}
+
+void Server::record_asleep(const std::string& id) {
+    // Only with a server key: the row holds the client's and the snapshot's keys.
+    if (!server_key_ || !snapshots_) return;
+    Session* session = sessions_.find(id);
+    SessionProxy* relay = session ? session->proxy() : nullptr;
+    if (!relay || relay->closed() || !snapshots_->info(id)) return;
+    try {
+        put_asleep_row(id, *session, *relay, unix_now());
+        asleep_recorded_.insert(id);
+    } catch (const std::exception& e) {
+        spdlog::warn("session {}: no record to take it back by after a crash: {}", id, e.what());
+    }
+}
+
+void Server::forget_asleep(const std::string& id) {
+    if (asleep_recorded_.erase(id) == 0) return;
+    try {
+        store_.remove_handover(id);
+    } catch (const std::exception& e) {
+        spdlog::warn("session {}: its hibernation row: {}", id, e.what());
+    }
+}
+
 void Server::write_handover() {
     const double now_unix = unix_now();
     json server_row = {{"version", kHandoverVersion},
@@ -152,38 +212,7 @@ void Server::write_handover() {
         }
         try {
             const HandoverState state = relay->handover_state();
-            const SessionOrigin& origin = session.origin();
-            const auto info = snapshots_->info(id);
-            json requests = json::array();
-            for (const auto& request : state.requests) {
-                requests.push_back({{"channel", channel_name(request.channel)},
-                                    {"frames", frames_json(request.frames)}});
-            }
-            const std::string key = snapshots_->key_bytes(id);
-            json body = {{"version", kHandoverVersion},
-                         {"session_id", id},
-                         {"image", session.image()},
-                         {"image_id", origin.image.content_id},
-                         {"runtime", origin.image.runtime},
-                         {"limits", origin.limits.to_json()},
-                         {"connection", relay->outer_connection().to_json()},
-                         {"executions", state.executions},
-                         {"age_s", state.age_s},
-                         {"idle_s", state.idle_s},
-                         {"cpu_ms", state.cpu_ms},
-                         {"memory_peak_bytes", state.memory_peak_bytes},
-                         {"network_bytes", state.network_bytes},
-                         {"snapshot",
-                          {{"key", json::binary(std::vector<std::uint8_t>(key.begin(), key.end()))},
-                           {"bytes", info ? info->bytes : 0},
-                           {"kept_at", info ? info->kept_at : 0.0}}},
-                         {"requests", std::move(requests)}};
-            const auto bytes = json::to_cbor(body);
-            store_.put_handover(
-                {id,
-                 seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
-                      *server_key_, row_label(id)),
-                 now_unix});
+            put_asleep_row(id, session, *relay, now_unix);
             store_.add_event({id, now_unix, "handed_over",
                               fmt::format("to the server's next start; {} request(s) carried",
                                           state.requests.size())});
@@ -215,10 +244,11 @@ std::string Server::take_over_manager(std::vector<HandoverRow>& rows) {
     auto row = std::find_if(rows.begin(), rows.end(),
                             [](const HandoverRow& r) { return r.name == kServerRow; });
     if (row == rows.end()) {
-        if (adopting_.empty()) return {};
-        // A crash (no handover): the sessions adopted keep their clients,
-        // and those clients the manager's endpoint and key the dead
-        // server's server.json still holds (root's, 0600).
+        if (adopting_.empty() && rows.empty()) return {};
+        // A crash (no handover): the sessions adopted, and those hibernated
+        // at the crash, keep their clients, and those clients the manager's
+        // endpoint and key the dead server's server.json still holds
+        // (root's, 0600).
         try {
             std::ifstream in(server_file(settings_.state_dir));
             const json last = json::parse(in);
@@ -261,7 +291,10 @@ void Server::take_over_sessions(const std::vector<HandoverRow>& rows) {
             why = e.what();
         }
         store_.remove_handover(row.name);
-        if (why.empty()) continue;
+        if (why.empty()) {
+            record_asleep(row.name);  // until it resumes: a crash takes it back too
+            continue;
+        }
         spdlog::error("session {}: not taken over: {}", row.name, why);
         if (SessionProxy* relay = sessions_.live(row.name)) {
             relay->close("restore_failed: " + why);  // its clients are told, then it expires

@@ -130,6 +130,7 @@ void Server::fail_create(PendingCreate& pending, const std::string& ename,
 void Server::on_sleep_event(Session& session, const std::string& kind, const std::string& detail) {
     const std::string& id = session.id();
     if (kind == "hibernated") {
+        record_asleep(id);  // before anyone hears of it: a crash now takes it back
         for (const auto& request : session.waiting_sleep()) {
             reply(request, {{"status", "ok"},
                             {"session_id", id},
@@ -157,6 +158,7 @@ void Server::on_sleep_event(Session& session, const std::string& kind, const std
             ::unlink((box->files()->input_dir() / kSnapshotFile).c_str());
         }
         snapshots_->remove(id);
+        forget_asleep(id);  // its live row from now (record_live)
         for (const auto& request : session.waiting_wake()) {
             reply(request,
                   {{"status", "ok"}, {"session_id", id}, {"state", "idle"}, {"detail", detail}});

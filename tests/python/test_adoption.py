@@ -287,6 +287,39 @@ def test_when_no_server_comes_back_the_keeper_leaves_nothing(
     assert srv.info_of(sid)["state"] == "closed"
 
 
+def test_a_session_hibernated_at_the_crash_is_taken_back_with_its_state(
+        server_factory, tmp_path):  # noqa: F811
+    """A hibernated session has no sandbox to adopt: its snapshot and its
+    sealed row (the one a planned restart writes) are there from the moment
+    it hibernates, so a crash takes it back as SIGHUP would, twice over, and
+    its client's next request wakes it with its variables."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "kept = [1, 2, 3]")
+    assert srv.ok("session_hibernate_request", {"session_id": sid},
+                  timeout=120)["content"]["state"] == "hibernated"
+    rows = sqlite3.connect(os.path.join(srv.state_dir, "cellblock.db")).execute(
+        "SELECT name FROM handover").fetchall()
+    assert (sid,) in rows, rows
+    for crash in range(2):
+        srv.kill9()
+        srv.start()
+        info = srv.info_of(sid)
+        assert info["state"] == "hibernated", info
+        assert srv.log().count(f"session {sid}: taken over (hibernated") == crash + 1, \
+            srv.log()[-3000:]
+    assert sh.run_ok(kc, "print(sum(kept))").strip() == "6"
+    assert srv.info_of(sid)["state"] == "idle"
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid})["content"]["events"]]
+    assert kinds.count("taken_over") == 2, kinds
+    # Awake again: its row is the live one now, and the hibernation row is gone.
+    rows = sqlite3.connect(os.path.join(srv.state_dir, "cellblock.db")).execute(
+        "SELECT name FROM handover").fetchall()
+    assert (sid,) not in rows and (f"live/{sid}",) in rows, rows
+
+
 def test_a_record_that_does_not_open_is_reaped_not_adopted(
         server_factory, tmp_path):  # noqa: F811
     """A row sealed under another key (or altered): the sandbox is reaped and
