@@ -432,6 +432,100 @@ def _keep_replies(kernel):
     kernel._cellblock_kept_replies = keepers
 
 
+# What a client sees of an execution: counted when published to no one.
+OUTPUT_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result",
+                          "error"})
+
+
+class Unheard:
+    """What the kernel published on iopub while no relay listened (its
+    server dead, the next one not yet adopting the sandbox: docs/restarts.md),
+    per execution. ipykernel's PUB drops what no one subscribes to; a socket
+    monitor on it (read on the iopub thread) says when the relay's connection
+    goes and comes back. Counting starts at the first disconnection seen, so
+    a monitor set up after the relay connected never counts what was heard.
+    A lower bound: the instants between the server's death and the
+    kernel's seeing it, and a subscription still joining, are not counted."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.peers = 0
+        self.lost_one = False  # a disconnection seen
+        self.by_parent = {}    # msg_id: [messages, bytes]
+
+    def watch(self, iopub_thread):
+        def start():
+            from zmq.eventloop.zmqstream import ZMQStream
+            monitor = iopub_thread.socket.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            ZMQStream(monitor, iopub_thread.io_loop).on_recv(self._on_event)
+        iopub_thread.io_loop.add_callback(start)
+
+    def _on_event(self, frames):
+        from zmq.utils.monitor import parse_monitor_message
+        event = parse_monitor_message(frames)["event"]
+        with self._lock:
+            if event == zmq.EVENT_DISCONNECTED:
+                self.peers = max(0, self.peers - 1)
+                self.lost_one = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.peers += 1
+
+    def note(self, msg_type, content, parent):
+        if msg_type not in OUTPUT_TYPES or not isinstance(parent, dict):
+            return
+        with self._lock:
+            if not self.lost_one or self.peers > 0:
+                return
+            msg_id = (parent.get("header") or {}).get("msg_id") or parent.get("msg_id")
+            if not msg_id:
+                return
+            counted = self.by_parent.setdefault(msg_id, [0, 0])
+            counted[0] += 1
+            counted[1] += _content_size(content)
+
+    def take(self, msg_id):
+        with self._lock:
+            messages, size = self.by_parent.pop(msg_id, (0, 0))
+            return {"unheard_messages": messages, "unheard_bytes": size}
+
+
+def _content_size(content):
+    if not isinstance(content, dict):
+        return 0
+    if isinstance(content.get("text"), str):
+        return len(content["text"].encode("utf-8", "replace"))
+    data = content.get("data")
+    if isinstance(data, dict):
+        return sum(len(v) if isinstance(v, str) else len(repr(v)) for v in data.values())
+    return len(repr(content))
+
+
+UNHEARD = Unheard()
+
+
+def _count_unheard(kernel):
+    """Every iopub message goes through Session.send (streams, displays,
+    results, errors): those published to no one are counted (Unheard)."""
+    thread = getattr(kernel, "iopub_thread", None)
+    if thread is None or getattr(thread, "socket", None) is None:
+        return
+    UNHEARD.watch(thread)
+    session = kernel.session
+    send = session.send
+
+    def send_counted(stream, msg_or_type, content=None, parent=None, *args, **kwargs):
+        if isinstance(msg_or_type, str):
+            UNHEARD.note(msg_or_type, content, parent)
+        elif isinstance(msg_or_type, dict):  # displays and results come built
+            UNHEARD.note(msg_or_type.get("msg_type") or
+                         (msg_or_type.get("header") or {}).get("msg_type"),
+                         msg_or_type.get("content"), msg_or_type.get("parent_header"))
+        return send(stream, msg_or_type, content, parent, *args, **kwargs)
+
+    session.send = send_counted
+
+
 class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -445,6 +539,7 @@ class SandboxKernel(IPythonKernel):
         self.shell.events.register("post_execute", importlib.invalidate_caches)
         self.shell.display_pub.register_hook(_budget_display)
         _keep_replies(self)
+        _count_unheard(self)
 
     def init_metadata(self, parent):
         metadata = super().init_metadata(parent)
@@ -454,7 +549,8 @@ class SandboxKernel(IPythonKernel):
 
     def finish_metadata(self, parent, metadata, reply_content):
         metadata = super().finish_metadata(parent, metadata, reply_content)
-        metadata["cellblock_source"] = BUDGET.report()
+        metadata["cellblock_source"] = dict(
+            BUDGET.report(), **UNHEARD.take((parent.get("header") or {}).get("msg_id")))
         return metadata
 
     async def kernel_info_request(self, stream, ident, parent):

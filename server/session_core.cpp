@@ -473,8 +473,22 @@ bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
     auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
     json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
     if (!md["cellblock"].is_object()) md["cellblock"] = json::object();
-    md["cellblock"]["server_restarted"] = {
-        {"outputs_lost", "uncounted: what the kernel published while no server ran"}};
+    // What the kernel published while no relay listened, as cellblock's
+    // kernel counted it (cellblock_ipykernel.Unheard: a lower bound);
+    // another kernel's is not known.
+    json lost = "uncounted: what the kernel published while no server ran";
+    if (const auto source = md.find("cellblock_source"); source != md.end()) {
+        if (source->is_object()) {
+            const auto messages = source->find("unheard_messages");
+            const auto bytes = source->find("unheard_bytes");
+            if (messages != source->end() && messages->is_number_unsigned() &&
+                bytes != source->end() && bytes->is_number_unsigned()) {
+                lost = {{"messages", *messages}, {"bytes", *bytes}, {"at_least", true}};
+            }
+        }
+        md.erase(source);
+    }
+    md["cellblock"]["server_restarted"] = {{"outputs_lost", std::move(lost)}};
     const std::string new_metadata = md.dump();
     io_.forward_reply(channel, request.identities, msg, &new_metadata);
     publish_owed_idles();

@@ -142,7 +142,10 @@ def test_requests_in_flight_at_the_crash_are_answered(server_factory, tmp_path):
     srv.start()
     reply, _, _ = sh.collect_execution(kc_a, running, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert "outputs_lost" in reply["metadata"]["cellblock"]["server_restarted"], reply["metadata"]
+    # 'slept' came after the adoption: nothing of A's went to no one.
+    lost = reply["metadata"]["cellblock"]["server_restarted"]["outputs_lost"]
+    assert lost["messages"] == 0 and lost["at_least"], reply["metadata"]
+    assert "cellblock_source" not in reply["metadata"], reply["metadata"]
     reply, iopub, _ = sh.collect_execution(kc_a, queued, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     assert sh.stream_text(iopub).strip() == "second"
@@ -150,7 +153,9 @@ def test_requests_in_flight_at_the_crash_are_answered(server_factory, tmp_path):
     reply, iopub, _ = sh.collect_execution(kc_b, finished, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     assert reply["content"]["execution_count"] == 1, reply["content"]
-    assert "outputs_lost" in reply["metadata"]["cellblock"]["server_restarted"], reply["metadata"]
+    # Its 'lost' line and its result were published to no one, and counted.
+    lost = reply["metadata"]["cellblock"]["server_restarted"]["outputs_lost"]
+    assert lost == {"messages": 2, "bytes": len("lost\n") + len("42"), "at_least": True}, lost
     assert [m for m in iopub if m["msg_type"] == "status"
             and m["content"]["execution_state"] == "idle"], iopub
     # C: nothing kept, the loss named.
