@@ -238,6 +238,9 @@ int Server::run() {
     auto next_tick = Clock::now();
     std::optional<EventLoop::WatchId> metrics_tick;
     if (metrics_) {
+        // Alive from here: a client answered in the first turn may ask
+        // /healthz before that turn's deadlines run (seen under ASan).
+        tick_metrics(Clock::now(), false);
         metrics_tick = loop_.add_deadline(
             [&next_tick]() -> std::optional<Clock::time_point> { return next_tick; },
             [&, this](Clock::time_point now) {
