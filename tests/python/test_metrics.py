@@ -83,6 +83,10 @@ def workload():
 
 def test_health_and_readiness(workload):
     srv, address = workload
+    # server.json (what start_server waits for) is written before the loop
+    # starts: "not alive yet" until then, alive once it turns.
+    assert wait_for(lambda: http_get(f"http://{address}/healthz")[0] == 200, timeout=30), \
+        http_get(f"http://{address}/healthz")
     status, _, body = http_get(f"http://{address}/healthz")
     assert status == 200 and body.startswith("ok"), (status, body)
     status, _, body = http_get(f"http://{address}/readyz")
