@@ -202,10 +202,11 @@ class Server final : public SessionObserver {
     void take_over_session(const HandoverRow& row);
     // A hibernated session's sealed row (the handover's): written by
     // write_handover, and whenever a session hibernates or is taken over
-    // hibernated (record_asleep), so that a crash takes it back as a planned
+    // hibernated (its row kept), so that a crash takes it back as a planned
     // restart does; removed once it has resumed or closed (forget_asleep).
-    void put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
-                        double now_unix);
+    // Returns the number of requests the row carries.
+    std::size_t put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
+                               double now_unix);
     void record_asleep(const std::string& id);
     void forget_asleep(const std::string& id);
     std::set<std::string> asleep_recorded_;

@@ -117,8 +117,8 @@ bool Server::handover_ready(Clock::time_point now) const {
     return true;
 }
 
-void Server::put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
-                            double now_unix) {
+std::size_t Server::put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
+                                   double now_unix) {
     const HandoverState state = relay.handover_state();
     const SessionOrigin& origin = session.origin();
     const auto info = snapshots_->info(id);
@@ -152,6 +152,7 @@ void Server::put_asleep_row(const std::string& id, Session& session, SessionProx
          seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
               *server_key_, row_label(id)),
          now_unix});
+    return state.requests.size();
 }
 
 void Server::record_asleep(const std::string& id) {
@@ -211,11 +212,10 @@ void Server::write_handover() {
             continue;
         }
         try {
-            const HandoverState state = relay->handover_state();
-            put_asleep_row(id, session, *relay, now_unix);
-            store_.add_event({id, now_unix, "handed_over",
-                              fmt::format("to the server's next start; {} request(s) carried",
-                                          state.requests.size())});
+            const std::size_t carried = put_asleep_row(id, session, *relay, now_unix);
+            store_.add_event(
+                {id, now_unix, "handed_over",
+                 fmt::format("to the server's next start; {} request(s) carried", carried)});
             ++handed;
             // Gone from this process without a close, its sockets at once
             // (what a client sends from now waits in the client for the
@@ -290,11 +290,12 @@ void Server::take_over_sessions(const std::vector<HandoverRow>& rows) {
         } catch (const std::exception& e) {
             why = e.what();
         }
-        store_.remove_handover(row.name);
         if (why.empty()) {
-            record_asleep(row.name);  // until it resumes: a crash takes it back too
+            // Its row stays until it resumes: a crash takes it back too.
+            asleep_recorded_.insert(row.name);
             continue;
         }
+        store_.remove_handover(row.name);
         spdlog::error("session {}: not taken over: {}", row.name, why);
         if (SessionProxy* relay = sessions_.live(row.name)) {
             relay->close("restore_failed: " + why);  // its clients are told, then it expires
