@@ -148,9 +148,21 @@ void remove_session(RuntimeSettings settings, const std::string& session_id, con
     }
     for (const fs::path& mount : SessionDir(dir).mounts()) unmount_if_mounted(mount);
     remove_cgroups(cid);
+    // The lock goes last: a remover killed midway leaves a dir whose lock no
+    // one holds, which the next reaper takes at once. Without its lock the
+    // dir would look like one still being made, and wait out its age.
+    const SessionDir paths(dir);
+    std::error_code list_ec;
+    for (const auto& entry : fs::directory_iterator(dir, list_ec)) {
+        if (entry.path() == paths.lock()) continue;
+        std::error_code ec;
+        fs::remove_all(entry.path(), ec);
+    }
     std::error_code ec;
-    fs::remove_all(dir, ec);
-    if (ec) spdlog::warn("session {}: remove {}: {}", session_id, dir.string(), ec.message());
+    fs::remove(paths.lock(), ec);
+    if (!fs::remove(dir, ec) && ec && ec != std::errc::no_such_file_or_directory) {
+        spdlog::warn("session {}: remove {}: {}", session_id, dir.string(), ec.message());
+    }
 }
 
 }  // namespace cellblock::sandbox_detail
@@ -182,6 +194,21 @@ std::vector<fs::path> remove_orphan_cgroups(std::chrono::seconds min_age) {
     return removed;
 }
 
+namespace {
+
+// A session dir with no lock is one being made (mkdir, then its lock) only
+// while it holds nothing but the lock's staging file.
+bool being_made(const fs::path& dir) {
+    const SessionDir paths(dir);
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+        if (entry.path() != paths.lock_staging()) return false;
+    }
+    return true;
+}
+
+}  // namespace
+
 std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings) {
     std::vector<std::string> reaped;
     std::error_code ec;
@@ -191,7 +218,7 @@ std::vector<std::string> reap_abandoned_sessions(const RuntimeSettings& settings
         // Held until the session is removed, so that no one else reaps it meanwhile.
         const UniqueFd lock(::open(SessionDir(entry.path()).lock().c_str(), O_RDWR | O_CLOEXEC));
         if (lock && ::flock(lock.get(), LOCK_EX | LOCK_NB) != 0) continue;  // its owner is alive
-        if (!lock) {
+        if (!lock && being_made(entry.path())) {
             // No lock yet: another process may be creating it right now.
             std::error_code age_ec;
             const auto mtime = fs::last_write_time(entry.path(), age_ec);
