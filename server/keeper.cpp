@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "cellblock/host_ids.hpp"
 #include "cellblock/runc_sandbox.hpp"
 #include "cellblock/session_store.hpp"
+#include "cellblock/swarm_backend.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "manager_paths.hpp"
 #include "server.hpp"
@@ -37,17 +39,33 @@ constexpr auto kMargin = std::chrono::seconds(3);
 
 fs::path keeper_lock_file(const fs::path& state_dir) { return state_dir / "keeper.lock"; }
 
-// Anything a sandbox of the dead server left: a session (or zygote) dir.
-bool sandboxes_left(const RuntimeSettings& settings) {
+// Anything a sandbox of the dead server left: a session (or zygote) dir, or
+// a Swarm server's service. An engine that does not answer is no answer.
+bool sandboxes_left(const RuntimeSettings& settings, const SwarmSettings* swarm) {
     std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(settings.sessions_dir(), ec)) {
-        (void)entry;
+    if (fs::directory_iterator(settings.sessions_dir(), ec) != fs::directory_iterator()) {
         return true;
     }
-    return false;
+    try {
+        return swarm && !swarm_services_left(*swarm, false).empty();
+    } catch (const std::exception&) {
+        return true;
+    }
 }
 
-void reap(const RuntimeSettings& settings) {
+void reap(const RuntimeSettings& settings, const SwarmSettings* swarm) {
+    if (swarm) {
+        try {
+            for (const auto& name : swarm_services_left(*swarm, true)) {
+                spdlog::info("cellblock keep: removed swarm service {}", name);
+            }
+        } catch (const std::exception& e) {
+            spdlog::error(
+                "cellblock keep: swarm services: {} (the next server on {} removes "
+                "them)",
+                e.what(), settings.state_dir.string());
+        }
+    }
     SessionStore store(settings.state_dir / "cellblock.db");
     for (const auto& s : store.sessions(true, 1000000)) {
         if (s.host_id_count == 0) continue;
@@ -81,7 +99,7 @@ void reap(const RuntimeSettings& settings) {
 
 }  // namespace
 
-void spawn_keeper(const fs::path& state_dir, const fs::path& libexec_dir, int grace_ms) {
+void spawn_keeper(const KeeperOptions& o) {
     std::error_code ec;
     const fs::path self = fs::read_symlink("/proc/self/exe", ec);
     if (ec) {
@@ -89,13 +107,15 @@ void spawn_keeper(const fs::path& state_dir, const fs::path& libexec_dir, int gr
         return;
     }
     const pid_t server = ::getpid();
-    const std::vector<std::string> args = {
-        self.string(),    "keep",
-        "--state-dir",    state_dir.string(),
-        "--libexec-dir",  libexec_dir.string(),
-        "--server-pid",   std::to_string(server),
-        "--server-start", std::to_string(process_start_ticks(server)),
-        "--grace-ms",     std::to_string(grace_ms)};
+    std::vector<std::string> args = {self.string(),    "keep",
+                                     "--state-dir",    o.state_dir.string(),
+                                     "--libexec-dir",  o.libexec_dir.string(),
+                                     "--server-pid",   std::to_string(server),
+                                     "--server-start", std::to_string(process_start_ticks(server)),
+                                     "--grace-ms",     std::to_string(o.grace_ms)};
+    if (!o.swarm_docker_host.empty()) {
+        args.insert(args.end(), {"--swarm-docker-host", o.swarm_docker_host});
+    }
     std::vector<char*> argv;
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
@@ -127,6 +147,13 @@ int run_keeper(const KeeperOptions& o) {
     RuntimeSettings settings;
     settings.state_dir = o.state_dir;
     settings.libexec_dir = o.libexec_dir;
+    std::optional<SwarmSettings> swarm;
+    if (!o.swarm_docker_host.empty()) {
+        swarm.emplace();
+        swarm->docker_host = o.swarm_docker_host;
+        swarm->state_dir = o.state_dir;
+    }
+    const SwarmSettings* on_swarm = swarm ? &*swarm : nullptr;
     // One keeper per state dir, holding keeper.lock for its life; the file
     // names the server it watches. A server that re-executed itself (SIGHUP,
     // the same pid) has its keeper already. A server that follows a crashed
@@ -158,7 +185,7 @@ int run_keeper(const KeeperOptions& o) {
         std::error_code ec;
         // A server on the state dir adopts or reaps; nothing left: all done.
         if (!fs::exists(o.state_dir, ec) || server_lock_holder(o.state_dir) ||
-            !sandboxes_left(settings)) {
+            !sandboxes_left(settings, on_swarm)) {
             return 0;
         }
         if (Clock::now() >= deadline) break;
@@ -179,7 +206,7 @@ int run_keeper(const KeeperOptions& o) {
     }
     spdlog::info("cellblock keep: no server came back within the grace; reaping what is left");
     try {
-        reap(settings);
+        reap(settings, on_swarm);
     } catch (const std::exception& e) {
         spdlog::error("cellblock keep: {}", e.what());
         return 1;

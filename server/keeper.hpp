@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <string>
 
 namespace cellblock {
 
@@ -17,6 +18,9 @@ struct KeeperOptions {
     pid_t server_pid = 0;
     std::uint64_t server_start = 0;  // process_start_ticks of server_pid
     int grace_ms = 0;                // the server's --adopt-grace
+    // A Swarm server's engine (--swarm-docker-host): its services are what
+    // it left, removed past the grace like a runc server's sandboxes.
+    std::string swarm_docker_host;
 };
 
 // Starts `cellblock keep` for this process (a server) as a process of its
@@ -25,8 +29,7 @@ struct KeeperOptions {
 // its first one (the same pid); the keeper of a server that follows a crash
 // waits for the last one, which ends when it sees the new server. Logs and
 // goes on if it cannot start one.
-void spawn_keeper(const std::filesystem::path& state_dir, const std::filesystem::path& libexec_dir,
-                  int grace_ms);
+void spawn_keeper(const KeeperOptions& options);
 
 // `cellblock keep`: waits for the server to end; if nothing of its sandboxes
 // is left, or a server takes the state dir within the grace (and a margin),

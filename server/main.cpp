@@ -326,6 +326,7 @@ int main(int argc, char** argv) {
     keep_cmd->add_option("--server-pid", keeper.server_pid)->required();
     keep_cmd->add_option("--server-start", keeper.server_start)->required();
     keep_cmd->add_option("--grace-ms", keeper.grace_ms)->required();
+    keep_cmd->add_option("--swarm-docker-host", keeper.swarm_docker_host);
 
     // new | ls | info | close | put | get | history | server-info
     cellblock::ClientCommands client_cli(app);

@@ -231,11 +231,14 @@ class Server final : public SessionObserver {
     struct AdoptedSandbox {
         std::string id;
         json body;
-        std::unique_ptr<RuncSandbox> sandbox;
+        std::unique_ptr<Sandbox> sandbox;
         double created_at = 0;
         std::int64_t executions = 0;
     };
     std::vector<AdoptedSandbox> adopting_;
+    // The Swarm backend, made before the adoption (its services are adopted
+    // or removed first), then handed to the pool.
+    std::shared_ptr<SwarmBackend> swarm_;
     std::map<std::string, std::string> adopt_failures_;  // session id: why not adopted
     std::set<std::string> live_recorded_;                // the sessions with a row
     bool handing_over_ = false;

@@ -180,7 +180,12 @@ int Server::run() {
     // Sandboxes outlive this process: something must clean up after them if
     // no server comes back (server/keeper.hpp).
     if (settings_.adopt_grace_ms > 0) {
-        spawn_keeper(settings_.state_dir, settings_.libexec_dir, settings_.adopt_grace_ms);
+        KeeperOptions keeper;
+        keeper.state_dir = settings_.state_dir;
+        keeper.libexec_dir = settings_.libexec_dir;
+        keeper.grace_ms = settings_.adopt_grace_ms;
+        if (options_.backend == "swarm") keeper.swarm_docker_host = options_.swarm.docker_host;
+        spawn_keeper(keeper);
     }
     bool signalled = false;
     loop_.watch(manager_, [this] {

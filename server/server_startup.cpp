@@ -152,7 +152,7 @@ Server::Server(const ServeOptions& options)
     // made on first use when sandboxes are to outlive a crash, read when the
     // last server left rows. Without it sandboxes end with the server.
     std::vector<HandoverRow> handover = store_.handovers();
-    const bool grace = options_.adopt_grace_s > 0 && options_.backend != "swarm";
+    const bool grace = options_.adopt_grace_s > 0;
     if (grace || !handover.empty()) {
         try {
             server_key_ = load_server_key(options_.key_file, grace);
@@ -166,9 +166,20 @@ Server::Server(const ServeOptions& options)
     if (grace && server_key_) {
         settings_.adopt_grace_ms = static_cast<int>(options_.adopt_grace_s * 1000);
     }
+    if (options_.backend == "swarm") {
+        SwarmSettings swarm = options_.swarm;
+        swarm.state_dir = options_.paths.state_dir;
+        swarm.libexec_dir = settings_.libexec_dir;
+        swarm_ = std::make_shared<SwarmBackend>(swarm);
+        spdlog::info(
+            "backend swarm: manager {}, server id {}, network {}, images tagged "
+            "for shim {}",
+            swarm.docker_host, swarm_->server_id(), swarm.network, swarm_->settings().libexec_tag);
+    }
     // Sandboxes a crashed server left running within their grace are taken
     // back first (their locks held, the reaper passes them by).
     adopt_sandboxes(handover);
+    if (swarm_) swarm_->remove_unclaimed();
     std::set<std::string> adopted;
     for (const auto& a : adopting_) adopted.insert(a.id);
 
@@ -249,16 +260,8 @@ Server::Server(const ServeOptions& options)
     zmq::context_t* ctx = &context_;
     const int wake = wake_fd_.get();
     std::shared_ptr<SandboxBackend> backend;
-    if (options_.backend == "swarm") {
-        SwarmSettings swarm = options_.swarm;
-        swarm.state_dir = options_.paths.state_dir;
-        swarm.libexec_dir = settings_.libexec_dir;
-        auto placed = std::make_shared<SwarmBackend>(swarm);
-        spdlog::info(
-            "backend swarm: manager {}, server id {}, network {}, images tagged "
-            "for shim {}",
-            swarm.docker_host, placed->server_id(), swarm.network, placed->settings().libexec_tag);
-        backend = std::move(placed);
+    if (swarm_) {
+        backend = swarm_;
     } else {
         backend = std::make_shared<RuncBackend>(settings_);
     }

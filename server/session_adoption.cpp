@@ -52,7 +52,7 @@ void Server::record_live(const std::string& id) {
                    relay->lifecycle_state() != SessionState::busy)) {
         return;
     }
-    auto* box = dynamic_cast<RuncSandbox*>(relay->sandbox());
+    const Sandbox* box = relay->sandbox();
     if (!box) return;
     const auto record = box->adoption_record();
     if (!record) return;
@@ -145,6 +145,19 @@ void Server::adopt_sandboxes(std::vector<HandoverRow>& rows) {
             const SessionLimits limits =
                 options_.policy.effective(json::object(), body.at("limits"));
             const json& record = body.at("sandbox");
+            if (record.value("backend", "") == "swarm" || swarm_) {
+                if (!swarm_ || record.value("backend", "") != "swarm") {
+                    throw std::runtime_error(
+                        "its sandbox ran on another backend than this "
+                        "server's (" +
+                        options_.backend + ")");
+                }
+                auto box = swarm_->adopt(id, record, resolved, limits.sandbox);
+                spdlog::info("session {}: its service adopted ({})", id, box->container_id());
+                adopting_.push_back(
+                    {id, std::move(body), std::move(box), open->created_at, open->execution_count});
+                continue;
+            }
             std::shared_ptr<RuncSandbox> zygote;
             if (const json& from = record.value("forked_from", json()); from.is_object()) {
                 zygote = adopt_zygote(from, resolved, limits.sandbox, zygotes);

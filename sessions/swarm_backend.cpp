@@ -255,6 +255,15 @@ class SwarmSandbox final : public Sandbox {
         const std::uint64_t one = 1;
         [[maybe_unused]] auto r = ::write(event_.get(), &one, sizeof one);
     }
+    // Everything adopt() checks against the engine, and the inner connection
+    // with its key (the service's secret cannot be read back).
+    std::optional<json> adoption_record() const override {
+        return json{{"backend", "swarm"},        {"service_id", container_id_},
+                    {"secret_id", secret_id_},   {"task_id", task_id_},
+                    {"node_id", node_id_},       {"node_name", node_name_},
+                    {"kernel", inner_.to_json()}};
+    }
+    const std::string& secret_id() const { return secret_id_; }
     const std::string& task_id() const { return task_id_; }
     const std::string& node_id() const { return node_id_; }
     const std::string& node_name() const { return node_name_; }
@@ -388,22 +397,97 @@ SwarmBackend::SwarmBackend(SwarmSettings settings)
     }
     server_id_ = read_or_create_server_id(settings_.state_dir);
     state_->nodes = state_->api.expect("GET", "/nodes");
-    // What an earlier run of this server left: its clients and their keys
-    // went with it, so nothing can be re-adopted; every service goes.
+    watcher_ = std::thread([this] { watch(); });
+}
+
+std::unique_ptr<Sandbox> SwarmBackend::adopt(const std::string& session_id, const json& record,
+                                             const Image& image, const SandboxLimits& limits) {
+    DockerApi& api = state_->api;
+    const std::string service_id = record.at("service_id").get<std::string>();
+    const std::string task_id = record.at("task_id").get<std::string>();
+    const json service = api.expect("GET", "/services/" + service_id, nullptr, 404);
+    if (!service.contains("Spec")) throw SandboxError("its service " + service_id + " is gone");
+    const json labels = service.value("Spec", json::object()).value("Labels", json::object());
+    if (labels.value("cellblock.server", "") != server_id_ ||
+        labels.value("cellblock.session", "") != session_id) {
+        throw SandboxError("service " + service_id +
+                           " is not this session's (its labels: " + labels.dump() + ")");
+    }
+    // The same task, still running, on a node still ready: a task the engine
+    // replaced would be a new kernel without the session's state.
+    json task;
+    for (const auto& t :
+         api.expect("GET", "/tasks?filters=" + docker_filters({{"service", {service_id}}}))) {
+        if (t.value("ID", "") == task_id) task = t;
+    }
+    const std::string task_state =
+        task.is_null() ? "gone" : task.value("Status", json::object()).value("State", "");
+    if (task_state != "running") {
+        throw SandboxError("its task " + task_id.substr(0, 12) + " is " + task_state);
+    }
+    const std::string node_id = record.at("node_id").get<std::string>();
+    const json node = api.expect("GET", "/nodes/" + node_id);
+    if (task.value("NodeID", "") != node_id || node_field(node, "Status", "State") != "ready") {
+        throw SandboxError("its node " + record.value("node_name", node_id) + " is " +
+                           node_field(node, "Status", "State", "gone"));
+    }
+    auto box = std::make_unique<SwarmSandbox>(state_, service_id,
+                                              record.at("secret_id").get<std::string>(), task_id,
+                                              node_id, record.value("node_name", node_id));
+    box->set_identity(session_id, ConnectionInfo::from_json(record.at("kernel")), image, limits);
+    std::lock_guard lock(state_->mutex);
+    state_->live[service_id] = box.get();
+    return box;
+}
+
+void SwarmBackend::remove_unclaimed() {
+    // What an earlier run of this server left and no session took back
+    // (adopt): its pool's services, and those whose records did not open.
+    std::set<std::string> adopted_services, adopted_secrets;
+    {
+        std::lock_guard lock(state_->mutex);
+        for (const auto& [service_id, box] : state_->live) {
+            adopted_services.insert(service_id);
+            adopted_secrets.insert(box->secret_id());
+        }
+    }
     const std::string mine =
         "?filters=" + docker_filters({{"label", {"cellblock.server=" + server_id_}}});
     for (const auto& service : state_->api.expect("GET", "/services" + mine)) {
         const std::string id = service.value("ID", "");
+        if (adopted_services.count(id)) continue;
         state_->remove(id, "");
         reaped_.push_back(service["Spec"].value("Name", id));
     }
     for (const auto& secret : state_->api.expect("GET", "/secrets" + mine)) {
-        state_->remove("", secret.value("ID", ""));
+        if (!adopted_secrets.count(secret.value("ID", ""))) {
+            state_->remove("", secret.value("ID", ""));
+        }
     }
     for (const auto& name : reaped_) {
         spdlog::info("swarm: removed service {} left by an earlier run of this server", name);
     }
-    watcher_ = std::thread([this] { watch(); });
+}
+
+std::vector<std::string> swarm_services_left(const SwarmSettings& settings, bool remove) {
+    // Read, never made: a state dir whose server had no Swarm identity left nothing.
+    std::string server_id;
+    if (std::ifstream in(settings.state_dir / "swarm" / "server-id"); in) in >> server_id;
+    if (server_id.empty()) return {};
+    SwarmState state(settings.docker_host);
+    const std::string mine =
+        "?filters=" + docker_filters({{"label", {"cellblock.server=" + server_id}}});
+    std::vector<std::string> names;
+    for (const auto& service : state.api.expect("GET", "/services" + mine)) {
+        if (remove) state.remove(service.value("ID", ""), "");
+        names.push_back(service.value("Spec", json::object()).value("Name", ""));
+    }
+    if (remove) {
+        for (const auto& secret : state.api.expect("GET", "/secrets" + mine)) {
+            state.remove("", secret.value("ID", ""));
+        }
+    }
+    return names;
 }
 
 SwarmBackend::~SwarmBackend() {

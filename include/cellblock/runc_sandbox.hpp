@@ -71,7 +71,7 @@ class RuncSandbox final : public Sandbox,
     // the inner connection with its key (the copy in the sandbox is the
     // sandbox's to change), the host ids and the runtime. Null for a sandbox
     // that cannot be adopted (runsc's, a zygote's fork).
-    std::optional<nlohmann::json> adoption_record() const;
+    std::optional<nlohmann::json> adoption_record() const override;
     // Takes the sandbox back: its session lock and host id lease, an init
     // that is still the record's (pid, start time, in the container's
     // cgroup), and its shim's lifeline, which the shim connects again within

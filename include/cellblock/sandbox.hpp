@@ -148,6 +148,11 @@ class Sandbox {
     // Throws SandboxError where they cannot be applied.
     virtual void apply_limits(const SandboxLimits& limits) = 0;
 
+    // What a restarted server needs to take the sandbox back after a crash
+    // (docs/restarts.md): sealed in the session's live row, read by its
+    // backend's adopt. Null for a sandbox that cannot be adopted.
+    virtual std::optional<nlohmann::json> adoption_record() const { return std::nullopt; }
+
     // Capabilities.
     virtual SandboxFiles* files() { return nullptr; }
     virtual SandboxCpu* cpu() { return nullptr; }

@@ -64,14 +64,33 @@ nlohmann::json swarm_service_spec(const SwarmSettings& settings, const std::stri
                                   const SandboxLimits& limits, const std::string& secret_id,
                                   const std::string& secret_name);
 
+// The names of the services labelled with the Swarm identity kept in
+// `settings.state_dir` (none when it has none); `remove`: removes them and
+// their secrets too. What `cellblock keep` does for a crashed server that
+// no server followed within its grace. Throws SandboxError.
+std::vector<std::string> swarm_services_left(const SwarmSettings& settings, bool remove);
+
 class SwarmBackend final : public SandboxBackend {
   public:
-    // Reads or creates the server's Swarm identity, removes every service and
-    // secret an earlier run of this server left (their sessions' clients and
-    // keys are gone with it), and starts the watcher. Throws SandboxError
-    // when the engine cannot be reached or is not a Swarm manager.
+    // Reads or creates the server's Swarm identity and starts the watcher.
+    // Throws SandboxError when the engine cannot be reached or is not a
+    // Swarm manager. What an earlier run of this server left is adopted
+    // (adopt) or removed (remove_unclaimed) next.
     explicit SwarmBackend(SwarmSettings settings);
     ~SwarmBackend() override;
+
+    // Takes back a service an earlier run of this server left running
+    // (docs/restarts.md, phase 3), from its session's adoption record: the
+    // same service, labelled with this server's id and the session's, the
+    // same task still running on a node still ready (a task the engine
+    // replaced would be a new kernel). Throws SandboxError naming what does
+    // not match; the service is then remove_unclaimed's.
+    std::unique_ptr<Sandbox> adopt(const std::string& session_id, const nlohmann::json& record,
+                                   const Image& image, const SandboxLimits& limits);
+    // Removes every service and secret labelled with this server's id that
+    // no adopted sandbox holds (a crashed run's pool, records that did not
+    // open). Throws SandboxError when the engine cannot be reached.
+    void remove_unclaimed();
 
     std::string name() const override { return "swarm"; }
     std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,

@@ -24,7 +24,7 @@ import pytest
 
 import test_kernel_conformance as conformance
 from conftest import CELLBLOCK_BIN
-from server_helpers import (ServerProcess, execute, new_state_dir, run_ok, stream_text,
+from server_helpers import (ServerProcess, ShellWatch, execute, new_state_dir, run_ok,
                             wait_for)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -259,25 +259,58 @@ def _kernel_tests_server(swarm_server):
     yield
 
 
-def test_kill9_of_the_server_then_restart_removes_every_service_it_had(bed):
-    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1)).start()
+def secrets_of(bed, server_id):
+    return bed.docker("secret", "ls", "--filter", f"label=cellblock.server={server_id}",
+                      "-q").split()
+
+
+def test_kill9_of_the_server_then_restart_adopts_its_services(bed, tmp_path):
+    """Phase 3 of docs/restarts.md: the services outlive a killed server, and
+    the next start on its state dir takes each session's service back (the
+    same task: the kernel and its variables) through its clients' old
+    connection info; what no session held (the pool's) is removed."""
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + [
+        "--key-file", str(tmp_path / "server.key")]).start()
     try:
-        for _ in range(2):
+        opened = []
+        for n in range(2):
             sid, kc, _ = srv.open_session()
-            assert run_ok(kc, "print(1)") == "1\n"
+            assert run_ok(kc, f"kept = {n} * 10 + 7") == ""
+            opened.append((sid, kc))
         server_id = server_id_of(srv)
         wait_for(lambda: len(services_of(bed, server_id)) == 3, timeout=60)
         before = services_of(bed, server_id)
-        srv.close_clients()
+        tasks = {sid: node_of(bed, sid) for sid, _ in opened}
+        watch = ShellWatch(opened[0][1])
         srv.kill9()
-        # Nothing removed them: they run on, unowned, until the server is back.
+        # Nothing removes them while the grace runs.
+        time.sleep(1)
         assert services_of(bed, server_id) == before
+        # Sent while no server runs (once the client has seen it go):
+        # answered once the next one adopts it.
+        assert watch.wait_closed(timeout=60)
+        pending = opened[0][1].execute("print(kept + 1)")
         srv.start()
-        assert server_id_of(srv) == server_id
-        for name in before:
-            assert f"removed service {name}" in srv.log(), srv.log()
-        remaining = services_of(bed, server_id)
-        assert not set(remaining) & set(before), remaining
+        log = srv.log()
+        for sid, _ in opened:
+            assert f"session {sid}: its service adopted" in log, log[-3000:]
+            assert f"session {sid}: adopted" in log, log[-3000:]
+        pool = set(before) - {f"cb-{sid}" for sid, _ in opened}
+        for name in pool:
+            assert f"removed service {name}" in log, log[-3000:]
+        after = services_of(bed, server_id)
+        for sid, _ in opened:
+            assert after[f"cb-{sid}"] == before[f"cb-{sid}"], (before, after)
+            assert node_of(bed, sid) == tasks[sid]
+        reply = opened[0][1].get_shell_msg(timeout=120)
+        while reply["parent_header"].get("msg_id") != pending:
+            reply = opened[0][1].get_shell_msg(timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        for n, (sid, kc) in enumerate(opened):
+            assert run_ok(kc, "print(kept)") == f"{n * 10 + 7}\n"
+            kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                               {"session_id": sid})["content"]["events"]]
+            assert "adopted" in kinds, kinds
         sid, kc, _ = srv.open_session()
         assert run_ok(kc, "print(2)") == "2\n"
     finally:
@@ -285,6 +318,56 @@ def test_kill9_of_the_server_then_restart_removes_every_service_it_had(bed):
         problems = srv.shutdown()
         assert not problems, "\n".join(problems)
     assert services_of(bed, server_id) == {}
+    assert secrets_of(bed, server_id) == []
+
+
+def test_without_a_grace_a_restart_removes_every_service_it_had(bed):
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + ["--adopt-grace", "0"]).start()
+    try:
+        sid, kc, _ = srv.open_session()
+        assert run_ok(kc, "print(1)") == "1\n"
+        server_id = server_id_of(srv)
+        wait_for(lambda: len(services_of(bed, server_id)) == 2, timeout=60)
+        before = services_of(bed, server_id)
+        srv.close_clients()
+        srv.kill9()
+        # Nothing removed them: they run on, unowned, until the server is back.
+        assert services_of(bed, server_id) == before
+        srv.start()
+        for name in before:
+            assert f"removed service {name}" in srv.log(), srv.log()
+        assert not set(services_of(bed, server_id)) & set(before)
+        assert srv.info_of(sid)["state"] == "closed"
+    finally:
+        server_id = server_id_of(srv)
+        problems = srv.shutdown()
+        assert not problems, "\n".join(problems)
+    assert services_of(bed, server_id) == {}
+
+
+def test_when_no_server_comes_back_the_keeper_removes_the_services(bed, tmp_path):
+    """No server starts after the crash: past --adopt-grace the keeper the
+    server started removes every service and secret labelled with its id and
+    marks the sessions closed, naming why."""
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + [
+        "--key-file", str(tmp_path / "server.key"), "--adopt-grace", "3"]).start()
+    server_id = server_id_of(srv)
+    try:
+        sid, kc, _ = srv.open_session()
+        assert run_ok(kc, "z = 1") == ""
+        wait_for(lambda: len(services_of(bed, server_id)) == 2, timeout=60)
+        srv.close_clients()
+        srv.kill9()
+        assert wait_for(lambda: services_of(bed, server_id) == {}
+                        and secrets_of(bed, server_id) == [], timeout=90), \
+            (services_of(bed, server_id), srv.log()[-3000:])
+        assert "cellblock keep: removed swarm service cb-" + sid in srv.log(), srv.log()[-3000:]
+        srv.start()
+        info = srv.info_of(sid)
+        assert info["state"] == "closed" and info["close_reason"] == "server_restart", info
+    finally:
+        problems = srv.shutdown()
+        assert not problems, "\n".join(problems)
 
 
 def test_a_killed_worker_closes_its_sessions_as_node_lost(bed, swarm):

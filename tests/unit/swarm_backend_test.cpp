@@ -9,6 +9,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -188,8 +189,12 @@ TEST(DockerFilters, AreUrlEncodedJson) {
 // A fake engine: answers each connection with `reply`, once per request.
 class FakeEngine {
   public:
+    using Route = std::function<std::string(const std::string& request)>;
     explicit FakeEngine(std::string reply, bool silent = false)
-        : reply_(std::move(reply)), silent_(silent) {
+        : FakeEngine([reply](const std::string&) { return reply; }, silent) {}
+    // Answers each request with route(its text).
+    explicit FakeEngine(Route route, bool silent = false)
+        : route_(std::move(route)), silent_(silent) {
         path_ = fs::temp_directory_path() / ("cellblock-fake-docker-" + std::to_string(::getpid()) +
                                              "-" + std::to_string(counter_++) + ".sock");
         fs::remove(path_);
@@ -222,13 +227,14 @@ class FakeEngine {
             if (silent_) {
                 while (!stop_) ::usleep(10000);
             } else {
-                [[maybe_unused]] auto w = ::send(c, reply_.data(), reply_.size(), MSG_NOSIGNAL);
+                const std::string reply = route_(last_);
+                [[maybe_unused]] auto w = ::send(c, reply.data(), reply.size(), MSG_NOSIGNAL);
             }
             ::close(c);
         }
     }
     static inline int counter_ = 0;
-    std::string reply_;
+    Route route_;
     bool silent_;
     fs::path path_;
     int fd_ = -1;
@@ -292,4 +298,105 @@ TEST(SwarmBackend, RefusesAnEngineThatIsNotASwarmManager) {
         EXPECT_NE(std::string(e.what()).find("not a Swarm manager"), std::string::npos) << e.what();
     }
     fs::remove_all(settings.state_dir);
+}
+
+// An engine with one service of this server's, as a crashed run left it,
+// for SwarmBackend::adopt to check against (a real engine: test_swarm.py).
+class LeftService : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        settings_.state_dir =
+            fs::temp_directory_path() / ("cellblock-swarm-adopt-" + std::to_string(::getpid()));
+        fs::create_directories(settings_.state_dir / "swarm");
+        std::ofstream(settings_.state_dir / "swarm" / "server-id") << "0123456789abcdef\n";
+    }
+    void TearDown() override { fs::remove_all(settings_.state_dir); }
+
+    static std::string ok(const json& body) {
+        const std::string text = body.dump();
+        return "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " +
+               std::to_string(text.size()) + "\r\n\r\n" + text;
+    }
+    std::string answer(const std::string& request) const {
+        const std::string line = request.substr(0, request.find("\r\n"));
+        if (line.find(" /info ") != std::string::npos) {
+            return ok({{"Swarm", {{"LocalNodeState", "active"}, {"ControlAvailable", true}}}});
+        }
+        if (line.find(" /nodes/node-1 ") != std::string::npos) {
+            return ok({{"ID", "node-1"}, {"Status", {{"State", node_state_}}}});
+        }
+        if (line.find(" /nodes ") != std::string::npos) return ok(json::array());
+        if (line.find(" /services/svc-1 ") != std::string::npos) {
+            return ok({{"ID", "svc-1"},
+                       {"Spec",
+                        {{"Name", "cb-s1"},
+                         {"Labels",
+                          {{"cellblock.server", server_label_}, {"cellblock.session", "s1"}}}}}});
+        }
+        if (line.find(" /tasks?") != std::string::npos) {
+            return ok(json::array(
+                {{{"ID", task_id_}, {"NodeID", "node-1"}, {"Status", {{"State", task_state_}}}}}));
+        }
+        return "HTTP/1.1 404 Not Found\r\nContent-Length: 24\r\n\r\n{\"message\":\"not found\"}";
+    }
+    json record() const {
+        ConnectionInfo kernel;
+        kernel.transport = "tcp";
+        kernel.ip = "127.0.0.1";
+        kernel.shell_port = 30001;
+        kernel.key = "inner-key";
+        return {{"backend", "swarm"},        {"service_id", "svc-1"}, {"secret_id", "sec-1"},
+                {"task_id", "task-1"},       {"node_id", "node-1"},   {"node_name", "worker-1"},
+                {"kernel", kernel.to_json()}};
+    }
+    // adopt's refusal, or "" when it adopted.
+    std::string refusal(const json& rec, const std::string& session = "s1") {
+        FakeEngine engine([this](const std::string& r) { return answer(r); });
+        settings_.docker_host = engine.host();
+        SwarmBackend backend(settings_);
+        try {
+            auto box = backend.adopt(session, rec, host_image(), SandboxLimits{});
+            EXPECT_EQ(box->container_id(), "svc-1");
+            EXPECT_EQ(box->inner_connection().key, "inner-key");
+            EXPECT_EQ(box->inner_connection().shell_port, 30001);
+            // Its record names the same service, task and key again.
+            EXPECT_EQ(box->adoption_record()->at("task_id"), "task-1");
+            EXPECT_EQ(box->adoption_record()->at("kernel").at("key"), "inner-key");
+            return "";
+        } catch (const SandboxError& e) {
+            return e.what();
+        }
+    }
+
+    SwarmSettings settings_;
+    std::string server_label_ = "0123456789abcdef";
+    std::string task_id_ = "task-1";
+    std::string task_state_ = "running";
+    std::string node_state_ = "ready";
+};
+
+TEST_F(LeftService, ItsOwnRunningServiceIsAdopted) { EXPECT_EQ(refusal(record()), ""); }
+
+TEST_F(LeftService, AnotherServersOrAnotherSessionsServiceIsNot) {
+    server_label_ = "fedcba9876543210";
+    EXPECT_NE(refusal(record()).find("is not this session's"), std::string::npos);
+    server_label_ = "0123456789abcdef";
+    EXPECT_NE(refusal(record(), "s2").find("is not this session's"), std::string::npos);
+}
+
+TEST_F(LeftService, AReplacedOrEndedTaskOrADownNodeIsNot) {
+    task_id_ = "task-2";  // the engine started another kernel: the state is gone
+    EXPECT_NE(refusal(record()).find("is gone"), std::string::npos);
+    task_id_ = "task-1";
+    task_state_ = "complete";
+    EXPECT_NE(refusal(record()).find("is complete"), std::string::npos);
+    task_state_ = "running";
+    node_state_ = "down";
+    EXPECT_NE(refusal(record()).find("worker-1 is down"), std::string::npos);
+}
+
+TEST_F(LeftService, AServiceTheEngineNoLongerHasIsNot) {
+    json rec = record();
+    rec["service_id"] = "svc-9";
+    EXPECT_NE(refusal(rec).find("is gone"), std::string::npos);
 }
