@@ -237,7 +237,7 @@ class Server final : public SessionObserver {
     };
     std::vector<AdoptedSandbox> adopting_;
     // The Swarm backend, made before the adoption (its services are adopted
-    // or removed first), then handed to the pool.
+    // or removed first), then handed to the pool (null after the start).
     std::shared_ptr<SwarmBackend> swarm_;
     std::map<std::string, std::string> adopt_failures_;  // session id: why not adopted
     std::set<std::string> live_recorded_;                // the sessions with a row

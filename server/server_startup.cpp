@@ -261,7 +261,7 @@ Server::Server(const ServeOptions& options)
     const int wake = wake_fd_.get();
     std::shared_ptr<SandboxBackend> backend;
     if (swarm_) {
-        backend = swarm_;
+        backend = std::move(swarm_);
     } else {
         backend = std::make_shared<RuncBackend>(settings_);
     }
