@@ -60,6 +60,30 @@ std::string_view sender(const InboundMessage& msg) {
     return msg.layout.delimiter > 0 ? msg.frame(0) : std::string_view();
 }
 
+// A kernel message's metadata as an object (empty when it is not one).
+json metadata_of(const InboundMessage& msg, int max_depth) {
+    auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), max_depth);
+    return metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+}
+
+// What cellblock's kernel reports on a reply (cellblock_ipykernel: the bytes
+// it dropped at its source, what it published to no one), taken out of the
+// metadata: the relay's to read, never the client's. Empty when absent.
+json take_kernel_report(json& md) {
+    json report = json::object();
+    if (const auto source = md.find("cellblock_source"); source != md.end()) {
+        if (source->is_object()) report = std::move(*source);
+        md.erase(source);
+    }
+    return report;
+}
+
+std::optional<std::uint64_t> count_in(const json& report, const char* key) {
+    const auto it = report.find(key);
+    if (it == report.end() || !it->is_number_unsigned()) return std::nullopt;
+    return it->get<std::uint64_t>();
+}
+
 }  // namespace
 
 SessionCore::SessionCore(CoreOptions options, SessionIo& io, Clock::time_point now)
@@ -440,8 +464,7 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
     }
     if (resumed_) {
         // The first reply after a resume, of whatever kind, says so.
-        auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
-        json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+        json md = metadata_of(msg, options_.max_json_depth);
         mark_resumed(md);
         const std::string new_metadata = md.dump();
         io_.forward_reply(channel, request.identities, msg, &new_metadata);
@@ -470,25 +493,18 @@ bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
         return true;
     }
     // Whole, but what it published while no server ran reached no one.
-    auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
-    json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+    json md = metadata_of(msg, options_.max_json_depth);
     if (!md["cellblock"].is_object()) md["cellblock"] = json::object();
     // What the kernel published while no relay listened, as cellblock's
     // kernel counted it (cellblock_ipykernel.Unheard: a lower bound);
     // another kernel's is not known.
-    json lost = "uncounted: what the kernel published while no server ran";
-    if (const auto source = md.find("cellblock_source"); source != md.end()) {
-        if (source->is_object()) {
-            const auto messages = source->find("unheard_messages");
-            const auto bytes = source->find("unheard_bytes");
-            if (messages != source->end() && messages->is_number_unsigned() &&
-                bytes != source->end() && bytes->is_number_unsigned()) {
-                lost = {{"messages", *messages}, {"bytes", *bytes}, {"at_least", true}};
-            }
-        }
-        md.erase(source);
-    }
-    md["cellblock"]["server_restarted"] = {{"outputs_lost", std::move(lost)}};
+    const json report = take_kernel_report(md);
+    const auto messages = count_in(report, "unheard_messages");
+    const auto bytes = count_in(report, "unheard_bytes");
+    md["cellblock"]["server_restarted"] = {
+        {"outputs_lost", messages && bytes
+                             ? json{{"messages", *messages}, {"bytes", *bytes}, {"at_least", true}}
+                             : json("uncounted: what the kernel published while no server ran")}};
     const std::string new_metadata = md.dump();
     io_.forward_reply(channel, request.identities, msg, &new_metadata);
     publish_owed_idles();
@@ -549,21 +565,14 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     held_reply_.reset();
     InboundMessage& msg = held.message;
     // The budget an agent needs rides on the reply: metadata.cellblock.
-    auto metadata = parse_json_frame(msg.frame(msg.layout.metadata()), options_.max_json_depth);
     const auto content = msg.parsed_content(options_.max_json_depth);
-    json md = metadata && metadata->is_object() ? std::move(*metadata) : json::object();
+    json md = metadata_of(msg, options_.max_json_depth);
     const SandboxUsage usage = lifecycle_.attached() ? io_.kernel_usage() : SandboxUsage{};
     const std::uint64_t cpu_ms =
         (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
     // What the kernel dropped at its source: counted, and not shown as is.
-    if (const auto source = md.find("cellblock_source"); source != md.end()) {
-        if (source->is_object()) {
-            const auto dropped = source->find("dropped_bytes");
-            if (dropped != source->end() && dropped->is_number_unsigned()) {
-                governor_->on_dropped_at_source(dropped->get<std::uint64_t>());
-            }
-        }
-        md.erase(source);
+    if (const auto dropped = count_in(take_kernel_report(md), "dropped_bytes")) {
+        governor_->on_dropped_at_source(*dropped);
     }
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);
     mark_resumed(md);

@@ -1254,7 +1254,11 @@ TEST_F(SleepTest, AnAdoptedSessionAnswersEachCarriedRequestAndOwesNoIdleStatus) 
     const auto fence = io.of("own", "kernel_info_request");
     ASSERT_EQ(fence.size(), 1u) << "a fence on shell, behind the carried requests";
     EXPECT_EQ(core->lifecycle_state(), SessionState::idle) << "its clients are back at once";
-    core->on_kernel_reply(t0 + 10ms, Channel::shell, execute_reply("c1"));  // kept
+    // Kept, with what the kernel published to no one meanwhile (Unheard).
+    core->on_kernel_reply(
+        t0 + 10ms, Channel::shell,
+        inbound({}, "execute_reply", "k-c1", "c1", {{"status", "ok"}, {"execution_count", 1}},
+                {{"cellblock_source", {{"unheard_messages", 2}, {"unheard_bytes", 7}}}}));
     core->on_kernel_iopub(t0 + 20ms, status("c2", "idle"));
     core->on_kernel_reply(t0 + 20ms, Channel::shell, execute_reply("c2"));
     core->on_kernel_iopub(t0 + 30ms, status(fence[0].parent_id, "busy"));
@@ -1264,9 +1268,13 @@ TEST_F(SleepTest, AnAdoptedSessionAnswersEachCarriedRequestAndOwesNoIdleStatus) 
     const auto replies = io.to_client("execute_reply");
     ASSERT_EQ(replies.size(), 3u);
     EXPECT_EQ(replies[0].parent_id, "c1");
-    EXPECT_TRUE(replies[0].metadata["cellblock"]["server_restarted"].contains("outputs_lost"))
+    EXPECT_EQ(replies[0].metadata["cellblock"]["server_restarted"]["outputs_lost"],
+              json({{"messages", 2}, {"bytes", 7}, {"at_least", true}}))
         << replies[0].metadata;
+    EXPECT_FALSE(replies[0].metadata.contains("cellblock_source"));
     EXPECT_EQ(replies[1].parent_id, "c2");
+    EXPECT_TRUE(replies[1].metadata["cellblock"]["server_restarted"]["outputs_lost"].is_string())
+        << "no count from the kernel: " << replies[1].metadata;
     EXPECT_EQ(replies[2].parent_id, "c3");
     EXPECT_EQ(replies[2].content["ename"], "ServerRestarting");
     std::map<std::string, int> idles;
