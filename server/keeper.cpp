@@ -106,6 +106,14 @@ void spawn_keeper(const KeeperOptions& o) {
         spdlog::warn("no keeper for this server: /proc/self/exe: {}", ec.message());
         return;
     }
+    // Made here, not by the keeper: a keeper starting as its server stops
+    // must not put a file back into a state dir being removed.
+    if (!UniqueFd(
+            ::open(keeper_lock_file(o.state_dir).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600))) {
+        spdlog::warn("no keeper for this server: {}: {}", keeper_lock_file(o.state_dir).string(),
+                     std::strerror(errno));
+        return;
+    }
     const pid_t server = ::getpid();
     std::vector<std::string> args = {self.string(),    "keep",
                                      "--state-dir",    o.state_dir.string(),
@@ -158,9 +166,9 @@ int run_keeper(const KeeperOptions& o) {
     // names the server it watches. A server that re-executed itself (SIGHUP,
     // the same pid) has its keeper already. A server that follows a crashed
     // one waits for the last keeper, which ends when it sees this server.
-    const UniqueFd keeper_lock(
-        ::open(keeper_lock_file(o.state_dir).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-    if (!keeper_lock) return 1;
+    // Its server made the file; gone, the state dir is being removed.
+    const UniqueFd keeper_lock(::open(keeper_lock_file(o.state_dir).c_str(), O_RDWR | O_CLOEXEC));
+    if (!keeper_lock) return errno == ENOENT ? 0 : 1;
     const std::string watched =
         std::to_string(o.server_pid) + " " + std::to_string(o.server_start) + "\n";
     if (::flock(keeper_lock.get(), LOCK_EX | LOCK_NB) != 0) {

@@ -296,6 +296,22 @@ def test_when_no_server_comes_back_the_keeper_leaves_nothing(
     assert srv.info_of(sid)["state"] == "closed"
 
 
+def test_a_keeper_puts_nothing_into_a_state_dir_being_removed(tmp_path):
+    """The keeper starts as its own process, a moment after its server; a
+    server stopped at once and its state dir removed (what every test's
+    teardown does) must not find a file the keeper made meanwhile. Its
+    server makes keeper.lock; a keeper that finds none ends, making none."""
+    import subprocess
+    state = tmp_path / "state"
+    state.mkdir()
+    done = subprocess.run(
+        [sh.CELLBLOCK_BIN, "keep", "--state-dir", str(state), "--libexec-dir", str(tmp_path),
+         "--server-pid", str(os.getpid()), "--server-start", "1", "--grace-ms", "1000"],
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(state) == []
+
+
 def test_a_session_hibernated_at_the_crash_is_taken_back_with_its_state(
         server_factory, tmp_path):  # noqa: F811
     """A hibernated session has no sandbox to adopt: its snapshot and its
