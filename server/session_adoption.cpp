@@ -145,13 +145,11 @@ void Server::adopt_sandboxes(std::vector<HandoverRow>& rows) {
             const SessionLimits limits =
                 options_.policy.effective(json::object(), body.at("limits"));
             const json& record = body.at("sandbox");
-            if (record.value("backend", "") == "swarm" || swarm_) {
-                if (!swarm_ || record.value("backend", "") != "swarm") {
-                    throw std::runtime_error(
-                        "its sandbox ran on another backend than this "
-                        "server's (" +
-                        options_.backend + ")");
-                }
+            if ((record.value("backend", "") == "swarm") != (swarm_ != nullptr)) {
+                throw std::runtime_error("its sandbox ran on another backend than this server's (" +
+                                         options_.backend + ")");
+            }
+            if (swarm_) {
                 auto box = swarm_->adopt(id, record, resolved, limits.sandbox);
                 spdlog::info("session {}: its service adopted ({})", id, box->container_id());
                 adopting_.push_back(

@@ -146,12 +146,12 @@ void remove_session(RuntimeSettings settings, const std::string& session_id, con
             spdlog::warn("session {}: {} delete: {}", session_id, settings.runtime, result.output);
         }
     }
-    for (const fs::path& mount : SessionDir(dir).mounts()) unmount_if_mounted(mount);
+    const SessionDir paths(dir);
+    for (const fs::path& mount : paths.mounts()) unmount_if_mounted(mount);
     remove_cgroups(cid);
     // The lock goes last: a remover killed midway leaves a dir whose lock no
     // one holds, which the next reaper takes at once. Without its lock the
     // dir would look like one still being made, and wait out its age.
-    const SessionDir paths(dir);
     std::error_code list_ec;
     for (const auto& entry : fs::directory_iterator(dir, list_ec)) {
         if (entry.path() == paths.lock()) continue;

@@ -107,16 +107,23 @@ std::string service_log_tail(const DockerApi& api, const std::string& service_id
     }
 }
 
+fs::path server_id_file(const fs::path& state_dir) { return state_dir / "swarm" / "server-id"; }
+
+// The server's Swarm identity kept in `state_dir`, or "" when it has none.
+std::string read_server_id(const fs::path& state_dir) {
+    std::string id;
+    if (std::ifstream in(server_id_file(state_dir)); in) in >> id;
+    return id.size() == 16 ? id : std::string();
+}
+
 std::string read_or_create_server_id(const fs::path& state_dir) {
-    const fs::path dir = state_dir / "swarm";
+    const fs::path dir = server_id_file(state_dir).parent_path();
     fs::create_directories(dir);
     fs::permissions(dir, fs::perms::owner_all, fs::perm_options::replace);
-    const fs::path file = dir / "server-id";
-    std::string id;
-    if (std::ifstream in(file); in) in >> id;
-    if (id.size() == 16) return id;
+    std::string id = read_server_id(state_dir);
+    if (!id.empty()) return id;
     id = make_random_key().substr(0, 16);
-    std::ofstream(file) << id << "\n";
+    std::ofstream(server_id_file(state_dir)) << id << "\n";
     return id;
 }
 
@@ -162,6 +169,30 @@ struct SwarmState {
                 ::usleep(100000);
             }
         }
+    }
+
+    // The names of the services labelled with `server_id`, but those in
+    // `keep`; `remove`: removes them, and the secrets so labelled but
+    // those in `keep_secrets`.
+    std::vector<std::string> labelled(const std::string& server_id, bool remove,
+                                      const std::set<std::string>& keep = {},
+                                      const std::set<std::string>& keep_secrets = {}) {
+        const std::string mine =
+            "?filters=" + docker_filters({{"label", {"cellblock.server=" + server_id}}});
+        std::vector<std::string> names;
+        for (const auto& service : api.expect("GET", "/services" + mine)) {
+            const std::string id = service.value("ID", "");
+            if (keep.count(id)) continue;
+            if (remove) this->remove(id, "");
+            names.push_back(service.value("Spec", json::object()).value("Name", id));
+        }
+        if (remove) {
+            for (const auto& secret : api.expect("GET", "/secrets" + mine)) {
+                const std::string id = secret.value("ID", "");
+                if (!keep_secrets.count(id)) this->remove("", id);
+            }
+        }
+        return names;
     }
 };
 
@@ -451,19 +482,7 @@ void SwarmBackend::remove_unclaimed() {
             adopted_secrets.insert(box->secret_id());
         }
     }
-    const std::string mine =
-        "?filters=" + docker_filters({{"label", {"cellblock.server=" + server_id_}}});
-    for (const auto& service : state_->api.expect("GET", "/services" + mine)) {
-        const std::string id = service.value("ID", "");
-        if (adopted_services.count(id)) continue;
-        state_->remove(id, "");
-        reaped_.push_back(service["Spec"].value("Name", id));
-    }
-    for (const auto& secret : state_->api.expect("GET", "/secrets" + mine)) {
-        if (!adopted_secrets.count(secret.value("ID", ""))) {
-            state_->remove("", secret.value("ID", ""));
-        }
-    }
+    reaped_ = state_->labelled(server_id_, true, adopted_services, adopted_secrets);
     for (const auto& name : reaped_) {
         spdlog::info("swarm: removed service {} left by an earlier run of this server", name);
     }
@@ -471,23 +490,9 @@ void SwarmBackend::remove_unclaimed() {
 
 std::vector<std::string> swarm_services_left(const SwarmSettings& settings, bool remove) {
     // Read, never made: a state dir whose server had no Swarm identity left nothing.
-    std::string server_id;
-    if (std::ifstream in(settings.state_dir / "swarm" / "server-id"); in) in >> server_id;
+    const std::string server_id = read_server_id(settings.state_dir);
     if (server_id.empty()) return {};
-    SwarmState state(settings.docker_host);
-    const std::string mine =
-        "?filters=" + docker_filters({{"label", {"cellblock.server=" + server_id}}});
-    std::vector<std::string> names;
-    for (const auto& service : state.api.expect("GET", "/services" + mine)) {
-        if (remove) state.remove(service.value("ID", ""), "");
-        names.push_back(service.value("Spec", json::object()).value("Name", ""));
-    }
-    if (remove) {
-        for (const auto& secret : state.api.expect("GET", "/secrets" + mine)) {
-            state.remove("", secret.value("ID", ""));
-        }
-    }
-    return names;
+    return SwarmState(settings.docker_host).labelled(server_id, remove);
 }
 
 SwarmBackend::~SwarmBackend() {
