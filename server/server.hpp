@@ -189,10 +189,23 @@ class Server final : public SessionObserver {
     ProxyOptions proxy_options(const std::string& session_id, const SessionLimits& limits);
     // SIGHUP: false (logged) when the server key cannot be had; the server goes on.
     bool begin_handover();
-    // Every session hibernated or given up on, or --takeover-wait passed.
+    // Every session hibernated, left running or given up on, or
+    // --takeover-wait passed.
     bool handover_ready(Clock::time_point now) const;
-    // One sealed row per hibernated session; the others are closed with why.
+    // SIGHUP with adoption on: a session whose sandbox can be adopted is left
+    // running for the next start (the exec follows at once), as a crash
+    // leaves it; the others hibernate. SIGUSR2's next start may come later
+    // than any grace: its sessions all hibernate.
+    bool leaves_running(const Session& session) const;
+    // Hands each session over: to hibernate, or to be left running.
+    void settle_handover();
+    // One sealed row per hibernated session, a fresh live row per session
+    // left running; the others are closed with why.
     void write_handover();
+    // The sessions left running: their rows written again, what they owe
+    // their clients sent (bounded), their sandboxes let go of. Returns how many.
+    std::size_t leave_running(const std::vector<std::string>& ids);
+    std::set<std::string> leave_running_;  // chosen at the signal
     // The next start: the sessions the rows name, and the manager's endpoint and key.
     std::set<std::string> handed_over_sessions() const;
     // The last server's manager endpoint when ours has a wildcard port ("":
@@ -217,7 +230,8 @@ class Server final : public SessionObserver {
     static bool live_row(const HandoverRow& row);
     // Written (again) after each turn in which the session became idle or
     // its open requests changed (live_dirty_).
-    void record_live(const std::string& id);
+    // False when no row was written now (no record to take, or the write failed).
+    bool record_live(const std::string& id);
     void forget_live(const std::string& id);
     void flush_live();  // the rows of the sessions whose requests changed this turn
     std::set<std::string> live_dirty_;

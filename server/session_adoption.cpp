@@ -44,18 +44,18 @@ void Server::flush_live() {
     live_dirty_.clear();
 }
 
-void Server::record_live(const std::string& id) {
-    if (!server_key_ || settings_.adopt_grace_ms <= 0) return;
+bool Server::record_live(const std::string& id) {
+    if (!server_key_ || settings_.adopt_grace_ms <= 0) return false;
     Session* session = sessions_.find(id);
     SessionProxy* relay = session ? session->proxy() : nullptr;
     if (!relay || (relay->lifecycle_state() != SessionState::idle &&
                    relay->lifecycle_state() != SessionState::busy)) {
-        return;
+        return false;
     }
     const Sandbox* box = relay->sandbox();
-    if (!box) return;
+    if (!box) return false;
     const auto record = box->adoption_record();
-    if (!record) return;
+    if (!record) return false;
     const SessionOrigin& origin = session->origin();
     json body = {{"version", kLiveVersion},
                  {"session_id", id},
@@ -83,6 +83,7 @@ void Server::record_live(const std::string& id) {
     body["in_kernel"] = std::move(in_kernel);
     body["queued"] = std::move(queued);
     body["answered"] = open.answered;
+    body["network_bytes"] = relay->network_bytes();
     try {
         const auto bytes = json::to_cbor(body);
         store_.put_handover(
@@ -91,8 +92,10 @@ void Server::record_live(const std::string& id) {
                   *server_key_, live_name(id)),
              unix_now()});
         live_recorded_.insert(id);
+        return true;
     } catch (const std::exception& e) {
         spdlog::warn("session {}: no record to adopt it by after a crash: {}", id, e.what());
+        return false;
     }
 }
 
@@ -232,6 +235,7 @@ void Server::take_over_adopted() {
             for (const auto& id : body.value("answered", json::array())) {
                 if (id.is_string()) state.answered.push_back(id.get<std::string>());
             }
+            state.network_bytes = body.value("network_bytes", std::uint64_t{0});
             relay.adopt(state);
             // On control: the kernel may still run what the last server sent it.
             auto channels = probe_kernel(context_, *adopted.sandbox, kProbeTimeout, 64 << 20,

@@ -639,7 +639,8 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         if (auto grace_end = governor_->interrupt_deadline()) consider(*grace_end);
     }
     if (adopt_settle_until_) consider(adopt_look_at_);
-    if (handing_over_ && lifecycle_.state() == SessionState::idle && !handover_failed_) {
+    if (handing_over_ && handover_hibernates_ && lifecycle_.state() == SessionState::idle &&
+        !handover_failed_) {
         consider(settle_at_);  // settle_handover: free yet? (due at once after a reply)
     }
     if (governor_) {

@@ -231,9 +231,14 @@ class SessionCore {
     // now the session takes no new work (requests wait, not woken for, an
     // interrupt of the running execution excepted) and hibernates once idle
     // with nothing open. A session that cannot reports hibernate_failed.
-    void hand_over(Clock::time_point now);
+    // With `hibernate` false the next start adopts its sandbox instead
+    // (SIGHUP with adoption on): it stays as it is, and is settled once idle
+    // with nothing open at its kernel; a busy one is left running anyway at
+    // --takeover-wait.
+    void hand_over(Clock::time_point now, bool hibernate = true);
     bool handing_over() const { return handing_over_; }
-    // Hibernated, or closed: nothing more will change before the handover.
+    // Hibernated, closed, or (left running) idle with nothing open: nothing
+    // more will change before the handover.
     bool handover_settled() const;
     HandoverState handover_state(Clock::time_point now) const;
     // The next server: a session handed over hibernated, with its counters;
@@ -401,7 +406,10 @@ class SessionCore {
 
     std::optional<OwnRequest> own_;
     bool handing_over_ = false;
-    bool handover_failed_ = false;   // could not hibernate for it: the server closes it
+    bool handover_failed_ = false;     // could not hibernate for it: the server closes it
+    bool handover_hibernates_ = true;  // false: left running for the next start to adopt
+    // No execution, reply or request open at the kernel, none queued for it.
+    bool nothing_open() const;
     Clock::time_point settle_at_{};  // when settle_handover looks again
     // Adopted with its kernel attached: until when requests wait for a
     // subscriber (adopt_settle), and when settle_adoption looks next (a

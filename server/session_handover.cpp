@@ -7,6 +7,12 @@
 // it sent meanwhile, carried in the row) wakes it, as after
 // hibernate_after_s.
 //
+// With adoption on (--adopt-grace, session_adoption.cpp), SIGHUP hibernates
+// only the sessions whose sandboxes cannot be adopted (runsc's): the others,
+// busy ones included, are left running with a fresh live row, as a crash
+// would leave them, and the exec'd process adopts them within a second or
+// two instead of waking each from its snapshot.
+//
 // A row is CBOR sealed under the server key (server_key.hpp) with the label
 // "handover/<session>": the client's key and the snapshot's key never sit
 // in the state dir in the clear. Whatever cannot be carried is named: a
@@ -102,10 +108,38 @@ bool Server::begin_handover() {
         release_cold_start(it->second.ticket, it->second.kind);
         it = creating_.erase(it);
     }
+    leave_running_.clear();
     for (auto& [id, session] : sessions_) {
-        if (SessionProxy* relay = session.proxy(); relay && !relay->closed()) relay->hand_over();
+        if (leaves_running(session)) leave_running_.insert(id);
+    }
+    settle_handover();
+    if (!leave_running_.empty()) {
+        spdlog::info("cellblock serve: {}: {} session(s) left running for the next start to adopt",
+                     handover_signal_, leave_running_.size());
     }
     return true;
+}
+
+bool Server::leaves_running(const Session& session) const {
+    if (!exec_after_handover_ || !server_key_ || settings_.adopt_grace_ms <= 0) return false;
+    const SessionProxy* relay = session.proxy();
+    if (!relay || relay->closed()) return false;
+    const SessionState state = relay->lifecycle_state();
+    if (state != SessionState::idle && state != SessionState::busy) return false;
+    const Sandbox* box = relay->sandbox();
+    return box && box->adoption_record().has_value();
+}
+
+void Server::settle_handover() {
+    // Those left running take no new work either: what comes waits in the
+    // session, is named by its row, and is sent again to the kernel by the
+    // next start once its clients are back (their outputs reach them).
+    for (auto& [id, session] : sessions_) {
+        SessionProxy* relay = session.proxy();
+        if (relay && !relay->closed() && !relay->handing_over()) {
+            relay->hand_over(!leave_running_.count(id));
+        }
+    }
 }
 
 bool Server::handover_ready(Clock::time_point now) const {
@@ -193,13 +227,17 @@ void Server::write_handover() {
     } catch (const std::exception& e) {
         spdlog::error("cellblock serve: handover: the manager's row: {}", e.what());
     }
-    std::vector<std::string> ids;
+    std::vector<std::string> ids, running;
     for (const auto& [id, session] : sessions_) ids.push_back(id);
     std::size_t handed = 0;
     for (const auto& id : ids) {
         Session& session = *sessions_.find(id);
         SessionProxy* relay = session.proxy();
         if (!relay || relay->closed()) continue;
+        if (leave_running_.count(id) && leaves_running(session)) {
+            running.push_back(id);
+            continue;
+        }
         if (relay->lifecycle_state() != SessionState::hibernated) {
             const auto refused = handover_refusals_.find(id);
             const std::string why = refused != handover_refusals_.end()
@@ -229,7 +267,80 @@ void Server::write_handover() {
                          ename::ServerShuttingDown, "the server restarted");
         }
     }
-    spdlog::info("cellblock serve: {} session(s) handed over", handed);
+    const std::size_t left = leave_running(running);
+    spdlog::info("cellblock serve: {} session(s) handed over ({} left running, {} hibernated)",
+                 handed + left, left, handed);
+}
+
+namespace {
+
+// The sandboxes left running for the next start: held here, never
+// destroyed (their destructors would end them). The exec closes their
+// descriptors (lifelines, locks, leases: all close-on-exec), as a crash
+// would, and the next start adopts them. Reachable, so not a leak to LSan.
+std::vector<std::unique_ptr<Sandbox>>& left_for_the_next_start() {
+    static auto* kept = new std::vector<std::unique_ptr<Sandbox>>();
+    return *kept;
+}
+
+}  // namespace
+
+std::size_t Server::leave_running(const std::vector<std::string>& ids) {
+    if (ids.empty()) return 0;
+    const auto relay_of = [this](const std::string& id) -> SessionProxy* {
+        SessionProxy* relay = sessions_.live(id);
+        return relay && !relay->closed() ? relay : nullptr;
+    };
+    // Their rows as they are now; only then does what the relays held for
+    // them go out (the rule of ProxyOptions::hold_for_record).
+    for (const auto& id : ids) {
+        if (SessionProxy* relay = relay_of(id)) {
+            record_live(id);
+            relay->release_held();
+        }
+    }
+    // What they owe their clients is written before the sockets close. A
+    // turn meanwhile may relay more: its rows are written at its end.
+    const auto until = Clock::now() + kShutdownFlush;
+    const auto unsent = [&] {
+        return std::any_of(ids.begin(), ids.end(), [&](const std::string& id) {
+            const SessionProxy* relay = relay_of(id);
+            return relay && relay->unsent();
+        });
+    };
+    while (unsent() && Clock::now() < until) {
+        loop_.run_once(std::chrono::milliseconds(20));
+        audit_.flush();
+        flush_live();
+    }
+    std::size_t left = 0;
+    const double now_unix = unix_now();
+    for (const auto& id : ids) {
+        Session* session = sessions_.find(id);
+        SessionProxy* relay = relay_of(id);
+        if (!session || !relay) continue;  // closed meanwhile: shut_down finishes it
+        live_dirty_.erase(id);
+        relay->read_waiting_requests();  // they wait in the session, and its row names them
+        const bool still = leaves_running(*session);
+        if (!still || !record_live(id)) {
+            const std::string why = still ? "its record for the next start could not be written"
+                                          : "it was " + relay->state() + " at the exec";
+            spdlog::warn("session {}: not handed over: {}", id, why);
+            relay->close("server_restart: " + why, ename::ServerShuttingDown,
+                         "the server restarted and the session could not be handed over");
+            continue;
+        }
+        relay->release_held();
+        store_.add_event({id, now_unix, "handed_over",
+                          "left running: the server's next start adopts its sandbox"});
+        left_for_the_next_start().push_back(relay->leave_running());
+        // Its row stays for the next start: gone from this process without a
+        // close, its sockets at once, as a handed-over session's.
+        live_recorded_.erase(id);
+        sessions_.erase(id);
+        ++left;
+    }
+    return left;
 }
 
 std::set<std::string> Server::handed_over_sessions() const {

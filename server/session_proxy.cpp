@@ -310,6 +310,14 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     core_->on_kernel_attached(Clock::now(), channels.probe_msg_ids);
 }
 
+std::unique_ptr<Sandbox> SessionProxy::leave_running() {
+    if (lifeline_watch_) {
+        loop_.unwatch(*lifeline_watch_);
+        lifeline_watch_.reset();
+    }
+    return std::move(sandbox_);
+}
+
 void SessionProxy::detach_kernel() {
     if (lifeline_watch_) {
         loop_.unwatch(*lifeline_watch_);
@@ -425,12 +433,16 @@ bool SessionProxy::on_client(Channel channel) {
     return true;
 }
 
-HandoverState SessionProxy::handover_state() {
+void SessionProxy::read_waiting_requests() {
     for (Channel channel : {Channel::control, Channel::shell}) {
         if (RelaySocket* socket = outer_socket(channel)) socket->read_waiting();
         while (on_client(channel)) {
         }
     }
+}
+
+HandoverState SessionProxy::handover_state() {
+    read_waiting_requests();
     return core_->handover_state(Clock::now());
 }
 

@@ -97,11 +97,14 @@ class SessionProxy {
     bool resume(std::string& why) { return core_->resume(Clock::now(), why); }
     SessionState lifecycle_state() const { return core_->lifecycle_state(); }
     // Handing over to the next server (docs/restarts.md, SessionCore::hand_over).
-    void hand_over() { core_->hand_over(Clock::now()); }
+    void hand_over(bool hibernate = true) { core_->hand_over(Clock::now(), hibernate); }
     bool handover_settled() const { return core_->handover_settled(); }
     // Reads every request already waiting on the client's channels (they
     // wait for the next server too), then says what the session carries.
     HandoverState handover_state();
+    // Reads (and hands to the core) every request already waiting on the
+    // client's shell and control channels.
+    void read_waiting_requests();
     // The next server: the session as it was handed over, hibernated; then
     // the requests it carried, verified again, in their order (they wake it).
     void take_over(const HandoverState& state);
@@ -110,6 +113,11 @@ class SessionProxy {
     // its sandbox next (docs/restarts.md, phase 2).
     void adopt(const HandoverState& state) { core_->adopt(Clock::now(), state); }
     HandoverState in_flight() const { return core_->in_flight(); }
+    // A planned restart that leaves the sandbox running for the next start
+    // to adopt (SIGHUP, docs/restarts.md): the relay lets go of it without
+    // ending it, as a crash would; the kernel's channels close with the relay.
+    std::unique_ptr<Sandbox> leave_running();
+    bool handing_over() const { return core_->handing_over(); }
 
     // Ends the session: answers what is pending, kills and disposes of the
     // sandbox. The outer shell, control and iopub stay bound, answering
@@ -127,6 +135,7 @@ class SessionProxy {
     const std::string& session_id() const { return session_id_; }
     const ConnectionInfo& outer_connection() const { return outer_; }
     Sandbox* sandbox() { return sandbox_.get(); }
+    const Sandbox* sandbox() const { return sandbox_.get(); }
     const SessionGovernor* governor() const { return core_->governor(); }
     std::string state() const { return core_->state(); }
     // Over the session's executions so far; at close, over its whole life
@@ -134,6 +143,7 @@ class SessionProxy {
     std::uint64_t memory_peak_bytes() const { return core_->memory_peak_bytes(); }
     std::uint64_t cpu_ms() const { return core_->cpu_ms(); }
     void add_network_bytes(std::uint64_t bytes) { core_->add_network_bytes(bytes); }
+    std::uint64_t network_bytes() const { return core_->network_bytes(); }
     // When the running execution started (none: the kernel is idle), and
     // when the last one ended: what CPU fairness needs to tell a long
     // computation (or work left running in the background) from short cells.

@@ -185,14 +185,20 @@ void SessionCore::replay_asleep(Clock::time_point now) {
     }
 }
 
-void SessionCore::hand_over(Clock::time_point now) {
+void SessionCore::hand_over(Clock::time_point now, bool hibernate) {
     if (handing_over_ || lifecycle_.ending()) return;
     handing_over_ = true;
+    handover_hibernates_ = hibernate;
     settle_handover(now);
+}
+
+bool SessionCore::nothing_open() const {
+    return !execution_ && queue_.empty() && !held_reply_ && pending_.empty() && !shutdown_request_;
 }
 
 void SessionCore::settle_handover(Clock::time_point now) {
     if (!handing_over_ || handover_failed_ || lifecycle_.state() != SessionState::idle) return;
+    if (!handover_hibernates_) return;  // left running: handover_settled() says when
     std::string why;
     if (!governor_ || !io_.can_sleep(why)) {
         handover_failed_ = true;
@@ -201,7 +207,7 @@ void SessionCore::settle_handover(Clock::time_point now) {
         event("hibernate_failed", why);
         return;
     }
-    if (execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_) {
+    if (!nothing_open()) {
         settle_at_ = now + std::chrono::milliseconds(50);  // a reply still to come: look again
         return;
     }
@@ -210,6 +216,9 @@ void SessionCore::settle_handover(Clock::time_point now) {
 }
 
 bool SessionCore::handover_settled() const {
+    if (handing_over_ && !handover_hibernates_) {
+        return lifecycle_.ending() || (lifecycle_.state() == SessionState::idle && nothing_open());
+    }
     return lifecycle_.ending() || lifecycle_.state() == SessionState::hibernated ||
            handover_failed_;
 }
@@ -249,6 +258,7 @@ void SessionCore::adopt(Clock::time_point now, const HandoverState& state) {
     if (lifecycle_.state() != SessionState::starting) return;
     move_to(SessionState::adopting);
     if (governor_) governor_->carry_on(now, state.executions, state.age_s, state.idle_s);
+    network_bytes_ = state.network_bytes;  // CPU and memory: the sandbox's cgroup goes on
     idle_since_ = now;
     for (const auto& open : state.in_kernel) {
         const std::string id = json_string(open.header, "msg_id");

@@ -5,6 +5,7 @@ keep their connection info and their state. SIGUSR2 hands over and exits: the
 next `cellblock serve` on the state dir takes the sessions. Real servers,
 real runc sandboxes, jupyter_client and the Python client."""
 import os
+import queue
 import shutil
 import signal
 import sys
@@ -62,9 +63,10 @@ def test_sighup_hands_every_session_over_and_their_clients_go_on(
         assert reply["metadata"]["cellblock"]["executions_left"] == 3, reply["metadata"]
         assert sh.run_ok(kc_b, "print(word)").strip() == "kept"
         assert s.run("print(y * 6)").stdout == "42\n"
-        for sid in (sid_a, sid_b, sid_c):
+        # A and C ran on (adopted by the next start); B, asleep, was taken over.
+        for sid, taken in ((sid_a, "adopted"), (sid_b, "taken_over"), (sid_c, "adopted")):
             kinds = events_of(srv, sid)
-            assert "handed_over" in kinds and "taken_over" in kinds, (sid, kinds)
+            assert "handed_over" in kinds and taken in kinds, (sid, kinds)
             assert srv.info_of(sid)["state"] == "idle"
         # The next start serves new sessions as before.
         _, kc_d, _ = srv.open_session()
@@ -117,7 +119,9 @@ def test_a_key_file_others_can_read_is_refused_and_the_server_goes_on(
 @pytest.mark.parametrize("wait", ["2"])
 def test_a_session_still_busy_past_the_takeover_wait_is_closed_with_why(
         server_factory, tmp_path, wait):  # noqa: F811
-    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--takeover-wait", wait])
+    # Without adoption a session must hibernate to be handed over.
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--takeover-wait", wait,
+                          "--adopt-grace", "0"])
     sid, kc, _ = srv.open_session()
     running = send_execute(kc, "import time\ntime.sleep(600)")
     sh.wait_for(lambda: srv.info_of(sid)["state"] == "busy", timeout=60)
@@ -130,6 +134,35 @@ def test_a_session_still_busy_past_the_takeover_wait_is_closed_with_why(
     assert info["state"] == "closed"
     assert info["close_reason"] == f"server_restart: still busy after --takeover-wait {wait} s", \
         info
+
+
+def test_a_busy_session_runs_on_across_sighup_in_the_same_kernel(
+        server_factory, tmp_path):  # noqa: F811
+    """With adoption on, SIGHUP leaves a session's sandbox running, busy or
+    not: its execution goes on in the same kernel process through the
+    restart, is answered once, and keeps what no snapshot could (a live
+    generator). A request sent meanwhile waits and runs after it."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--takeover-wait", "1"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "g = (i for i in range(10))\nnext(g)")
+    running = send_execute(kc, "import time\ntime.sleep(4)\ndone = 'yes'")
+    sh.wait_for(lambda: srv.info_of(sid)["state"] == "busy", timeout=60)
+    srv.proc.send_signal(signal.SIGHUP)
+    waiting = send_execute(kc, "print(done, next(g))")
+    sh.wait_for(lambda: starts(srv) >= 2, timeout=120)
+    reply, _, _ = sh.collect_execution(kc, running, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert reply["content"]["execution_count"] == 2
+    reply, iopub, _ = sh.collect_execution(kc, waiting, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert sh.stream_text(iopub).strip() == "yes 1"
+    # Answered once: no second reply to either.
+    with pytest.raises(queue.Empty):
+        kc.get_shell_msg(timeout=1)
+    kinds = events_of(srv, sid)
+    assert "handed_over" in kinds and "adopted" in kinds, kinds
+    assert "hibernated" not in kinds, kinds
+    assert "left running for the next start to adopt" in srv.log()
 
 
 def test_an_upgrade_under_load_refuses_nothing_and_answers_every_step_once(
