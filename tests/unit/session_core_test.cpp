@@ -1176,6 +1176,37 @@ TEST_F(SleepTest, HandingOverHoldsNewWorkAndHibernatesOnceTheRunningCellEnds) {
     EXPECT_EQ(state.requests[0].frames[0], kClient[0]) << "the client's routing identity goes too";
 }
 
+// SIGHUP with adoption on: the session is left running for the next start.
+// It holds new work as a hibernating handover does, but never hibernates: it
+// is settled once its running cell has been answered, and its in_flight()
+// (what its live row names) carries the requests that waited.
+TEST_F(SleepTest, HandingOverToBeAdoptedHoldsNewWorkAndSettlesIdleWithoutHibernating) {
+    start(SessionLimits{});
+    run_cell("c0", t0);
+    core->on_client_request(t0 + 1s, Channel::shell, execute("c1"));
+    core->hand_over(t0 + 2s, false);
+    EXPECT_TRUE(core->handing_over());
+    EXPECT_FALSE(core->handover_settled()) << "c1 runs";
+    core->on_client_request(t0 + 3s, Channel::shell, execute("c2"));
+    EXPECT_EQ(io.of("kernel").size(), 2u) << "c0 and c1 only: c2 waits for the next start";
+    EXPECT_EQ(core->in_flight().in_kernel.size(), 1u) << "c1";
+    core->on_kernel_iopub(t0 + 4s, status("c1", "busy"));
+    core->on_kernel_iopub(t0 + 4s, status("c1", "idle"));
+    core->on_kernel_reply(t0 + 4s, Channel::shell, execute_reply("c1"));
+    EXPECT_TRUE(core->handover_settled());
+    // Nothing more happens to it: no snapshot is asked for, however long it waits.
+    const auto due = core->next_deadline(t0 + 4s);
+    EXPECT_TRUE(!due || *due > t0 + 4s) << "no deadline that is always due";
+    core->on_tick(t0 + 100s);
+    EXPECT_TRUE(io.of("own").empty());
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    const HandoverState open = core->in_flight();
+    EXPECT_TRUE(open.in_kernel.empty());
+    ASSERT_EQ(open.requests.size(), 1u);
+    ASSERT_GE(open.requests[0].frames.size(), 4u);
+    EXPECT_NE(open.requests[0].frames[3].find("execute_request"), std::string::npos);
+}
+
 TEST_F(SleepTest, TheNextServersCoreGoesOnFromTheCountersItWasHanded) {
     restart_core(5);
     HandoverState state;
