@@ -140,6 +140,16 @@ class ZmtpListener final : public RelaySocket {
         by_identity_.clear();
     }
 
+    void half_close() override {
+        if (closed_) return;
+        if (loop_ && listen_watch_) loop_->unwatch(*listen_watch_);
+        listen_watch_.reset();
+        listen_.reset();
+        if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+        for (auto& [id, peer] : peers_) peer->stream.shutdown_write();
+    }
+    bool peers_sending() const override { return !closed_ && !peers_.empty(); }
+
     bool is_open() const override { return !closed_; }
     bool unsent() const override {
         return std::any_of(peers_.begin(), peers_.end(),

@@ -59,6 +59,13 @@ class RelaySocket {
     // transport; libzmq's queues drain on its own thread and linger at close):
     // a server that stops turns its loop until none are left, or a bound.
     virtual bool unsent() const = 0;
+    // A planned restart that leaves the session running (docs/restarts.md):
+    // no new connections, and each client's connection half-closed, so
+    // that it sees the server go and what it sent before is still read.
+    // Then peers_sending() is false once every client has closed its end.
+    // libzmq's transport cannot: a no-op, and false.
+    virtual void half_close() {}
+    virtual bool peers_sending() const { return false; }
     // A PUB's clients with a subscription; unknown (libzmq keeps it to itself).
     virtual std::optional<std::size_t> subscribers() const { return std::nullopt; }
     // A ROUTER's: whether a client with this identity is connected; unknown

@@ -232,6 +232,9 @@ class Server final : public SessionObserver {
     // its open requests changed (live_dirty_).
     // False when no row was written now (no record to take, or the write failed).
     bool record_live(const std::string& id);
+    // The row as the session is now (none: nothing to adopt it by), and its write.
+    std::optional<HandoverRow> live_row_of(const std::string& id) const;
+    bool put_live_row(const HandoverRow& row);
     void forget_live(const std::string& id);
     void flush_live();  // the rows of the sessions whose requests changed this turn
     std::set<std::string> live_dirty_;

@@ -57,6 +57,7 @@ class Session {
     // What the session used, as its close records it.
     SessionEnd end(const std::string& reason) const;
     SessionOrigin& origin() { return origin_; }
+    const SessionOrigin& origin() const { return origin_; }
     // Manager requests answered when a hibernation or a wake ends
     // (session_hibernate_request, session_resume_request).
     std::vector<WireMessage>& waiting_sleep() { return waiting_sleep_; }

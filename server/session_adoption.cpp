@@ -45,17 +45,40 @@ void Server::flush_live() {
 }
 
 bool Server::record_live(const std::string& id) {
-    if (!server_key_ || settings_.adopt_grace_ms <= 0) return false;
-    Session* session = sessions_.find(id);
-    SessionProxy* relay = session ? session->proxy() : nullptr;
-    if (!relay || (relay->lifecycle_state() != SessionState::idle &&
-                   relay->lifecycle_state() != SessionState::busy)) {
+    std::optional<HandoverRow> row;
+    try {
+        row = live_row_of(id);
+    } catch (const std::exception& e) {
+        spdlog::warn("session {}: no record to adopt it by after a crash: {}", id, e.what());
         return false;
     }
+    return row && put_live_row(*row);
+}
+
+bool Server::put_live_row(const HandoverRow& row) {
+    const std::string id = row.name.substr(std::string(kLivePrefix).size());
+    try {
+        store_.put_handover(row);
+        live_recorded_.insert(id);
+        return true;
+    } catch (const std::exception& e) {
+        spdlog::warn("session {}: no record to adopt it by after a crash: {}", id, e.what());
+        return false;
+    }
+}
+
+std::optional<HandoverRow> Server::live_row_of(const std::string& id) const {
+    if (!server_key_ || settings_.adopt_grace_ms <= 0) return std::nullopt;
+    const Session* session = sessions_.find(id);
+    const SessionProxy* relay = session ? session->proxy() : nullptr;
+    if (!relay || (relay->lifecycle_state() != SessionState::idle &&
+                   relay->lifecycle_state() != SessionState::busy)) {
+        return std::nullopt;
+    }
     const Sandbox* box = relay->sandbox();
-    if (!box) return false;
+    if (!box) return std::nullopt;
     const auto record = box->adoption_record();
-    if (!record) return false;
+    if (!record) return std::nullopt;
     const SessionOrigin& origin = session->origin();
     json body = {{"version", kLiveVersion},
                  {"session_id", id},
@@ -84,19 +107,12 @@ bool Server::record_live(const std::string& id) {
     body["queued"] = std::move(queued);
     body["answered"] = open.answered;
     body["network_bytes"] = relay->network_bytes();
-    try {
-        const auto bytes = json::to_cbor(body);
-        store_.put_handover(
-            {live_name(id),
-             seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
-                  *server_key_, live_name(id)),
-             unix_now()});
-        live_recorded_.insert(id);
-        return true;
-    } catch (const std::exception& e) {
-        spdlog::warn("session {}: no record to adopt it by after a crash: {}", id, e.what());
-        return false;
-    }
+    const auto bytes = json::to_cbor(body);
+    return HandoverRow{
+        live_name(id),
+        seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+             *server_key_, live_name(id)),
+        unix_now()};
 }
 
 void Server::forget_live(const std::string& id) {
@@ -117,6 +133,17 @@ void Server::adopt_sandboxes(std::vector<HandoverRow>& rows) {
     // The zygotes the forks came from, each adopted once and held by its
     // forks (null: it could not be, with why).
     std::map<std::string, std::pair<std::shared_ptr<RuncSandbox>, std::string>> zygotes;
+    // Every sandbox's lifeline listener first, then each shim's connection:
+    // the shims, trying every 100 ms, connect meanwhile, so a start waits
+    // about one try for all of them rather than one per sandbox.
+    struct Begun {
+        std::string id;
+        json body;
+        RuncSandbox::Adoption adoption;
+        double created_at = 0;
+        std::int64_t executions = 0;
+    };
+    std::vector<Begun> begun;
     for (const auto& row : live) {
         // Written again once the session relays (record_live).
         store_.remove_handover(row.name);
@@ -163,14 +190,24 @@ void Server::adopt_sandboxes(std::vector<HandoverRow>& rows) {
             if (const json& from = record.value("forked_from", json()); from.is_object()) {
                 zygote = adopt_zygote(from, resolved, limits.sandbox, zygotes);
             }
-            auto box = RuncSandbox::adopt(id, record, resolved, limits.sandbox, settings_,
-                                          kAdoptConnectWait, zygote);
-            spdlog::info("session {}: its sandbox adopted (init pid {})", id, box->init_pid());
-            adopting_.push_back(
-                {id, std::move(body), std::move(box), open->created_at, open->execution_count});
+            auto adoption = RuncSandbox::begin_adoption(id, record, resolved, limits.sandbox,
+                                                        settings_, zygote);
+            begun.push_back({id, std::move(body), std::move(adoption), open->created_at,
+                             open->execution_count});
         } catch (const std::exception& e) {
             spdlog::warn("session {}: not adopted: {}; its sandbox is reaped", id, e.what());
             adopt_failures_[id] = e.what();
+        }
+    }
+    for (auto& b : begun) {
+        try {
+            auto box = RuncSandbox::finish_adoption(std::move(b.adoption), kAdoptConnectWait);
+            spdlog::info("session {}: its sandbox adopted (init pid {})", b.id, box->init_pid());
+            adopting_.push_back(
+                {b.id, std::move(b.body), std::move(box), b.created_at, b.executions});
+        } catch (const std::exception& e) {
+            spdlog::warn("session {}: not adopted: {}; its sandbox is reaped", b.id, e.what());
+            adopt_failures_[b.id] = e.what();
         }
     }
 }
@@ -248,8 +285,11 @@ void Server::take_over_adopted() {
                              "execution(s), {} request(s) open at the kernel, {} "
                              "queued",
                              state.executions, state.in_kernel.size(), state.requests.size())});
-            spdlog::info("session {}: adopted (ports {}..{}, {} execution(s))", id,
-                         outer.shell_port, outer.hb_port, state.executions);
+            spdlog::info(
+                "session {}: adopted (ports {}..{}, {} execution(s), {} request(s) open at the "
+                "kernel, {} queued)",
+                id, outer.shell_port, outer.hb_port, state.executions, state.in_kernel.size(),
+                state.requests.size());
         } catch (const std::exception& e) {
             spdlog::error("session {}: not adopted: {}", id, e.what());
             if (SessionProxy* relay = sessions_.live(id)) {

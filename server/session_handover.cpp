@@ -278,6 +278,10 @@ namespace {
 // destroyed (their destructors would end them). The exec closes their
 // descriptors (lifelines, locks, leases: all close-on-exec), as a crash
 // would, and the next start adopts them. Reachable, so not a leak to LSan.
+// How long a left-running session's clients get to close their half-closed
+// connections (libzmq sees the end at once, and connects again).
+constexpr std::chrono::milliseconds kClientsCloseWait{1000};
+
 std::vector<std::unique_ptr<Sandbox>>& left_for_the_next_start() {
     static auto* kept = new std::vector<std::unique_ptr<Sandbox>>();
     return *kept;
@@ -313,32 +317,89 @@ std::size_t Server::leave_running(const std::vector<std::string>& ids) {
         audit_.flush();
         flush_live();
     }
+    // A request a client writes as its connection closes is lost with it (the
+    // client's libzmq counts it sent). So each client of a settled session
+    // is told first (its connections half-closed: the ZMTP transport): what
+    // it sent before it saw that is read here and waits in the session,
+    // until it has closed its end; then nothing more can come on them. A
+    // session still busy is not told: its reply may yet be sent.
+    std::vector<std::string> told;
+    for (const auto& id : ids) {
+        SessionProxy* relay = relay_of(id);
+        if (relay && relay->handover_settled()) {
+            relay->half_close_clients();
+            told.push_back(id);
+        }
+    }
+    const auto sending = [&] {
+        return std::any_of(told.begin(), told.end(), [&](const std::string& id) {
+            const SessionProxy* relay = relay_of(id);
+            return relay && relay->clients_sending();
+        });
+    };
+    for (const auto until_closed = Clock::now() + kClientsCloseWait;
+         sending() && Clock::now() < until_closed;) {
+        loop_.run_once(std::chrono::milliseconds(10));
+    }
     std::size_t left = 0;
-    const double now_unix = unix_now();
     for (const auto& id : ids) {
         Session* session = sessions_.find(id);
         SessionProxy* relay = relay_of(id);
         if (!session || !relay) continue;  // closed meanwhile: shut_down finishes it
         live_dirty_.erase(id);
-        relay->read_waiting_requests();  // they wait in the session, and its row names them
-        const bool still = leaves_running(*session);
-        if (!still || !record_live(id)) {
-            const std::string why = still ? "its record for the next start could not be written"
-                                          : "it was " + relay->state() + " at the exec";
+        // What already waits in its sockets waits in the session, and its
+        // row names it. The sockets close right after (the session is
+        // erased) and the row is written then: a request that reaches a
+        // socket between the read and the close is lost with the connection,
+        // so the two are kept as close as they can be.
+        relay->read_waiting_requests();
+        std::optional<HandoverRow> row;
+        std::string why;
+        if (!leaves_running(*session)) {
+            why = "it was " + relay->state() + " at the exec";
+        } else {
+            try {
+                row = live_row_of(id);
+            } catch (const std::exception& e) {
+                why = e.what();
+            }
+            if (!row && why.empty()) why = "it has no record to be adopted by";
+        }
+        if (row && relay->unsent()) {
+            // Answers it gave meanwhile (is_complete_request): they go out
+            // only after the row that names what is open (hold_for_record).
+            if (!put_live_row(*row)) why = "its record for the next start could not be written";
+            relay->release_held();
+            for (const auto until = Clock::now() + kShutdownFlush;
+                 relay->unsent() && Clock::now() < until;) {
+                loop_.run_once(std::chrono::milliseconds(20));
+            }
+            relay->read_waiting_requests();
+            row = live_row_of(id);
+        }
+        if (!row || !why.empty()) {
             spdlog::warn("session {}: not handed over: {}", id, why);
             relay->close("server_restart: " + why, ename::ServerShuttingDown,
                          "the server restarted and the session could not be handed over");
             continue;
         }
-        relay->release_held();
-        store_.add_event({id, now_unix, "handed_over",
-                          "left running: the server's next start adopts its sandbox"});
         left_for_the_next_start().push_back(relay->leave_running());
-        // Its row stays for the next start: gone from this process without a
-        // close, its sockets at once, as a handed-over session's.
-        live_recorded_.erase(id);
+        // Gone from this process without a close, its sockets at once, as a
+        // handed-over session's; its row stays for the next start.
         sessions_.erase(id);
-        ++left;
+        if (put_live_row(*row)) {
+            store_.add_event({id, unix_now(), "handed_over",
+                              "left running: the server's next start adopts its sandbox"});
+            ++left;
+        } else {
+            // Its sandbox runs on; the next start adopts it by its last row
+            // (the requests that came since are not in it), or reaps it.
+            spdlog::error(
+                "session {}: its record for the next start could not be written: requests "
+                "it received since its last record are lost",
+                id);
+        }
+        live_recorded_.erase(id);
     }
     return left;
 }

@@ -441,6 +441,19 @@ void SessionProxy::read_waiting_requests() {
     }
 }
 
+void SessionProxy::half_close_clients() {
+    for (auto* s : {&outer_shell_, &outer_control_, &outer_stdin_}) {
+        if (*s) (*s)->half_close();
+    }
+}
+
+bool SessionProxy::clients_sending() const {
+    for (const auto* s : {&outer_shell_, &outer_control_, &outer_stdin_}) {
+        if (*s && (*s)->peers_sending()) return true;
+    }
+    return false;
+}
+
 HandoverState SessionProxy::handover_state() {
     read_waiting_requests();
     return core_->handover_state(Clock::now());

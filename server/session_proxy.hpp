@@ -105,6 +105,10 @@ class SessionProxy {
     // Reads (and hands to the core) every request already waiting on the
     // client's shell and control channels.
     void read_waiting_requests();
+    // Its clients' shell, control and stdin connections half-closed
+    // (RelaySocket::half_close), and whether any of them may still send.
+    void half_close_clients();
+    bool clients_sending() const;
     // The next server: the session as it was handed over, hibernated; then
     // the requests it carried, verified again, in their order (they wake it).
     void take_over(const HandoverState& state);

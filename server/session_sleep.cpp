@@ -295,11 +295,18 @@ void SessionCore::settle_adoption(Clock::time_point now) {
         const auto back = [this](const PendingRequest& request) {
             return request.identities.empty() || io_.client_connected(request.identities[0]);
         };
+        // The requests that waited (a planned restart's, carried in the row)
+        // are answered to their senders too.
+        const auto sender_back = [this](const QueuedRequest& queued) {
+            const auto identities = queued.message.identities();
+            return identities.empty() || io_.client_connected(identities[0]);
+        };
         const bool all_back = io_.clients_listening() &&
                               std::all_of(carried_replies_.begin(), carried_replies_.end(),
                                           [&](const auto& r) { return back(r.first); }) &&
                               std::all_of(carried_.begin(), carried_.end(),
-                                          [&](const auto& c) { return back(c.second); });
+                                          [&](const auto& c) { return back(c.second); }) &&
+                              std::all_of(asleep_.begin(), asleep_.end(), sender_back);
         if (!all_back) {
             adopt_look_at_ = std::min(*adopt_settle_until_, now + kAdoptLook);
             return;

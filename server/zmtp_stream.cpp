@@ -110,8 +110,15 @@ void ZmtpStream::broke(const std::string& why) {
     set_writable(false);
 }
 
+void ZmtpStream::shutdown_write() {
+    if (!fd_ || broken_ || write_shut_) return;
+    write_shut_ = true;
+    set_writable(false);
+    ::shutdown(fd_.get(), SHUT_WR);
+}
+
 void ZmtpStream::flush() {
-    while (fd_ && !broken_ && !zmtp_.output().empty()) {
+    while (fd_ && !broken_ && !write_shut_ && !zmtp_.output().empty()) {
         const auto out = zmtp_.output();
         const ssize_t n = ::send(fd_.get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n > 0) {

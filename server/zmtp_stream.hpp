@@ -48,6 +48,10 @@ class ZmtpStream {
     void watch(EventLoop& loop, EventLoop::Handler on_ready);
     void stop_watching();
     void close();
+    // Tells the peer that nothing more comes (a FIN) and writes nothing
+    // more: what it sent before it saw that is still read, and its own
+    // close then ends the connection (broken()).
+    void shutdown_write();
     // Called with the codec's reason when a message over its caps was read
     // past and dropped (default: one warning line naming the connection).
     void on_skipped(std::function<void(const char* why)> handler) {
@@ -56,7 +60,7 @@ class ZmtpStream {
 
     bool is_open() const { return static_cast<bool>(fd_); }
     // Output queued for a peer still connected.
-    bool unsent() const { return fd_ && !broken_ && !zmtp_.output().empty(); }
+    bool unsent() const { return fd_ && !broken_ && !write_shut_ && !zmtp_.output().empty(); }
     // The peer left or broke the protocol: nothing more is read or written.
     bool broken() const { return broken_; }
     zmtp::Connection& zmtp() { return zmtp_; }
@@ -72,6 +76,7 @@ class ZmtpStream {
     std::string label_;
     std::size_t max_inbox_bytes_;
     bool broken_ = false;
+    bool write_shut_ = false;
     EventLoop* loop_ = nullptr;
     std::optional<EventLoop::WatchId> watch_;
     bool writable_ = false;

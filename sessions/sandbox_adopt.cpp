@@ -62,14 +62,26 @@ std::optional<json> RuncSandbox::adoption_record() const {
                 {"inner", inner.to_json()}};
 }
 
+namespace {
+SandboxError adoption_error(const std::string& session_id, const std::string& why) {
+    return SandboxError("session " + session_id + ": its sandbox cannot be adopted: " + why);
+}
+}  // namespace
+
 std::unique_ptr<RuncSandbox> RuncSandbox::adopt(const std::string& session_id, const json& record,
                                                 const Image& image, const SandboxLimits& limits,
                                                 const RuntimeSettings& settings,
                                                 std::chrono::milliseconds wait,
                                                 std::shared_ptr<RuncSandbox> zygote) {
-    const auto fail = [&](const std::string& why) {
-        return SandboxError("session " + session_id + ": its sandbox cannot be adopted: " + why);
-    };
+    return finish_adoption(
+        begin_adoption(session_id, record, image, limits, settings, std::move(zygote)), wait);
+}
+
+RuncSandbox::Adoption RuncSandbox::begin_adoption(const std::string& session_id, const json& record,
+                                                  const Image& image, const SandboxLimits& limits,
+                                                  const RuntimeSettings& settings,
+                                                  std::shared_ptr<RuncSandbox> zygote) {
+    const auto fail = [&](const std::string& why) { return adoption_error(session_id, why); };
     if (record.value("version", 0) != kRecordVersion)
         throw fail("a record this server cannot read");
     std::unique_ptr<RuncSandbox> box(new RuncSandbox());
@@ -133,9 +145,26 @@ std::unique_ptr<RuncSandbox> RuncSandbox::adopt(const std::string& session_id, c
     // connection is taken) but neither remove nor replace it.
     const fs::path socket = paths.lifeline_socket();
     ::unlink(socket.c_str());  // whatever the sandbox left under the name
+    Adoption adoption;
     try {
-        const UniqueFd listener(listen_lifeline(socket, 0, 0666));
-        box->lifeline_.reset(accept_lifeline(listener.get(), init, wait, true));
+        adoption.listener.reset(listen_lifeline(socket, 0, 0666));
+    } catch (const std::exception& e) {
+        ::unlink(socket.c_str());
+        throw fail(e.what());
+    }
+    box->inner_ = ConnectionInfo::from_json(record.at("inner"));
+    box->inner_.ip = paths.kernel_sockets().string();
+    adoption.box = std::move(box);
+    return adoption;
+}
+
+std::unique_ptr<RuncSandbox> RuncSandbox::finish_adoption(Adoption adoption,
+                                                          std::chrono::milliseconds wait) {
+    std::unique_ptr<RuncSandbox>& box = adoption.box;
+    const fs::path socket = box->dir_.lifeline_socket();
+    const auto fail = [&](const std::string& why) { return adoption_error(box->session_id_, why); };
+    try {
+        box->lifeline_.reset(accept_lifeline(adoption.listener.get(), box->init_pid_, wait, true));
     } catch (const std::exception& e) {
         ::unlink(socket.c_str());
         throw fail(e.what());
@@ -145,10 +174,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::adopt(const std::string& session_id, c
         throw fail("its shim did not connect within " + std::to_string(wait.count()) +
                    " ms (its grace over, or the sandbox ending)");
     }
-    box->inner_ = ConnectionInfo::from_json(record.at("inner"));
-    box->inner_.ip = paths.kernel_sockets().string();
     box->open_counters();
-    return box;
+    return std::move(box);
 }
 
 }  // namespace cellblock

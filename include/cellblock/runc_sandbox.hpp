@@ -85,6 +85,22 @@ class RuncSandbox final : public Sandbox,
                                               const RuntimeSettings& settings,
                                               std::chrono::milliseconds wait,
                                               std::shared_ptr<RuncSandbox> zygote = nullptr);
+    // adopt() in two steps, so that a start adopting many sandboxes waits
+    // for their shims once, not once each (a shim tries every
+    // kAdoptRetryMs): begin_adoption checks the record and listens at the
+    // lifeline's path; finish_adoption takes the init's connection. Either
+    // throws SandboxError as adopt() does; an Adoption dropped unfinished
+    // destroys its sandbox, as a failed adopt() does.
+    struct Adoption {
+        std::unique_ptr<RuncSandbox> box;
+        UniqueFd listener;
+    };
+    static Adoption begin_adoption(const std::string& session_id, const nlohmann::json& record,
+                                   const Image& image, const SandboxLimits& limits,
+                                   const RuntimeSettings& settings,
+                                   std::shared_ptr<RuncSandbox> zygote = nullptr);
+    static std::unique_ptr<RuncSandbox> finish_adoption(Adoption adoption,
+                                                        std::chrono::milliseconds wait);
 
     // The runtime this sandbox runs on ("runc", "runsc", ...).
     const std::string& runtime() const override { return settings_.runtime; }

@@ -14,6 +14,7 @@ close, a killed worker and a kill -9 of the server.
 """
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -319,6 +320,39 @@ def test_kill9_of_the_server_then_restart_adopts_its_services(bed, tmp_path):
         assert not problems, "\n".join(problems)
     assert services_of(bed, server_id) == {}
     assert secrets_of(bed, server_id) == []
+
+
+def test_sighup_leaves_the_services_running_and_the_next_start_adopts_them(bed, tmp_path):
+    """A planned restart (SIGHUP) of a Swarm server: a session's service runs
+    on through the exec (the same service, task and node) and the next start
+    adopts it, so its client goes on with its variables through its old
+    connection info. Swarm sessions cannot hibernate: until stop 46 SIGHUP
+    closed them."""
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + [
+        "--key-file", str(tmp_path / "server.key")]).start()
+    try:
+        sid, kc, _ = srv.open_session()
+        assert run_ok(kc, "kept = 17") == ""
+        server_id = server_id_of(srv)
+        wait_for(lambda: f"cb-{sid}" in services_of(bed, server_id), timeout=60)
+        before = services_of(bed, server_id)[f"cb-{sid}"]
+        node = node_of(bed, sid)
+        starts = srv.log().count("cellblock serve: manager on")
+        srv.proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: srv.log().count("cellblock serve: manager on") > starts,
+                        timeout=120), srv.log()[-3000:]
+        assert f"session {sid}: its service adopted" in srv.log(), srv.log()[-3000:]
+        assert run_ok(kc, "print(kept)") == "17\n"
+        assert services_of(bed, server_id)[f"cb-{sid}"] == before
+        assert node_of(bed, sid) == node
+        kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                           {"session_id": sid})["content"]["events"]]
+        assert "handed_over" in kinds and "adopted" in kinds, kinds
+    finally:
+        server_id = server_id_of(srv)
+        problems = srv.shutdown()
+        assert not problems, "\n".join(problems)
+    assert services_of(bed, server_id) == {}
 
 
 def test_without_a_grace_a_restart_removes_every_service_it_had(bed):
