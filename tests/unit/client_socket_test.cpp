@@ -159,7 +159,8 @@ class ClientSocket : public ::testing::TestWithParam<Config> {
   public:
     void SetUp() override { ASSERT_FALSE(dir.path.empty()) << "mkdtemp failed"; }
 
-    Listener& bind(bool pub, ClientSocketOptions options = {}) {
+    // `port`: the one to bind (0: a free one, or the next ipc name).
+    Listener& bind(bool pub, ClientSocketOptions options = {}, int port = 0) {
         options.transport = GetParam().transport;
         options.linger_ms = 0;
         options.label = pub ? "test iopub" : "test shell";
@@ -168,11 +169,11 @@ class ClientSocket : public ::testing::TestWithParam<Config> {
         if (GetParam().ipc) {
             info.transport = "ipc";
             info.ip = dir.path + "/s";
-            info.set_port(channel, next_ipc_port_++);
+            info.set_port(channel, port ? port : next_ipc_port_++);
         } else {
             info.transport = "tcp";
             info.ip = "127.0.0.1";
-            info.set_port(channel, 0);
+            info.set_port(channel, port);
         }
         auto l = std::make_unique<Listener>();
         l->bound = bind_client_socket(ctx, pub, info, channel, options);
@@ -571,6 +572,40 @@ TEST_P(ClientRouterZmtp, SendToAnUnknownIdentityReturnsFalse) {
     EXPECT_TRUE(drive([&] {
         return !router.send({"alice", "gone?"});
     })) << "sends to a disconnected client still succeed";
+}
+
+// A planned restart (docs/restarts.md): half_close tells each client the
+// server goes. A message a client sends meanwhile is read here before it
+// closes its end, or kept by its libzmq for its next connection: it reaches
+// this listener or the next one on the same port, once, never neither (a
+// plain close loses what was written as it happened).
+TEST_P(ClientRouterZmtp, AMessageSentAsTheListenerHalfClosesReachesItOrTheNextOneOnce) {
+    Listener& router = bind(false);
+    auto alice = client(zmq::socket_type::dealer, router.endpoint, "alice");
+    client_send(alice, {"hello"});
+    ASSERT_TRUE(await(router));
+    EXPECT_TRUE(router.socket().peers_sending());
+    router.socket().half_close();
+    client_send(alice, {"as the server went"});
+    ASSERT_TRUE(drive([&] { return !router.socket().peers_sending(); }))
+        << "the client never closed its end";
+    const bool here = !router.received.empty();
+    if (here) {
+        EXPECT_EQ(router.received.front(), (Frames{"alice", "as the server went"}));
+    }
+    router.socket().close();
+    Listener& next = bind(false, {}, router.bound.port);
+    auto got = await(next, here ? std::chrono::milliseconds(500) : kDeadline);
+    if (here) {
+        EXPECT_FALSE(got) << "delivered twice: " << show(*got);
+    } else {
+        ASSERT_TRUE(got) << "lost: neither listener got it";
+        EXPECT_EQ(*got, (Frames{"alice", "as the server went"})) << show(*got);
+    }
+    client_send(alice, {"after"});
+    auto after = await(next);
+    ASSERT_TRUE(after) << "the client did not go on with the next listener";
+    EXPECT_EQ(*after, (Frames{"alice", "after"})) << show(*after);
 }
 
 // A frame over the cap cuts the client off, as libzmq does past
