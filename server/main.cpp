@@ -259,15 +259,17 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     serve_cmd
         ->add_option("--takeover-wait", serve.takeover_wait_s,
-                     "seconds SIGHUP waits for busy sessions to finish and hibernate before it "
-                     "closes them")
+                     "seconds SIGHUP waits for busy sessions to finish before it execs: one "
+                     "still busy is then left running for the next start to adopt, or closed "
+                     "if it cannot be adopted (runsc's, or with --adopt-grace 0)")
         ->capture_default_str()
         ->check(CLI::PositiveNumber);
     serve_cmd
         ->add_option("--adopt-grace", serve.adopt_grace_s,
-                     "seconds a session's sandbox outlives a server killed by anything, "
-                     "for the next start on the same state dir to adopt it with its state; "
-                     "0: sandboxes end with the server (docs/restarts.md)")
+                     "seconds a session's sandbox outlives a server killed by anything (or "
+                     "exec'd by SIGHUP), for the next start on the same state dir to adopt it "
+                     "with its state; 0: sandboxes end with the server, and SIGHUP hibernates "
+                     "them (docs/restarts.md)")
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
     std::vector<std::string> serve_default_limits;
