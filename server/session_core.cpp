@@ -278,6 +278,8 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
         }
         if (governor_) governor_->on_client_request(now);
         asleep_.push_back({channel, std::move(msg)});
+        // A crash while it waits for the next start still finds it (the live row).
+        if (handing_over_) requests_changed();
         if (lifecycle_.state() == SessionState::hibernated && !handing_over_) wake(now);
         return;
     }

@@ -216,7 +216,9 @@ class Recorder final : public SessionObserver {
   public:
     std::vector<ExecutionRecord> executions;
     std::vector<std::string> states, events, closed;
+    int requests_changed = 0;
     void on_execution(const ExecutionRecord& r) override { executions.push_back(r); }
+    void on_requests_changed(const std::string&) override { ++requests_changed; }
     void on_state(const std::string&, const std::string& s) override { states.push_back(s); }
     void on_event(const std::string&, const std::string& kind, const std::string& d) override {
         events.push_back(kind + " " + d);
@@ -1190,6 +1192,9 @@ TEST_F(SleepTest, HandingOverToBeAdoptedHoldsNewWorkAndSettlesIdleWithoutHiberna
     core->on_client_request(t0 + 3s, Channel::shell, execute("c2"));
     EXPECT_EQ(io.of("kernel").size(), 2u) << "c0 and c1 only: c2 waits for the next start";
     EXPECT_EQ(core->in_flight().in_kernel.size(), 1u) << "c1";
+    const int changes = audit.requests_changed;
+    core->on_client_request(t0 + 3s, Channel::shell, execute("c2b"));
+    EXPECT_GT(audit.requests_changed, changes) << "a crash now must find c2b in the row";
     core->on_kernel_iopub(t0 + 4s, status("c1", "busy"));
     core->on_kernel_iopub(t0 + 4s, status("c1", "idle"));
     core->on_kernel_reply(t0 + 4s, Channel::shell, execute_reply("c1"));
@@ -1202,7 +1207,7 @@ TEST_F(SleepTest, HandingOverToBeAdoptedHoldsNewWorkAndSettlesIdleWithoutHiberna
     EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
     const HandoverState open = core->in_flight();
     EXPECT_TRUE(open.in_kernel.empty());
-    ASSERT_EQ(open.requests.size(), 1u);
+    ASSERT_EQ(open.requests.size(), 2u);
     ASSERT_GE(open.requests[0].frames.size(), 4u);
     EXPECT_NE(open.requests[0].frames[3].find("execute_request"), std::string::npos);
 }
