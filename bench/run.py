@@ -124,7 +124,7 @@ def main():
                         help="override the repetitions of the step-like figures")
     parser.add_argument("--sessions", default="",
                         help="throughput session counts, e.g. 10,50 (default 10,50,100; "
-                             "--quick: 10)")
+                             "--quick: 10); the restarts figure's too (default 20)")
     parser.add_argument("--file-mb", type=int, default=1024,
                         help="size of the file the file-transfer figure moves (MiB)")
     parser.add_argument("--no-profile", action="store_true",
