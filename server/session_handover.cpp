@@ -274,14 +274,14 @@ void Server::write_handover() {
 
 namespace {
 
-// The sandboxes left running for the next start: held here, never
-// destroyed (their destructors would end them). The exec closes their
-// descriptors (lifelines, locks, leases: all close-on-exec), as a crash
-// would, and the next start adopts them. Reachable, so not a leak to LSan.
 // How long a left-running session's clients get to close their half-closed
 // connections (libzmq sees the end at once, and connects again).
 constexpr std::chrono::milliseconds kClientsCloseWait{1000};
 
+// The sandboxes left running for the next start: held here, never
+// destroyed (their destructors would end them). The exec closes their
+// descriptors (lifelines, locks, leases: all close-on-exec), as a crash
+// would, and the next start adopts them. Reachable, so not a leak to LSan.
 std::vector<std::unique_ptr<Sandbox>>& left_for_the_next_start() {
     static auto* kept = new std::vector<std::unique_ptr<Sandbox>>();
     return *kept;
@@ -348,22 +348,27 @@ std::size_t Server::leave_running(const std::vector<std::string>& ids) {
         if (!session || !relay) continue;  // closed meanwhile: shut_down finishes it
         live_dirty_.erase(id);
         // What already waits in its sockets waits in the session, and its
-        // row names it. The sockets close right after (the session is
-        // erased) and the row is written then: a request that reaches a
-        // socket between the read and the close is lost with the connection,
-        // so the two are kept as close as they can be.
+        // row names it. The row is made now, the sockets close right after
+        // (the session is erased), and the row is written then: for a
+        // session whose clients were not told (still busy), a request that
+        // reaches a socket between this read and the close is lost with the
+        // connection, so the two are kept as close as they can be.
         relay->read_waiting_requests();
         std::optional<HandoverRow> row;
         std::string why;
-        if (!leaves_running(*session)) {
-            why = "it was " + relay->state() + " at the exec";
-        } else {
+        const auto make_row = [&] {
+            row.reset();
             try {
                 row = live_row_of(id);
             } catch (const std::exception& e) {
                 why = e.what();
             }
             if (!row && why.empty()) why = "it has no record to be adopted by";
+        };
+        if (!leaves_running(*session)) {
+            why = "it was " + relay->state() + " at the exec";
+        } else {
+            make_row();
         }
         if (row && relay->unsent()) {
             // Answers it gave meanwhile (is_complete_request): they go out
@@ -375,7 +380,7 @@ std::size_t Server::leave_running(const std::vector<std::string>& ids) {
                 loop_.run_once(std::chrono::milliseconds(20));
             }
             relay->read_waiting_requests();
-            row = live_row_of(id);
+            if (why.empty()) make_row();
         }
         if (!row || !why.empty()) {
             spdlog::warn("session {}: not handed over: {}", id, why);
