@@ -94,6 +94,10 @@ class RecordingIo final : public SessionIo {
     void wake() override { actions.emplace_back("wake"); }
     bool listening = true;
     bool clients_listening() const override { return listening; }
+    std::set<std::string> gone;  // routing identities not connected on shell
+    bool client_connected(const std::string& identity) const override {
+        return gone.count(identity) == 0;
+    }
     void rejected(std::string_view where, std::string_view, const std::string& why) override {
         Action a("rejected");
         a.why = std::string(where) + ": " + why;
@@ -1236,6 +1240,25 @@ TEST_F(SleepTest, TheNextServersCoreGoesOnFromTheCountersItWasHanded) {
     core->on_client_request(t0 + 4s, Channel::shell, execute("c6"));
     ASSERT_EQ(io.to_client("execute_reply").size(), 2u);
     EXPECT_EQ(io.to_client("execute_reply").back().content["ename"], "ExecutionLimitExceeded");
+}
+
+// A planned restart's requests that waited (carried in the live row, handed
+// to the core as they come back) are answered to their senders: the adoption
+// waits for them to be back on shell too, not only for a subscriber on iopub.
+TEST_F(SleepTest, AnAdoptedSessionHoldsTheRequestsThatWaitedUntilTheirSendersAreBack) {
+    restart_core(5);
+    core->adopt(t0, HandoverState{});
+    io.listening = false;
+    core->on_kernel_attached(t0, {});
+    io.gone.insert(kClient[0]);
+    core->on_client_request(t0 + 10ms, Channel::shell, execute("c4"));
+    io.listening = true;
+    core->on_tick(t0 + 100ms);
+    EXPECT_TRUE(io.of("kernel", "execute_request").empty()) << "its sender is not back on shell";
+    EXPECT_EQ(core->lifecycle_state(), SessionState::adopting);
+    io.gone.clear();
+    core->on_tick(t0 + 200ms);
+    EXPECT_EQ(io.of("kernel", "execute_request").size(), 1u);
 }
 
 // After a crash (docs/restarts.md, phase 2): the sandbox ran on; the core
