@@ -123,13 +123,10 @@ class ZmtpListener final : public RelaySocket {
     void close() override {
         if (closed_) return;
         closed_ = true;
-        if (loop_ && listen_watch_) loop_->unwatch(*listen_watch_);
-        listen_watch_.reset();
+        stop_listening();
         if (loop_ && handshake_deadline_) loop_->remove_deadline(*handshake_deadline_);
         handshake_deadline_.reset();
         handshaking_ = 0;
-        listen_.reset();
-        if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
         // Possibly inside one of the peers' handlers: closed now, freed with
         // the listener.
         for (auto& [id, peer] : peers_) {
@@ -142,10 +139,7 @@ class ZmtpListener final : public RelaySocket {
 
     void half_close() override {
         if (closed_) return;
-        if (loop_ && listen_watch_) loop_->unwatch(*listen_watch_);
-        listen_watch_.reset();
-        listen_.reset();
-        if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+        stop_listening();
         for (auto& [id, peer] : peers_) peer->stream.shutdown_write();
     }
     bool peers_sending() const override { return !closed_ && !peers_.empty(); }
@@ -166,6 +160,13 @@ class ZmtpListener final : public RelaySocket {
     }
 
   private:
+    // No new connections: the listening socket (and its path) goes.
+    void stop_listening() {
+        if (loop_ && listen_watch_) loop_->unwatch(*listen_watch_);
+        listen_watch_.reset();
+        listen_.reset();
+        if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+    }
     struct Peer {
         Peer(std::uint64_t id, UniqueFd fd, zmtp::Connection c, std::string label)
             : id(id), stream(std::move(fd), std::move(c), std::move(label)) {}

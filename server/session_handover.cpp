@@ -297,12 +297,8 @@ std::size_t Server::leave_running(const std::vector<std::string>& ids) {
     };
     // Their rows as they are now; only then does what the relays held for
     // them go out (the rule of ProxyOptions::hold_for_record).
-    for (const auto& id : ids) {
-        if (SessionProxy* relay = relay_of(id)) {
-            record_live(id);
-            relay->release_held();
-        }
-    }
+    live_dirty_.insert(ids.begin(), ids.end());
+    flush_live();
     // What they owe their clients is written before the sockets close. A
     // turn meanwhile may relay more: its rows are written at its end.
     const auto until = Clock::now() + kShutdownFlush;

@@ -310,19 +310,20 @@ void SessionProxy::attach(std::unique_ptr<Sandbox> sandbox, InnerChannels channe
     core_->on_kernel_attached(Clock::now(), channels.probe_msg_ids);
 }
 
-std::unique_ptr<Sandbox> SessionProxy::leave_running() {
+void SessionProxy::unwatch_lifeline() {
     if (lifeline_watch_) {
         loop_.unwatch(*lifeline_watch_);
         lifeline_watch_.reset();
     }
+}
+
+std::unique_ptr<Sandbox> SessionProxy::leave_running() {
+    unwatch_lifeline();
     return std::move(sandbox_);
 }
 
 void SessionProxy::detach_kernel() {
-    if (lifeline_watch_) {
-        loop_.unwatch(*lifeline_watch_);
-        lifeline_watch_.reset();
-    }
+    unwatch_lifeline();
     if (sandbox_) {
         sandbox_->kill();
         if (options_.dispose) {

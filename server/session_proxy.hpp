@@ -166,6 +166,7 @@ class SessionProxy {
     void on_lifeline();
     // The sandbox goes and the kernel's channels with it; the client's stay.
     void detach_kernel();
+    void unwatch_lifeline();
     // Sends `frames` on the kernel's (to_kernel) or the client's socket of
     // `channel`, or holds them for release_held(); false: refused now.
     bool send_or_hold(bool to_kernel, Channel channel, std::vector<Frame>& frames);
