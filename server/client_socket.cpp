@@ -39,6 +39,8 @@ constexpr std::size_t kMaxPeers = 256;
 // closed (libzmq's ZMQ_HANDSHAKE_IVL default), so idle connections cannot
 // hold the slots above.
 constexpr std::chrono::seconds kHandshakeTimeout{30};
+// What a PUB keeps at most for its first subscriber (hold_until_subscribed).
+constexpr std::size_t kMaxHeldBytes = 8 << 20;
 
 class ZmtpListener final : public RelaySocket {
   public:
@@ -63,6 +65,10 @@ class ZmtpListener final : public RelaySocket {
             if (it == by_identity_.end()) return false;  // no such client (any more)
             views.erase(views.begin());
             return it->second->stream.send(views, kMaxBacklogBytes);
+        }
+        if (hold_ && !hold_ended_by_time()) {
+            keep_for_first_subscriber(views);  // no one subscribed yet
+            return true;
         }
         const std::string_view topic = views[0];
         for (auto& [id, peer] : peers_) {
@@ -123,6 +129,7 @@ class ZmtpListener final : public RelaySocket {
     void close() override {
         if (closed_) return;
         closed_ = true;
+        if (hold_) end_hold("the socket closed");
         stop_listening();
         if (loop_ && handshake_deadline_) loop_->remove_deadline(*handshake_deadline_);
         handshake_deadline_.reset();
@@ -148,6 +155,12 @@ class ZmtpListener final : public RelaySocket {
     bool unsent() const override {
         return std::any_of(peers_.begin(), peers_.end(),
                            [](const auto& peer) { return peer.second->stream.unsent(); });
+    }
+    void hold_until_subscribed(std::chrono::milliseconds for_at_most) override {
+        if (!pub_ || closed_ || subscribers().value_or(0) > 0) return;
+        hold_.emplace();
+        hold_->until = EventLoop::Clock::now() + for_at_most;
+        hold_->for_at_most = for_at_most;
     }
     std::optional<bool> has_peer(const std::string& identity) const override {
         return by_identity_.count(identity) > 0;
@@ -185,6 +198,60 @@ class ZmtpListener final : public RelaySocket {
         std::string identity;
         std::vector<std::string> subscriptions;  // PUB: one entry per SUBSCRIBE
     };
+
+    // What a PUB sent while no client had subscribed (hold_until_subscribed).
+    struct Hold {
+        EventLoop::Clock::time_point until;
+        std::chrono::milliseconds for_at_most{0};
+        std::vector<std::vector<std::string>> messages;
+        std::size_t bytes = 0;
+        std::size_t dropped = 0;
+    };
+
+    void keep_for_first_subscriber(const std::vector<std::string_view>& views) {
+        std::size_t size = 0;
+        for (const auto& v : views) size += v.size();
+        if (hold_->bytes + size > kMaxHeldBytes) {
+            ++hold_->dropped;
+            return;
+        }
+        hold_->bytes += size;
+        hold_->messages.emplace_back(views.begin(), views.end());
+    }
+
+    bool hold_ended_by_time() {
+        if (EventLoop::Clock::now() < hold_->until) return false;
+        end_hold("no client subscribed within " + std::to_string(hold_->for_at_most.count()) +
+                 " ms");
+        return true;
+    }
+
+    void end_hold(const std::string& why) {
+        const std::size_t lost = hold_->messages.size() + hold_->dropped;
+        if (lost > 0) {
+            spdlog::warn("{}: {} messages published before any client subscribed were dropped: {}",
+                         label_, lost, why);
+        }
+        hold_.reset();
+    }
+
+    // The first subscriber gets, in order, what was kept for it.
+    void release_hold(Peer& peer) {
+        if (hold_ended_by_time()) return;
+        std::size_t delivered = 0;
+        std::vector<std::string_view> views;
+        for (const auto& message : hold_->messages) {
+            if (message.empty() || !peer.subscribed(message[0])) continue;
+            views.assign(message.begin(), message.end());
+            if (peer.stream.send(views, kMaxBacklogBytes)) ++delivered;
+        }
+        if (delivered > 0 || hold_->dropped > 0) {
+            spdlog::info("{}: client {} subscribed: delivered the {} messages published before "
+                         "it ({} dropped past {} bytes)",
+                         label_, peer.id, delivered, hold_->dropped, kMaxHeldBytes);
+        }
+        hold_.reset();
+    }
 
     void accept_all() {
         while (!closed_) {
@@ -253,6 +320,7 @@ class ZmtpListener final : public RelaySocket {
                     }
                 }
             }
+            if (hold_ && peer->registered && !peer->subscriptions.empty()) release_hold(*peer);
         } else if (peer->stream.zmtp().has_message() && on_readable_) {
             on_readable_();
             if (closed_) return;  // the handler closed this socket: peer is in the graveyard
@@ -323,6 +391,7 @@ class ZmtpListener final : public RelaySocket {
     std::map<std::uint64_t, std::unique_ptr<Peer>> peers_;
     std::unordered_map<std::string, Peer*> by_identity_;
     std::vector<std::unique_ptr<Peer>> graveyard_;  // closed by close(), freed with the listener
+    std::optional<Hold> hold_;  // a PUB's, until its first subscriber
     std::uint64_t next_peer_ = 1, next_turn_ = 0;
     std::uint32_t next_identity_;
     bool closed_ = false;

@@ -11,6 +11,7 @@
 
 #include <poll.h>
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -66,6 +67,13 @@ class RelaySocket {
     // libzmq's transport cannot: a no-op, and false.
     virtual void half_close() {}
     virtual bool peers_sending() const { return false; }
+    // A PUB with no subscriber yet keeps what it is asked to send, up to a
+    // bound, for its first subscriber, for at most `for_at_most`: an adopted
+    // session's clients subscribe again some time after the port is bound,
+    // and what the kernel published meanwhile reaches them (docs/restarts.md).
+    // What is past the bound, or waited longer, is dropped and logged.
+    // libzmq's PUB cannot: a no-op (it drops what no one subscribed to).
+    virtual void hold_until_subscribed(std::chrono::milliseconds /*for_at_most*/) {}
     // A PUB's clients with a subscription; unknown (libzmq keeps it to itself).
     virtual std::optional<std::size_t> subscribers() const { return std::nullopt; }
     // A ROUTER's: whether a client with this identity is connected; unknown

@@ -104,6 +104,7 @@ void SessionCore::on_kernel_attached(Clock::time_point now,
         // Its clients' SUB sockets connect again by themselves, about 0.2 s
         // after the port is bound: requests wait for them (settle_adoption).
         adopt_settle_until_ = now + options_.adopt_settle;
+        if (!io_.clients_listening()) io_.hold_outputs_for_listener(options_.adopt_output_hold);
         if (!answered_before_.empty() ||
             std::any_of(carried_.begin(), carried_.end(),
                         [](const auto& c) { return c.second.channel == Channel::shell; })) {

@@ -116,6 +116,11 @@ class SessionIo {
     // an adopted session holds requests until then, so that the outputs of
     // the first are not published to nobody (docs/restarts.md).
     virtual bool clients_listening() const { return true; }
+    // An adopted session's iopub keeps what is published while no client has
+    // subscribed, for its first subscriber, for at most `for_at_most`: a
+    // client slower to subscribe again than adopt_settle still gets the
+    // outputs and statuses of what ran meanwhile.
+    virtual void hold_outputs_for_listener(std::chrono::milliseconds /*for_at_most*/) {}
     // Whether a client with this routing identity is connected on shell
     // (true where the transport cannot tell).
     virtual bool client_connected(const std::string& /*identity*/) const { return true; }
@@ -161,6 +166,9 @@ struct CoreOptions {
     // After an adoption, the longest requests wait for a subscriber on
     // iopub (clients_listening): a client that never subscribes is served then.
     std::chrono::milliseconds adopt_settle{2000};
+    // From the adoption, what is published while no client has subscribed
+    // is kept this long for the first subscriber (hold_outputs_for_listener).
+    std::chrono::milliseconds adopt_output_hold{30000};
 };
 
 // What a session carries from its server to the next (docs/restarts.md),

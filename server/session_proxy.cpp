@@ -133,6 +133,9 @@ class SessionProxy::Io final : public SessionIo {
         const auto n = p_.outer_iopub_ ? p_.outer_iopub_->subscribers() : std::nullopt;
         return n && *n > 0;
     }
+    void hold_outputs_for_listener(std::chrono::milliseconds for_at_most) override {
+        if (p_.outer_iopub_) p_.outer_iopub_->hold_until_subscribed(for_at_most);
+    }
     bool can_sleep(std::string& why) const override {
         if (!p_.options_.keep_snapshot || !p_.options_.wake) {
             why = "this server keeps no snapshots";

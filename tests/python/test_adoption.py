@@ -6,11 +6,14 @@ on. A sandbox no server adopts ends itself at the end of its grace; one whose
 record cannot be opened is reaped, never adopted. Real servers, real runc
 sandboxes, jupyter_client and the Python client."""
 import os
+import queue
 import signal
 import sqlite3
 import sys
 import threading
 import time
+
+import zmq
 
 import server_helpers as sh
 from server_helpers import send_execute, server_factory  # noqa: F401
@@ -234,6 +237,55 @@ def test_the_python_client_sends_again_across_a_crash_and_nothing_runs_twice(
         s.close()
     finally:
         client.close()
+
+
+def test_a_client_that_subscribes_late_still_gets_what_ran_meanwhile(
+        server_factory, tmp_path):  # noqa: F811
+    """The adoption waits up to adopt_settle (2 s) for a client to subscribe
+    on iopub again before it runs what waited; a client slower than that (a
+    loaded host, 100 sessions adopted at once) used to get the reply and none
+    of the outputs or the idle status, published to no one. Now the iopub
+    keeps them for its first subscriber."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "x = 41")
+    kc.iopub_channel.stop()  # this client's iopub is away across the restart
+    srv.kill9()
+    during = send_execute(kc, "print(x + 1)")
+    srv.start()
+    deadline = time.monotonic() + 120
+    reply = None
+    while reply is None:
+        assert time.monotonic() < deadline, "no reply after the restart"
+        try:
+            msg = kc.get_shell_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == during:
+            reply = msg
+    assert reply["content"]["status"] == "ok", reply["content"]
+    time.sleep(3)  # well past the settle's bound: it ran with no one subscribed
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(kc._make_url("iopub"))
+    try:
+        got = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                for m in got):
+            if sub.poll(500):
+                _, m = kc.session.recv(sub, mode=zmq.NOBLOCK)
+                if m and m["parent_header"].get("msg_id") == during:
+                    got.append(m)
+        kinds = [(m["msg_type"], m["content"].get("execution_state") or m["content"].get("text"))
+                 for m in got]
+        assert ("stream", "42\n") in kinds, kinds
+        assert kinds[0] == ("status", "busy") and kinds[-1] == ("status", "idle"), kinds
+    finally:
+        sub.close(linger=0)
+    assert "delivered the" in srv.log(), srv.log()[-3000:]
 
 
 def test_a_sandbox_no_server_adopts_ends_itself_after_its_grace(

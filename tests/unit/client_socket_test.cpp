@@ -291,6 +291,7 @@ std::string pattern(std::size_t n, unsigned seed) {
 using ClientRouter = ClientSocket;
 using ClientRouterZmtp = ClientSocket;
 using ClientPub = ClientSocket;
+using ClientPubZmtp = ClientSocket;
 
 TEST_P(ClientRouter, ADealersMessageArrivesUnderItsIdentityAndTheReplyReachesIt) {
     Listener& router = bind(false);
@@ -1139,6 +1140,61 @@ TEST_P(ClientPub, ReceivesNothingAndClosesCleanly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ClientPub, ::testing::ValuesIn(kAll), config_name);
+
+// An adopted session's iopub (docs/restarts.md): what is published before
+// any client subscribed is kept, in order, for the first subscriber, and
+// only what its subscription matches reaches it; what comes after goes to
+// subscribers as before.
+TEST_P(ClientPubZmtp, WhatIsPublishedBeforeTheFirstSubscriptionReachesIt) {
+    Listener& pub = bind(true);
+    pub.socket().hold_until_subscribed(std::chrono::seconds(30));
+    const std::vector<Frames> before = {
+        {"kernel.status", "busy"}, {"kernel.stream", "42\n"}, {"other.x"}, {"kernel.idle", "idle"}};
+    for (const auto& m : before) ASSERT_TRUE(pub.send(m));
+    settle(std::chrono::milliseconds(50));
+    auto sub = client(zmq::socket_type::sub, pub.endpoint);
+    sub.set(zmq::sockopt::subscribe, "kernel.");
+    std::vector<Frames> got;
+    ASSERT_TRUE(drive([&] {
+        while (auto m = try_recv(sub)) got.push_back(*m);
+        return got.size() >= 3;
+    })) << got.size() << " of the 3 kept messages arrived";
+    EXPECT_EQ(got, (std::vector<Frames>{before[0], before[1], before[3]}));
+    // After the first subscription: published as usual, not kept again.
+    ASSERT_TRUE(pub.send({"kernel.after"}));
+    std::vector<std::string> after;
+    ASSERT_TRUE(drive([&] {
+        while (auto m = try_recv(sub)) after.push_back((*m)[0]);
+        return !after.empty();
+    }));
+    EXPECT_EQ(after, (std::vector<std::string>{"kernel.after"}));
+    auto late = client(zmq::socket_type::sub, pub.endpoint);
+    late.set(zmq::sockopt::subscribe, "");
+    bool ok = false;
+    warm_up(*this, pub, {&late}, "warm", ok);
+    ASSERT_TRUE(ok);
+    settle(std::chrono::milliseconds(50), [&] {
+        while (auto m = try_recv(late)) EXPECT_EQ((*m)[0], "warm") << "kept for the first only";
+    });
+}
+
+// Kept no longer than asked: a subscriber that comes after gets only what
+// is published after it.
+TEST_P(ClientPubZmtp, WhatWasKeptPastItsTimeIsDropped) {
+    Listener& pub = bind(true);
+    pub.socket().hold_until_subscribed(std::chrono::milliseconds(1));
+    ASSERT_TRUE(pub.send({"early"}));
+    settle(std::chrono::milliseconds(20));
+    auto sub = client(zmq::socket_type::sub, pub.endpoint);
+    sub.set(zmq::sockopt::subscribe, "");
+    bool ok = false;
+    warm_up(*this, pub, {&sub}, "warm", ok);
+    ASSERT_TRUE(ok);
+    ASSERT_TRUE(pub.send({"end"}));
+    EXPECT_EQ(collect(*this, sub, "end", "warm"), (std::vector<std::string>{"end"}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ClientPubZmtp, ::testing::ValuesIn(kZmtp), config_name);
 
 }  // namespace
 }  // namespace cellblock

@@ -94,6 +94,10 @@ class RecordingIo final : public SessionIo {
     void wake() override { actions.emplace_back("wake"); }
     bool listening = true;
     bool clients_listening() const override { return listening; }
+    std::optional<std::chrono::milliseconds> outputs_held_for;
+    void hold_outputs_for_listener(std::chrono::milliseconds for_at_most) override {
+        outputs_held_for = for_at_most;
+    }
     std::set<std::string> gone;  // routing identities not connected on shell
     bool client_connected(const std::string& identity) const override {
         return gone.count(identity) == 0;
@@ -1274,6 +1278,8 @@ TEST_F(SleepTest, AnAdoptedSessionHoldsRequestsUntilItsClientsListen) {
     io.listening = false;
     core->on_kernel_attached(t0, {"probe-1"});
     EXPECT_EQ(core->lifecycle_state(), SessionState::adopting) << "no subscriber yet";
+    EXPECT_EQ(io.outputs_held_for, std::chrono::milliseconds(30000))
+        << "what is published before a client subscribes is kept for it past adopt_settle";
     core->on_client_request(t0 + 100ms, Channel::shell, execute("c4"));
     EXPECT_TRUE(io.of("kernel").empty()) << "held until its client listens";
     const auto poll = core->next_deadline(t0 + 100ms);
