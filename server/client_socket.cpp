@@ -246,9 +246,10 @@ class ZmtpListener final : public RelaySocket {
             if (peer.stream.send(views, kMaxBacklogBytes)) ++delivered;
         }
         if (delivered > 0 || hold_->dropped > 0) {
-            spdlog::info("{}: client {} subscribed: delivered the {} messages published before "
-                         "it ({} dropped past {} bytes)",
-                         label_, peer.id, delivered, hold_->dropped, kMaxHeldBytes);
+            spdlog::info(
+                "{}: client {} subscribed: delivered the {} messages published before "
+                "it ({} dropped past {} bytes)",
+                label_, peer.id, delivered, hold_->dropped, kMaxHeldBytes);
         }
         hold_.reset();
     }
@@ -391,7 +392,7 @@ class ZmtpListener final : public RelaySocket {
     std::map<std::uint64_t, std::unique_ptr<Peer>> peers_;
     std::unordered_map<std::string, Peer*> by_identity_;
     std::vector<std::unique_ptr<Peer>> graveyard_;  // closed by close(), freed with the listener
-    std::optional<Hold> hold_;  // a PUB's, until its first subscriber
+    std::optional<Hold> hold_;                      // a PUB's, until its first subscriber
     std::uint64_t next_peer_ = 1, next_turn_ = 0;
     std::uint32_t next_identity_;
     bool closed_ = false;

@@ -1158,7 +1158,8 @@ TEST_P(ClientPubZmtp, WhatIsPublishedBeforeTheFirstSubscriptionReachesIt) {
     ASSERT_TRUE(drive([&] {
         while (auto m = try_recv(sub)) got.push_back(*m);
         return got.size() >= 3;
-    })) << got.size() << " of the 3 kept messages arrived";
+    })) << got.size()
+        << " of the 3 kept messages arrived";
     EXPECT_EQ(got, (std::vector<Frames>{before[0], before[1], before[3]}));
     // After the first subscription: published as usual, not kept again.
     ASSERT_TRUE(pub.send({"kernel.after"}));
