@@ -4,13 +4,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
-
 #include <deque>
 #include <fstream>
+#include <thread>
 
 #include "cellblock/sha256.hpp"
 
+#include "cellblock/error_names.hpp"
 #include "cellblock/fd_passing.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "local_files.hpp"
@@ -119,8 +121,21 @@ WireMessage ManagerClient::wait(const std::string& id, const std::string& type,
 WireMessage ManagerClient::call(const std::string& type, json content,
                                 std::vector<std::string> buffers,
                                 std::chrono::milliseconds timeout) {
-    const std::string id = send(type, std::move(content), std::move(buffers));
-    return wait(id, type, timeout);
+    // A server restarting (SIGHUP, an upgrade: docs/restarts.md) refuses
+    // what it cannot hand over; its next start serves it: asked again.
+    constexpr auto kAgainAfter = std::chrono::milliseconds(200);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        WireMessage reply =
+            wait(send(type, content, buffers), type, std::max(left, std::chrono::milliseconds(1)));
+        if (reply.content.value("ename", "") != ename::ServerRestarting ||
+            std::chrono::steady_clock::now() + kAgainAfter >= deadline) {
+            return reply;
+        }
+        std::this_thread::sleep_for(kAgainAfter);
+    }
 }
 
 std::optional<json> ManagerClient::local_copy(const std::string& type, json content, int fd,

@@ -22,8 +22,9 @@ class ManagerClient {
     // Reads STATE_DIR/server.json; throws std::runtime_error if no server runs there.
     explicit ManagerClient(const std::filesystem::path& state_dir);
 
-    // Sends `type` (e.g. "session_create_request") and waits for its reply.
-    // Throws std::runtime_error on timeout.
+    // Sends `type` (e.g. "session_create_request") and waits for its reply;
+    // refused ServerRestarting (a planned restart under way), sends it again
+    // every 200 ms within `timeout`. Throws std::runtime_error on timeout.
     WireMessage call(const std::string& type, nlohmann::json content,
                      std::vector<std::string> buffers = {},
                      std::chrono::milliseconds timeout = std::chrono::seconds(120));

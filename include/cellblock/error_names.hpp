@@ -50,7 +50,7 @@ enum class ErrorChannel { manager, session, both };
     X(ServerRestarting, both,                                                                   \
       "the server is handing its sessions to its next start (SIGHUP, an upgrade), or (on a "    \
       "session) restarted after a crash while the request ran and its reply was lost: send "    \
-      "the request again; the Python client does for manager requests")                         \
+      "the request again; cellblock's clients do for manager requests")                         \
     X(HibernateFailed, manager,                                                                 \
       "the session did not hibernate (busy, or its snapshot could not be taken or kept); it "   \
       "stays awake with everything; evalue says why")                                           \

@@ -4,6 +4,7 @@ each session's ports with the same keys and holds it hibernated; the clients
 keep their connection info and their state. SIGUSR2 hands over and exits: the
 next `cellblock serve` on the state dir takes the sessions. Real servers,
 real runc sandboxes, jupyter_client and the Python client."""
+import json
 import os
 import queue
 import shutil
@@ -163,6 +164,33 @@ def test_a_busy_session_runs_on_across_sighup_in_the_same_kernel(
     assert "handed_over" in kinds and "adopted" in kinds, kinds
     assert "hibernated" not in kinds, kinds
     assert "left running for the next start to adopt" in srv.log()
+
+
+def test_the_cli_asks_again_while_the_server_restarts(server_factory, tmp_path):  # noqa: F811
+    """A create sent while a planned restart is under way is refused
+    ServerRestarting by the process handing over; `cellblock new` (and
+    `cellblock mcp`: the same C++ manager client) asks again until the next
+    start serves it, as the Python client does. Before, the CLI exited 1."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--takeover-wait", "8"])
+    sid, kc, _ = srv.open_session()
+    running = send_execute(kc, "import time\ntime.sleep(5)")
+    sh.wait_for(lambda: srv.info_of(sid)["state"] == "busy", timeout=60)
+    srv.proc.send_signal(signal.SIGHUP)
+    # The busy session holds the handover open for its 5 s: the create
+    # reaches the process that hands over.
+    assert sh.wait_for(lambda: "handing 1 session(s) to the next start" in srv.log(),
+                       timeout=30), srv.log()[-2000:]
+    assert starts(srv) == 1
+    out = tmp_path / "new.json"
+    result = srv.cli("new", "-o", str(out), timeout=120, check=False)
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert starts(srv) >= 2, "served by the next start"
+    with open(out) as f:
+        created = json.load(f)
+    kc2 = srv.connect(created)
+    assert sh.run_ok(kc2, "print(6 * 7)").strip() == "42"
+    reply, _, _ = sh.collect_execution(kc, running, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
 
 
 def test_an_upgrade_under_load_refuses_nothing_and_answers_every_step_once(
