@@ -8,7 +8,6 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
-#include <thread>
 
 #include "cellblock/sha256.hpp"
 
@@ -71,27 +70,47 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
     files_socket_ = j.value("files_socket", "");
     signer_ = Signer(key_);
     socket_.set(zmq::sockopt::linger, 0);
+    const std::string monitor = "inproc://cellblock-manager-client-" + make_uuid();
+    if (zmq_socket_monitor(socket_.handle(), monitor.c_str(), ZMQ_EVENT_DISCONNECTED) == 0) {
+        monitor_.set(zmq::sockopt::linger, 0);
+        monitor_.connect(monitor);
+    }
     socket_.connect(j["manager"].get<std::string>());
 }
 
-std::string ManagerClient::send(const std::string& type, json content,
-                                std::vector<std::string> buffers) {
+std::vector<std::string> ManagerClient::encoded(const std::string& type, json content,
+                                                std::vector<std::string> buffers,
+                                                std::string& msg_id) {
     WireMessage msg;
     msg.header = make_header(type, session_, "cellblock-cli");
     msg.content = std::move(content);
     msg.buffers = std::move(buffers);
-    const std::string id = msg.msg_id();
-    std::vector<zmq::message_t> frames;
-    for (auto& f : encode(msg, signer_)) frames.emplace_back(f.data(), f.size());
+    msg_id = msg.msg_id();
+    return encode(msg, signer_);
+}
+
+void ManagerClient::send_frames(const std::vector<std::string>& frames) {
     for (std::size_t i = 0; i < frames.size(); ++i) {
-        socket_.send(frames[i],
+        socket_.send(zmq::const_buffer(frames[i].data(), frames[i].size()),
                      i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
+}
+
+std::string ManagerClient::send(const std::string& type, json content,
+                                std::vector<std::string> buffers) {
+    std::string id;
+    send_frames(encoded(type, std::move(content), std::move(buffers), id));
     return id;
 }
 
 WireMessage ManagerClient::wait(const std::string& id, const std::string& type,
                                 std::chrono::milliseconds timeout) {
+    return *wait_for(id, type, timeout, false);
+}
+
+std::optional<WireMessage> ManagerClient::wait_for(const std::string& id, const std::string& type,
+                                                   std::chrono::milliseconds timeout,
+                                                   bool until_dropped) {
     if (auto early = early_.find(id); early != early_.end()) {
         WireMessage reply = std::move(early->second);
         early_.erase(early);
@@ -102,19 +121,29 @@ WireMessage ManagerClient::wait(const std::string& id, const std::string& type,
     for (;;) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
-        if (left.count() <= 0)
+        if (left.count() <= 0) {
+            if (until_dropped) return std::nullopt;
             throw std::runtime_error("the server did not answer " + type + " in time");
-        zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
-        zmq::poll(&item, 1, left);
-        if (!(item.revents & ZMQ_POLLIN)) continue;
-        if (!recv_multipart(socket_, scratch, 1024)) continue;
-        WireLimits limits;
-        limits.max_total_bytes = 1u << 30;
-        auto decoded = decode(scratch.views(), signer_, nullptr, limits);
-        if (!decoded.message) continue;
-        const std::string parent = decoded.message->parent_msg_id();
-        if (parent == id) return std::move(*decoded.message);
-        if (early_.size() < 64) early_.emplace(parent, std::move(*decoded.message));
+        }
+        zmq::pollitem_t items[] = {{socket_.handle(), 0, ZMQ_POLLIN, 0},
+                                   {monitor_.handle(), 0, ZMQ_POLLIN, 0}};
+        zmq::poll(items, 2, left);
+        // What came before the connection dropped is read before the drop.
+        if ((items[0].revents & ZMQ_POLLIN) && recv_multipart(socket_, scratch, 1024)) {
+            WireLimits limits;
+            limits.max_total_bytes = 1u << 30;
+            auto decoded = decode(scratch.views(), signer_, nullptr, limits);
+            if (!decoded.message) continue;
+            const std::string parent = decoded.message->parent_msg_id();
+            if (parent == id) return std::move(*decoded.message);
+            if (early_.size() < 64) early_.emplace(parent, std::move(*decoded.message));
+            continue;
+        }
+        if (items[1].revents & ZMQ_POLLIN) {
+            // An event is two frames: its number and value, then the endpoint.
+            Multipart event;
+            if (recv_multipart(monitor_, event, 4) && until_dropped) return std::nullopt;
+        }
     }
 }
 
@@ -122,19 +151,34 @@ WireMessage ManagerClient::call(const std::string& type, json content,
                                 std::vector<std::string> buffers,
                                 std::chrono::milliseconds timeout) {
     // A server restarting (SIGHUP, an upgrade: docs/restarts.md) refuses
-    // what it cannot hand over; its next start serves it: asked again.
-    constexpr auto kAgainAfter = std::chrono::milliseconds(200);
+    // what it cannot hand over, and its next start serves it. The same
+    // message goes again, byte for byte, when the connection to the process
+    // that refused drops (or every kAgainEvery): a server takes a signature
+    // once (its replay guard), so no copy, whichever process reads it, is
+    // served twice, and the one that refused ignores the rest.
+    constexpr auto kAgainEvery = std::chrono::seconds(5);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::string id;
+    const std::vector<std::string> frames =
+        encoded(type, std::move(content), std::move(buffers), id);
+    send_frames(frames);
+    bool refused = false;
     for (;;) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
-        WireMessage reply =
-            wait(send(type, content, buffers), type, std::max(left, std::chrono::milliseconds(1)));
-        if (reply.content.value("ename", "") != ename::ServerRestarting ||
-            std::chrono::steady_clock::now() + kAgainAfter >= deadline) {
-            return reply;
+        auto answer = wait_for(
+            id, type, refused ? std::min<std::chrono::milliseconds>(left, kAgainEvery) : left,
+            refused);
+        if (answer && answer->content.value("ename", "") != ename::ServerRestarting)
+            return std::move(*answer);
+        if (answer) {
+            refused = true;  // the next start will take it: wait for the drop
+            continue;
         }
-        std::this_thread::sleep_for(kAgainAfter);
+        if (std::chrono::steady_clock::now() >= deadline)
+            throw std::runtime_error("the server did not answer " + type +
+                                     " in time (it was restarting)");
+        send_frames(frames);
     }
 }
 

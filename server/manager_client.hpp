@@ -22,9 +22,11 @@ class ManagerClient {
     // Reads STATE_DIR/server.json; throws std::runtime_error if no server runs there.
     explicit ManagerClient(const std::filesystem::path& state_dir);
 
-    // Sends `type` (e.g. "session_create_request") and waits for its reply;
-    // refused ServerRestarting (a planned restart under way), sends it again
-    // every 200 ms within `timeout`. Throws std::runtime_error on timeout.
+    // Sends `type` (e.g. "session_create_request") and waits for its reply.
+    // Refused ServerRestarting (a planned restart under way), it sends the
+    // same message again once the connection to that process drops, so the
+    // next start serves it, within `timeout`. Throws std::runtime_error on
+    // timeout.
     WireMessage call(const std::string& type, nlohmann::json content,
                      std::vector<std::string> buffers = {},
                      std::chrono::milliseconds timeout = std::chrono::seconds(120));
@@ -58,6 +60,14 @@ class ManagerClient {
                             Route route = Route::Auto);
 
   private:
+    // A request signed, as frames; `msg_id` set to its id.
+    std::vector<std::string> encoded(const std::string& type, nlohmann::json content,
+                                     std::vector<std::string> buffers, std::string& msg_id);
+    void send_frames(const std::vector<std::string>& frames);
+    // wait(); with `until_dropped`, nullopt once the connection to the
+    // server drops, or at the timeout.
+    std::optional<WireMessage> wait_for(const std::string& msg_id, const std::string& type,
+                                        std::chrono::milliseconds timeout, bool until_dropped);
     // One request on the local file socket with `fd` passed: the reply's
     // content, or nullopt when the socket cannot be reached (and `route` is
     // not Local). Throws std::runtime_error for an error reply.
@@ -70,6 +80,7 @@ class ManagerClient {
 
     zmq::context_t context_{1};
     zmq::socket_t socket_{context_, zmq::socket_type::dealer};
+    zmq::socket_t monitor_{context_, zmq::socket_type::pair};  // socket_'s disconnections
     std::string key_;
     std::string files_socket_;  // server.json's files_socket, when it offers one
     Signer signer_{""};

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <optional>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -53,16 +55,29 @@ SandboxPool::~SandboxPool() {
     changed_.notify_all();
     backend_->abandon_starts();
     for (auto& t : workers_) t.join();
-    // Whatever is still held is destroyed here, on this thread.
+    // Whatever is still held is destroyed here, all at once: each waits for
+    // its killed init to be torn down (about 0.6 s for a booted kernel on a
+    // loaded host) and its runtime's delete; one after the other, a pool of
+    // n delayed a stop, and a planned restart's exec, n times that.
+    std::vector<Sandbox*> held;
     for (auto& job : jobs_) {
-        if (job.sandbox) job.sandbox->destroy();
+        if (job.sandbox) held.push_back(job.sandbox.get());
     }
     for (auto& [name, slot] : slots_) {
-        for (auto& warm : slot.ready) warm.sandbox->destroy();
+        for (auto& warm : slot.ready) held.push_back(warm.sandbox.get());
     }
     for (auto& r : results_) {
-        if (r.warm.sandbox) r.warm.sandbox->destroy();
+        if (r.warm.sandbox) held.push_back(r.warm.sandbox.get());
     }
+    std::atomic<std::size_t> next{0};
+    const auto destroy = [&] {
+        for (std::size_t i; (i = next++) < held.size();) held[i]->destroy();
+    };
+    std::vector<std::thread> threads;
+    for (std::size_t t = 1; t < std::min<std::size_t>(held.size(), 8); ++t)
+        threads.emplace_back(destroy);
+    destroy();
+    for (auto& t : threads) t.join();
 }
 
 void SandboxPool::schedule_refills_locked(std::chrono::milliseconds delay) {
