@@ -169,8 +169,10 @@ def test_a_busy_session_runs_on_across_sighup_in_the_same_kernel(
 def test_the_cli_asks_again_while_the_server_restarts(server_factory, tmp_path):  # noqa: F811
     """A create sent while a planned restart is under way is refused
     ServerRestarting by the process handing over; `cellblock new` (and
-    `cellblock mcp`: the same C++ manager client) asks again until the next
-    start serves it, as the Python client does. Before, the CLI exited 1."""
+    `cellblock mcp`: the same C++ manager client) and the Python client ask
+    again until the next start serves it, once each. Before, the CLI exited
+    1, and a copy sent again as the old process's socket closed was lost
+    (the client waited out its timeout)."""
     srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--takeover-wait", "8"])
     sid, kc, _ = srv.open_session()
     running = send_execute(kc, "import time\ntime.sleep(5)")
@@ -181,14 +183,26 @@ def test_the_cli_asks_again_while_the_server_restarts(server_factory, tmp_path):
     assert sh.wait_for(lambda: "handing 1 session(s) to the next start" in srv.log(),
                        timeout=30), srv.log()[-2000:]
     assert starts(srv) == 1
+    # The Python client at the same time, in a thread.
+    client = cellblock.connect(state_dir=srv.state_dir)
+    made = {}
+    t = threading.Thread(target=lambda: made.setdefault("s", client.session(timeout=120)))
+    t.start()
     out = tmp_path / "new.json"
-    result = srv.cli("new", "-o", str(out), timeout=120, check=False)
-    assert result.returncode == 0, (result.stdout, result.stderr)
-    assert starts(srv) >= 2, "served by the next start"
-    with open(out) as f:
-        created = json.load(f)
-    kc2 = srv.connect(created)
-    assert sh.run_ok(kc2, "print(6 * 7)").strip() == "42"
+    try:
+        result = srv.cli("new", "-o", str(out), timeout=120, check=False)
+        t.join(timeout=150)
+        assert result.returncode == 0, (result.stdout, result.stderr)
+        assert starts(srv) >= 2, "served by the next start"
+        with open(out) as f:
+            created = json.load(f)
+        kc2 = srv.connect(created)
+        assert sh.run_ok(kc2, "print(6 * 7)").strip() == "42"
+        assert made["s"].run("print(7 * 6)").stdout == "42\n"
+        # Each create ran once: the first session and these two.
+        assert len(srv.ok("session_list_request", {"open_only": True})["content"]["sessions"]) == 3
+    finally:
+        client.close()
     reply, _, _ = sh.collect_execution(kc, running, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
 
