@@ -256,7 +256,10 @@ std::vector<AdoptedChannels> probe_adopted(zmq::context_t& context,
     std::atomic<std::size_t> next{0};
     const auto work = [&] {
         for (std::size_t i; (i = next++) < sandboxes.size();) {
-            if (!sandboxes[i]) continue;
+            if (!sandboxes[i]) {
+                results[i].error = "no sandbox to ask";
+                continue;
+            }
             try {
                 // On control: the kernel may still run what the last server sent it.
                 results[i].channels = probe_kernel(context, *sandboxes[i], kProbeTimeout, 64 << 20,
