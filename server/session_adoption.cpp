@@ -12,9 +12,9 @@
 #include <fmt/format.h>
 
 #include <atomic>
-#include <thread>
 
 #include "carried_frames.hpp"
+#include "cellblock/at_once.hpp"
 #include "server.hpp"
 #include "server_key.hpp"
 
@@ -253,27 +253,19 @@ std::vector<AdoptedChannels> probe_adopted(zmq::context_t& context,
                                            const std::atomic<bool>& stopping) {
     constexpr std::size_t kMaxProbing = 16;
     std::vector<AdoptedChannels> results(sandboxes.size());
-    std::atomic<std::size_t> next{0};
-    const auto work = [&] {
-        for (std::size_t i; (i = next++) < sandboxes.size();) {
-            if (!sandboxes[i]) {
-                results[i].error = "no sandbox to ask";
-                continue;
-            }
-            try {
-                // On control: the kernel may still run what the last server sent it.
-                results[i].channels = probe_kernel(context, *sandboxes[i], kProbeTimeout, 64 << 20,
-                                                   &stopping, transport, false, true);
-            } catch (const std::exception& e) {
-                results[i].error = e.what();
-            }
+    for_each_at_once(sandboxes.size(), kMaxProbing, [&](std::size_t i) {
+        if (!sandboxes[i]) {
+            results[i].error = "no sandbox to ask";
+            return;
         }
-    };
-    std::vector<std::thread> threads;
-    for (std::size_t t = 1; t < std::min(kMaxProbing, sandboxes.size()); ++t)
-        threads.emplace_back(work);
-    work();
-    for (auto& t : threads) t.join();
+        try {
+            // On control: the kernel may still run what the last server sent it.
+            results[i].channels = probe_kernel(context, *sandboxes[i], kProbeTimeout, 64 << 20,
+                                               &stopping, transport, false, true);
+        } catch (const std::exception& e) {
+            results[i].error = e.what();
+        }
+    });
     return results;
 }
 

@@ -5,13 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <fstream>
 #include <optional>
-#include <thread>
 
 #include <spdlog/spdlog.h>
 
+#include "cellblock/at_once.hpp"
 #include "cellblock/signer.hpp"
 
 namespace cellblock {
@@ -69,15 +68,7 @@ SandboxPool::~SandboxPool() {
     for (auto& r : results_) {
         if (r.warm.sandbox) held.push_back(r.warm.sandbox.get());
     }
-    std::atomic<std::size_t> next{0};
-    const auto destroy = [&] {
-        for (std::size_t i; (i = next++) < held.size();) held[i]->destroy();
-    };
-    std::vector<std::thread> threads;
-    for (std::size_t t = 1; t < std::min<std::size_t>(held.size(), 8); ++t)
-        threads.emplace_back(destroy);
-    destroy();
-    for (auto& t : threads) t.join();
+    for_each_at_once(held.size(), 8, [&](std::size_t i) { held[i]->destroy(); });
 }
 
 void SandboxPool::schedule_refills_locked(std::chrono::milliseconds delay) {
