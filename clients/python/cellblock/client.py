@@ -195,26 +195,37 @@ class Server:
         # that refused ignores the rest.
         msg = wire.msg(msg_type, content or {})
         wire.send(sock, msg, buffers=buffers)
-        monitor = None
+        msg_id = msg["header"]["msg_id"]
+        try:
+            return self._wait(msg_id, msg_type, max(0.1, deadline - time.monotonic()))
+        except ServerRestarting:
+            if time.monotonic() + 0.2 >= deadline:
+                raise
+        # The next start takes it once this connection drops (a copy written
+        # as the refusing process's socket closes is lost): sent again at
+        # every drop, and every 5 s at most otherwise, until answered.
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while True:
-                try:
-                    return self._wait(msg["header"]["msg_id"], msg_type,
-                                      max(0.1, deadline - time.monotonic()))
-                except ServerRestarting:
-                    if time.monotonic() + 0.2 >= deadline:
-                        raise
-                # The next start takes it once this connection drops: a copy
-                # written as the refusing process's socket closes is lost.
-                if monitor is None:
-                    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                if monitor.poll(int(max(0.0, min(5.0, deadline - time.monotonic())) * 1000)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClientTimeout(f"no {msg_type.replace('_request', '_reply')} in "
+                                        f"{timeout:g} s from {self.manager} (it was restarting)")
+                ready = dict(poller.poll(int(min(5.0, left) * 1000) + 1))
+                if sock in ready:
+                    try:
+                        return self._wait(msg_id, msg_type, 0.1)
+                    except (ServerRestarting, ClientTimeout):
+                        continue  # refused again, or another request's reply
+                if monitor in ready:
                     monitor.recv_multipart()
                 wire.send(sock, msg, buffers=buffers)
         finally:
-            if monitor is not None:
-                sock.disable_monitor()
-                monitor.close(linger=0)
+            sock.disable_monitor()
+            monitor.close(linger=0)
 
     # -- the manager API
     def info(self, timeout=60.0):
