@@ -78,6 +78,12 @@ ManagerClient::ManagerClient(const fs::path& state_dir) {
     socket_.connect(j["manager"].get<std::string>());
 }
 
+ManagerClient::~ManagerClient() {
+    zmq_socket_monitor(socket_.handle(), nullptr, 0);
+    monitor_.close();
+    socket_.close();
+}
+
 std::vector<std::string> ManagerClient::encoded(const std::string& type, json content,
                                                 std::vector<std::string> buffers,
                                                 std::string& msg_id) {

@@ -21,6 +21,11 @@ class ManagerClient {
   public:
     // Reads STATE_DIR/server.json; throws std::runtime_error if no server runs there.
     explicit ManagerClient(const std::filesystem::path& state_dir);
+    // Stops the socket monitor before either socket closes: libzmq leaks a
+    // queued event otherwise (and can block on one; libzmq #3575).
+    ~ManagerClient();
+    ManagerClient(const ManagerClient&) = delete;
+    ManagerClient& operator=(const ManagerClient&) = delete;
 
     // Sends `type` (e.g. "session_create_request") and waits for its reply.
     // Refused ServerRestarting (a planned restart under way), it sends the
