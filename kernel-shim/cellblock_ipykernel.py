@@ -83,6 +83,7 @@ import threading  # noqa: E402
 
 import zmq  # noqa: E402
 
+from ipykernel.heartbeat import Heartbeat  # noqa: E402
 from ipykernel.iostream import OutStream  # noqa: E402
 from ipykernel.ipkernel import IPythonKernel  # noqa: E402
 from ipykernel.kernelapp import IPKernelApp  # noqa: E402
@@ -575,6 +576,39 @@ class SandboxKernel(IPythonKernel):
         self.schedule_dispatch(stop_aborting)
 
 
+def _curve_secret_key(path):
+    # cellblock's own field of a connection file: the kernel's CurveZMQ
+    # secret key (Z85), when its channels leave the host (a Swarm node's).
+    import json
+
+    try:
+        with open(path) as f:
+            key = json.load(f).get("curve_secret_key")
+    except (OSError, ValueError):
+        return None
+    return key or None
+
+
+def _make_curve_server(sock, secret_key):
+    if not zmq.has("curve"):
+        raise RuntimeError("the connection file asks for CurveZMQ, which this kernel's "
+                           "libzmq was built without")
+    sock.curve_secretkey = secret_key.encode()
+    sock.curve_publickey = zmq.curve_public(secret_key.encode())
+    sock.curve_server = True
+
+
+class _CurveHeartbeat(Heartbeat):
+    # ipykernel's heartbeat makes and binds its socket in its own thread.
+    def __init__(self, secret_key, *args, **kwargs):
+        self._curve_secret_key = secret_key
+        super().__init__(*args, **kwargs)
+
+    def _try_bind_socket(self):
+        _make_curve_server(self.socket, self._curve_secret_key)
+        return super()._try_bind_socket()
+
+
 class SandboxKernelApp(IPKernelApp):
     # This module's, by the name it runs under (__main__ when booted, imported
     # by name in a zygote): one OutputBudget for the kernel and its streams.
@@ -587,6 +621,30 @@ class SandboxKernelApp(IPKernelApp):
     prepared_profile = None
     # sys.modules in the zygote (prewarm).
     zygote_modules = None
+
+    # Set from the connection file: every channel, heartbeat included, is a
+    # CurveZMQ server with it, and the front connects with its public half
+    # (docs/scale-out.md, "Encryption"). Read before ipykernel writes the
+    # file again without cellblock's fields.
+    curve_secret_key = None
+
+    def init_connection_file(self):
+        super().init_connection_file()
+        self.curve_secret_key = _curve_secret_key(self.abs_connection_file)
+
+    def _bind_socket(self, s, port):
+        if self.curve_secret_key:
+            _make_curve_server(s, self.curve_secret_key)
+        return super()._bind_socket(s, port)
+
+    def init_heartbeat(self):
+        if not self.curve_secret_key:
+            return super().init_heartbeat()
+        # As IPKernelApp.init_heartbeat, with a CURVE socket.
+        self.heartbeat = _CurveHeartbeat(self.curve_secret_key, zmq.Context(),
+                                         (self.transport, self.ip, self.hb_port))
+        self.hb_port = self.heartbeat.port
+        self.heartbeat.start()
 
     def _prepared(self):
         # The fork's home is where the zygote's was (HOME, IPYTHONDIR).

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
+#include <utility>
 
 #include "cellblock/errno_text.hpp"
 #include "cellblock/unique_fd.hpp"
@@ -57,6 +59,13 @@ int port_field(const json& value, const char* field) {
                                  value.dump());
     }
     return static_cast<int>(value.get<std::int64_t>());
+}
+
+// Z85 (ZeroMQ RFC 32) of a 32-byte key: 40 characters of its alphabet.
+bool is_z85_key(const std::string& text) {
+    static constexpr std::string_view kZ85 =
+        "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#";
+    return text.size() == 40 && text.find_first_not_of(kZ85) == std::string::npos;
 }
 
 [[noreturn]] void fail(const std::filesystem::path& path, const std::string& why) {
@@ -136,6 +145,17 @@ ConnectionInfo ConnectionInfo::from_json(const json& j) {
     if (const auto it = j.find("kernel_name"); it != j.end() && !it->is_null()) {
         info.kernel_name = string_field(*it, "kernel_name");
     }
+    for (auto [field, member] :
+         {std::pair{"curve_server_key", &ConnectionInfo::curve_server_key},
+          std::pair{"curve_secret_key", &ConnectionInfo::curve_secret_key}}) {
+        const auto it = j.find(field);
+        if (it == j.end()) continue;
+        info.*member = string_field(*it, field);
+        if (!is_z85_key(info.*member)) {
+            throw std::runtime_error(std::string("field ") + field +
+                                     " must be a CurveZMQ key: 40 characters of Z85");
+        }
+    }
     return info;
 }
 
@@ -147,6 +167,8 @@ json ConnectionInfo::to_json() const {
     j["transport"] = transport;
     j["signature_scheme"] = signature_scheme;
     j["kernel_name"] = kernel_name;
+    if (!curve_server_key.empty()) j["curve_server_key"] = curve_server_key;
+    if (!curve_secret_key.empty()) j["curve_secret_key"] = curve_secret_key;
     return j;
 }
 

@@ -93,13 +93,28 @@ std::string link_kernel_sockets(Sandbox& sandbox, Clock::time_point deadline,
     return (server_dir / "k").string();
 }
 
-// The five sockets through libzmq, connected.
+// The five sockets through libzmq, connected; CURVE clients of a kernel
+// that names its public key (a Swarm node's: the channels cross a network).
 void connect_libzmq(InnerChannels& ch, zmq::context_t& context, const ConnectionInfo& linked,
                     const std::string& identity, int max_frame_bytes) {
+    char public_key[41] = {}, secret_key[41] = {};
+    const bool curve = !linked.curve_server_key.empty();
+    if (curve && zmq_curve_keypair(public_key, secret_key) != 0) {
+        throw SandboxError("the kernel's channels need CurveZMQ, which this libzmq lacks: " +
+                           std::string(zmq_strerror(zmq_errno())));
+    }
+    auto connect = [&](zmq::socket_t& s, Channel channel) {
+        if (curve) {
+            s.set(zmq::sockopt::curve_serverkey, linked.curve_server_key);
+            s.set(zmq::sockopt::curve_publickey, std::string(public_key));
+            s.set(zmq::sockopt::curve_secretkey, std::string(secret_key));
+        }
+        s.connect(linked.endpoint(channel));
+    };
     auto dealer = [&](Channel channel, int max_bytes, const std::string& id) {
         zmq::socket_t s = inner_socket(context, zmq::socket_type::dealer, max_bytes);
         if (!id.empty()) s.set(zmq::sockopt::routing_id, id);
-        s.connect(linked.endpoint(channel));
+        connect(s, channel);
         return make_zmq_relay_socket(std::move(s));
     };
     ch.shell = dealer(Channel::shell, max_frame_bytes, identity);
@@ -107,7 +122,7 @@ void connect_libzmq(InnerChannels& ch, zmq::context_t& context, const Connection
     ch.stdin_ = dealer(Channel::stdin_, max_frame_bytes, identity);
     zmq::socket_t iopub = inner_socket(context, zmq::socket_type::sub, max_frame_bytes);
     iopub.set(zmq::sockopt::subscribe, "");
-    iopub.connect(linked.endpoint(Channel::iopub));
+    connect(iopub, Channel::iopub);
     ch.iopub = make_zmq_relay_socket(std::move(iopub));
     ch.hb = dealer(Channel::hb, 1024, "");
 }

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include <spdlog/spdlog.h>
+#include <zmq.h>
 
 #include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
@@ -527,6 +528,15 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
     for (int i = 0; i < kKernelPortCount; ++i) kernel.*kKernelPorts[i] = kFirstKernelPort + i;
     kernel.key = make_random_key();
     kernel.kernel_name = image.name;
+    // The channels cross the network between the front and the node: the
+    // kernel binds them as CurveZMQ servers with a key made for this session
+    // (only its secret has it); the front keeps the public half.
+    char public_key[41] = {}, secret_key[41] = {};
+    if (zmq_curve_keypair(public_key, secret_key) != 0) {
+        throw SandboxError(std::string("swarm: no CurveZMQ key for the kernel's channels: ") +
+                           zmq_strerror(zmq_errno()));
+    }
+    kernel.curve_secret_key = secret_key;
     const json labels = {{"cellblock.server", server_id_}, {"cellblock.session", session_id}};
     const std::string secret_name = "cb-" + session_id + "-" + make_random_key().substr(0, 8);
     const json secret_spec = {
@@ -593,6 +603,8 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
             ::usleep(50000);
         }
         ConnectionInfo inner = kernel;
+        inner.curve_server_key = public_key;
+        inner.curve_secret_key.clear();
         for (const auto& port : task["Status"]["PortStatus"]["Ports"]) {
             const int i = port.value("TargetPort", 0) - kFirstKernelPort;
             if (i >= 0 && i < kKernelPortCount)

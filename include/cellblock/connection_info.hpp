@@ -22,6 +22,13 @@ struct ConnectionInfo {
     std::string key;
     std::string signature_scheme = "hmac-sha256";
     std::string kernel_name;
+    // CurveZMQ (cellblock's own fields; a Jupyter client ignores them): a
+    // kernel whose sockets leave the host (a Swarm node's) binds them as
+    // CURVE servers with `curve_secret_key`, and the front connects with
+    // `curve_server_key`, the matching public key. Both Z85, 40 characters;
+    // empty: the NULL mechanism, as every Jupyter kernel.
+    std::string curve_server_key;
+    std::string curve_secret_key;
 
     int port(Channel c) const;
     void set_port(Channel c, int port);

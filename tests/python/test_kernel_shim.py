@@ -79,3 +79,112 @@ def test_only_the_finders_of_the_homes_import_path_entries_are_forgotten(tmp_pat
     assert cache[elsewhere] is marker
     # Not on the import path: not looked at (a package's own dir, say).
     assert cache[not_on_path] is marker
+
+
+@pytest.fixture
+def curve_kernel(tmp_path):
+    """The shim's kernel, a real process outside any sandbox, on 127.0.0.1 with
+    a connection file naming a CurveZMQ secret key (as the Swarm backend's
+    secret does). Yields (connection info as rewritten by ipykernel with its
+    ports, the kernel's public key)."""
+    import json
+    import subprocess
+    import time
+
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    path = tmp_path / "kernel.json"
+    info = {"transport": "tcp", "ip": "127.0.0.1", "shell_port": 0, "iopub_port": 0,
+            "stdin_port": 0, "control_port": 0, "hb_port": 0, "key": "inner-key",
+            "signature_scheme": "hmac-sha256", "kernel_name": "host",
+            "curve_secret_key": secret.decode()}
+    path.write_text(json.dumps(info))
+    env = dict(os.environ, HOME=str(tmp_path), IPYTHONDIR=str(tmp_path / "ipython"),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    log = open(tmp_path / "kernel.log", "wb")
+    kernel = subprocess.Popen([sys.executable, os.path.abspath(shim.__file__), "-f", str(path)],
+                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            written = json.loads(path.read_text() or "{}")
+            if written.get("shell_port") and written.get("hb_port"):
+                break
+            assert kernel.poll() is None, (tmp_path / "kernel.log").read_text()
+            assert time.monotonic() < deadline, "the kernel wrote no ports in 60 s"
+            time.sleep(0.1)
+        yield written, public
+    finally:
+        kernel.kill()
+        kernel.wait()
+        log.close()
+
+
+def _kernel_info(info, context, server_key=None, wait_s=10):
+    """kernel_info_request on shell as a DEALER (a CURVE client when
+    `server_key` is given); the reply's content, or None after `wait_s`."""
+    import zmq
+    from jupyter_client.session import Session
+
+    session = Session(key=info["key"].encode())
+    sock = context.socket(zmq.DEALER)
+    sock.linger = 0
+    if server_key:
+        client_public, client_secret = zmq.curve_keypair()
+        sock.curve_serverkey = server_key
+        sock.curve_publickey = client_public
+        sock.curve_secretkey = client_secret
+    sock.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+    try:
+        session.send(sock, "kernel_info_request", {})
+        if not sock.poll(wait_s * 1000):
+            return None
+        _, msg = session.feed_identities(sock.recv_multipart(), copy=True)
+        return session.deserialize(msg)["content"]
+    finally:
+        sock.close()
+
+
+def test_a_connection_file_with_a_curve_key_makes_every_channel_a_curve_server(curve_kernel):
+    import socket
+
+    import zmq
+
+    info, public = curve_kernel
+    # ipykernel writes its file again, without cellblock's field.
+    assert "curve_secret_key" not in info
+    # Each of the five ports greets with the CURVE mechanism (ZMTP 3.0
+    # greeting: a signature, the version, then the mechanism's name).
+    for channel in ("shell", "iopub", "stdin", "control", "hb"):
+        with socket.create_connection(("127.0.0.1", info[f"{channel}_port"]), timeout=10) as s:
+            # Signature and major version only: libzmq then sends the rest
+            # of its greeting, and would close on a mechanism unlike its own.
+            s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03")
+            greeting = b""
+            while len(greeting) < 64:
+                chunk = s.recv(64 - len(greeting))
+                assert chunk, f"{channel}: closed after {greeting!r}"
+                greeting += chunk
+        assert greeting[12:32].rstrip(b"\0") == b"CURVE", (channel, greeting)
+
+    context = zmq.Context()
+    try:
+        # With the kernel's public key: answered, as by any kernel.
+        reply = _kernel_info(info, context, server_key=public)
+        assert reply is not None and reply["status"] == "ok", reply
+        hb = context.socket(zmq.REQ)
+        hb.linger = 0
+        hb.curve_serverkey = public
+        hb.curve_publickey, hb.curve_secretkey = zmq.curve_keypair()
+        hb.connect(f"tcp://127.0.0.1:{info['hb_port']}")
+        hb.send(b"ping")
+        assert hb.poll(10000) and hb.recv() == b"ping"
+        hb.close()
+        # Without it (the NULL mechanism of a plain Jupyter client), or with
+        # another key: the handshake fails and nothing is answered.
+        assert _kernel_info(info, context, wait_s=3) is None
+        other_public, _ = zmq.curve_keypair()
+        assert _kernel_info(info, context, server_key=other_public, wait_s=3) is None
+    finally:
+        context.term()

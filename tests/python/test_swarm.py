@@ -19,7 +19,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import uuid
 
 import pytest
 
@@ -192,6 +194,101 @@ def test_a_swarm_session_is_contained(bed, swarm):
     assert reply["content"]["status"] == "error", reply["content"]
     assert reply["content"]["ename"] == "FileError"
     assert "swarm backend" in reply["content"]["evalue"]
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
+class BridgeCapture:
+    """Every TCP payload to or from `ports` seen on the host's `interface` (an
+    AF_PACKET socket: the frames as they cross the bridge the nodes sit on),
+    until the `with` block ends. `flows`: (source port, destination port) →
+    the bytes, in the order they were seen."""
+
+    def __init__(self, interface, ports):
+        self.ports = set(ports)
+        self.flows = {}
+        self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+        self._sock.bind((interface, 0))
+        self._sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)  # the last frames in flight
+        self._stop.set()
+        self._thread.join()
+        self._sock.close()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                frame = self._sock.recv(262144)
+            except socket.timeout:
+                continue
+            if len(frame) < 54 or frame[12:14] != b"\x08\x00":  # IPv4 only: the bridge's
+                continue
+            ip = frame[14:]
+            if ip[9] != 6:  # TCP
+                continue
+            tcp = ip[(ip[0] & 0x0F) * 4:int.from_bytes(ip[2:4], "big")]
+            source, destination = int.from_bytes(tcp[0:2], "big"), int.from_bytes(tcp[2:4], "big")
+            if source in self.ports or destination in self.ports:
+                payload = tcp[(tcp[12] >> 4) * 4:]
+                self.flows.setdefault((source, destination), bytearray()).extend(payload)
+
+    def seen(self):
+        return b"".join(bytes(b) for b in self.flows.values())
+
+
+def published_ports(bed, sid):
+    """The five ports session `sid`'s task publishes on its node (at
+    127.0.0.1 on this host), in the connection file's order."""
+    task = bed.docker("service", "ps", "-q", "--no-trunc", f"cb-{sid}").split()[0]
+    ports = json.loads(bed.docker("inspect", "--type", "task", "--format",
+                                  "{{json .Status.PortStatus.Ports}}", task))
+    return [p["PublishedPort"] for p in sorted(ports, key=lambda p: p["TargetPort"])]
+
+
+def zmtp_mechanism(port, then_send=b""):
+    """The mechanism a ZMTP 3 peer at 127.0.0.1:`port` greets with; `then_send`
+    follows our signature (bytes that cross to the node as they are)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03")
+        greeting = b""
+        while len(greeting) < 32:
+            chunk = s.recv(64 - len(greeting))
+            assert chunk, f"port {port}: closed after {greeting!r}"
+            greeting += chunk
+        s.sendall(then_send)
+    return greeting[12:32].rstrip(b"\0").decode()
+
+
+def test_no_code_or_output_crosses_to_a_node_in_clear(bed, swarm):
+    # The front's channels to a node are CurveZMQ with a key pair made for the
+    # session: captured on the bridge between this host and the workers,
+    # neither the code of an execution nor its output shows, while clear
+    # bytes sent to the same port by the same path do.
+    sid, kc, _ = swarm.open_session()
+    ports = published_ports(bed, sid)
+    assert len(ports) == 5, ports
+    token = uuid.uuid4().hex
+    code_text, output_text = f"cbcode{token}", f"cbcode{token}"[::-1]
+    probe = f"cbprobe{token}".encode()
+    with BridgeCapture(bed.describe()["bridge"], ports) as capture:
+        assert run_ok(kc, f"word = {code_text!r}\nprint(word[::-1])") == output_text + "\n"
+        mechanisms = [zmtp_mechanism(port, then_send=probe if port == ports[0] else b"")
+                      for port in ports]
+    assert mechanisms == ["CURVE"] * 5, mechanisms
+    seen = capture.seen()
+    assert probe in seen, "the capture must see clear bytes sent to the session's node"
+    session_bytes = sum(len(b) for b in capture.flows.values())
+    assert session_bytes > 2 * len(probe) + 500, capture.flows.keys()
+    assert code_text.encode() not in seen, "the code crossed to the node in clear"
+    assert output_text.encode() not in seen, "the output crossed from the node in clear"
+    assert b"execute_request" not in seen and b"kernel_info" not in seen
     swarm.ok("session_close_request", {"session_id": sid})
 
 

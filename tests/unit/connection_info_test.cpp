@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -90,6 +91,8 @@ void expect_same(const ConnectionInfo& a, const ConnectionInfo& b) {
     EXPECT_EQ(a.key, b.key);
     EXPECT_EQ(a.signature_scheme, b.signature_scheme);
     EXPECT_EQ(a.kernel_name, b.kernel_name);
+    EXPECT_EQ(a.curve_server_key, b.curve_server_key);
+    EXPECT_EQ(a.curve_secret_key, b.curve_secret_key);
 }
 
 const json& reference_connections() {
@@ -153,6 +156,33 @@ TEST(ConnectionInfo, JsonRoundTrip) {
     EXPECT_EQ(j.at("signature_scheme"), "hmac-sha256");
     EXPECT_EQ(j.size(), 10u);
     expect_same(ConnectionInfo::from_json(j), c);
+}
+
+TEST(ConnectionInfo, CurveKeysAreWrittenOnlyWhenSetAndMustBeZ85) {
+    ConnectionInfo c = sample();
+    EXPECT_FALSE(c.to_json().contains("curve_server_key"));
+    EXPECT_FALSE(c.to_json().contains("curve_secret_key"));
+    char public_key[41], secret_key[41];
+    ASSERT_EQ(zmq_curve_keypair(public_key, secret_key), 0) << "libzmq without CURVE";
+    c.curve_server_key = public_key;
+    c.curve_secret_key = secret_key;
+    const json j = c.to_json();
+    EXPECT_EQ(j.at("curve_server_key"), public_key);
+    EXPECT_EQ(j.at("curve_secret_key"), secret_key);
+    expect_same(ConnectionInfo::from_json(j), c);
+
+    for (const char* field : {"curve_server_key", "curve_secret_key"}) {
+        const std::string refused =
+            std::string("field ") + field + " must be a CurveZMQ key: 40 characters of Z85";
+        json bad = j;
+        bad[field] = std::string(public_key).substr(0, 39);
+        EXPECT_EQ(error_of([&] { ConnectionInfo::from_json(bad); }), refused);
+        bad[field] = std::string(39, 'a') + "\"";  // '"' is not in Z85's alphabet
+        EXPECT_EQ(error_of([&] { ConnectionInfo::from_json(bad); }), refused);
+        bad[field] = 7;
+        EXPECT_EQ(error_of([&] { ConnectionInfo::from_json(bad); }),
+                  std::string("field ") + field + " must be a string");
+    }
 }
 
 TEST(ConnectionInfo, WriteReadRoundTripWithMode0600) {

@@ -10,10 +10,13 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
+#include <zmq.h>
 
 #include "../../sessions/docker_api.hpp"
 #include "cellblock/oci_bundle.hpp"
@@ -399,4 +402,78 @@ TEST_F(LeftService, AServiceTheEngineNoLongerHasIsNot) {
     json rec = record();
     rec["service_id"] = "svc-9";
     EXPECT_NE(refusal(rec).find("is gone"), std::string::npos);
+}
+
+namespace {
+
+// Standard base64 (RFC 4648) back to bytes: a secret's Data as the engine got it.
+std::string from_base64(const std::string& text) {
+    static const std::string kAlphabet =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    std::string out;
+    unsigned bits = 0;
+    int count = 0;
+    for (const char c : text) {
+        const auto at = kAlphabet.find(c);
+        if (at == std::string::npos) break;  // '=' padding
+        bits = (bits << 6) | static_cast<unsigned>(at);
+        if ((count += 6) >= 8) out.push_back(static_cast<char>((bits >> (count -= 8)) & 0xff));
+    }
+    return out;
+}
+
+}  // namespace
+
+// A session started on a fake engine: the kernel's channels are CurveZMQ
+// servers with a key pair made for the session; the secret the service gets
+// holds the secret key, the front keeps only the public one, and so does the
+// record an adopting server reads.
+TEST_F(LeftService, EachStartedKernelGetsItsOwnCurveKeyAndOnlyItsSecretHoldsIt) {
+    std::vector<json> secrets;
+    std::mutex mutex;
+    FakeEngine engine([&](const std::string& request) {
+        const std::string line = request.substr(0, request.find("\r\n"));
+        if (line.find(" /secrets/create ") != std::string::npos) {
+            std::lock_guard lock(mutex);
+            secrets.push_back(json::parse(request.substr(request.find("\r\n\r\n") + 4)));
+            return ok({{"ID", "sec-" + std::to_string(secrets.size())}});
+        }
+        if (line.find(" /services/create ") != std::string::npos) return ok({{"ID", "svc-1"}});
+        if (line.find(" /tasks?") != std::string::npos) {
+            json ports = json::array();
+            for (int i = 0; i < 5; ++i) {
+                ports.push_back({{"TargetPort", 50000 + i}, {"PublishedPort", 30000 + i}});
+            }
+            return ok(json::array(
+                {{{"ID", "task-1"},
+                  {"NodeID", "node-1"},
+                  {"CreatedAt", "2026-11-29T00:00:00Z"},
+                  {"Status", {{"State", "running"}, {"PortStatus", {{"Ports", ports}}}}}}}));
+        }
+        return answer(request);
+    });
+    settings_.docker_host = engine.host();
+    settings_.connect_host = "127.0.0.1";
+    SwarmBackend backend(settings_);
+    std::vector<std::string> server_keys;
+    for (const char* session : {"s1", "s2"}) {
+        auto box = backend.start(session, host_image(), SandboxLimits{}, false);
+        const ConnectionInfo& inner = box->inner_connection();
+        EXPECT_TRUE(inner.curve_secret_key.empty()) << "the front holds no kernel's secret key";
+        ASSERT_EQ(inner.curve_server_key.size(), 40u);
+        const json kept = box->adoption_record()->at("kernel");
+        EXPECT_EQ(kept.at("curve_server_key"), inner.curve_server_key);
+        EXPECT_FALSE(kept.contains("curve_secret_key"));
+
+        std::lock_guard lock(mutex);
+        const json file = json::parse(from_base64(secrets.back().at("Data").get<std::string>()));
+        const std::string secret_key = file.at("curve_secret_key").get<std::string>();
+        char derived[41] = {};
+        ASSERT_EQ(zmq_curve_public(derived, secret_key.c_str()), 0);
+        EXPECT_EQ(std::string(derived), inner.curve_server_key)
+            << "the kernel's secret key and the front's public key are one pair";
+        EXPECT_EQ(file.at("key"), inner.key);
+        server_keys.push_back(inner.curve_server_key);
+    }
+    EXPECT_NE(server_keys[0], server_keys[1]) << "a key pair per session";
 }
