@@ -648,7 +648,10 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
     }
     if (governor_) {
         consider(governor_->next_expiry_check(now));
-        if (std::string why; lifecycle_.state() == SessionState::idle && io_.can_sleep(why)) {
+        // A request still open at the kernel (an answer slow under load)
+        // puts the hibernation off until it is answered, not for good.
+        if (std::string why;
+            lifecycle_.state() == SessionState::idle && !requests_open() && io_.can_sleep(why)) {
             if (auto due = governor_->next_hibernation(now)) consider(*due);
         }
     }
@@ -740,7 +743,7 @@ void SessionCore::on_tick(Clock::time_point now) {
         }
         if (handing_over_) {
             settle_handover(now);
-        } else if (std::string why; lifecycle_.state() == SessionState::idle &&
+        } else if (std::string why; lifecycle_.state() == SessionState::idle && !requests_open() &&
                                     io_.can_sleep(why) && governor_->hibernation_due(now)) {
             event("hibernating", "idle for hibernate_after_s " +
                                      format_seconds(governor_->limits().hibernate_after_s) + " s");

@@ -291,6 +291,9 @@ class SessionCore {
     Clock::time_point idle_since() const { return idle_since_; }
 
   private:
+    // A request is open at the kernel or waits for it (an execution, the
+    // queue, a held reply, a shutdown): the session cannot hibernate now.
+    bool requests_open() const;
     struct PendingRequest {
         Channel channel;
         std::vector<std::string> identities;

@@ -64,6 +64,10 @@ bool SessionCore::asleep() const {
     }
 }
 
+bool SessionCore::requests_open() const {
+    return execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_;
+}
+
 bool SessionCore::hibernate(Clock::time_point now, std::string& why) {
     const SessionState state = lifecycle_.state();
     if (state == SessionState::hibernated || state == SessionState::hibernating) return true;
@@ -76,7 +80,7 @@ bool SessionCore::hibernate(Clock::time_point now, std::string& why) {
         return false;
     }
     if (!io_.can_sleep(why)) return false;
-    if (execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_) {
+    if (requests_open()) {
         why = std::to_string(pending_.size() + queue_.size()) +
               " request(s) are open at the kernel; the session hibernates once they are answered";
         return false;

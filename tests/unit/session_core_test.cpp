@@ -1121,6 +1121,29 @@ TEST_F(SleepTest, ASessionThatCannotSleepIsNotTriedAndSaysWhy) {
     EXPECT_NE(why.find("keep no files"), std::string::npos) << why;
 }
 
+TEST_F(SleepTest, ARequestStillOpenWhenHibernationIsDuePutsItOffUntilAnswered) {
+    // Under load a frontend's kernel_info_request can take longer than
+    // hibernate_after_s to be answered: seen in CI, a Notebook page's kernel
+    // never slept (it was declined for good, and the page sent nothing more).
+    SessionLimits limits;
+    limits.hibernate_after_s = 3;
+    start(limits);
+    run_cell("c1", t0);
+    core->on_client_request(t0 + 1s, Channel::shell, request("kernel_info_request", "r1"));
+    core->on_tick(t0 + 5s);
+    EXPECT_TRUE(io.of("own").empty()) << "no save while r1 is open";
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    const auto next = core->next_deadline(t0 + 5s);
+    EXPECT_TRUE(!next || *next > t0 + 5s) << "no ticking while it waits for the answer";
+    core->on_kernel_reply(t0 + 6s, Channel::shell, from_kernel("kernel_info_reply", "r1"));
+    const auto due = core->next_deadline(t0 + 6s);
+    ASSERT_TRUE(due.has_value());
+    EXPECT_LE(*due, t0 + 6s) << "due as soon as the answer is in";
+    core->on_tick(t0 + 6s);
+    ASSERT_EQ(io.of("own").size(), 1u);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernating);
+}
+
 TEST_F(SleepTest, AFailedAutomaticHibernationWaitsForTheNextRequest) {
     SessionLimits limits;
     limits.hibernate_after_s = 60;
