@@ -793,3 +793,21 @@ def write_temp(data, suffix=""):
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     return path
+
+
+def zmtp_mechanism(port, then_send=b""):
+    """The security mechanism ("NULL", "CURVE", ...) a ZMTP 3 peer listening
+    at 127.0.0.1:`port` greets with. Only our signature and major version are
+    sent (libzmq then sends the rest of its greeting, and would close on a
+    mechanism unlike its own); `then_send` follows, as it is, on the wire."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03")
+        greeting = b""
+        while len(greeting) < 32:
+            chunk = s.recv(64 - len(greeting))
+            assert chunk, f"port {port}: closed after {greeting!r}"
+            greeting += chunk
+        s.sendall(then_send)
+    return greeting[12:32].rstrip(b"\0").decode()

@@ -28,7 +28,7 @@ import pytest
 import test_kernel_conformance as conformance
 from conftest import CELLBLOCK_BIN
 from server_helpers import (ServerProcess, ShellWatch, execute, new_state_dir, run_ok,
-                            wait_for)
+                            wait_for, zmtp_mechanism)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "swarm"))
@@ -250,20 +250,6 @@ def published_ports(bed, sid):
     ports = json.loads(bed.docker("inspect", "--type", "task", "--format",
                                   "{{json .Status.PortStatus.Ports}}", task))
     return [p["PublishedPort"] for p in sorted(ports, key=lambda p: p["TargetPort"])]
-
-
-def zmtp_mechanism(port, then_send=b""):
-    """The mechanism a ZMTP 3 peer at 127.0.0.1:`port` greets with; `then_send`
-    follows our signature (bytes that cross to the node as they are)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03")
-        greeting = b""
-        while len(greeting) < 32:
-            chunk = s.recv(64 - len(greeting))
-            assert chunk, f"port {port}: closed after {greeting!r}"
-            greeting += chunk
-        s.sendall(then_send)
-    return greeting[12:32].rstrip(b"\0").decode()
 
 
 def test_no_code_or_output_crosses_to_a_node_in_clear(bed, swarm):
