@@ -335,7 +335,10 @@ def test_notebook_in_chromium_keeps_working_after_the_kernel_slept(provisioned, 
             sid = wait_for(new_session, timeout=120, interval=0.5)
             assert sid, "no session for the notebook's kernel"
             assert wait_for(lambda: provisioned.server.info_of(sid)["state"] == "hibernated",
-                            timeout=180, interval=0.5), provisioned.server.info_of(sid)
+                            timeout=180, interval=0.5), (
+                provisioned.server.info_of(sid)["state"],
+                provisioned.server.ok("session_history_request",
+                                      {"session_id": sid})["content"]["events"])
             slept.write_text("asleep")
             out, err = node.communicate(timeout=300)
         finally:
