@@ -648,10 +648,7 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
     }
     if (governor_) {
         consider(governor_->next_expiry_check(now));
-        // A request still open at the kernel (an answer slow under load)
-        // puts the hibernation off until it is answered, not for good.
-        if (std::string why;
-            lifecycle_.state() == SessionState::idle && !requests_open() && io_.can_sleep(why)) {
+        if (free_to_sleep()) {
             if (auto due = governor_->next_hibernation(now)) consider(*due);
         }
     }
@@ -743,11 +740,10 @@ void SessionCore::on_tick(Clock::time_point now) {
         }
         if (handing_over_) {
             settle_handover(now);
-        } else if (std::string why; lifecycle_.state() == SessionState::idle && !requests_open() &&
-                                    io_.can_sleep(why) && governor_->hibernation_due(now)) {
+        } else if (free_to_sleep() && governor_->hibernation_due(now)) {
             event("hibernating", "idle for hibernate_after_s " +
                                      format_seconds(governor_->limits().hibernate_after_s) + " s");
-            if (!hibernate(now, why)) {
+            if (std::string why; !hibernate(now, why)) {
                 io_.log("not hibernating: " + why);
                 governor_->hibernation_declined();
             }

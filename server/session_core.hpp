@@ -294,6 +294,10 @@ class SessionCore {
     // A request is open at the kernel or waits for it (an execution, the
     // queue, a held reply, a shutdown): the session cannot hibernate now.
     bool requests_open() const;
+    // Idle, nothing open, and a snapshot could be kept: hibernate_after_s
+    // applies. A request still open at the kernel (an answer slow under
+    // load) puts the hibernation off until it is answered, not for good.
+    bool free_to_sleep() const;
     struct PendingRequest {
         Channel channel;
         std::vector<std::string> identities;

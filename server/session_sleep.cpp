@@ -68,6 +68,11 @@ bool SessionCore::requests_open() const {
     return execution_ || !queue_.empty() || held_reply_ || !pending_.empty() || shutdown_request_;
 }
 
+bool SessionCore::free_to_sleep() const {
+    std::string why;
+    return lifecycle_.state() == SessionState::idle && !requests_open() && io_.can_sleep(why);
+}
+
 bool SessionCore::hibernate(Clock::time_point now, std::string& why) {
     const SessionState state = lifecycle_.state();
     if (state == SessionState::hibernated || state == SessionState::hibernating) return true;
