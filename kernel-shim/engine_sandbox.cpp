@@ -2,17 +2,23 @@
 // set up, done by the shim itself as root under a container engine, before it
 // drops to the sandbox's uid for good.
 #include <grp.h>
+#include <linux/filter.h>
 #include <linux/netlink.h>
 #include <linux/rtnetlink.h>
+#include <linux/seccomp.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
+#include <vector>
 
+#include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/unique_fd.hpp"
 #include "shim.hpp"
 
@@ -57,6 +63,45 @@ bool delete_default_route(int family) {
         break;
     }
     return ok;
+}
+
+int hex_digit(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+}
+
+// The session's seccomp program, given by the server in kSeccompBpfEnv
+// (sandbox_protocol.hpp) as the hex of its instructions, installed on top of
+// the engine's own profile: a call passes only if both let it. Needs
+// no_new_privs (set before) and holds for the kernel and all it starts.
+bool install_seccomp_program() {
+    const char* hex = getenv(sandbox_protocol::kSeccompBpfEnv);
+    const std::size_t digits = hex ? strlen(hex) : 0;
+    constexpr std::size_t kDigitsPerInstruction = 2 * sizeof(sock_filter);
+    if (digits == 0 || digits % kDigitsPerInstruction != 0 ||
+        digits / kDigitsPerInstruction > BPF_MAXINSNS) {
+        say("--engine: no seccomp program in %s (the server gives one; refusing to start "
+            "without it)",
+            sandbox_protocol::kSeccompBpfEnv);
+        return false;
+    }
+    std::vector<sock_filter> program(digits / kDigitsPerInstruction);
+    auto* bytes = reinterpret_cast<unsigned char*>(program.data());
+    for (std::size_t i = 0; i < digits / 2; ++i) {
+        const int high = hex_digit(hex[2 * i]), low = hex_digit(hex[2 * i + 1]);
+        if (high < 0 || low < 0) {
+            say("--engine: %s is not lower-case hex", sandbox_protocol::kSeccompBpfEnv);
+            return false;
+        }
+        bytes[i] = static_cast<unsigned char>(high << 4 | low);
+    }
+    const sock_fprog fprog{static_cast<unsigned short>(program.size()), program.data()};
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &fprog) != 0) {
+        say("--engine: installing the seccomp program failed: %s", strerror(errno));
+        return false;
+    }
+    return true;
 }
 
 }  // namespace
@@ -104,7 +149,7 @@ bool enter_engine_sandbox(uid_t uid) {
         return false;
     }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);  // setuid made it dumpable again
-    return true;
+    return install_seccomp_program();
 }
 
 }  // namespace cellblock::shim

@@ -27,7 +27,8 @@ void start_egress_forwarder();
 
 // `--engine UID` (docs/scale-out.md): as root under a container engine, the
 // default routes deleted, home and the shared directories prepared, then uid
-// UID with no capability and no_new_privs. False (said why) if a step failed.
+// UID with no capability and no_new_privs, and the server's seccomp program
+// (kSeccompBpfEnv) installed. False (said why) if a step failed.
 bool enter_engine_sandbox(uid_t uid);
 
 }  // namespace cellblock::shim

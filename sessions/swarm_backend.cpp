@@ -11,6 +11,7 @@
 #include <iterator>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 #include <zmq.h>
@@ -18,8 +19,11 @@
 #include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/sandbox_protocol.hpp"
+#include "cellblock/sha256.hpp"
 #include "cellblock/signer.hpp"
 #include "cellblock/unique_fd.hpp"
+#include "cellblock/zygote.hpp"
 #include "docker_api.hpp"
 
 namespace cellblock {
@@ -148,6 +152,30 @@ struct SwarmState {
     std::string watch_error;
     std::mutex mutex;
     std::map<std::string, SwarmSandbox*> live;  // service id → sandbox
+    // The kernel uids of the services started or adopted and not yet
+    // destroyed (swarm_uid_block_start), and where the next search starts:
+    // a uid just given back is the last taken again, not the first.
+    std::set<std::uint32_t> uids;
+    std::uint32_t next_uid_slot = 0;
+
+    // A uid of the block starting at `first` that no live service of this
+    // server has. Throws SandboxError when all kSwarmUidBlock are taken.
+    std::uint32_t take_uid(std::uint32_t first) {
+        std::lock_guard lock(mutex);
+        for (std::uint32_t n = 0; n < kSwarmUidBlock; ++n) {
+            const std::uint32_t uid = first + (next_uid_slot + n) % kSwarmUidBlock;
+            if (uids.insert(uid).second) {
+                next_uid_slot = (uid - first + 1) % kSwarmUidBlock;
+                return uid;
+            }
+        }
+        throw SandboxError("swarm: every one of the server's " + std::to_string(kSwarmUidBlock) +
+                           " session uids is in use");
+    }
+    void give_back_uid(std::uint32_t uid) {
+        std::lock_guard lock(mutex);
+        uids.erase(uid);
+    }
 
     void remove(const std::string& service_id, const std::string& secret_id,
                 bool quick = false) noexcept {
@@ -200,8 +228,9 @@ struct SwarmState {
 class SwarmSandbox final : public Sandbox {
   public:
     SwarmSandbox(std::shared_ptr<SwarmState> state, std::string service_id, std::string secret_id,
-                 std::string task_id, std::string node_id, std::string node_name)
+                 std::string task_id, std::string node_id, std::string node_name, std::uint32_t uid)
         : state_(std::move(state)),
+          uid_(uid),
           secret_id_(std::move(secret_id)),
           task_id_(std::move(task_id)),
           node_id_(std::move(node_id)),
@@ -267,6 +296,7 @@ class SwarmSandbox final : public Sandbox {
             state_->live.erase(container_id_);
         }
         state_->remove(container_id_, secret_id_);
+        state_->give_back_uid(uid_);  // once its task is gone
     }
     void apply_limits(const SandboxLimits& limits) override {
         const SandboxLimits& a = limits_;
@@ -290,10 +320,9 @@ class SwarmSandbox final : public Sandbox {
     // Everything adopt() checks against the engine, and the inner connection
     // with its key (the service's secret cannot be read back).
     std::optional<json> adoption_record() const override {
-        return json{{"backend", "swarm"},        {"service_id", container_id_},
-                    {"secret_id", secret_id_},   {"task_id", task_id_},
-                    {"node_id", node_id_},       {"node_name", node_name_},
-                    {"kernel", inner_.to_json()}};
+        return json{{"backend", "swarm"},  {"service_id", container_id_}, {"secret_id", secret_id_},
+                    {"task_id", task_id_}, {"node_id", node_id_},         {"node_name", node_name_},
+                    {"uid", uid_},         {"kernel", inner_.to_json()}};
     }
     const std::string& secret_id() const { return secret_id_; }
     const std::string& task_id() const { return task_id_; }
@@ -311,6 +340,7 @@ class SwarmSandbox final : public Sandbox {
 
   private:
     std::shared_ptr<SwarmState> state_;
+    std::uint32_t uid_;  // its kernel's, reserved in state_->uids until destroy()
     std::string secret_id_, task_id_, node_id_, node_name_;
     UniqueFd event_;
     mutable std::mutex mutex_;
@@ -345,17 +375,29 @@ std::string libexec_digest(const fs::path& libexec_dir) {
     return sha256_hex(all).substr(0, 12);
 }
 
+std::uint32_t swarm_uid_block_start(const std::string& server_id) {
+    const std::uint32_t block =
+        static_cast<std::uint32_t>(std::stoul(sha256_hex(server_id).substr(0, 8), nullptr, 16)) %
+        kSwarmUidBlocks;
+    return kSwarmFirstUid + block * kSwarmUidBlock;
+}
+
 json swarm_service_spec(const SwarmSettings& settings, const std::string& server_id,
                         const std::string& session_id, const Image& image,
-                        const SandboxLimits& limits, const std::string& secret_id,
-                        const std::string& secret_name) {
-    json command = {kSandboxShim, sandbox_protocol::kShimEngineOption, std::to_string(kSandboxUid),
+                        const SandboxLimits& limits, const SwarmTaskIdentity& task) {
+    if (task.uid < kSwarmFirstUid || task.seccomp_hex.empty()) {
+        throw SandboxError("swarm: a service needs a session uid and a seccomp program");
+    }
+    const std::string uid = std::to_string(task.uid);
+    json command = {kSandboxShim, sandbox_protocol::kShimEngineOption, uid,
                     sandbox_protocol::kShimArgvEnd};
     for (const auto& arg : image.kernel_argv) {
         command.push_back(arg == "{connection_file}" ? std::string(kSecretPath) : arg);
     }
     json env = json::array();
     for (auto& var : sandbox_environment(image)) env.push_back(var);
+    // The shim keeps it from the kernel's environment (it drops CELLBLOCK_*).
+    env.push_back(std::string(sandbox_protocol::kSeccompBpfEnv) + "=" + task.seccomp_hex);
     json mounts = json::array();
     if (image.rootfs == "host") {
         // The node's /usr, as a host image on runc binds the host's.
@@ -391,13 +433,9 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
         {"StopGracePeriod", 0},
         {"Mounts", mounts},
         {"Secrets",
-         {{{"SecretID", secret_id},
-           {"SecretName", secret_name},
-           {"File",
-            {{"Name", kSecretFile},
-             {"UID", std::to_string(kSandboxUid)},
-             {"GID", std::to_string(kSandboxUid)},
-             {"Mode", 0400}}}}}},
+         {{{"SecretID", task.secret_id},
+           {"SecretName", task.secret_name},
+           {"File", {{"Name", kSecretFile}, {"UID", uid}, {"GID", uid}, {"Mode", 0400}}}}}},
         {"Ulimits", {{{"Name", "nofile"}, {"Soft", limits.nofile}, {"Hard", limits.nofile}}}},
     };
     json resources = {{"Limits",
@@ -428,6 +466,13 @@ SwarmBackend::SwarmBackend(SwarmSettings settings)
                            " is not a Swarm manager (docker swarm init, or a manager's socket)");
     }
     server_id_ = read_or_create_server_id(settings_.state_dir);
+    // The profile a runc session gets, compiled once: the same for every session.
+    const std::string bpf = compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc));
+    static const char* digits = "0123456789abcdef";
+    for (unsigned char byte : bpf) {
+        seccomp_hex_ += digits[byte >> 4];
+        seccomp_hex_ += digits[byte & 15];
+    }
     state_->nodes = state_->api.expect("GET", "/nodes");
     watcher_ = std::thread([this] { watch(); });
 }
@@ -463,12 +508,16 @@ std::unique_ptr<Sandbox> SwarmBackend::adopt(const std::string& session_id, cons
         throw SandboxError("its node " + record.value("node_name", node_id) + " is " +
                            node_field(node, "Status", "State", "gone"));
     }
+    // Its uid stays taken (a record from before per-session uids has none:
+    // its kernel runs as kSandboxUid, outside every block).
+    const auto uid = record.value("uid", static_cast<std::uint32_t>(kSandboxUid));
     auto box = std::make_unique<SwarmSandbox>(state_, service_id,
                                               record.at("secret_id").get<std::string>(), task_id,
-                                              node_id, record.value("node_name", node_id));
+                                              node_id, record.value("node_name", node_id), uid);
     box->set_identity(session_id, ConnectionInfo::from_json(record.at("kernel")), image, limits);
     std::lock_guard lock(state_->mutex);
     state_->live[service_id] = box.get();
+    state_->uids.insert(uid);
     return box;
 }
 
@@ -541,12 +590,14 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
     const std::string secret_name = "cb-" + session_id + "-" + make_random_key().substr(0, 8);
     const json secret_spec = {
         {"Name", secret_name}, {"Labels", labels}, {"Data", base64(kernel.to_json().dump())}};
-    const std::string secret_id =
-        api.expect("POST", "/secrets/create", &secret_spec).value("ID", "");
+    SwarmTaskIdentity identity{api.expect("POST", "/secrets/create", &secret_spec).value("ID", ""),
+                               secret_name, 0, seccomp_hex_};
+    const std::string& secret_id = identity.secret_id;
     std::string service_id;
     try {
-        const json spec = swarm_service_spec(settings_, server_id_, session_id, image, limits,
-                                             secret_id, secret_name);
+        identity.uid = state_->take_uid(swarm_uid_block_start(server_id_));
+        const json spec =
+            swarm_service_spec(settings_, server_id_, session_id, image, limits, identity);
         service_id = api.expect("POST", "/services/create", &spec).value("ID", "");
         if (service_id.empty()) throw SandboxError("swarm: the engine gave the service no id");
         // Placed and running, with its five ports published on its node.
@@ -617,7 +668,8 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
                                                   : settings_.connect_host;
         if (inner.ip.empty()) throw SandboxError("swarm node " + node_name + " has no address");
         auto box = std::make_unique<SwarmSandbox>(state_, service_id, secret_id,
-                                                  task.value("ID", ""), node_id, node_name);
+                                                  task.value("ID", ""), node_id, node_name,
+                                                  std::exchange(identity.uid, 0));  // its now
         box->set_identity(session_id, inner, image, limits);
         {
             std::lock_guard lock(state_->mutex);
@@ -628,6 +680,7 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         return box;
     } catch (...) {
         state_->remove(service_id, secret_id);
+        if (identity.uid != 0) state_->give_back_uid(identity.uid);
         throw;
     }
 }

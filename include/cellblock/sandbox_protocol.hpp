@@ -101,6 +101,12 @@ inline constexpr SharedNumber kSharedNumbers[] = {
 // (the adopting form is above).
 inline constexpr char kShimEngineOption[] = "--engine";
 inline constexpr char kShimArgvEnd[] = "--";
+// Under `--engine`, the session's seccomp program (the BPF instructions the
+// server compiled from its profile, as lower-case hex): the engine cannot
+// install cellblock's profile (Swarm 20.10 has no seccomp field for a
+// service), so the shim installs it on top of the engine's own before the
+// kernel starts. Required: a shim without it refuses to start.
+inline constexpr char kSeccompBpfEnv[] = "CELLBLOCK_SECCOMP_BPF";
 
 // Where the sandbox sees its session's ipc directory, and the zygote's
 // control socket in it.

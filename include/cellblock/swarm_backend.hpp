@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -57,12 +58,32 @@ std::string swarm_image_ref(const SwarmSettings& settings, const Image& image);
 // Throws SandboxError when one is missing.
 std::string libexec_digest(const std::filesystem::path& libexec_dir);
 
+// The uids of a server's Swarm sessions on their nodes: one block of
+// kSwarmUidBlock uids per server, chosen by its Swarm id among
+// kSwarmUidBlocks, from kSwarmFirstUid up (below the local host-id pool,
+// host_ids.hpp, and above any node's own users). Each live service of the
+// server has a uid of its own in the block, so that no two of its sessions
+// on one node share the per-uid limits of the node's kernel; two servers'
+// blocks coincide with a chance of 1 in kSwarmUidBlocks (docs/scale-out.md).
+inline constexpr std::uint32_t kSwarmFirstUid = 1u << 20;
+inline constexpr std::uint32_t kSwarmUidBlock = 1u << 16;
+inline constexpr std::uint32_t kSwarmUidBlocks = 1u << 13;
+std::uint32_t swarm_uid_block_start(const std::string& server_id);
+
+// What a session's task is given besides its image and limits.
+struct SwarmTaskIdentity {
+    std::string secret_id, secret_name;  // its connection file, a Swarm secret
+    std::uint32_t uid = 0;               // the kernel's uid on its node (see above)
+    // cellblock's seccomp program (compile_seccomp_bpf) as hex, for the shim
+    // to install on top of the engine's profile (kSeccompBpfEnv).
+    std::string seccomp_hex;
+};
+
 // The service spec of a session: what the engine is asked to run. Pure, so
 // that its hardening is checked by a unit test.
 nlohmann::json swarm_service_spec(const SwarmSettings& settings, const std::string& server_id,
                                   const std::string& session_id, const Image& image,
-                                  const SandboxLimits& limits, const std::string& secret_id,
-                                  const std::string& secret_name);
+                                  const SandboxLimits& limits, const SwarmTaskIdentity& task);
 
 // The names of the services labelled with the Swarm identity kept in
 // `settings.state_dir` (none when it has none); `remove`: removes them and
@@ -117,6 +138,7 @@ class SwarmBackend final : public SandboxBackend {
     SwarmSettings settings_;
     std::shared_ptr<SwarmState> state_;
     std::string server_id_;
+    std::string seccomp_hex_;  // SwarmTaskIdentity::seccomp_hex, the same for every session
     std::vector<std::string> reaped_;
     std::mutex wake_mutex_;
     std::condition_variable wake_;

@@ -12,6 +12,7 @@ What is checked from outside cellblock: where the engine placed each session
 capabilities, routes, interfaces, its root), the engine's services after a
 close, a killed worker and a kill -9 of the server.
 """
+import errno
 import json
 import os
 import signal
@@ -34,6 +35,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "swarm"))
 import testbed  # noqa: E402
 
+# Swarm sessions' kernel uids (include/cellblock/swarm_backend.hpp): from
+# kSwarmFirstUid, kSwarmUidBlocks blocks of kSwarmUidBlock.
+SWARM_FIRST_UID = 1 << 20
+SWARM_UID_SPAN = (1 << 16) * (1 << 13)
 
 
 def export_host_image(tar):
@@ -153,18 +158,40 @@ def test_a_swarm_session_is_contained(bed, swarm):
         "routes = [l.split() for l in open('/proc/net/route').read().splitlines()[1:]]\n"
         "v6 = [l.split() for l in open('/proc/net/ipv6_route').read().splitlines()] "
         "if os.path.exists('/proc/net/ipv6_route') else []\n"
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def errno_of(nr, *args):\n"
+        "    return ctypes.get_errno() if libc.syscall(nr, *args) == -1 else 0\n"
         "print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(),\n"
         "  'cap_eff': status['CapEff'].strip(), 'cap_bnd': status['CapBnd'].strip(),\n"
         "  'no_new_privs': status['NoNewPrivs'].strip(),\n"
+        "  'seccomp': status['Seccomp'].strip(), 'filters': int(status['Seccomp_filters']),\n"
+        # Docker's profile lets these three through; cellblock's says EPERM.
+        "  'inotify_init1': errno_of(294, 0), 'kcmp': errno_of(312, os.getpid(), os.getpid(), 0, 0, 0),\n"
+        "  'ptrace': errno_of(101, 0, 0, 0, 0),\n"
         "  'default_v4': [r for r in routes if r[1] == '00000000'],\n"
         "  'default_v6': [r for r in v6 if r[0] == '0' * 32 and r[1] == '00' and r[9] != 'lo'],\n"
         "  'interfaces': sorted(os.listdir('/sys/class/net')),\n"
         "  'root_writable': writable('/cellblock-probe'), 'usr_writable': writable('/usr/probe'),\n"
         "  'tmp_writable': writable('/tmp/probe'), 'home_writable': writable(os.path.expanduser('~/p')),\n"
         "  'secret_mode': oct(os.stat('/run/secrets/cellblock-connection.json').st_mode & 0o777)}))")))
-    assert facts["uid"] == 1000 and facts["gid"] == 1000, facts
+    # A uid of its own, in this server's block: not the image's 1000, not a
+    # neighbour's (checked below with a second session).
+    assert facts["gid"] == facts["uid"], facts
+    assert SWARM_FIRST_UID <= facts["uid"] < SWARM_FIRST_UID + SWARM_UID_SPAN, facts
     assert int(facts["cap_eff"], 16) == 0, facts
     assert facts["no_new_privs"] == "1", facts
+    # cellblock's seccomp program on top of Docker's profile: two filters, and
+    # calls Docker's default allows refused with EPERM.
+    assert facts["seccomp"] == "2" and facts["filters"] >= 2, facts
+    assert facts["inotify_init1"] == errno.EPERM, facts
+    assert facts["kcmp"] == errno.EPERM and facts["ptrace"] == errno.EPERM, facts
+    sid2, kc2, _ = swarm.open_session()
+    try:
+        assert int(run_ok(kc2, "import os; print(os.getuid())")) not in (facts["uid"], 1000)
+    finally:
+        kc2.stop_channels()
+        swarm.ok("session_close_request", {"session_id": sid2})
     assert facts["default_v4"] == [] and facts["default_v6"] == [], facts
     assert facts["interfaces"] == ["eth0", "lo"], facts
     assert not facts["root_writable"] and not facts["usr_writable"], facts

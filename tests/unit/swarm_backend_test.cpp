@@ -6,11 +6,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "../../sessions/docker_api.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/swarm_backend.hpp"
+#include "cellblock/zygote.hpp"
 
 using namespace cellblock;
 using nlohmann::json;
@@ -39,11 +42,13 @@ Image host_image() {
     return image;
 }
 
+constexpr std::uint32_t kTestUid = kSwarmFirstUid + 7;
+
 json spec_for(const Image& image, const SandboxLimits& limits = {}) {
     SwarmSettings settings;
     settings.network = "sessions-net";
-    return swarm_service_spec(settings, "server-1", "abcdef0123456789", image, limits, "secret-id",
-                              "secret-name");
+    return swarm_service_spec(settings, "server-1", "abcdef0123456789", image, limits,
+                              {"secret-id", "secret-name", kTestUid, "0123abcd"});
 }
 
 }  // namespace
@@ -54,7 +59,7 @@ TEST(SwarmServiceSpec, RunsTheShimAsRootOnlyToDropToTheSandboxUid) {
     ASSERT_GE(command.size(), 5u);
     EXPECT_EQ(command[0], kSandboxShim);
     EXPECT_EQ(command[1], "--engine");
-    EXPECT_EQ(command[2], std::to_string(kSandboxUid));
+    EXPECT_EQ(command[2], std::to_string(kTestUid));
     EXPECT_EQ(command[3], "--");
     // The connection file is the session's secret, never a path of the image.
     EXPECT_EQ(command.back(), "/run/secrets/cellblock-connection.json");
@@ -88,7 +93,12 @@ TEST(SwarmServiceSpec, HasEveryHardeningDockerAllows) {
     const json secret = c["Secrets"][0];
     EXPECT_EQ(secret["SecretID"], "secret-id");
     EXPECT_EQ(secret["File"]["Mode"], 0400);
-    EXPECT_EQ(secret["File"]["UID"], std::to_string(kSandboxUid));
+    EXPECT_EQ(secret["File"]["UID"], std::to_string(kTestUid));
+    EXPECT_EQ(secret["File"]["GID"], std::to_string(kTestUid));
+    // cellblock's seccomp program, for the shim to install over the engine's profile.
+    EXPECT_TRUE(std::find(c["Env"].begin(), c["Env"].end(), "CELLBLOCK_SECCOMP_BPF=0123abcd") !=
+                c["Env"].end())
+        << c["Env"].dump();
     EXPECT_EQ(spec["Labels"]["cellblock.server"], "server-1");
     EXPECT_EQ(spec["Labels"]["cellblock.session"], "abcdef0123456789");
     EXPECT_EQ(spec["Name"], "cb-abcdef0123456789");
@@ -220,13 +230,31 @@ class FakeEngine {
     std::string last_request() const { return last_; }
 
   private:
+    // The head, and the body as long as its Content-Length says (a service
+    // spec is longer than one read).
+    static std::string read_request(int c) {
+        std::string in;
+        char buf[8192];
+        for (;;) {
+            const auto head_end = in.find("\r\n\r\n");
+            if (head_end != std::string::npos) {
+                std::size_t length = 0;
+                if (const auto at = in.find("Content-Length: ");
+                    at != std::string::npos && at < head_end)
+                    length = std::stoul(in.substr(at + 16));
+                if (in.size() >= head_end + 4 + length) return in;
+            }
+            const ssize_t n = ::recv(c, buf, sizeof buf, 0);
+            if (n <= 0) return in;
+            in.append(buf, static_cast<std::size_t>(n));
+        }
+    }
+
     void serve() {
         while (!stop_) {
             const int c = ::accept(fd_, nullptr, nullptr);
             if (c < 0) return;
-            char buf[8192];
-            const ssize_t n = ::recv(c, buf, sizeof buf, 0);
-            if (n > 0) last_.assign(buf, static_cast<std::size_t>(n));
+            last_ = read_request(c);
             if (silent_) {
                 while (!stop_) ::usleep(10000);
             } else {
@@ -476,4 +504,77 @@ TEST_F(LeftService, EachStartedKernelGetsItsOwnCurveKeyAndOnlyItsSecretHoldsIt) 
         server_keys.push_back(inner.curve_server_key);
     }
     EXPECT_NE(server_keys[0], server_keys[1]) << "a key pair per session";
+}
+
+// Sessions started on a fake engine: each live service runs its kernel as a
+// uid of its own, in this server's block (so neighbours on one node share no
+// per-uid limit), a uid an adopted service holds is not handed out again, one
+// given back is not the next taken, and every service carries cellblock's
+// seccomp program for the shim.
+TEST_F(LeftService, EachLiveServiceHasAUidOfItsOwnAndCellblocksSeccompProgram) {
+    std::vector<json> services;
+    std::mutex mutex;
+    FakeEngine engine([&](const std::string& request) {
+        const std::string line = request.substr(0, request.find("\r\n"));
+        if (line.find(" /secrets/create ") != std::string::npos) return ok({{"ID", "sec"}});
+        if (line.find(" /services/create ") != std::string::npos) {
+            std::lock_guard lock(mutex);
+            services.push_back(json::parse(request.substr(request.find("\r\n\r\n") + 4)));
+            return ok({{"ID", "svc-new-" + std::to_string(services.size())}});
+        }
+        if (line.find(" /tasks?") != std::string::npos &&
+            line.find("svc-new-") != std::string::npos) {
+            json ports = json::array();
+            for (int i = 0; i < 5; ++i)
+                ports.push_back({{"TargetPort", 5555 + i}, {"PublishedPort", 30000 + i}});
+            return ok(json::array(
+                {{{"ID", "task-1"},
+                  {"NodeID", "node-1"},
+                  {"CreatedAt", "2026-11-29T00:00:00Z"},
+                  {"Status", {{"State", "running"}, {"PortStatus", {{"Ports", ports}}}}}}}));
+        }
+        return answer(request);
+    });
+    settings_.docker_host = engine.host();
+    settings_.connect_host = "127.0.0.1";
+    SwarmBackend backend(settings_);
+    const std::uint32_t first = swarm_uid_block_start("0123456789abcdef");
+    ASSERT_GE(first, kSwarmFirstUid);
+    ASSERT_LE(first + kSwarmUidBlock, kSwarmFirstUid + kSwarmUidBlock * kSwarmUidBlocks);
+    EXPECT_LT(first + kSwarmUidBlock, 1u << 30) << "below the local host-id pool";
+
+    // An adopted service keeps the uid its record names.
+    json rec = record();
+    rec["uid"] = first;
+    auto adopted = backend.adopt("s1", rec, host_image(), SandboxLimits{});
+    EXPECT_EQ(adopted->adoption_record()->at("uid"), first);
+
+    std::string bpf_hex;
+    for (unsigned char byte : compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc))) {
+        bpf_hex += "0123456789abcdef"[byte >> 4];
+        bpf_hex += "0123456789abcdef"[byte & 15];
+    }
+    auto uid_of = [&](std::size_t service) {
+        std::lock_guard lock(mutex);
+        const json c = services.at(service)["TaskTemplate"]["ContainerSpec"];
+        const std::string uid = c["Command"][2].get<std::string>();
+        EXPECT_EQ(c["Secrets"][0]["File"]["UID"], uid) << "the secret is its kernel's to read";
+        EXPECT_TRUE(std::find(c["Env"].begin(), c["Env"].end(),
+                              "CELLBLOCK_SECCOMP_BPF=" + bpf_hex) != c["Env"].end());
+        return static_cast<std::uint32_t>(std::stoul(uid));
+    };
+    auto a = backend.start("s2", host_image(), SandboxLimits{}, false);
+    auto b = backend.start("s3", host_image(), SandboxLimits{}, false);
+    const std::uint32_t uid_a = uid_of(0), uid_b = uid_of(1);
+    std::set<std::uint32_t> seen = {first, uid_a, uid_b};
+    EXPECT_EQ(seen.size(), 3u) << "live services share no uid";
+    for (std::uint32_t uid : seen) {
+        EXPECT_GE(uid, first);
+        EXPECT_LT(uid, first + kSwarmUidBlock);
+    }
+    EXPECT_EQ(a->adoption_record()->at("uid"), uid_a);
+    a.reset();  // destroyed: its uid is free again, but not the next one taken
+    auto c = backend.start("s4", host_image(), SandboxLimits{}, false);
+    const std::uint32_t uid_c = uid_of(2);
+    EXPECT_EQ(seen.count(uid_c), 0u) << uid_c;
 }
