@@ -667,9 +667,9 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         inner.ip = settings_.connect_host.empty() ? node_field(node, "Status", "Addr")
                                                   : settings_.connect_host;
         if (inner.ip.empty()) throw SandboxError("swarm node " + node_name + " has no address");
-        auto box = std::make_unique<SwarmSandbox>(state_, service_id, secret_id,
-                                                  task.value("ID", ""), node_id, node_name,
-                                                  std::exchange(identity.uid, 0));  // its now
+        auto box = std::make_unique<SwarmSandbox>(
+            state_, service_id, secret_id, task.value("ID", ""), node_id, node_name,
+            std::exchange(identity.uid, 0));  // the box gives it back
         box->set_identity(session_id, inner, image, limits);
         {
             std::lock_guard lock(state_->mutex);
