@@ -505,6 +505,69 @@ def _content_size(content):
 UNHEARD = Unheard()
 
 
+class CgroupUsage:
+    """This sandbox's own cgroup as its kernel reads it: CPU time and memory,
+    at the start and the end of each execution, reported on its reply
+    (`metadata.cellblock_source.usage`). Only a server that cannot read the
+    sandbox's cgroups itself (a Swarm task on another node) takes the report;
+    a local one keeps the host's reading. cgroup v2 (the container's root at
+    /sys/fs/cgroup) or v1 (the container's own controller dirs)."""
+
+    CPU_V2 = "/sys/fs/cgroup/cpu.stat"
+    CPU_V1 = ("/sys/fs/cgroup/cpuacct/cpuacct.usage", "/sys/fs/cgroup/cpu,cpuacct/cpuacct.usage")
+    MEMORY = (("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.peak"),
+              ("/sys/fs/cgroup/memory/memory.usage_in_bytes",
+               "/sys/fs/cgroup/memory/memory.max_usage_in_bytes"))
+
+    def __init__(self):
+        self.cpu_ns_at_start = None
+
+    @staticmethod
+    def _number(path):
+        try:
+            with open(path) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def cpu_ns(self):
+        try:
+            with open(self.CPU_V2) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == "usage_usec":
+                        return int(value) * 1000
+        except (OSError, ValueError):
+            pass
+        for path in self.CPU_V1:
+            value = self._number(path)
+            if value is not None:
+                return value
+        return None
+
+    def start(self):
+        self.cpu_ns_at_start = self.cpu_ns()
+
+    def report(self):
+        """{cpu_ns, cpu_ns_at_start, memory_bytes, memory_peak_bytes}, or
+        None where this sandbox's cgroup cannot be read."""
+        cpu = self.cpu_ns()
+        if cpu is None:
+            return None
+        start = self.cpu_ns_at_start if self.cpu_ns_at_start is not None else cpu
+        out = {"cpu_ns": cpu, "cpu_ns_at_start": min(start, cpu)}
+        for current, peak in self.MEMORY:
+            now = self._number(current)
+            if now is not None:
+                out["memory_bytes"] = now
+                out["memory_peak_bytes"] = max(now, self._number(peak) or 0)
+                break
+        return out
+
+
+USAGE = CgroupUsage()
+
+
 def _count_unheard(kernel):
     """Every iopub message goes through Session.send (streams, displays,
     results, errors): those published to no one are counted (Unheard)."""
@@ -546,12 +609,16 @@ class SandboxKernel(IPythonKernel):
         metadata = super().init_metadata(parent)
         cellblock = (parent.get("metadata") or {}).get("cellblock")
         BUDGET.reset(cellblock.get("output_bytes") if isinstance(cellblock, dict) else None)
+        USAGE.start()
         return metadata
 
     def finish_metadata(self, parent, metadata, reply_content):
         metadata = super().finish_metadata(parent, metadata, reply_content)
         metadata["cellblock_source"] = dict(
             BUDGET.report(), **UNHEARD.take((parent.get("header") or {}).get("msg_id")))
+        usage = USAGE.report()
+        if usage is not None:
+            metadata["cellblock_source"]["usage"] = usage
         return metadata
 
     async def kernel_info_request(self, stream, ident, parent):

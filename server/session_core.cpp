@@ -84,6 +84,26 @@ std::optional<std::uint64_t> count_in(const json& report, const char* key) {
     return it->get<std::uint64_t>();
 }
 
+// The kernel's reading of its own cgroup at the end of an execution, and its
+// CPU time when the execution began (cellblock_ipykernel.CgroupUsage).
+struct ReportedUsage {
+    SandboxUsage usage;
+    std::uint64_t cpu_ns_at_start = 0;
+};
+
+std::optional<ReportedUsage> usage_in(const json& report) {
+    const auto it = report.find("usage");
+    if (it == report.end() || !it->is_object()) return std::nullopt;
+    const auto cpu = count_in(*it, "cpu_ns"), start = count_in(*it, "cpu_ns_at_start");
+    if (!cpu || !start || *start > *cpu) return std::nullopt;
+    ReportedUsage out;
+    out.usage.cpu_ns = *cpu;
+    out.usage.memory_bytes = count_in(*it, "memory_bytes").value_or(0);
+    out.usage.memory_peak_bytes = count_in(*it, "memory_peak_bytes").value_or(0);
+    out.cpu_ns_at_start = *start;
+    return out;
+}
+
 }  // namespace
 
 SessionCore::SessionCore(CoreOptions options, SessionIo& io, Clock::time_point now)
@@ -570,11 +590,18 @@ void SessionCore::release_held_reply(Clock::time_point now) {
     // The budget an agent needs rides on the reply: metadata.cellblock.
     const auto content = msg.parsed_content(options_.max_json_depth);
     json md = metadata_of(msg, options_.max_json_depth);
+    const json report = take_kernel_report(md);
+    // A sandbox the server cannot read (Swarm) takes the kernel's own
+    // reading of its cgroup, and the execution's CPU time is the kernel's too.
+    std::uint64_t cpu_ns_at_start = execution_->cpu_ns_at_start;
+    if (const auto reported = usage_in(report);
+        reported && lifecycle_.attached() && io_.kernel_reported_usage(reported->usage)) {
+        cpu_ns_at_start = reported->cpu_ns_at_start;
+    }
     const SandboxUsage usage = lifecycle_.attached() ? io_.kernel_usage() : SandboxUsage{};
-    const std::uint64_t cpu_ms =
-        (usage.cpu_ns - std::min(usage.cpu_ns, execution_->cpu_ns_at_start)) / 1000000;
+    const std::uint64_t cpu_ms = (usage.cpu_ns - std::min(usage.cpu_ns, cpu_ns_at_start)) / 1000000;
     // What the kernel dropped at its source: counted, and not shown as is.
-    if (const auto dropped = count_in(take_kernel_report(md), "dropped_bytes")) {
+    if (const auto dropped = count_in(report, "dropped_bytes")) {
         governor_->on_dropped_at_source(*dropped);
     }
     md["cellblock"] = governor_->on_execute_reply(now, cpu_ms, usage.memory_peak_bytes);

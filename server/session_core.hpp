@@ -93,6 +93,9 @@ class SessionIo {
     virtual void interrupt_kernel() = 0;
     virtual void kill_kernel() = 0;
     virtual SandboxUsage kernel_usage() = 0;
+    // The kernel's own report of its cgroup (Sandbox::take_reported_usage):
+    // true if the sandbox took it as its usage.
+    virtual bool kernel_reported_usage(const SandboxUsage& usage) = 0;
     virtual KernelExit kernel_exit() = 0;
     // The session closed: kill and dispose of the sandbox and close the
     // channels a closed session does not answer on.

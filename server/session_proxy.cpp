@@ -85,6 +85,9 @@ class SessionProxy::Io final : public SessionIo {
     SandboxUsage kernel_usage() override {
         return p_.sandbox_ ? p_.sandbox_->usage() : SandboxUsage{};
     }
+    bool kernel_reported_usage(const SandboxUsage& usage) override {
+        return p_.sandbox_ && p_.sandbox_->take_reported_usage(usage);
+    }
     KernelExit kernel_exit() override {
         if (!p_.sandbox_) return {};
         return {p_.sandbox_->memory_limit_hit(), p_.sandbox_->exit_description(),

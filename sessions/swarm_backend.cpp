@@ -266,10 +266,19 @@ class SwarmSandbox final : public Sandbox {
         std::lock_guard lock(mutex_);
         return node_lost_;
     }
-    // The engine's per-task figures are not read yet (docs/scale-out.md):
-    // no usage, and a task the OOM killer ended reads as a task that ended.
+    // The engine's per-task figures cannot be read from a manager: the usage
+    // is what the kernel last reported of its task's cgroup (zeros until its
+    // first reply), and a task the OOM killer ended reads as a task that ended.
     bool memory_limit_hit() const override { return false; }
-    SandboxUsage usage() const override { return {}; }
+    SandboxUsage usage() const override {
+        std::lock_guard lock(mutex_);
+        return reported_;
+    }
+    bool take_reported_usage(const SandboxUsage& usage) override {
+        std::lock_guard lock(mutex_);
+        reported_ = usage;
+        return true;
+    }
     // No capability: its files, cgroups and processes are on another node
     // (files(), cpu() and host_process() are null).
 
@@ -345,6 +354,7 @@ class SwarmSandbox final : public Sandbox {
     UniqueFd event_;
     mutable std::mutex mutex_;
     std::string lost_;
+    SandboxUsage reported_;
     bool node_lost_ = false;
     bool exited_ = false;
     bool killed_ = false;

@@ -137,6 +137,14 @@ class Sandbox {
     virtual bool node_lost() const = 0;
     // Memory and CPU figures (0 where the backend cannot read one).
     virtual SandboxUsage usage() const = 0;
+    // What the kernel reported of its own cgroup on a reply
+    // (cellblock_ipykernel's `metadata.cellblock_source.usage`). A sandbox
+    // whose cgroups the server cannot read (a Swarm task, on another node)
+    // keeps it as its usage() from then and says true; any other ignores it
+    // (false): the host's readings are the ones to trust. The session's own
+    // code can change what its kernel reports, so a kept report is only ever
+    // that session's own figure, never a judge of another.
+    virtual bool take_reported_usage(const SandboxUsage&) { return false; }
 
     // SIGINT to the kernel. False where the backend cannot signal it: the
     // relay then sends the kernel an interrupt_request on its control channel.

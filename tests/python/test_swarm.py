@@ -357,6 +357,28 @@ def test_caps_timeouts_and_close_as_with_runc(bed, swarm):
     wait_for(lambda: f"cb-{sid}" not in services_of(bed, server_id_of(swarm)), timeout=30)
 
 
+def test_a_swarm_sessions_cpu_and_memory_are_its_tasks_own(swarm):
+    """The server cannot read a node's cgroups: the kernel reports its task's
+    (cellblock_ipykernel.CgroupUsage) and the reply's figures are this
+    execution's, not the kernel's whole life's."""
+    sid, kc, _ = swarm.open_session()
+    spin_and_fill = ("import time\n"
+                     "t = time.process_time()\n"
+                     "while time.process_time() - t < 0.6: pass\n"
+                     "block = bytearray(96 << 20)\n"
+                     "block[::4096] = b'x' * (96 << 8)\n")
+    rep, _ = execute(kc, spin_and_fill)
+    assert rep["content"]["status"] == "ok", rep["content"]
+    md = rep["metadata"]["cellblock"]
+    assert md["cpu_ms"] >= 550, md
+    assert md["memory_peak_bytes"] >= 96 << 20, md
+    rep, _ = execute(kc, "pass")
+    assert rep["metadata"]["cellblock"]["cpu_ms"] < 300, rep["metadata"]["cellblock"]
+    usage = swarm.info_of(sid)["usage"]
+    assert usage["memory_bytes"] >= 96 << 20 and usage["cpu_ms"] >= 600, usage
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
 class SwarmKernelTests(conformance.ServerSessionKernelTests):
     """jupyter_kernel_test's suite, and cellblock's own conformance checks,
     against a session the swarm placed."""

@@ -65,6 +65,12 @@ class RecordingIo final : public SessionIo {
     void interrupt_kernel() override { actions.emplace_back("interrupt"); }
     void kill_kernel() override { actions.emplace_back("kill"); }
     SandboxUsage kernel_usage() override { return usage; }
+    // As a Swarm sandbox when `takes_reports`: the report becomes the usage.
+    bool takes_reports = false;
+    bool kernel_reported_usage(const SandboxUsage& reported) override {
+        if (takes_reports) usage = reported;
+        return takes_reports;
+    }
     KernelExit kernel_exit() override { return exit; }
     void release_kernel() override { actions.emplace_back("release"); }
     // Hibernation: the relay's own requests, the sleep and the wake.
@@ -633,6 +639,64 @@ TEST_F(CoreTest, ADisplayLoopSharesTheOutputBudgetAndGetsOneNotice) {
     ASSERT_EQ(reply.size(), 1u);
     EXPECT_EQ(reply[0].metadata["cellblock"]["output_truncated"], true);
     EXPECT_GT(reply[0].metadata["cellblock"]["output_dropped_bytes"], 40000);
+}
+
+// A Swarm sandbox (on another node) takes the kernel's reading of its own
+// cgroup; a local one ignores the kernel's claim and keeps the host's.
+TEST_F(CoreTest, OnlyASandboxTheServerCannotReadTakesTheKernelsReportOfItsCgroup) {
+    const json usage = {{"cpu_ns", 2500000000ull},
+                        {"cpu_ns_at_start", 1000000000ull},
+                        {"memory_bytes", 50ull << 20},
+                        {"memory_peak_bytes", 80ull << 20}};
+    auto run = [&](const std::string& id) {
+        core->on_client_request(t0, Channel::shell, execute(id, {{"code", "sum(range(10**8))"}}));
+        core->on_kernel_iopub(t0, status(id, "busy"));
+        core->on_kernel_iopub(t0, status(id, "idle"));
+        core->on_kernel_reply(
+            t0, Channel::shell,
+            inbound({}, "execute_reply", "k-" + id, id, {{"status", "ok"}, {"execution_count", 1}},
+                    {{"cellblock_source", {{"usage", usage}}}}));
+        const auto replies = io.to_client("execute_reply");
+        EXPECT_FALSE(replies.back().metadata.contains("cellblock_source"));
+        return replies.back().metadata["cellblock"];
+    };
+    io.takes_reports = true;
+    json md = run("e1");
+    EXPECT_EQ(md["cpu_ms"], 1500);  // the kernel's own start and end
+    EXPECT_EQ(md["memory_peak_bytes"], 80ull << 20);
+    EXPECT_EQ(io.usage.cpu_ns, 2500000000ull);
+    EXPECT_EQ(io.usage.memory_bytes, 50ull << 20);
+
+    // A local sandbox: the host's cgroup says 300 ms and 7 MB, whatever the kernel claims.
+    io.takes_reports = false;
+    io.usage = SandboxUsage{};
+    io.usage.cpu_ns = 100000000;
+    core->on_client_request(t0, Channel::shell, execute("e2", {{"code", "1"}}));
+    io.usage.cpu_ns = 400000000;
+    io.usage.memory_peak_bytes = 7 << 20;
+    core->on_kernel_iopub(t0, status("e2", "busy"));
+    core->on_kernel_iopub(t0, status("e2", "idle"));
+    core->on_kernel_reply(
+        t0, Channel::shell,
+        inbound({}, "execute_reply", "k-e2", "e2", {{"status", "ok"}, {"execution_count", 2}},
+                {{"cellblock_source", {{"usage", usage}}}}));
+    md = io.to_client("execute_reply").back().metadata["cellblock"];
+    EXPECT_EQ(md["cpu_ms"], 300);
+    EXPECT_EQ(md["memory_peak_bytes"], 7 << 20);
+
+    // A report whose start is after its end is not a reading.
+    io.takes_reports = true;
+    io.usage = SandboxUsage{};
+    json bad = usage;
+    bad["cpu_ns_at_start"] = 3000000000ull;
+    core->on_client_request(t0, Channel::shell, execute("e3", {{"code", "1"}}));
+    core->on_kernel_iopub(t0, status("e3", "idle"));
+    core->on_kernel_reply(
+        t0, Channel::shell,
+        inbound({}, "execute_reply", "k-e3", "e3", {{"status", "ok"}, {"execution_count", 3}},
+                {{"cellblock_source", {{"usage", bad}}}}));
+    EXPECT_EQ(io.usage.cpu_ns, 0u);
+    EXPECT_EQ(io.to_client("execute_reply").back().metadata["cellblock"]["cpu_ms"], 0);
 }
 
 TEST_F(CoreTest, TheKernelIsToldTheBudgetAndWhatItDroppedIsCounted) {
