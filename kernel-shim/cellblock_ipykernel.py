@@ -16,7 +16,9 @@ what passes it is dropped here, counted, and reported in the reply's
 `metadata.cellblock_source` ({dropped_bytes, dropped_messages}), so a flood
 costs neither this kernel's memory nor the relay's time. The relay still
 enforces the same budget on what arrives: this cut saves work, it is not the
-guarantee.
+guarantee. The same report carries this sandbox's cgroup readings
+(`usage`: CPU time at the execution's start and end, memory now and at its
+peak), which only a server that cannot read them itself (Swarm) takes.
 
 Descriptor-level output (subprocesses, C libraries, `os.write(1, ...)`) is
 decoded incrementally with replacement: ipykernel 6.17 decodes each 1000-byte
