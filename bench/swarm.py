@@ -11,6 +11,12 @@ docker-in-docker workers), in the same run as its baselines.
   session's inner hop crosses the worker's published port (the manager's
   docker-proxy to the worker's network namespace, the worker's DNAT to the
   session's bridge).
+- PSS per session: the processes of idle swarm sessions (a booted kernel in
+  each task) against idle runc sessions of this host (forked from the
+  image's zygote), after one `1+1` each. A swarm task's processes are this
+  host's (the workers are docker-in-docker containers, no user namespace)
+  and each session's kernel has a uid of its own (docs/scale-out.md): the
+  session's processes are those running with its uid.
 """
 import os
 import subprocess
@@ -20,7 +26,7 @@ import time
 
 from client import BenchError
 from figures import ONE_PLUS_ONE, MANY_STEPS, ab_blocks
-from servers import CellblockServer, wait_ready
+from servers import CellblockServer, pss_bytes, wait_ready
 import servers
 from stats import Row, ms, summary
 
@@ -28,6 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests", "swarm"))
 import testbed  # noqa: E402
 
+
+def mb(values):
+    return [v / (1 << 20) for v in values]
 
 
 def swarm_args(bed):
@@ -52,6 +61,52 @@ def ready_once(srv, wait_pool):
     finally:
         ch.close()
         srv.close_session(reply["session_id"])
+
+
+def uid_pids(uid):
+    """Host pids whose real uid is `uid` (a swarm session's task: its shim and kernel)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry))
+                        break
+        except OSError:
+            continue
+    return pids
+
+
+def idle_pss(srv, count, swarm):
+    """PSS (bytes) of `count` idle sessions of `srv`, each after one 1+1."""
+    opened, values = [], []
+    try:
+        for _ in range(count):
+            srv.wait_pool()
+            reply = srv.create({"limits": MANY_STEPS})
+            ch = srv.open_channels(reply["connection"])
+            opened.append((reply["session_id"], ch))
+            wait_ready(ch, time.monotonic() + 120)
+            ex = ch.execute("import os; print(os.getuid()); 1+1", keep_outputs=True)
+            if ex.status() != "ok":
+                raise BenchError(f"a session failed to say its uid: {ex.reply}")
+            opened[-1] += (int(ex.stream_text().strip()),)
+        time.sleep(1)  # the last reply's buffers settle
+        for sid, _, uid in opened:
+            pids = uid_pids(uid) if swarm else srv.session_pids(sid)
+            sizes = [v for v in (pss_bytes(p) for p in pids) if v]
+            if not sizes:
+                raise BenchError(f"no processes found for session {sid} (uid {uid})")
+            values.append(sum(sizes))
+    finally:
+        for opened_session in opened:
+            opened_session[1].close()
+            srv.close_session(opened_session[0])
+    return values
 
 
 def swarm_figure(bench):
@@ -121,6 +176,20 @@ def swarm_figure(bench):
                 rch.close()
                 ssrv.close_session(sreply["session_id"])
                 rsrv.close_session(rreply["session_id"])
+
+        count = bench.n(4, 2)
+        with CellblockServer("swarm-pss", {"host": 1}, extra_args=swarm_args(bed)) as ssrv, \
+                CellblockServer("swarm-pss-runc", {"host": 1}) as rsrv:
+            bench.log(f"swarm: PSS of {count} idle sessions each side")
+            swarm_pss = idle_pss(ssrv, count, swarm=True)
+            runc_pss = idle_pss(rsrv, count, swarm=False)
+        sp, rp = summary(mb(swarm_pss)), summary(mb(runc_pss))
+        rows.append(Row("13", "Swarm: PSS per idle session (after 1+1; a booted kernel per task)",
+                        "MB", sp, rp, "a runc session on this host (forked from the zygote)",
+                        note=f"{sp['median'] / rp['median']:.1f}× at the median; "
+                             f"{24 * 1024 / sp['median']:.0f} swarm sessions per 24 GiB node "
+                             f"by PSS alone"))
+        bench.raw["swarm_pss"] = {"swarm_bytes": swarm_pss, "runc_bytes": runc_pss}
     finally:
         residue = testbed.down(work)
         if residue:
