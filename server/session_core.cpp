@@ -772,7 +772,7 @@ void SessionCore::on_tick(Clock::time_point now) {
                                      format_seconds(governor_->limits().hibernate_after_s) + " s");
             if (std::string why; !hibernate(now, why)) {
                 io_.log("not hibernating: " + why);
-                governor_->hibernation_declined();
+                governor_->hibernation_declined(now);
             }
         }
     }

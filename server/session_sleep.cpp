@@ -171,10 +171,15 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
 }
 
 void SessionCore::hibernation_failed(Clock::time_point now, const std::string& why) {
-    io_.log("hibernation failed: " + why);
+    std::string retry;
+    if (governor_) {
+        const auto wait = governor_->hibernation_declined(now);
+        retry = fmt::format("; tried again in {} s unless a client comes first",
+                            std::chrono::duration_cast<std::chrono::seconds>(wait).count());
+    }
+    io_.log("hibernation failed: " + why + retry);
     if (handing_over_) handover_failed_ = true;
     event("hibernate_failed", why);
-    if (governor_) governor_->hibernation_declined();  // until the next client request
     move_to(SessionState::idle);
     replay_asleep(now);
 }

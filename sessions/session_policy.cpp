@@ -587,7 +587,8 @@ void SessionGovernor::carry_on(Clock::time_point now, std::int64_t executions, d
 
 void SessionGovernor::on_client_request(Clock::time_point now) {
     last_request_ = std::max(last_request_, now);
-    hibernation_declined_ = false;
+    hibernation_failures_ = 0;
+    hibernation_retry_at_.reset();
 }
 
 void SessionGovernor::on_interrupt(Clock::time_point now) {
@@ -685,13 +686,25 @@ Clock::time_point SessionGovernor::next_expiry_check(Clock::time_point now) cons
 }
 
 bool SessionGovernor::hibernation_due(Clock::time_point now) const {
-    return !busy_ && !hibernation_declined_ &&
+    return !busy_ && (!hibernation_retry_at_ || now >= *hibernation_retry_at_) &&
            now - last_request_ >= seconds(limits_.hibernate_after_s);
 }
 
 std::optional<Clock::time_point> SessionGovernor::next_hibernation(Clock::time_point now) const {
-    if (busy_ || hibernation_declined_) return std::nullopt;
-    return std::max(now, last_request_ + seconds(limits_.hibernate_after_s));
+    if (busy_) return std::nullopt;
+    Clock::time_point due = last_request_ + seconds(limits_.hibernate_after_s);
+    if (hibernation_retry_at_) due = std::max(due, *hibernation_retry_at_);
+    return std::max(now, due);
+}
+
+Clock::duration SessionGovernor::hibernation_declined(Clock::time_point now) {
+    Clock::duration wait =
+        std::max<Clock::duration>(seconds(limits_.hibernate_after_s), kHibernateRetryMin);
+    for (int i = 0; i < hibernation_failures_ && wait < kHibernateRetryMax; ++i) wait *= 2;
+    wait = std::min<Clock::duration>(wait, kHibernateRetryMax);
+    ++hibernation_failures_;
+    hibernation_retry_at_ = now + wait;
+    return wait;
 }
 
 // ---- UTF-8 ----

@@ -188,14 +188,19 @@ class SessionGovernor {
     // Earliest time expiry() could change its answer (never before `now`). While
     // busy only the lifetime counts: ask again after the execute_reply.
     Clock::time_point next_expiry_check(Clock::time_point now) const;
-    // Idle (no client request, not busy) for hibernate_after_s, and not
-    // declined since the last client request.
+    // Idle (no client request, not busy) for hibernate_after_s, and past the
+    // retry time of the last failed attempt, if any.
     bool hibernation_due(Clock::time_point now) const;
-    // When hibernation_due() turns true, or nullopt while busy or declined.
+    // When hibernation_due() turns true, or nullopt while busy.
     std::optional<Clock::time_point> next_hibernation(Clock::time_point now) const;
-    // The session could not hibernate (its backend keeps no snapshot, the
-    // disk cap): not tried again on its own until the next client request.
-    void hibernation_declined() { hibernation_declined_ = true; }
+    // An automatic hibernation failed (the save timed out under load, the
+    // snapshot did not fit, the disk was full): tried again on its own after
+    // max(hibernate_after_s, kHibernateRetryMin), twice as long after each
+    // failure, at most kHibernateRetryMax, and afresh after the next client
+    // request. Returns the wait before the next try.
+    Clock::duration hibernation_declined(Clock::time_point now);
+    static constexpr std::chrono::seconds kHibernateRetryMin{60};
+    static constexpr std::chrono::seconds kHibernateRetryMax{3600};
 
     const SessionLimits& limits() const { return limits_; }
 
@@ -217,7 +222,10 @@ class SessionGovernor {
     std::optional<Clock::time_point> interrupt_deadline_;
     std::int64_t executions_ = 0;
     bool busy_ = false;
-    bool hibernation_declined_ = false;
+    // Failed automatic hibernations since the last client request, and when
+    // the next may be tried (hibernation_declined).
+    int hibernation_failures_ = 0;
+    std::optional<Clock::time_point> hibernation_retry_at_;
     // Output kept and dropped in this execution (streams and display data),
     // and the part of dropped_ the kernel reported dropping at its source.
     std::uint64_t stream_bytes_ = 0, dropped_ = 0, dropped_at_source_ = 0;

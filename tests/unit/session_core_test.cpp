@@ -1208,22 +1208,40 @@ TEST_F(SleepTest, ARequestStillOpenWhenHibernationIsDuePutsItOffUntilAnswered) {
     EXPECT_EQ(core->lifecycle_state(), SessionState::hibernating);
 }
 
-TEST_F(SleepTest, AFailedAutomaticHibernationWaitsForTheNextRequest) {
+TEST_F(SleepTest, AFailedAutomaticHibernationIsTriedAgainEachTimeLaterAndAfreshAfterARequest) {
     SessionLimits limits;
     limits.hibernate_after_s = 60;
     start(limits);
-    io.keep_snapshot = false;
+    io.keep_snapshot = false;  // "the disk is full": every save fails
+    auto fail_last = [&](Clock::time_point at) {
+        core->on_kernel_reply(at, Channel::shell,
+                              own_reply(io.of("own").back().parent_id, json::object()));
+        EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    };
     core->on_tick(t0 + 60s);
     ASSERT_EQ(io.of("own").size(), 1u);
-    core->on_kernel_reply(t0 + 61s, Channel::shell,
-                          own_reply(io.of("own")[0].parent_id, json::object()));
-    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
-    core->on_tick(t0 + 200s);
-    EXPECT_EQ(io.of("own").size(), 1u) << "not tried again while nothing happens";
-    // After a client's request and another idle stretch, it tries again.
+    fail_last(t0 + 61s);
+    // Not every tick: the next try max(hibernate_after_s, 60 s) after the failure.
+    const auto next = core->next_deadline(t0 + 62s);
+    ASSERT_TRUE(next.has_value());
+    EXPECT_GT(*next, t0 + 62s);
+    EXPECT_LE(*next, t0 + 121s);
+    core->on_tick(t0 + 120s);
+    EXPECT_EQ(io.of("own").size(), 1u);
+    core->on_tick(t0 + 121s);
+    ASSERT_EQ(io.of("own").size(), 2u) << "tried again on its own (a transient cause may be gone)";
+    fail_last(t0 + 122s);
+    core->on_tick(t0 + 241s);
+    EXPECT_EQ(io.of("own").size(), 2u) << "twice as long after the second failure";
+    core->on_tick(t0 + 242s);
+    ASSERT_EQ(io.of("own").size(), 3u);
+    fail_last(t0 + 243s);
+    // A client's request starts afresh: due again after one idle stretch.
     run_cell("c2", t0 + 300s);
-    core->on_tick(t0 + 361s);
-    EXPECT_EQ(io.of("own").size(), 2u);
+    core->on_tick(t0 + 359s);
+    EXPECT_EQ(io.of("own").size(), 3u);
+    core->on_tick(t0 + 360s);
+    EXPECT_EQ(io.of("own").size(), 4u);
 }
 
 // A planned restart (docs/restarts.md): the session stops taking work,

@@ -618,5 +618,29 @@ TEST(SessionGovernor, ReplyMetadataCarriesTheBudget) {
                           {"timeout_s", 30.0}}));
 }
 
+TEST(SessionGovernor, AFailedHibernationIsRetriedLaterEachTimeUpToAnHour) {
+    ServerPolicy policy;
+    SessionLimits limits = small_limits();
+    limits.hibernate_after_s = 5;
+    SessionGovernor gov(limits, policy, t0);
+    EXPECT_TRUE(gov.hibernation_due(t0 + 5s));
+    // At least a minute even when hibernate_after_s is shorter; then doubling, to an hour.
+    auto now = t0 + 5s;
+    for (const int expected : {60, 120, 240, 480, 960, 1920, 3600, 3600}) {
+        const auto wait = gov.hibernation_declined(now);
+        EXPECT_EQ(std::chrono::duration_cast<std::chrono::seconds>(wait).count(), expected);
+        EXPECT_FALSE(gov.hibernation_due(now + wait - 1s));
+        EXPECT_TRUE(gov.hibernation_due(now + wait));
+        EXPECT_EQ(gov.next_hibernation(now), now + wait);
+        now += wait;
+    }
+    // A client's request: only hibernate_after_s of idleness again.
+    gov.on_client_request(now);
+    EXPECT_TRUE(gov.hibernation_due(now + 5s));
+    EXPECT_EQ(std::chrono::duration_cast<std::chrono::seconds>(gov.hibernation_declined(now + 5s))
+                  .count(),
+              60);
+}
+
 }  // namespace
 }  // namespace cellblock
