@@ -251,7 +251,11 @@ def test_a_client_that_subscribes_late_still_gets_what_ran_meanwhile(
     sid, kc, _ = srv.open_session()
     sh.run_ok(kc, "x = 41")
     kc.iopub_channel.stop()  # this client's iopub is away across the restart
+    watch = sh.ShellWatch(kc)
     srv.kill9()
+    # Sent once the client's libzmq has seen the connection close: written
+    # before that, it would go into the dead socket (lost once in CI).
+    assert watch.wait_closed(), "the client never saw the server's connection close"
     during = send_execute(kc, "print(x + 1)")
     srv.start()
     deadline = time.monotonic() + 120
