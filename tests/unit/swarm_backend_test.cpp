@@ -370,6 +370,19 @@ class LeftService : public ::testing::Test {
         }
         return "HTTP/1.1 404 Not Found\r\nContent-Length: 24\r\n\r\n{\"message\":\"not found\"}";
     }
+    // The engine's answer to a new service's task list: running on node-1,
+    // its five kernel ports published.
+    static std::string running_task() {
+        json ports = json::array();
+        for (int i = 0; i < 5; ++i) {
+            ports.push_back({{"TargetPort", 5555 + i}, {"PublishedPort", 30000 + i}});
+        }
+        return ok(json::array(
+            {{{"ID", "task-1"},
+              {"NodeID", "node-1"},
+              {"CreatedAt", "2026-11-29T00:00:00Z"},
+              {"Status", {{"State", "running"}, {"PortStatus", {{"Ports", ports}}}}}}}));
+    }
     json record() const {
         ConnectionInfo kernel;
         kernel.transport = "tcp";
@@ -468,15 +481,7 @@ TEST_F(LeftService, EachStartedKernelGetsItsOwnCurveKeyAndOnlyItsSecretHoldsIt) 
         }
         if (line.find(" /services/create ") != std::string::npos) return ok({{"ID", "svc-1"}});
         if (line.find(" /tasks?") != std::string::npos) {
-            json ports = json::array();
-            for (int i = 0; i < 5; ++i) {
-                ports.push_back({{"TargetPort", 50000 + i}, {"PublishedPort", 30000 + i}});
-            }
-            return ok(json::array(
-                {{{"ID", "task-1"},
-                  {"NodeID", "node-1"},
-                  {"CreatedAt", "2026-11-29T00:00:00Z"},
-                  {"Status", {{"State", "running"}, {"PortStatus", {{"Ports", ports}}}}}}}));
+            return running_task();
         }
         return answer(request);
     });
@@ -524,14 +529,7 @@ TEST_F(LeftService, EachLiveServiceHasAUidOfItsOwnAndCellblocksSeccompProgram) {
         }
         if (line.find(" /tasks?") != std::string::npos &&
             line.find("svc-new-") != std::string::npos) {
-            json ports = json::array();
-            for (int i = 0; i < 5; ++i)
-                ports.push_back({{"TargetPort", 5555 + i}, {"PublishedPort", 30000 + i}});
-            return ok(json::array(
-                {{{"ID", "task-1"},
-                  {"NodeID", "node-1"},
-                  {"CreatedAt", "2026-11-29T00:00:00Z"},
-                  {"Status", {{"State", "running"}, {"PortStatus", {{"Ports", ports}}}}}}}));
+            return running_task();
         }
         return answer(request);
     });
