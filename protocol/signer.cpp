@@ -19,13 +19,7 @@ constexpr std::size_t kHexDigestChars = 2 * kDigestBytes;
 using Digest = std::array<unsigned char, kDigestBytes>;
 
 std::string to_lower_hex(const unsigned char* bytes, std::size_t n) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out(2 * n, '\0');
-    for (std::size_t i = 0; i < n; ++i) {
-        out[2 * i] = kHex[bytes[i] >> 4];
-        out[2 * i + 1] = kHex[bytes[i] & 0x0f];
-    }
-    return out;
+    return cellblock::to_lower_hex(std::string_view(reinterpret_cast<const char*>(bytes), n));
 }
 
 // Lowercase only: the wire format is lowercase hex, and jupyter_client compares
@@ -147,6 +141,17 @@ bool Signer::verify(std::string_view signature, std::string_view header, std::st
     Digest expected{};
     if (!impl_->compute(header, parent, metadata, content, expected)) return false;
     return CRYPTO_memcmp(claimed.data(), expected.data(), expected.size()) == 0;
+}
+
+std::string to_lower_hex(std::string_view bytes) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out(2 * bytes.size(), '\0');
+    for (std::size_t i = 0; i < bytes.size(); ++i) {
+        const auto byte = static_cast<unsigned char>(bytes[i]);
+        out[2 * i] = kHex[byte >> 4];
+        out[2 * i + 1] = kHex[byte & 0x0f];
+    }
+    return out;
 }
 
 std::string make_random_key() {

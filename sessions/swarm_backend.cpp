@@ -477,12 +477,7 @@ SwarmBackend::SwarmBackend(SwarmSettings settings)
     }
     server_id_ = read_or_create_server_id(settings_.state_dir);
     // The profile a runc session gets, compiled once: the same for every session.
-    const std::string bpf = compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc));
-    static const char* digits = "0123456789abcdef";
-    for (unsigned char byte : bpf) {
-        seccomp_hex_ += digits[byte >> 4];
-        seccomp_hex_ += digits[byte & 15];
-    }
+    seccomp_hex_ = to_lower_hex(compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc)));
     state_->nodes = state_->api.expect("GET", "/nodes");
     watcher_ = std::thread([this] { watch(); });
 }

@@ -40,4 +40,7 @@ class Signer {
 // A fresh random key (64 lowercase hex characters from a CSPRNG).
 std::string make_random_key();
 
+// `bytes` as lowercase hex, two digits per byte (what signatures and keys use).
+std::string to_lower_hex(std::string_view bytes);
+
 }  // namespace cellblock

@@ -22,6 +22,7 @@
 
 #include "../../sessions/docker_api.hpp"
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/signer.hpp"
 #include "cellblock/swarm_backend.hpp"
 #include "cellblock/zygote.hpp"
 
@@ -547,11 +548,8 @@ TEST_F(LeftService, EachLiveServiceHasAUidOfItsOwnAndCellblocksSeccompProgram) {
     auto adopted = backend.adopt("s1", rec, host_image(), SandboxLimits{});
     EXPECT_EQ(adopted->adoption_record()->at("uid"), first);
 
-    std::string bpf_hex;
-    for (unsigned char byte : compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc))) {
-        bpf_hex += "0123456789abcdef"[byte >> 4];
-        bpf_hex += "0123456789abcdef"[byte & 15];
-    }
+    const std::string bpf_hex =
+        to_lower_hex(compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc)));
     auto uid_of = [&](std::size_t service) {
         std::lock_guard lock(mutex);
         const json c = services.at(service)["TaskTemplate"]["ContainerSpec"];
