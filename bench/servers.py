@@ -281,18 +281,25 @@ class CellblockServer:
     def sessions_pids(sids):
         """Host pids of these sessions' sandbox processes (by their cgroup), in one pass."""
         markers = [f"/cellblock/cb-{sid}" for sid in sids]
-        pids = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cgroup") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            if "/cellblock/cb-" in text and any(m in text for m in markers):
-                pids.append(int(entry))
-        return pids
+        return host_pids("cgroup", lambda text: "/cellblock/cb-" in text
+                         and any(m in text for m in markers))
+
+
+def host_pids(name, matches):
+    """Host pids whose /proc/<pid>/<name> text `matches` (a predicate); a
+    process that ends while it is read is left out."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/{name}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if matches(text):
+            pids.append(int(entry))
+    return pids
 
 
 def memory_cgroup(sid):

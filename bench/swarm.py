@@ -26,7 +26,7 @@ import time
 
 from client import BenchError
 from figures import ONE_PLUS_ONE, MANY_STEPS, ab_blocks
-from servers import CellblockServer, pss_bytes, wait_ready
+from servers import CellblockServer, host_pids, pss_bytes, wait_ready
 import servers
 from stats import Row, ms, summary
 
@@ -65,20 +65,10 @@ def ready_once(srv, wait_pool):
 
 def uid_pids(uid):
     """Host pids whose real uid is `uid` (a swarm session's task: its shim and kernel)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            pids.append(int(entry))
-                        break
-        except OSError:
-            continue
-    return pids
+    def real_uid(status):
+        line = next((l for l in status.splitlines() if l.startswith("Uid:")), "Uid: -1")
+        return int(line.split()[1])
+    return host_pids("status", lambda status: real_uid(status) == uid)
 
 
 def idle_pss(srv, count, swarm):
