@@ -71,6 +71,12 @@ class ProcessAs {
 class HostIdsTest : public ::testing::Test {
   protected:
     void SetUp() override {
+        // Which ids are in use is read from all of /proc, and CI runs tests two
+        // at a time: a test of this fixture in another process runs as ids of
+        // this same pool. One test of the fixture at a time on this machine.
+        serial_ = ::open("/tmp/cellblock-host-ids-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        ASSERT_GE(serial_, 0);
+        ASSERT_EQ(::flock(serial_, LOCK_EX), 0);
         char tmpl[] = "/tmp/cellblock-host-ids-XXXXXX";
         ASSERT_NE(::mkdtemp(tmpl), nullptr);
         dir_ = tmpl;
@@ -80,7 +86,11 @@ class HostIdsTest : public ::testing::Test {
         pool_.range_size = 1000;
         pool_.ranges = 3;
     }
-    void TearDown() override { fs::remove_all(dir_); }
+    void TearDown() override {
+        fs::remove_all(dir_);
+        if (serial_ >= 0) ::close(serial_);  // and with it the lock
+    }
+    int serial_ = -1;
     fs::path dir_;
     HostIdPool pool_;
 };
