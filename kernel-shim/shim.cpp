@@ -93,8 +93,26 @@ bool connect_lifeline(const char* path) {
 // names it pid 0 here) or, in a zygote's container (no PID or user
 // namespace), root's. No process of a sandbox is either: a session's run as
 // its mapped user without capabilities, a zygote's as its first host id.
-bool reconnect_lifeline() {
+//
+// Under runsc (`by_path`: the shim connected its first lifeline itself),
+// SO_PEERCRED names the caller itself for every socket the gofer serves, so
+// the listener is told by its socket file instead: one the sandbox's user
+// does not own (every process of the sandbox runs as that user, without
+// capabilities, and the ipc dir is sticky: none can replace the server's
+// file). The server, which cannot see the shim's pid either, knows the shim
+// by the key it gave it on the first lifeline (kAdoptKeyLine), written as
+// kAdoptLine before anything else; the kernel never saw that line, and this
+// process is not dumpable.
+bool reconnect_lifeline(bool by_path, const std::string& adopt_key) {
     const std::string path = std::string(protocol::kIpcDir) + "/" + protocol::kLifelineSocketName;
+    if (by_path) {
+        struct stat st {};
+        if (lstat(path.c_str(), &st) != 0) return false;
+        if (!S_ISSOCK(st.st_mode) || st.st_uid == geteuid()) {
+            say("%s", "a lifeline socket the sandbox made was refused");
+            return false;
+        }
+    }
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
@@ -102,12 +120,21 @@ bool reconnect_lifeline() {
     if (!fd || connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
         return false;
     }
-    ucred cred{};
-    socklen_t len = sizeof cred;
-    if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-        (cred.pid != 0 && cred.uid != 0)) {
-        say("%s", "a lifeline listener inside the sandbox was refused");
-        return false;
+    if (!by_path) {
+        ucred cred{};
+        socklen_t len = sizeof cred;
+        if (getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+            (cred.pid != 0 && cred.uid != 0)) {
+            say("%s", "a lifeline listener inside the sandbox was refused");
+            return false;
+        }
+    }
+    if (!adopt_key.empty()) {
+        const std::string line = std::string(protocol::kAdoptLine) + " " + adopt_key + "\n";
+        if (send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
+            static_cast<ssize_t>(line.size())) {
+            return false;
+        }
     }
     // fd 3 was closed when the last lifeline ended: the socket may be it.
     if (fd.get() == kLifelineFd) {
@@ -163,12 +190,16 @@ int main(int argc, char** argv) {
         }
     }
     bool have_lifeline = fcntl(kLifelineFd, F_GETFD) != -1;
-    // A passed lifeline may be waited for again after it ends (see
-    // reconnect_lifeline); one the shim connected itself (runsc) may not.
+    // After the lifeline ends the shim waits this long for a restarted
+    // server (see reconnect_lifeline); 0: the sandbox ends with its server.
     int adopt_grace_ms = 0;
-    if (const char* grace = getenv(protocol::kAdoptGraceEnv); have_lifeline && grace) {
+    if (const char* grace = getenv(protocol::kAdoptGraceEnv)) {
         adopt_grace_ms = std::max(0, atoi(grace));
     }
+    // What a server adopting a sandbox whose lifeline the shim connected
+    // itself (runsc) must be shown (kAdoptKeyLine); empty: nothing to show.
+    std::string adopt_key;
+    const bool lifeline_by_path = !have_lifeline;
     if (have_lifeline) {
         fcntl(kLifelineFd, F_SETFD, FD_CLOEXEC);
     } else if (const char* path = getenv(protocol::kLifelineEnv); path && *path) {
@@ -257,7 +288,7 @@ int main(int argc, char** argv) {
             timeout_ms = until(*term_at);
         }
         if (orphaned_until) {
-            if (reconnect_lifeline()) {
+            if (reconnect_lifeline(lifeline_by_path, adopt_key)) {
                 say("%s", "adopted by a restarted server");
                 have_lifeline = true;
                 orphaned_until.reset();
@@ -329,7 +360,11 @@ int main(int argc, char** argv) {
                     }
                     continue;
                 }
-                if (lifeline_line == protocol::kInterruptLine) kill(kernel, SIGINT);
+                if (lifeline_line == protocol::kInterruptLine) {
+                    kill(kernel, SIGINT);
+                } else if (const auto key = protocol::adopt_key_of(lifeline_line)) {
+                    adopt_key = *key;
+                }
                 lifeline_line.clear();
             }
         }

@@ -164,4 +164,8 @@ std::string make_random_key() {
     return key;
 }
 
+bool equal_secrets(std::string_view a, std::string_view b) {
+    return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
 }  // namespace cellblock

@@ -62,30 +62,83 @@ bool process_gone(pid_t pid) {
     return paren == std::string::npos || stat.compare(paren + 1, 3, " Z ") == 0;
 }
 
+namespace {
+// A connection that has yet to show its proof (LifelinePeer::proof): what it
+// wrote so far of its first line.
+struct Unproven {
+    UniqueFd fd;
+    std::string line;
+};
+// At most this many unproven connections are held at once (the oldest goes):
+// a sandbox that connects over and over delays its own adoption, never the
+// server's wait past its timeout.
+constexpr std::size_t kMaxUnproven = 8;
+
+enum class Proof { pending, shown, refused };
+
+// Reads what `c` has written, byte by byte (what follows the line is the
+// lifeline's, not this check's), and judges its line once it is whole.
+Proof read_proof(Unproven& c, const std::string& proof) {
+    for (;;) {
+        char byte = 0;
+        const ssize_t n = ::recv(c.fd.get(), &byte, 1, MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) return Proof::pending;
+        if (n != 1) return Proof::refused;
+        if (byte == '\n') return equal_secrets(c.line, proof) ? Proof::shown : Proof::refused;
+        if (c.line.size() >= proof.size()) return Proof::refused;
+        c.line.push_back(byte);
+    }
+}
+}  // namespace
+
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
-                    bool only_init) {
+                    const LifelinePeer& peer) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::vector<Unproven> unproven;
     for (;;) {
         // A sandbox that ended at once may still have connected first: accept before judging.
-        UniqueFd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
-        if (fd && only_init) {
-            ucred cred{};
-            socklen_t len = sizeof cred;
-            if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-                cred.pid != init_pid) {
-                spdlog::warn("lifeline {}: a connection from pid {} refused (not the init {})",
-                             init_pid, cred.pid, init_pid);
-                continue;
+        for (;;) {
+            UniqueFd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
+            if (!fd) break;
+            if (peer.only_init) {
+                ucred cred{};
+                socklen_t len = sizeof cred;
+                if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+                    cred.pid != init_pid) {
+                    spdlog::warn("lifeline {}: a connection from pid {} refused (not the init {})",
+                                 init_pid, cred.pid, init_pid);
+                    continue;
+                }
+            }
+            if (peer.proof.empty()) return fd.release();
+            if (unproven.size() == kMaxUnproven) {
+                spdlog::warn(
+                    "lifeline {}: a connection refused (it did not show the shim's key in "
+                    "time)",
+                    init_pid);
+                unproven.erase(unproven.begin());
+            }
+            unproven.push_back({std::move(fd), {}});
+        }
+        if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) return -1;
+        for (auto it = unproven.begin(); it != unproven.end();) {
+            const Proof proof = read_proof(*it, peer.proof);
+            if (proof == Proof::shown) return it->fd.release();
+            if (proof == Proof::refused) {
+                spdlog::warn("lifeline {}: a connection refused (it did not show the shim's key)",
+                             init_pid);
+                it = unproven.erase(it);
+            } else {
+                ++it;
             }
         }
-        if (fd) return fd.release();
-        if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) return -1;
         if ((init_pid > 0 && process_gone(init_pid)) ||
             std::chrono::steady_clock::now() >= deadline) {
             return -1;
         }
-        pollfd p{listener, POLLIN, 0};
-        ::poll(&p, 1, 50);
+        std::vector<pollfd> watched{{listener, POLLIN, 0}};
+        for (const auto& c : unproven) watched.push_back({c.fd.get(), POLLIN, 0});
+        ::poll(watched.data(), watched.size(), 50);
     }
 }
 }  // namespace cellblock::sandbox_detail

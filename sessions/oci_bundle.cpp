@@ -255,7 +255,8 @@ json make_oci_config(const SandboxSpec& spec) {
         // The shim connects here instead of inheriting fd 3, and strips every
         // CELLBLOCK_ variable from the kernel's environment.
         env.push_back(std::string(kLifelineEnv) + "=" + kSandboxLifelineSocket);
-    } else if (spec.adopt_grace_ms > 0) {
+    }
+    if (spec.adopt_grace_ms > 0) {
         // A zygote waits too: its forks' mounts are its own (docs/zygote.md).
         env.push_back(std::string(sandbox_protocol::kAdoptGraceEnv) + "=" +
                       std::to_string(spec.adopt_grace_ms));

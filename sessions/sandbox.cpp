@@ -365,6 +365,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
                                ": the shim never connected to its lifeline; log: " +
                                sandbox_detail::log_tail(log));
         }
+        if (settings.adopt_grace_ms > 0) box->give_adopt_key();
     }
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
     box->open_counters();
@@ -421,6 +422,18 @@ std::string RuncSandbox::exit_description() const {
         text += " (memory limit of " + std::to_string(limits_.memory_mb) + " MB reached)";
     }
     return text;
+}
+
+void RuncSandbox::give_adopt_key() {
+    adopt_key_ = make_random_key().substr(0, sandbox_protocol::kAdoptKeyHexDigits);
+    const std::string line = std::string(sandbox_protocol::kAdoptKeyLine) + " " + adopt_key_ + "\n";
+    // Before the kernel runs, a fresh socket: the line fits its buffer.
+    if (::send(lifeline_.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
+        static_cast<ssize_t>(line.size())) {
+        spdlog::warn("session {}: its shim did not take the key to adopt it by: {}", session_id_,
+                     errno_text());
+        adopt_key_.clear();  // not adoptable, then
+    }
 }
 
 bool RuncSandbox::interrupt() {

@@ -37,9 +37,10 @@ bool in_cgroup(const std::vector<fs::path>& dirs, pid_t pid) {
 
 std::optional<json> RuncSandbox::adoption_record() const {
     // A fork of a zygote has its lifeline passed too; runsc's shim connects
-    // its own and does not wait (kAdoptGraceEnv).
+    // its own and shows a key when it connects again (give_adopt_key).
+    const bool runsc = !runtime_passes_fds(runtime_kind(settings_.runtime));
     if (init_pid_ <= 0 || exited_ || settings_.adopt_grace_ms <= 0 ||
-        !runtime_passes_fds(runtime_kind(settings_.runtime))) {
+        (runsc && (adopt_key_.empty() || gofer_pid_ <= 0))) {
         return std::nullopt;
     }
     ConnectionInfo inner = inner_;
@@ -51,7 +52,7 @@ std::optional<json> RuncSandbox::adoption_record() const {
         if (!zygote_record) return std::nullopt;
         zygote = {{"session_id", zygote_box_->session_id()}, {"record", *zygote_record}};
     }
-    return json{{"forked_from", zygote},
+    json record{{"forked_from", zygote},
                 {"version", kRecordVersion},
                 {"runtime", settings_.runtime},
                 {"forked", forked_},
@@ -60,6 +61,13 @@ std::optional<json> RuncSandbox::adoption_record() const {
                 {"host_base", host_ids().host_base},
                 {"host_count", host_ids().size},
                 {"inner", inner.to_json()}};
+    if (runsc) {
+        // The Sentry is the init; the gofer serves its files and goes with it.
+        record["gofer_pid"] = gofer_pid_;
+        record["gofer_start"] = process_start_ticks(gofer_pid_);
+        record["adopt_key"] = adopt_key_;
+    }
+    return record;
 }
 
 namespace {
@@ -104,9 +112,15 @@ RuncSandbox::Adoption RuncSandbox::begin_adoption(const std::string& session_id,
     box->zygote_box_ = zygote.get();
     box->keep_ = std::move(zygote);
     const std::string ran_by = box->forked_ ? kForkedRuntime : box->settings_.runtime;
-    if (!runtime_passes_fds(runtime_kind(box->settings_.runtime)) ||
-        read_text(runtime_file(paths.root())) != ran_by + "\n") {
+    if (read_text(runtime_file(paths.root())) != ran_by + "\n") {
         throw fail("its runtime is not the record's " + ran_by);
+    }
+    const bool runsc = !runtime_passes_fds(runtime_kind(box->settings_.runtime));
+    if (runsc) {
+        box->adopt_key_ = record.value("adopt_key", "");
+        if (!sandbox_protocol::well_formed_adopt_key(box->adopt_key_)) {
+            throw fail("a runsc record without the key its shim shows");
+        }
     }
     // The dead server's lock went with it; whoever holds it now owns the sandbox.
     box->lock_fd_.reset(::open(paths.lock().c_str(), O_RDWR | O_CLOEXEC));
@@ -133,6 +147,15 @@ RuncSandbox::Adoption RuncSandbox::begin_adoption(const std::string& session_id,
         throw fail("pid " + std::to_string(init) + " is not in the container's cgroup");
     }
     box->init_pid_ = init;
+    if (runsc) {
+        // The gofer: the same process as the record's, or the sandbox's files are gone.
+        const auto gofer = record.value("gofer_pid", pid_t{-1});
+        if (gofer <= 0 || process_gone(gofer) ||
+            process_start_ticks(gofer) != record.value("gofer_start", std::uint64_t{0})) {
+            throw fail("its gofer (pid " + std::to_string(gofer) + ") has ended");
+        }
+        box->gofer_pid_ = gofer;
+    }
     if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
         try {
             box->version_fd_.reset(hold_stored_version(image.rootfs));
@@ -164,7 +187,13 @@ std::unique_ptr<RuncSandbox> RuncSandbox::finish_adoption(Adoption adoption,
     const fs::path socket = box->dir_.lifeline_socket();
     const auto fail = [&](const std::string& why) { return adoption_error(box->session_id_, why); };
     try {
-        box->lifeline_.reset(accept_lifeline(adoption.listener.get(), box->init_pid_, wait, true));
+        LifelinePeer shim{.only_init = true, .proof = {}};
+        if (!box->adopt_key_.empty()) {
+            // Under runsc the connection comes through the gofer: no pid to check.
+            shim = {.only_init = false,
+                    .proof = std::string(sandbox_protocol::kAdoptLine) + " " + box->adopt_key_};
+        }
+        box->lifeline_.reset(accept_lifeline(adoption.listener.get(), box->init_pid_, wait, shim));
     } catch (const std::exception& e) {
         ::unlink(socket.c_str());
         throw fail(e.what());

@@ -42,11 +42,18 @@ inline constexpr const char* kForkedRuntime = "zygote";
 // The lifeline's listening socket at `path`, `owner`'s, of `mode`.
 int listen_lifeline(const fs::path& path, std::uint32_t owner, mode_t mode = 0600);
 bool process_gone(pid_t pid);
+// Which connection accept_lifeline takes: the first (a start: the shim
+// connects before the kernel exists), or, once the kernel runs (an
+// adoption), only the init's (SO_PEERCRED; runc, crun) or only one that
+// first writes `proof` and a newline (runsc: sandbox_protocol::kAdoptLine).
+struct LifelinePeer {
+    bool only_init = false;
+    std::string proof;
+};
 // The shim's connection; -1 if the sandbox ended or the time passed first.
-// With `only_init`, a connection from any process but `init_pid` (SO_PEERCRED)
-// is closed and the wait goes on: the kernel runs by then (an adoption).
+// A connection that is not `peer` is closed and the wait goes on.
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
-                    bool only_init = false);
+                    const LifelinePeer& peer = {});
 // Removes the cgroups (rmdir once empty); those whose last processes take
 // longer than half a second to go are retried by a thread until they are
 // empty (await_cgroup_removals waits for it).

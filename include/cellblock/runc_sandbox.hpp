@@ -69,13 +69,16 @@ class RuncSandbox final : public Sandbox,
     // running (docs/restarts.md, phase 2; sandbox_adopt.cpp). The record is
     // what it needs beside the session's dir: the init's pid and start time,
     // the inner connection with its key (the copy in the sandbox is the
-    // sandbox's to change), the host ids and the runtime. Null for a sandbox
-    // that cannot be adopted (runsc's, a zygote's fork).
+    // sandbox's to change), the host ids and the runtime; under runsc also
+    // the gofer's pid and the key its shim shows (kAdoptKeyLine). Null for a
+    // sandbox that cannot be adopted (one started without a grace, a fork
+    // whose zygote cannot be).
     std::optional<nlohmann::json> adoption_record() const override;
     // Takes the sandbox back: its session lock and host id lease, an init
     // that is still the record's (pid, start time, in the container's
     // cgroup), and its shim's lifeline, which the shim connects again within
-    // `wait` (only the init's connection is taken). Throws SandboxError
+    // `wait` (only the init's connection is taken; under runsc, only one that
+    // shows the record's key first). Throws SandboxError
     // naming what does not match; the sandbox is then the reaper's.
     // A fork's record names its zygote's (forked_from): the zygote is
     // adopted first and held, as `zygote`, for as long as the fork lives.
@@ -181,6 +184,9 @@ class RuncSandbox final : public Sandbox,
     RuntimeSettings settings_;
     pid_t init_pid_ = -1;
     pid_t gofer_pid_ = -1;  // runsc: the gofer, also our child once runsc run returns
+    // runsc: what the shim shows a server adopting it (kAdoptKeyLine), given
+    // to it on its first lifeline; empty for a runtime that passes fds.
+    std::string adopt_key_;
     UniqueFd lifeline_;
     UniqueFd lock_fd_;
     UniqueFd version_fd_;   // a stored image version held (hold_stored_version)
@@ -197,6 +203,8 @@ class RuncSandbox final : public Sandbox,
         bool cpu_weight_v2 = false, cpu_quota_v2 = false;
     } counters_;
     void open_counters();
+    // runsc: makes adopt_key_ and sends it on the lifeline (kAdoptKeyLine).
+    void give_adopt_key();
     void close_counters();
 };
 

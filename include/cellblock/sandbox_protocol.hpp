@@ -10,6 +10,7 @@
 
 #include <charconv>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -136,11 +137,36 @@ inline constexpr char kLifelineEnv[] = "CELLBLOCK_LIFELINE";
 // Past the grace, no server: it ends the sandbox.
 inline constexpr char kLifelineSocketName[] = "lifeline.sock";
 inline constexpr int kAdoptRetryMs = 100;
+// Under runsc the server sees neither the shim's pid nor its namespace (the
+// connection comes through gVisor's gofer), so a server taking a waiting
+// runsc sandbox back knows its shim by a key instead: the first server sends
+// "adopt-key HEX" (kAdoptKeyHexDigits lower-case hex digits) on the first
+// lifeline, before the kernel starts; a shim connecting again writes
+// "adopt HEX" first. The key lives in the shim's memory (not dumpable) and
+// in the server's sealed record, never where the kernel can read it.
+inline constexpr char kAdoptKeyLine[] = "adopt-key";
+inline constexpr char kAdoptLine[] = "adopt";
+inline constexpr std::size_t kAdoptKeyHexDigits = 32;
 // Server -> shim: SIGINT to the kernel (runsc's init pid is the Sentry,
 // which the server cannot signal on the kernel's behalf).
 inline constexpr char kInterruptLine[] = "interrupt";
 // The longest line the shim keeps; anything past it is dropped.
 inline constexpr std::size_t kMaxLifelineLine = 64;
+static_assert(sizeof kAdoptKeyLine + kAdoptKeyHexDigits <= kMaxLifelineLine);
+
+inline bool well_formed_adopt_key(std::string_view key) {
+    return key.size() == kAdoptKeyHexDigits &&
+           key.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+}
+// The key in "adopt-key HEX", if the line is exactly that.
+inline std::optional<std::string> adopt_key_of(std::string_view line) {
+    const std::string_view head = kAdoptKeyLine;
+    if (line.size() <= head.size() || line.substr(0, head.size()) != head ||
+        line[head.size()] != ' ' || !well_formed_adopt_key(line.substr(head.size() + 1))) {
+        return std::nullopt;
+    }
+    return std::string(line.substr(head.size() + 1));
+}
 
 // Shim -> server, once, as the init ends: how the kernel ended.
 //   "kernel-exit status=N"  it exited with status N;

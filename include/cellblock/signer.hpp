@@ -40,6 +40,10 @@ class Signer {
 // A fresh random key (64 lowercase hex characters from a CSPRNG).
 std::string make_random_key();
 
+// Whether two secrets are equal, in a time that does not depend on where
+// they differ (only on their length).
+bool equal_secrets(std::string_view a, std::string_view b);
+
 // `bytes` as lowercase hex, two digits per byte (what signatures and keys use).
 std::string to_lower_hex(std::string_view bytes);
 

@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -29,7 +30,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 from conftest import STATE_DIR, run_cell, stream_text, wait_for
-from server_helpers import execute, server_factory, session_of_process  # noqa: F401
+from server_helpers import collect_execution, execute, server_factory, session_of_process  # noqa: F401
 
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
 KERNEL_NAME = "cellblock-gvisor"
@@ -547,3 +548,136 @@ def test_server_session_on_runsc_by_request_and_by_image(server_factory):
     # The server reaped the Sentry and the gofer of each (it is their subreaper).
     assert wait_for(lambda: not zombie_children(srv.proc.pid), timeout=10), zombie_children(srv.proc.pid)
     srv.ok("session_close_request", {"session_id": runc_session["session_id"]})
+
+
+# ---------------------------------------------------------------- a crash of the server
+
+# The kernel's attack on the adoption (as test_adoption.py's IMPOSTOR for
+# runc): a listener of its own at the path the waiting shim connects to, and
+# a caller that connects to the next server's listener there first, showing
+# a key it guessed. Under runsc the server cannot tell the shim by its pid
+# (the connection comes through the gofer), only by the key the first server
+# gave it.
+IMPOSTOR = r"""
+import os, socket, threading, time
+PATH = "/run/cellblock/lifeline.sock"
+caught, posed = [], []
+def listen():
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(PATH)
+    srv.listen(8)
+    while True:
+        conn, _ = srv.accept()
+        caught.append(conn.recv(100))
+        conn.close()
+def connect():
+    mine = os.stat(PATH).st_ino
+    while True:
+        try:
+            if os.stat(PATH).st_ino != mine:
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(PATH)
+                c.sendall(b"adopt " + b"0" * 32 + b"\n")
+                posed.append(c)
+        except OSError:
+            pass
+        time.sleep(0.005)
+threading.Thread(target=listen, daemon=True).start()
+time.sleep(0.5)
+threading.Thread(target=connect, daemon=True).start()
+"""
+
+
+def shim_log(srv, sid):
+    try:
+        with open(os.path.join(srv.state_dir, "sessions", sid, "log", "shim.log"),
+                  errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def test_a_killed_servers_gvisor_session_is_adopted_by_its_shims_key(server_factory, tmp_path):
+    """kill -9 of the server: the runsc sandbox waits --adopt-grace for the
+    next start, which takes it back with its variables; its shim refuses the
+    kernel's listener and the server a connection without the shim's key.
+    A second crash is adopted the same way; closing it leaves nothing."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    reply = create(srv, {"image": "host-gvisor"})
+    assert reply["status"] == "ok" and reply["runtime"] == "runsc", reply
+    sid = reply["session_id"]
+    kc = srv.connect(reply["connection"], ready_timeout=60)
+    assert execute(kc, IMPOSTOR + "\nkept = 41")[0]["content"]["status"] == "ok"
+    present = assert_present(srv.state_dir, sid)
+    sentry_and_gofer = sorted(present["runsc processes"])
+
+    srv.kill9()
+    assert wait_for(lambda: "waits 120000 ms" in shim_log(srv, sid), timeout=30), \
+        shim_log(srv, sid)[-1000:]
+    # The kernel's own listener is the first the waiting shim finds: refused.
+    assert wait_for(lambda: "a lifeline socket the sandbox made was refused"
+                    in shim_log(srv, sid), timeout=30), shim_log(srv, sid)[-1000:]
+    assert sorted(runsc_processes(sid)) == sentry_and_gofer
+    srv.start()
+    log = srv.log()
+    assert f"session {sid}: adopted" in log, log[-3000:]
+    assert "adopted by a restarted server" in shim_log(srv, sid)
+    msg_reply, iopub = execute(kc, "kept + 1")
+    assert msg_reply["content"]["status"] == "ok" and value_of(iopub) == "42", msg_reply
+    # Whatever the kernel's caller reached, the server did not take it.
+    msg_reply, iopub = execute(kc, "len(posed)")
+    posed = int(value_of(iopub))
+    if posed:
+        assert "did not show the shim's key" in log, log[-3000:]
+    print(f"the kernel's caller reached the adopting server's listener {posed} time(s)")
+    assert sorted(runsc_processes(sid)) == sentry_and_gofer
+
+    # A second crash: the adopting server recorded the key again.
+    srv.kill9()
+    srv.start()
+    assert srv.log().count(f"session {sid}: adopted") == 2, srv.log()[-3000:]
+    msg_reply, iopub = execute(kc, "kept * 2")
+    assert value_of(iopub) == "82", msg_reply
+    # Interrupts go over the adopted lifeline (the Sentry cannot be signalled for the kernel).
+    msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)")
+    time.sleep(1)
+    kc.control_channel.send(kc.session.msg("interrupt_request", {}))
+    interrupted, _, _ = collect_execution(kc, msg_id, timeout=60)
+    assert interrupted["content"].get("ename") == "KeyboardInterrupt", interrupted["content"]
+
+    # A planned restart (SIGHUP) leaves it running too, where it used to hibernate.
+    srv.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: srv.log().count(f"session {sid}: adopted") == 3, timeout=120), \
+        srv.log()[-3000:]
+    msg_reply, iopub = execute(kc, "kept - 1")
+    assert value_of(iopub) == "40", msg_reply
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid})["content"]["events"]]
+    assert "handed_over" in kinds and "hibernated" not in kinds, kinds
+    assert sorted(runsc_processes(sid)) == sentry_and_gofer
+
+    srv.ok("session_close_request", {"session_id": sid}, timeout=60)
+    assert_gone(srv.state_dir, sid)
+    for pid in sentry_and_gofer:
+        assert proc_state(pid) is None, f"runsc process {pid} is left: {proc_state(pid)}"
+
+
+def test_a_gvisor_sandbox_no_server_adopts_ends_itself_after_its_grace(server_factory, tmp_path):
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "2",
+                          "--pool", "host=0"])
+    reply = create(srv, {"image": "host-gvisor"})
+    assert reply["status"] == "ok", reply
+    sid = reply["session_id"]
+    kc = srv.connect(reply["connection"], ready_timeout=60)
+    assert execute(kc, "z = 1")[0]["content"]["status"] == "ok"
+    assert_present(srv.state_dir, sid)
+    srv.close_clients()
+    srv.kill9()
+    # Its shim ends it at the grace; the keeper reaps what is left on the host.
+    assert_gone(srv.state_dir, sid, timeout=60)
+    assert "no server adopted the sandbox within its grace" in shim_log(srv, sid) or \
+        f"reaped the sandbox of session {sid}" in srv.log(), srv.log()[-3000:]
+    srv.start()
+    info = srv.ok("session_info_request", {"session_id": sid})["content"]
+    assert info["state"] == "closed" and info["close_reason"] == "server_restart", info

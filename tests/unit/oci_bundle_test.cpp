@@ -357,6 +357,25 @@ TEST(Runtime, RunscShimIsToldWhereItsLifelineListens) {
     EXPECT_EQ(json(rest), make_oci_config(test_spec())["process"]["env"]);
 }
 
+TEST(Runtime, EitherRuntimesShimIsToldItsAdoptionGrace) {
+    // runsc's too since its shim shows a key to the adopting server.
+    for (SandboxSpec spec : {test_spec(), runsc_spec()}) {
+        const std::string grace = std::string(sandbox_protocol::kAdoptGraceEnv) + "=";
+        const auto graces = [&](const SandboxSpec& s) {
+            std::vector<std::string> found;
+            const json config = make_oci_config(s);
+            for (const std::string e : config["process"]["env"]) {
+                if (e.rfind(grace, 0) == 0) found.push_back(e);
+            }
+            return found;
+        };
+        spec.adopt_grace_ms = 0;
+        EXPECT_TRUE(graces(spec).empty()) << spec.runtime;
+        spec.adopt_grace_ms = 180000;
+        EXPECT_EQ(graces(spec), std::vector<std::string>{grace + "180000"}) << spec.runtime;
+    }
+}
+
 TEST(Runtime, RunscSeccompLetsClone3ThroughToTheSentry) {
     const json runc = make_seccomp_profile(RuntimeKind::runc);
     const json runsc = make_seccomp_profile(RuntimeKind::runsc);

@@ -88,13 +88,16 @@ TEST(SandboxProtocol, NoSideSpellsAWordItself) {
                                               quoted(protocol::kExitTerminated),
                                               "\"" + std::string(protocol::kExitStatus),
                                               "\"" + std::string(protocol::kExitSignal),
-                                              quoted(protocol::kLifelineEnv)};
+                                              quoted(protocol::kLifelineEnv),
+                                              prefix(protocol::kAdoptKeyLine),
+                                              prefix(protocol::kAdoptLine)};
     const std::vector<std::string> files = {"kernel-shim/shim.cpp",
                                             "kernel-shim/egress_forwarder.cpp",
                                             "kernel-shim/cellblock_zygote.py",
                                             "kernel-shim/cellblock_containment.py",
                                             "sessions/sandbox.cpp",
                                             "sessions/lifeline.cpp",
+                                            "sessions/sandbox_adopt.cpp",
                                             "sessions/zygote.cpp"};
     for (const auto& file : files) {
         const std::string text = read(file);
@@ -137,6 +140,23 @@ TEST(SandboxProtocol, EachKernelExitHasItsOwnWords) {
               "the sandbox's init was told to stop, and the kernel had not ended 2 s after "
               "its SIGTERM");
     EXPECT_EQ(describe_kernel_exit(""), "the sandbox ended");
+}
+
+TEST(SandboxProtocol, AnAdoptKeyLineGivesItsKeyAndNothingElseDoes) {
+    const std::string key = "0123456789abcdef0123456789abcdef";
+    ASSERT_EQ(key.size(), protocol::kAdoptKeyHexDigits);
+    const std::string head = std::string(protocol::kAdoptKeyLine) + " ";
+    EXPECT_EQ(protocol::adopt_key_of(head + key), key);
+    // The line fits what the shim keeps of a line.
+    EXPECT_LE((head + key).size(), protocol::kMaxLifelineLine);
+    for (const std::string& junk :
+         {head + key.substr(1), head + key + "0", head + "0123456789ABCDEF0123456789abcdef",
+          std::string(protocol::kAdoptKeyLine) + key, std::string(protocol::kAdoptLine) + " " + key,
+          head + key.substr(0, 31) + "g", std::string(protocol::kInterruptLine), head}) {
+        EXPECT_FALSE(protocol::adopt_key_of(junk)) << junk;
+    }
+    EXPECT_TRUE(protocol::well_formed_adopt_key(key));
+    EXPECT_FALSE(protocol::well_formed_adopt_key(""));
 }
 
 }  // namespace
