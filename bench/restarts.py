@@ -3,7 +3,9 @@ planned one (SIGHUP: the sandboxes are left running and the exec'd server
 adopts them), the same with `--adopt-grace 0` (every session hibernates and
 the next start wakes it: how SIGHUP worked until stop 46, measured in the
 same run as the baseline of the first), and a crash (SIGKILL, then a new
-`cellblock serve`: the sandboxes ran on and are adopted).
+`cellblock serve`: the sandboxes ran on and are adopted); then SIGHUP and a
+crash again with the sessions on gVisor (`host-gvisor`, runsc: adopted by
+the key their shims show, since stop 50; skipped where runsc is missing).
 
 N sessions (20; 4 with --quick) each step `1+1` in a loop, each on a thread
 of its own with its own sockets; the server gets SIGHUP (or SIGKILL and a
@@ -20,6 +22,7 @@ new start) while they step, and every step's send and reply times are kept.
   ok, or not answered in 120 s. Target 0.
 """
 import os
+import shutil
 import signal
 import threading
 import time
@@ -63,35 +66,42 @@ def server_starts(srv):
         return 0
 
 
-# How each restart is made: the label, whether it is a crash, and the
-# server's extra arguments.
-MODES = (("SIGHUP", False, []),
+# How each restart is made: the label, whether it is a crash, the server's
+# extra arguments and what each session_create_request asks for besides.
+RUNSC = {"image": "host-gvisor"}
+MODES = (("SIGHUP", False, [], {}),
          ("SIGHUP with every session hibernated (--adopt-grace 0)", False,
-          ["--adopt-grace", "0"]),
-         ("kill -9 and a new start", True, []))
+          ["--adopt-grace", "0"], {}),
+         ("kill -9 and a new start", True, [], {}),
+         # gVisor sandboxes are adopted too since stop 50 (docs/restarts.md).
+         ("SIGHUP, runsc sessions", False, [], RUNSC),
+         ("kill -9 and a new start, runsc sessions", True, [], RUNSC))
 
 
 def restarts_figure(bench):
     # --sessions N[,M]: those counts instead of 20 (issue 32 asks for 100).
     rows = []
     for n in bench.sessions or [bench.n(20, 4)]:
-        for how, crash, args in MODES:
+        for how, crash, args, create in MODES:
+            if create.get("image") == RUNSC["image"] and shutil.which("runsc") is None:
+                bench.log(f"restarts: {how} skipped: runsc is not installed")
+                continue
             with CellblockServer("restarts", {"host": 2},
                                  extra_args=["--key-file", KEY_FILE] + args) as srv:
                 try:
-                    rows += measure(bench, srv, n, how, crash)
+                    rows += measure(bench, srv, n, how, crash, create)
                 finally:
                     if os.path.exists(KEY_FILE):
                         os.unlink(KEY_FILE)
     return rows
 
 
-def measure(bench, srv, n, how, crash):
+def measure(bench, srv, n, how, crash, create):
     """crash: SIGKILL and a new `cellblock serve` (the sandboxes adopted);
     otherwise SIGHUP (the sessions left running, or hibernated with
     --adopt-grace 0)."""
     srv.wait_pool()
-    replies, _ = srv.create_many(n, {"limits": {"max_executions": 100000}})
+    replies, _ = srv.create_many(n, {"limits": {"max_executions": 100000}, **create})
     chans = [srv.open_channels(r["connection"]) for r in replies]
     for ch in chans:
         wait_ready(ch, time.monotonic() + 120)

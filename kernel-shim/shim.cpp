@@ -33,7 +33,7 @@ extern char** environ;
 namespace cellblock::shim {
 
 void say(const char* fmt, const char* arg) {
-    fprintf(stderr, "cellblock-shim: ");
+    fputs(sandbox_protocol::kShimLogPrefix, stderr);
     fprintf(stderr, fmt, arg);
     fputc('\n', stderr);
 }
@@ -144,6 +144,26 @@ bool reconnect_lifeline(bool by_path, const std::string& adopt_key) {
     return dup3(fd.get(), kLifelineFd, O_CLOEXEC) == kLifelineFd;
 }
 
+// How many processes the memory cgroup the shim runs in has killed (the
+// container's own under `--engine`: cgroup v2's memory.events, else v1's
+// memory.oom_control); 0 where neither can be read.
+long oom_kills() {
+    for (const char* path :
+         {"/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"}) {
+        FILE* f = fopen(path, "re");
+        if (!f) continue;
+        char key[64];
+        long value = 0;
+        long kills = -1;
+        while (fscanf(f, "%63s %ld", key, &value) == 2) {
+            if (strcmp(key, "oom_kill") == 0) kills = value;
+        }
+        fclose(f);
+        if (kills >= 0) return kills;
+    }
+    return 0;
+}
+
 std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
     for (char** e = environ; *e; ++e) {
         if (strncmp(*e, kOwnVariables, strlen(kOwnVariables)) == 0) continue;
@@ -168,6 +188,7 @@ int main(int argc, char** argv) {
     pid_t adopted = -1;
     int adopted_stderr = -1;
     int first = 1;
+    bool engine = false;  // a container engine's task: what ended it goes to its log
     if (argc == 4 && strcmp(argv[1], protocol::kShimAdoptOption) == 0) {
         adopted = static_cast<pid_t>(atoi(argv[2]));
         adopted_stderr = atoi(argv[3]);
@@ -181,6 +202,7 @@ int main(int argc, char** argv) {
             const long uid = atol(argv[2]);
             if (uid <= 0 || !enter_engine_sandbox(static_cast<uid_t>(uid))) return 1;
             first = 3;
+            engine = true;
         }
         if (argc > first && strcmp(argv[first], protocol::kShimArgvEnd) == 0) ++first;
         if (first >= argc) {
@@ -256,7 +278,9 @@ int main(int argc, char** argv) {
         close_inherited(3);
         execve(argv[first], argv + first, env.data());
         const char* why = strerror(errno);
-        [[maybe_unused]] ssize_t n = write(STDERR_FILENO, "cellblock-shim: exec failed: ", 29);
+        [[maybe_unused]] ssize_t n =
+            write(STDERR_FILENO, protocol::kShimLogPrefix, strlen(protocol::kShimLogPrefix));
+        n = write(STDERR_FILENO, "exec failed: ", 13);
         n = write(STDERR_FILENO, why, strlen(why));
         _exit(127);
     }
@@ -395,6 +419,7 @@ int main(int argc, char** argv) {
         }
     }
     const std::string exit_line = protocol::kernel_exit_line(exit);
+    if (engine && oom_kills() > 0) say("%s", protocol::kMemoryLimitReached);
     say("%s", exit_line.c_str());
     report(exit_line);
     // As PID 1, returning ends every other process of the sandbox.

@@ -19,6 +19,7 @@
 #include "cellblock/error_names.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/oci_bundle.hpp"
+#include "cellblock/runc_sandbox.hpp"
 #include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/sha256.hpp"
 #include "cellblock/signer.hpp"
@@ -225,6 +226,28 @@ struct SwarmState {
     }
 };
 
+SwarmTaskEnd read_task_end(std::string_view log_tail) {
+    // The shim's lines, without its prefix (shim.cpp's say()).
+    constexpr std::string_view kShimPrefix = sandbox_protocol::kShimLogPrefix;
+    std::vector<std::string_view> lines;
+    while (!log_tail.empty()) {
+        const auto end = log_tail.find('\n');
+        std::string_view line = log_tail.substr(0, end);
+        log_tail.remove_prefix(end == std::string_view::npos ? log_tail.size() : end + 1);
+        if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+        if (line.starts_with(kShimPrefix)) lines.push_back(line.substr(kShimPrefix.size()));
+    }
+    SwarmTaskEnd out;
+    if (lines.empty() || sandbox_protocol::parse_kernel_exit(lines.back()).how ==
+                             sandbox_protocol::KernelExit::How::unknown) {
+        return out;
+    }
+    out.kernel_exit = describe_kernel_exit(lines.back());
+    out.memory_limit_reached =
+        lines.size() >= 2 && lines[lines.size() - 2] == sandbox_protocol::kMemoryLimitReached;
+    return out;
+}
+
 class SwarmSandbox final : public Sandbox {
   public:
     SwarmSandbox(std::shared_ptr<SwarmState> state, std::string service_id, std::string secret_id,
@@ -268,8 +291,12 @@ class SwarmSandbox final : public Sandbox {
     }
     // The engine's per-task figures cannot be read from a manager: the usage
     // is what the kernel last reported of its task's cgroup (zeros until its
-    // first reply), and a task the OOM killer ended reads as a task that ended.
-    bool memory_limit_hit() const override { return false; }
+    // first reply), and whether the memory limit ended it is what its shim
+    // wrote to the task's log (read_task_end).
+    bool memory_limit_hit() const override {
+        std::lock_guard lock(mutex_);
+        return memory_limit_hit_;
+    }
     SandboxUsage usage() const override {
         std::lock_guard lock(mutex_);
         return reported_;
@@ -316,12 +343,17 @@ class SwarmSandbox final : public Sandbox {
     }
 
     // From the watcher, under the state's lock.
-    void lost(const std::string& why, bool node) {
+    void lost(const std::string& why, bool node, const SwarmTaskEnd& end = {}) {
         {
             std::lock_guard lock(mutex_);
             if (!lost_.empty() || destroyed_) return;
             lost_ = why;
+            if (!end.kernel_exit.empty()) lost_ += " (" + end.kernel_exit + ")";
+            if (end.memory_limit_reached) {
+                lost_ += " (memory limit of " + std::to_string(limits_.memory_mb) + " MB reached)";
+            }
             node_lost_ = node;
+            memory_limit_hit_ = end.memory_limit_reached;
         }
         const std::uint64_t one = 1;
         [[maybe_unused]] auto r = ::write(event_.get(), &one, sizeof one);
@@ -356,6 +388,7 @@ class SwarmSandbox final : public Sandbox {
     std::string lost_;
     SandboxUsage reported_;
     bool node_lost_ = false;
+    bool memory_limit_hit_ = false;
     bool exited_ = false;
     bool killed_ = false;
     bool destroyed_ = false;
@@ -737,9 +770,10 @@ void SwarmBackend::watch() {
                                         : task->second.value("Status", json::object());
                 const std::string state = status.value("State", "gone");
                 if (state != "running") {
+                    // Once, as the task is found ended: its shim's last lines say how.
                     box->lost("the kernel's task on node " + box->node_name() + " is " + state +
                                   (status.contains("Err") ? ": " + status.value("Err", "") : ""),
-                              false);
+                              false, read_task_end(service_log_tail(state_->api, service_id)));
                 }
             }
         } catch (const std::exception& e) {

@@ -175,7 +175,14 @@ inline std::optional<std::string> adopt_key_of(std::string_view line) {
 //       SIGQUIT: an operator, `runc kill`, a container engine), passed
 //       SIGTERM on, and the kernel had not ended kShimTermGraceMs later: the
 //       init ended it with the sandbox.
+// Under `--engine` (no lifeline: a Swarm task) the shim writes the same line
+// to its stderr, which is the task's log, and before it, if its memory cgroup
+// killed a process (oom_kill above 0), kMemoryLimitReached alone on a line:
+// the front reads the log's end once the task has ended.
 inline constexpr char kKernelExit[] = "kernel-exit";
+inline constexpr char kMemoryLimitReached[] = "memory-limit-reached";
+// What begins every line the shim writes to its stderr (its log).
+inline constexpr char kShimLogPrefix[] = "cellblock-shim: ";
 inline constexpr char kExitStatus[] = "status=";
 inline constexpr char kExitSignal[] = "signal=";
 inline constexpr char kExitTerminated[] = "terminated";

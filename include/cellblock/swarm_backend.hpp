@@ -85,6 +85,19 @@ nlohmann::json swarm_service_spec(const SwarmSettings& settings, const std::stri
                                   const std::string& session_id, const Image& image,
                                   const SandboxLimits& limits, const SwarmTaskIdentity& task);
 
+// How a session's task ended, as its shim wrote it to the task's log (the
+// log's end, read once the task is no longer running): the shim's last line
+// (sandbox_protocol::kKernelExit, said as describe_kernel_exit says it; empty
+// if the log does not end so) and whether the line before it is
+// kMemoryLimitReached. Only lines the shim wrote count ("cellblock-shim: "),
+// but the kernel's stderr goes through the shim too: a session can misstate
+// its own end, never another's.
+struct SwarmTaskEnd {
+    std::string kernel_exit;
+    bool memory_limit_reached = false;
+};
+SwarmTaskEnd read_task_end(std::string_view log_tail);
+
 // The names of the services labelled with the Swarm identity kept in
 // `settings.state_dir` (none when it has none); `remove`: removes them and
 // their secrets too. What `cellblock keep` does for a crashed server that

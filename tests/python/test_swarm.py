@@ -380,6 +380,25 @@ def test_a_swarm_sessions_cpu_and_memory_are_its_tasks_own(swarm):
     swarm.ok("session_close_request", {"session_id": sid})
 
 
+def test_a_swarm_session_killed_at_its_memory_limit_says_so(swarm):
+    """The front cannot read a node's cgroups: the task's shim writes to its
+    log that its memory cgroup killed the kernel (kMemoryLimitReached) and
+    how the kernel ended, and the front reads that once the task has ended.
+    The client is told MemoryLimitExceeded with the limit, as on runc."""
+    sid, kc, _ = swarm.open_session(limits={"memory_mb": 256})
+    bomb = ("chunks = []\n"
+            "for i in range(64):\n"
+            "    chunks.append(b'\\x5a' * (64 << 20))\n"
+            "print('allocated', len(chunks) * 64, 'MB without being stopped')\n")
+    rep, iopub = execute(kc, bomb, timeout=180)
+    content = rep["content"]
+    assert content["status"] == "error" and content["ename"] == "MemoryLimitExceeded", content
+    assert "memory limit of 256 MB reached" in content["evalue"], content
+    assert "killed by signal 9" in content["evalue"], content
+    info = swarm.info_of(sid)
+    assert info["state"] == "closed" and info["close_reason"].startswith("memory_limit: "), info
+
+
 class SwarmKernelTests(conformance.ServerSessionKernelTests):
     """jupyter_kernel_test's suite, and cellblock's own conformance checks,
     against a session the swarm placed."""

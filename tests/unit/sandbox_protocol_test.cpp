@@ -90,7 +90,9 @@ TEST(SandboxProtocol, NoSideSpellsAWordItself) {
                                               "\"" + std::string(protocol::kExitSignal),
                                               quoted(protocol::kLifelineEnv),
                                               prefix(protocol::kAdoptKeyLine),
-                                              prefix(protocol::kAdoptLine)};
+                                              prefix(protocol::kAdoptLine),
+                                              quoted(protocol::kMemoryLimitReached),
+                                              "\"" + std::string(protocol::kShimLogPrefix)};
     const std::vector<std::string> files = {"kernel-shim/shim.cpp",
                                             "kernel-shim/egress_forwarder.cpp",
                                             "kernel-shim/cellblock_zygote.py",

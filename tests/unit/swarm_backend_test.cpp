@@ -195,6 +195,34 @@ TEST(SwarmImageRef, TheShimsDigestCoversItsFilesAndTheirNames) {
     fs::remove_all(dir);
 }
 
+TEST(SwarmTaskEnd, TheShimsLastLinesSayHowTheTaskEnded) {
+    const std::string kernel_noise = "Traceback ...\nMemoryError\n";
+    // Killed at its memory limit: the shim's two lines end the log.
+    SwarmTaskEnd end = read_task_end(kernel_noise + "cellblock-shim: memory-limit-reached\n" +
+                                     "cellblock-shim: kernel-exit signal=9\n");
+    EXPECT_TRUE(end.memory_limit_reached);
+    EXPECT_EQ(end.kernel_exit, "the kernel was killed by signal 9");
+    // An exit of its own, with CRLF line ends.
+    end = read_task_end("cellblock-shim: kernel-exit status=3\r\n");
+    EXPECT_FALSE(end.memory_limit_reached);
+    EXPECT_EQ(end.kernel_exit, "the kernel exited with status 3");
+    // The memory line counts only right before the kernel-exit line.
+    end = read_task_end(
+        "cellblock-shim: memory-limit-reached\ncellblock-shim: something else\n"
+        "cellblock-shim: kernel-exit signal=9\n");
+    EXPECT_FALSE(end.memory_limit_reached);
+    // Lines the kernel wrote (no prefix) are not the shim's; a log that does
+    // not end with the shim's exit line says nothing.
+    for (const std::string& log :
+         {std::string("memory-limit-reached\nkernel-exit signal=9\n"),
+          std::string("cellblock-shim: memory-limit-reached\n"), std::string(),
+          std::string("cellblock-shim: kernel-exit signal=9\nafter\ncellblock-shim: junk")}) {
+        end = read_task_end(log);
+        EXPECT_EQ(end.kernel_exit, "") << log;
+        EXPECT_FALSE(end.memory_limit_reached) << log;
+    }
+}
+
 TEST(DockerFilters, AreUrlEncodedJson) {
     EXPECT_EQ(docker_filters({{"label", {"cellblock.server=ab"}}}),
               "%7B%22label%22%3A%5B%22cellblock.server%3Dab%22%5D%7D");
