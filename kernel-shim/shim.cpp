@@ -87,6 +87,22 @@ bool connect_lifeline(const char* path) {
     return dup3(fd.get(), kLifelineFd, O_CLOEXEC) == kLifelineFd;
 }
 
+// Whether the listener at `fd` answers kAdoptedLine within kAdoptAckMs (byte
+// by byte: what follows the line is the lifeline's).
+bool answered_adopted(int fd) {
+    const std::string expected = std::string(protocol::kAdoptedLine) + "\n";
+    std::string got;
+    while (got.size() < expected.size()) {
+        pollfd p{fd, POLLIN, 0};
+        char c = 0;
+        if (poll(&p, 1, protocol::kAdoptAckMs) != 1 || recv(fd, &c, 1, 0) != 1) break;
+        got.push_back(c);
+    }
+    if (got == expected) return true;
+    say("%s", "a lifeline listener that did not answer as the server was refused");
+    return false;
+}
+
 // After the lifeline ended (docs/restarts.md, phase 2): one try to connect
 // to a restarted server's lifeline socket, as fd 3 again. Only the server's
 // listener is taken: one outside the sandbox's PID namespace (SO_PEERCRED
@@ -116,8 +132,12 @@ bool reconnect_lifeline(bool by_path, const std::string& adopt_key) {
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-    UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!fd || connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    // Never blocks: a listener that does not accept (the sandbox's own, its
+    // backlog filled) would otherwise hold the shim here past its grace. A
+    // unix socket connects at once or fails (EAGAIN: tried again next time).
+    UniqueFd fd(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (!fd || connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        fcntl(fd.get(), F_SETFL, fcntl(fd.get(), F_GETFL) & ~O_NONBLOCK) != 0) {
         return false;
     }
     if (!by_path) {
@@ -132,7 +152,8 @@ bool reconnect_lifeline(bool by_path, const std::string& adopt_key) {
     if (!adopt_key.empty()) {
         const std::string line = std::string(protocol::kAdoptLine) + " " + adopt_key + "\n";
         if (send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
-            static_cast<ssize_t>(line.size())) {
+                static_cast<ssize_t>(line.size()) ||
+            !answered_adopted(fd.get())) {
             return false;
         }
     }
@@ -291,9 +312,12 @@ int main(int argc, char** argv) {
     size_t stderr_copied = 0;
     bool stderr_open = true;
     using Clock = std::chrono::steady_clock;
-    std::optional<Clock::time_point> term_at;         // told to stop: the kernel's last moment
-    std::optional<Clock::time_point> orphaned_until;  // no server: the end of the grace
-    protocol::KernelExit exit;                        // how the kernel ended, once it has
+    std::optional<Clock::time_point> term_at;  // told to stop: the kernel's last moment
+    // No server (orphaned): the end of the grace. Not an optional: GCC at -O1
+    // takes its value for uninitialized where it is read.
+    bool orphaned = false;
+    Clock::time_point orphaned_until{};
+    protocol::KernelExit exit;  // how the kernel ended, once it has
     bool checked_adopted = adopted < 0;
 
     using How = protocol::KernelExit::How;
@@ -311,12 +335,12 @@ int main(int argc, char** argv) {
             }
             timeout_ms = until(*term_at);
         }
-        if (orphaned_until) {
+        if (orphaned) {
             if (reconnect_lifeline(lifeline_by_path, adopt_key)) {
                 say("%s", "adopted by a restarted server");
                 have_lifeline = true;
-                orphaned_until.reset();
-            } else if (now >= *orphaned_until) {
+                orphaned = false;
+            } else if (now >= orphaned_until) {
                 say("%s", "no server adopted the sandbox within its grace; ending it");
                 return 1;
             } else {
@@ -370,6 +394,7 @@ int main(int argc, char** argv) {
                 close(kLifelineFd);
                 have_lifeline = false;
                 lifeline_line.clear();
+                orphaned = true;
                 orphaned_until = Clock::now() + std::chrono::milliseconds(adopt_grace_ms);
                 say("server gone; the sandbox waits %s ms for a server to adopt it",
                     std::to_string(adopt_grace_ms).c_str());

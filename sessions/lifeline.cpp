@@ -89,12 +89,34 @@ Proof read_proof(Unproven& c, const std::string& proof) {
         c.line.push_back(byte);
     }
 }
+
+// Says the first refused connection and, at the end, how many followed: a
+// sandbox can connect thousands of times a second, one line each would
+// flood the server's log.
+class Refusals {
+  public:
+    explicit Refusals(pid_t init) : init_(init) {}
+    ~Refusals() {
+        if (count_ > 1)
+            spdlog::warn("lifeline {}: {} more connection(s) refused", init_, count_ - 1);
+    }
+    Refusals(const Refusals&) = delete;
+    Refusals& operator=(const Refusals&) = delete;
+    void operator()(const std::string& what) {
+        if (count_++ == 0) spdlog::warn("lifeline {}: {}", init_, what);
+    }
+
+  private:
+    pid_t init_;
+    int count_ = 0;
+};
 }  // namespace
 
 int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds timeout,
                     const LifelinePeer& peer) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     std::vector<Unproven> unproven;
+    Refusals refused(init_pid);
     for (;;) {
         // A sandbox that ended at once may still have connected first: accept before judging.
         for (;;) {
@@ -105,17 +127,14 @@ int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds time
                 socklen_t len = sizeof cred;
                 if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
                     cred.pid != init_pid) {
-                    spdlog::warn("lifeline {}: a connection from pid {} refused (not the init {})",
-                                 init_pid, cred.pid, init_pid);
+                    refused(fmt::format("a connection from pid {} refused (not the init {})",
+                                        cred.pid, init_pid));
                     continue;
                 }
             }
             if (peer.proof.empty()) return fd.release();
             if (unproven.size() == kMaxUnproven) {
-                spdlog::warn(
-                    "lifeline {}: a connection refused (it did not show the shim's key in "
-                    "time)",
-                    init_pid);
+                refused("a connection refused (it did not show the shim's key in time)");
                 unproven.erase(unproven.begin());
             }
             unproven.push_back({std::move(fd), {}});
@@ -125,8 +144,7 @@ int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds time
             const Proof proof = read_proof(*it, peer.proof);
             if (proof == Proof::shown) return it->fd.release();
             if (proof == Proof::refused) {
-                spdlog::warn("lifeline {}: a connection refused (it did not show the shim's key)",
-                             init_pid);
+                refused("a connection refused (it did not show the shim's key)");
                 it = unproven.erase(it);
             } else {
                 ++it;

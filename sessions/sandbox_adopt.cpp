@@ -203,6 +203,14 @@ std::unique_ptr<RuncSandbox> RuncSandbox::finish_adoption(Adoption adoption,
         throw fail("its shim did not connect within " + std::to_string(wait.count()) +
                    " ms (its grace over, or the sandbox ending)");
     }
+    if (!box->adopt_key_.empty()) {
+        // A runsc shim takes the connection once it is answered so.
+        const std::string line = std::string(sandbox_protocol::kAdoptedLine) + "\n";
+        if (::send(box->lifeline_.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
+            static_cast<ssize_t>(line.size())) {
+            throw fail("its shim's connection ended before it was answered: " + errno_text());
+        }
+    }
     box->open_counters();
     return std::move(box);
 }

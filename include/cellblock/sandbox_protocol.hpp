@@ -144,8 +144,14 @@ inline constexpr int kAdoptRetryMs = 100;
 // lifeline, before the kernel starts; a shim connecting again writes
 // "adopt HEX" first. The key lives in the shim's memory (not dumpable) and
 // in the server's sealed record, never where the kernel can read it.
+// The adopting server answers the key with kAdoptedLine, and the shim takes
+// the connection only once it has (within kAdoptAckMs): a listener that is
+// not the server's and not the sandbox's (another of the host's, linked
+// there) does not answer so, and the shim goes on waiting.
 inline constexpr char kAdoptKeyLine[] = "adopt-key";
 inline constexpr char kAdoptLine[] = "adopt";
+inline constexpr char kAdoptedLine[] = "adopted";
+inline constexpr int kAdoptAckMs = 2000;
 inline constexpr std::size_t kAdoptKeyHexDigits = 32;
 // Server -> shim: SIGINT to the kernel (runsc's init pid is the Sentry,
 // which the server cannot signal on the kernel's behalf).

@@ -499,3 +499,52 @@ def test_the_kernel_can_neither_catch_the_shim_nor_pose_as_it(
     srv.close_clients()
     srv.ok("session_close_request", {"session_id": sid}, timeout=60)
     sh.assert_session_gone(srv.state_dir, sid, pids)
+
+
+# The kernel's listener at the shim's path that never accepts, its backlog
+# filled by connections of its own: a shim that waited on connect() there
+# would never reach the end of its grace.
+STALLING_LISTENER = r"""
+import socket, threading, time
+PATH = "/run/cellblock/lifeline.sock"
+stall = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+stall.bind(PATH)
+stall.listen(0)
+fillers = []
+def fill():
+    while True:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(PATH)
+            fillers.append(c)
+        except OSError:
+            c.close()
+            time.sleep(0.01)
+threading.Thread(target=fill, daemon=True).start()
+"""
+
+
+def test_a_listener_that_never_accepts_cannot_keep_the_sandbox_past_its_grace(
+        server_factory, tmp_path):  # noqa: F811
+    """Attack on "nothing runs unowned": the kernel binds the path the waiting
+    shim connects to and never accepts. The shim's connect does not wait (it
+    fails at once on a full backlog), so the sandbox still ends at its grace."""
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "3",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, STALLING_LISTENER + "\ntime.sleep(0.5)\nassert fillers")
+    pids = sh.session_pids(sid)
+    srv.close_clients()
+    srv.kill9()
+    # The shim itself ends it (read before the keeper, 3 s later, reaps the
+    # dir with its log): a shim stuck in connect() would leave it to the keeper.
+    ended = []
+    assert sh.wait_for(lambda: ended.append(shim_log(srv, sid)) or not alive(pids),
+                       timeout=60, interval=0.1), alive(pids)
+    assert any("no server adopted the sandbox within its grace" in log for log in ended), \
+        ended[-1][-1000:]
+    srv.start()
+    assert srv.info_of(sid)["state"] == "closed"
+    sh.assert_session_gone(srv.state_dir, sid, pids)
+

@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -619,6 +620,37 @@ def test_a_killed_servers_gvisor_session_is_adopted_by_its_shims_key(server_fact
     assert wait_for(lambda: "a lifeline socket the sandbox made was refused"
                     in shim_log(srv, sid), timeout=30), shim_log(srv, sid)[-1000:]
     assert sorted(runsc_processes(sid)) == sentry_and_gofer
+    # A host listener that is neither the sandbox's nor the server's (say
+    # another of the host's sockets linked there): the shim's key goes to
+    # it, but it does not answer as the server, so the shim waits on.
+    path = os.path.join(srv.state_dir, "sessions", sid, "ipc", "lifeline.sock")
+    os.unlink(path)  # the kernel's listener
+    foreign = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    foreign.bind(path)
+    os.chmod(path, 0o666)
+    foreign.listen(64)
+    held, stop = [], threading.Event()
+
+    def hold():
+        foreign.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(foreign.accept()[0])
+            except OSError:
+                pass
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert wait_for(lambda: "did not answer as the server was refused" in shim_log(srv, sid),
+                        timeout=30), shim_log(srv, sid)[-1000:]
+        assert "adopted by a restarted server" not in shim_log(srv, sid)
+    finally:
+        stop.set()
+        holder.join()
+        for c in held:
+            c.close()
+        foreign.close()
+        os.unlink(path)
     srv.start()
     log = srv.log()
     assert f"session {sid}: adopted" in log, log[-3000:]

@@ -91,6 +91,7 @@ TEST(SandboxProtocol, NoSideSpellsAWordItself) {
                                               quoted(protocol::kLifelineEnv),
                                               prefix(protocol::kAdoptKeyLine),
                                               prefix(protocol::kAdoptLine),
+                                              quoted(protocol::kAdoptedLine),
                                               quoted(protocol::kMemoryLimitReached),
                                               "\"" + std::string(protocol::kShimLogPrefix)};
     const std::vector<std::string> files = {"kernel-shim/shim.cpp",
