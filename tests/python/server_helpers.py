@@ -146,6 +146,16 @@ def alive(pids):
     return [pid for pid in pids if proc_state(pid) not in (None, "Z")]
 
 
+def shim_log(srv, sid):
+    """What session `sid`'s shim wrote (its log/shim.log), or "" once it is gone."""
+    try:
+        with open(os.path.join(srv.state_dir, "sessions", sid, "log", "shim.log"),
+                  errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def session_pids(sid, include_zombies=False):
     """Host pids of the processes in session `sid`'s cgroup."""
     marker = f"/cellblock/cb-{sid}"

@@ -23,12 +23,7 @@ import cellblock  # noqa: E402
 
 
 def shim_log(srv, sid):
-    try:
-        with open(os.path.join(srv.state_dir, "sessions", sid, "log", "shim.log"),
-                  errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
+    return sh.shim_log(srv, sid)
 
 
 def keeper_of(srv):

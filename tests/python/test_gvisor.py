@@ -31,7 +31,8 @@ import pytest
 from jupyter_client.manager import KernelManager
 
 from conftest import STATE_DIR, run_cell, stream_text, wait_for
-from server_helpers import collect_execution, execute, server_factory, session_of_process  # noqa: F401
+from server_helpers import (collect_execution, execute, server_factory,  # noqa: F401
+                            session_of_process, shim_log)
 
 CELLBLOCK_BIN = os.environ.get("CELLBLOCK_BIN", "cellblock")
 KERNEL_NAME = "cellblock-gvisor"
@@ -587,15 +588,6 @@ threading.Thread(target=listen, daemon=True).start()
 time.sleep(0.5)
 threading.Thread(target=connect, daemon=True).start()
 """
-
-
-def shim_log(srv, sid):
-    try:
-        with open(os.path.join(srv.state_dir, "sessions", sid, "log", "shim.log"),
-                  errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def test_a_killed_servers_gvisor_session_is_adopted_by_its_shims_key(server_factory, tmp_path):
