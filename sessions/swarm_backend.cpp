@@ -342,6 +342,10 @@ class SwarmSandbox final : public Sandbox {
         }
     }
 
+    bool is_lost() const {
+        std::lock_guard lock(mutex_);
+        return !lost_.empty() || destroyed_;
+    }
     // From the watcher, under the state's lock.
     void lost(const std::string& why, bool node, const SwarmTaskEnd& end = {}) {
         {
@@ -769,7 +773,7 @@ void SwarmBackend::watch() {
                                         ? json::object()
                                         : task->second.value("Status", json::object());
                 const std::string state = status.value("State", "gone");
-                if (state != "running") {
+                if (state != "running" && !box->is_lost()) {
                     // Once, as the task is found ended: its shim's last lines say how.
                     box->lost("the kernel's task on node " + box->node_name() + " is " + state +
                                   (status.contains("Err") ? ": " + status.value("Err", "") : ""),
