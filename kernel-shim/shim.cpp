@@ -90,7 +90,7 @@ bool connect_lifeline(const char* path) {
 // Whether the listener at `fd` answers kAdoptedLine within kAdoptAckMs (byte
 // by byte: what follows the line is the lifeline's).
 bool answered_adopted(int fd) {
-    const std::string expected = std::string(protocol::kAdoptedLine) + "\n";
+    const std::string expected = protocol::adopted_line();
     std::string got;
     while (got.size() < expected.size()) {
         pollfd p{fd, POLLIN, 0};
@@ -150,7 +150,7 @@ bool reconnect_lifeline(bool by_path, const std::string& adopt_key) {
         }
     }
     if (!adopt_key.empty()) {
-        const std::string line = std::string(protocol::kAdoptLine) + " " + adopt_key + "\n";
+        const std::string line = protocol::adopt_line(adopt_key);
         if (send(fd.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
                 static_cast<ssize_t>(line.size()) ||
             !answered_adopted(fd.get())) {

@@ -64,7 +64,7 @@ bool process_gone(pid_t pid) {
 
 namespace {
 // A connection that has yet to show its proof (LifelinePeer::proof): what it
-// wrote so far of its first line.
+// wrote so far of its first line, '\n' included once it came.
 struct Unproven {
     UniqueFd fd;
     std::string line;
@@ -84,9 +84,9 @@ Proof read_proof(Unproven& c, const std::string& proof) {
         const ssize_t n = ::recv(c.fd.get(), &byte, 1, MSG_DONTWAIT);
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) return Proof::pending;
         if (n != 1) return Proof::refused;
+        c.line.push_back(byte);
         if (byte == '\n') return equal_secrets(c.line, proof) ? Proof::shown : Proof::refused;
         if (c.line.size() >= proof.size()) return Proof::refused;
-        c.line.push_back(byte);
     }
 }
 

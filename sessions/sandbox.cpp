@@ -426,7 +426,7 @@ std::string RuncSandbox::exit_description() const {
 
 void RuncSandbox::give_adopt_key() {
     adopt_key_ = make_random_key().substr(0, sandbox_protocol::kAdoptKeyHexDigits);
-    const std::string line = std::string(sandbox_protocol::kAdoptKeyLine) + " " + adopt_key_ + "\n";
+    const std::string line = sandbox_protocol::adopt_key_line(adopt_key_);
     // Only the shim reads this socket (the kernel cannot reach it); fresh, so the line fits.
     if (::send(lifeline_.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
         static_cast<ssize_t>(line.size())) {

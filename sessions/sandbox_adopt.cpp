@@ -190,8 +190,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::finish_adoption(Adoption adoption,
         LifelinePeer shim{.only_init = true, .proof = {}};
         if (!box->adopt_key_.empty()) {
             // Under runsc the connection comes through the gofer: no pid to check.
-            shim = {.only_init = false,
-                    .proof = std::string(sandbox_protocol::kAdoptLine) + " " + box->adopt_key_};
+            shim = {.only_init = false, .proof = sandbox_protocol::adopt_line(box->adopt_key_)};
         }
         box->lifeline_.reset(accept_lifeline(adoption.listener.get(), box->init_pid_, wait, shim));
     } catch (const std::exception& e) {
@@ -205,7 +204,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::finish_adoption(Adoption adoption,
     }
     if (!box->adopt_key_.empty()) {
         // A runsc shim takes the connection once it is answered so.
-        const std::string line = std::string(sandbox_protocol::kAdoptedLine) + "\n";
+        const std::string line = sandbox_protocol::adopted_line();
         if (::send(box->lifeline_.get(), line.data(), line.size(), MSG_NOSIGNAL) !=
             static_cast<ssize_t>(line.size())) {
             throw fail("its shim's connection ended before it was answered: " + errno_text());

@@ -45,7 +45,8 @@ bool process_gone(pid_t pid);
 // Which connection accept_lifeline takes: the first (a start: the shim
 // connects before the kernel exists), or, once the kernel runs (an
 // adoption), only the init's (SO_PEERCRED; runc, crun) or only one that
-// first writes `proof` and a newline (runsc: sandbox_protocol::kAdoptLine).
+// first writes `proof`, a whole line with its '\n' (runsc:
+// sandbox_protocol::adopt_line).
 struct LifelinePeer {
     bool only_init = false;
     std::string proof;

@@ -127,27 +127,28 @@ inline constexpr char kEgressSocketName[] = "egress.sock";
 // exists. Either way one line at a time, each ended by '\n'.
 inline constexpr char kLifelineEnv[] = "CELLBLOCK_LIFELINE";
 // A session's sandbox that outlives its server (docs/restarts.md, phase 2):
-// where the runtime passed the lifeline (runc, crun) and this variable holds
-// a number of milliseconds, the shim does not end the sandbox when the
-// lifeline ends. It connects, every kAdoptRetryMs, to the lifeline socket
-// (kLifelineSocketName in the ipc dir) that a restarted server listens on,
-// and takes the first connection whose listener is outside the sandbox's
-// PID namespace (SO_PEERCRED pid 0) or root's (a zygote's container has no
-// PID namespace) as its lifeline again: nothing in a sandbox can listen so.
-// Past the grace, no server: it ends the sandbox.
+// where kAdoptGraceEnv holds a number of milliseconds, the shim does not end
+// the sandbox when the lifeline ends. It connects, every kAdoptRetryMs and
+// without blocking, to the lifeline socket (kLifelineSocketName in the ipc
+// dir) that a restarted server listens on. Where the runtime passed the
+// lifeline (runc, crun) it takes the first connection whose listener is
+// outside the sandbox's PID namespace (SO_PEERCRED pid 0) or root's (a
+// zygote's container has no PID namespace): nothing in a sandbox can listen
+// so. Under runsc, see the key below. Past the grace, no server: it ends the
+// sandbox.
 inline constexpr char kLifelineSocketName[] = "lifeline.sock";
 inline constexpr int kAdoptRetryMs = 100;
 // Under runsc the server sees neither the shim's pid nor its namespace (the
 // connection comes through gVisor's gofer), so a server taking a waiting
 // runsc sandbox back knows its shim by a key instead: the first server sends
 // "adopt-key HEX" (kAdoptKeyHexDigits lower-case hex digits) on the first
-// lifeline, before the kernel starts; a shim connecting again writes
-// "adopt HEX" first. The key lives in the shim's memory (not dumpable) and
-// in the server's sealed record, never where the kernel can read it.
-// The adopting server answers the key with kAdoptedLine, and the shim takes
-// the connection only once it has (within kAdoptAckMs): a listener that is
-// not the server's and not the sandbox's (another of the host's, linked
-// there) does not answer so, and the shim goes on waiting.
+// lifeline, which only the shim holds; a shim connecting again writes
+// "adopt HEX" first (and takes only a socket file the sandbox's user does
+// not own: SO_PEERCRED names the caller itself through the gofer). The key lives in the shim's
+// memory (not dumpable) and in the server's sealed record, never where the kernel can read it. The
+// adopting server answers the key with kAdoptedLine, and the shim takes the connection only once it
+// has (within kAdoptAckMs): a listener that is not the server's and not the sandbox's (another of
+// the host's, linked there) does not answer so, and the shim goes on waiting.
 inline constexpr char kAdoptKeyLine[] = "adopt-key";
 inline constexpr char kAdoptLine[] = "adopt";
 inline constexpr char kAdoptedLine[] = "adopted";
@@ -164,6 +165,15 @@ inline bool well_formed_adopt_key(std::string_view key) {
     return key.size() == kAdoptKeyHexDigits &&
            key.find_first_not_of("0123456789abcdef") == std::string_view::npos;
 }
+// The lines as written, with their '\n': the server's first (the key), the
+// shim's on connecting again, the server's answer.
+inline std::string adopt_key_line(std::string_view key) {
+    return std::string(kAdoptKeyLine) + " " + std::string(key) + "\n";
+}
+inline std::string adopt_line(std::string_view key) {
+    return std::string(kAdoptLine) + " " + std::string(key) + "\n";
+}
+inline std::string adopted_line() { return std::string(kAdoptedLine) + "\n"; }
 // The key in "adopt-key HEX", if the line is exactly that.
 inline std::optional<std::string> adopt_key_of(std::string_view line) {
     const std::string_view head = kAdoptKeyLine;

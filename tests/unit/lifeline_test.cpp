@@ -67,9 +67,8 @@ class LifelineTest : public ::testing::Test {
         // A unix socket closed with bytes unread resets the connection.
         return n == 0 || (n < 0 && errno == ECONNRESET);
     }
-    static std::string proof(const std::string& key) {
-        return std::string(sandbox_protocol::kAdoptLine) + " " + key;
-    }
+    // What a shim writes first, its '\n' included.
+    static std::string proof(const std::string& key) { return sandbox_protocol::adopt_line(key); }
     fs::path dir_, socket_;
     UniqueFd listener_;
     const std::string key_ = std::string(sandbox_protocol::kAdoptKeyHexDigits, 'a');
@@ -84,9 +83,9 @@ TEST_F(LifelineTest, OnlyAConnectionShowingTheKeyIsTakenAndWhatFollowsItIsTheLif
     // says nothing, one with a wrong key, one with the key's first half.
     const std::string wrong(sandbox_protocol::kAdoptKeyHexDigits, 'b');
     UniqueFd silent = connect_and_say("");
-    UniqueFd impostor1 = connect_and_say(proof(wrong) + "\n");
-    UniqueFd impostor2 = connect_and_say(proof(key_.substr(0, 16)) + "\n");
-    UniqueFd shim = connect_and_say(proof(key_) + "\ninterrupt\n");
+    UniqueFd impostor1 = connect_and_say(proof(wrong));
+    UniqueFd impostor2 = connect_and_say(proof(key_.substr(0, 16)));
+    UniqueFd shim = connect_and_say(proof(key_) + "interrupt\n");
     const UniqueFd fd = taken.get();
     ASSERT_TRUE(fd);
     // The line after the proof is left for the lifeline's reader.
@@ -108,8 +107,9 @@ TEST_F(LifelineTest, ConnectionsThatNeverShowAKeyDoNotKeepTheShimOut) {
     // More silent connections than the server holds, and one that never ends its line.
     std::vector<UniqueFd> silent;
     for (int i = 0; i < 20; ++i) silent.push_back(connect_and_say(""));
-    UniqueFd endless = connect_and_say(proof(key_) + std::string(200, 'a'));
-    UniqueFd shim = connect_and_say(proof(key_) + "\n");
+    UniqueFd endless =
+        connect_and_say(proof(key_).substr(0, proof(key_).size() - 1) + std::string(200, 'a'));
+    UniqueFd shim = connect_and_say(proof(key_));
     const UniqueFd fd = taken.get();
     ASSERT_TRUE(fd);
     EXPECT_TRUE(same_connection(fd.get(), shim.get()));
