@@ -128,8 +128,9 @@ bool enter_engine_sandbox(uid_t uid) {
         mode_t mode;
         bool own;
     };
-    for (const Dir& dir : {Dir{home, 0700, true}, Dir{"/data/output", 0755, true},
-                           Dir{"/tmp", 01777, false}, Dir{"/dev/shm", 01777, false}}) {
+    for (const Dir& dir :
+         {Dir{home, 0700, true}, Dir{"/data/output", 0755, true}, Dir{"/data/input", 0755, true},
+          Dir{"/tmp", 01777, false}, Dir{"/dev/shm", 01777, false}}) {
         if (!dir.path || access(dir.path, F_OK) != 0) continue;
         // chmod while root still owns it: no CAP_FOWNER here.
         if (chmod(dir.path, dir.mode) != 0 || (dir.own && chown(dir.path, uid, uid) != 0)) {

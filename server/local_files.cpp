@@ -211,13 +211,50 @@ void Server::on_local_client(std::uint64_t id) {
                                    std::to_string(fds.size())};
         }
         SessionProxy& s = live_session(c.request->content);
+        if (files_in_kernel(s) && type == "file_get_local_request") {
+            // Fetched from the kernel into the front's copy first.
+            auto fd = std::make_shared<UniqueFd>(std::move(fds[0]));
+            pull_output(s.session_id(), c.request->content, transfers_.limits().max_file_bytes,
+                        "the server's maximum of " +
+                            std::to_string(transfers_.limits().max_file_bytes) + " bytes",
+                        [this, id, fd](const FileRequestError* error) {
+                            const auto it = local_clients_.find(id);
+                            if (it == local_clients_.end()) return;  // the client left
+                            if (error) return refuse_local(id, error->ename(), error->what());
+                            start_local_copy(id, fd->get());
+                        });
+            return;
+        }
+        start_local_copy(id, fds[0].get());
+    } catch (const RequestError& e) {
+        refuse_local(id, e.ename, e.evalue);
+    } catch (const FileRequestError& e) {
+        refuse_local(id, e.ename(), e.what());
+    } catch (const std::exception& e) {
+        spdlog::error("local file socket {}: {}", type, e.what());
+        refuse_local(id, ename::ServerError, e.what());
+    }
+}
+
+void Server::start_local_copy(std::uint64_t id, int client_file) {
+    LocalClient& c = *local_clients_.at(id);
+    const std::string type = c.request->msg_type();
+    try {
+        SessionProxy& s = live_session(c.request->content);
         const SessionFiles files = session_files(s);
         auto job = std::make_unique<LocalCopyJob>();
         job->session_id = s.session_id();
         job->copy =
             type == "file_put_local_request"
-                ? transfers_.begin_local_put(c.request->content, fds[0].get(), files, Clock::now())
-                : transfers_.begin_local_get(c.request->content, fds[0].get(), files, Clock::now());
+                ? transfers_.begin_local_put(c.request->content, client_file, files, Clock::now())
+                : transfers_.begin_local_get(c.request->content, client_file, files, Clock::now());
+        if (files_in_kernel(s) && type == "file_get_local_request") {
+            // The copy reads its own descriptor: the front's copy can go.
+            ::unlink(
+                (files.output_dir /
+                 checked_relative_path(json_string(c.request->content, "path"), kSandboxOutputDir))
+                    .c_str());
+        }
         send_local(c, "file_progress",
                    {{"path", job->copy.sandbox_path}, {"done", 0}, {"size", job->copy.size}});
         job->start(local_wake_.get());
@@ -277,11 +314,28 @@ void Server::finish_local_copy(std::uint64_t id) {
         }
         SessionProxy& s = live_session(c.request->content);
         auto done = transfers_.finish_local(job->copy.id, job->sha256, session_files(s));
-        if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
         if (metrics_) {
             metrics_->file_bytes(type.starts_with("file_put") ? "in" : "out", "local",
                                  job->copy.size);
         }
+        if (files_in_kernel(s) && done.event) {
+            // In the front's copy: answered once the kernel has it.
+            put_in_kernel(s.session_id(), std::move(done),
+                          [this, id](FileTransfers::Reply* put, const FileRequestError* error) {
+                              const auto it = local_clients_.find(id);
+                              if (put && !put->discard.empty()) ::unlink(put->discard.c_str());
+                              if (it == local_clients_.end()) return;  // the client left
+                              if (error) return refuse_local(id, error->ename(), error->what());
+                              if (!it->second->gone) {
+                                  send_local(*it->second,
+                                             reply_type(it->second->request->msg_type()),
+                                             std::move(put->content));
+                              }
+                              close_local_client(id);
+                          });
+            return;
+        }
+        if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
         if (c.gone) {
             spdlog::info("local file socket: copy {} ended after its client left", job->copy.id);
         } else {

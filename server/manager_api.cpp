@@ -292,31 +292,36 @@ json Server::session_history(Request& r, std::vector<std::string>&) {
             {"events", events}};
 }
 
-SessionFiles Server::session_files(SessionProxy& s) const {
-    const SandboxFiles* files = s.sandbox()->files();
-    if (!files) {
-        throw RequestError{ename::FileError,
-                           "session " + s.session_id() + " runs on the " + s.sandbox()->runtime() +
-                               " backend, whose sandboxes have no directory on this host: file "
-                               "transfer is not available there yet (docs/scale-out.md)"};
-    }
-    return {s.session_id(), files->input_dir(), files->output_dir(), files->staging_dir(),
-            static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb) << 20};
-}
-
 json Server::file_request(Request& r, std::vector<std::string>& buffers) {
     SessionProxy& s = live_session(r.message.content);
-    auto done = transfers_.handle(r.message.msg_type(), r.message.content, r.buffers,
-                                  session_files(s), Clock::now());
-    if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
-    buffers = std::move(done.buffers);
+    const std::string type = r.message.msg_type();
+    const bool in_kernel = files_in_kernel(s);
+    if (in_kernel && (type == "file_list_request" || type == "file_get_request" ||
+                      type == "file_get_begin_request")) {
+        kernel_file_request(r.message);
+        return nullptr;  // answered once the kernel's file is here
+    }
+    auto done =
+        transfers_.handle(type, r.message.content, r.buffers, session_files(s), Clock::now());
     if (metrics_) {
         std::uint64_t in = 0, out = 0;
         for (const auto& b : r.buffers) in += b.size();
-        for (const auto& b : buffers) out += b.size();
+        for (const auto& b : done.buffers) out += b.size();
         if (in > 0) metrics_->file_bytes("in", "manager", in);
         if (out > 0) metrics_->file_bytes("out", "manager", out);
     }
+    if (in_kernel && done.event) {
+        // A put landed in the front's copy: answered once the kernel has it.
+        put_in_kernel(
+            s.session_id(), std::move(done),
+            [this, request = r.message](FileTransfers::Reply* put, const FileRequestError* error) {
+                if (error) return reply_error(request, error->ename(), error->what());
+                reply(request, std::move(put->content));
+            });
+        return nullptr;
+    }
+    if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
+    buffers = std::move(done.buffers);
     return std::move(done.content);
 }
 

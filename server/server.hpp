@@ -268,9 +268,35 @@ class Server final : public SessionObserver {
     // Sessions that could not hibernate for the handover, and why.
     std::map<std::string, std::string> handover_refusals_;
     json file_request(Request& r, std::vector<std::string>& buffers);
-    // What a transfer needs of a live session; FileError where the backend
-    // keeps no files on this host.
+    // What a transfer needs of a live session: its sandbox's directories, or
+    // for a sandbox with none on this host (a Swarm task), the front's
+    // staging copy of them (remote_files.cpp). FileError when it sleeps.
     SessionFiles session_files(SessionProxy& s) const;
+    // The files of a sandbox with no directory here go through its kernel
+    // (kernel_files.hpp, remote_files.cpp).
+    static bool files_in_kernel(SessionProxy& s);
+    fs::path remote_files_dir(const std::string& session_id) const;
+    AskKernel kernel_asker(const std::string& session_id);
+    // How a move through the kernel ended for the request that waits on it:
+    // the reply, or the error.
+    using KernelFilesAnswer =
+        std::function<void(FileTransfers::Reply* reply, const FileRequestError* error)>;
+    // A put landed in the front's copy of /data/input (`done`, its reply):
+    // the file goes to the kernel, then the reply (and its audit event).
+    void put_in_kernel(const std::string& session_id, FileTransfers::Reply done,
+                       KernelFilesAnswer answer);
+    // The kernel's /data/output/<path of `content`> comes into the front's
+    // copy first (at most `max_bytes`, `over_what` naming that limit), then
+    // `then` runs (null: it came).
+    void pull_output(const std::string& session_id, const json& content, std::uint64_t max_bytes,
+                     const std::string& over_what,
+                     std::function<void(const FileRequestError* error)> then);
+    // file_list_request, file_get_request and file_get_begin_request of such
+    // a session, answered later.
+    void kernel_file_request(const WireMessage& request);
+    // Its staging copy goes at close, and any left by an earlier run at start.
+    void remove_remote_files(const std::string& session_id);
+    void remove_stale_remote_files();
     json server_info(Request& r, std::vector<std::string>& buffers);
 
     ServeOptions options_;
@@ -350,6 +376,8 @@ class Server final : public SessionObserver {
     void on_local_accept();
     void on_local_client(std::uint64_t id);
     void on_local_copies();
+    // The copy a request on it asks for starts (its descriptor: `client_file`).
+    void start_local_copy(std::uint64_t id, int client_file);
     void finish_local_copy(std::uint64_t id);
     void send_local(LocalClient& c, const std::string& msg_type, json content);
     void refuse_local(std::uint64_t id, const std::string& ename, const std::string& evalue);

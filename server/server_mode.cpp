@@ -158,6 +158,7 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     if (egress_) egress_->remove_session(session_id);
     cancel_local_copies(session_id);
     transfers_.session_closed(session_id);
+    remove_remote_files(session_id);
     Session* session = sessions_.find(session_id);
     const SessionEnd end = session ? session->end(reason) : SessionEnd{session_id, "", reason};
     for (auto* o : observers_) o->closed(end);
@@ -177,6 +178,7 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
 int Server::run() {
     spdlog::info("cellblock serve: manager on {}, state in {}, {} image(s)", manager_endpoint_,
                  settings_.state_dir.string(), images_.size());
+    remove_stale_remote_files();
     // Sandboxes outlive this process: something must clean up after them if
     // no server comes back (server/keeper.hpp).
     if (settings_.adopt_grace_ms > 0) {

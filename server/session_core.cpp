@@ -13,6 +13,11 @@
 #include <fmt/format.h>
 
 namespace cellblock {
+
+namespace {
+// The msg_type prefix of the server's own requests to the kernel.
+constexpr std::string_view kServersOwnPrefix = "cellblock_";
+}  // namespace
 using nlohmann::json;
 
 namespace {
@@ -308,6 +313,15 @@ void SessionCore::dispatch_request(Clock::time_point now, Channel channel, Inbou
         refuse(request, ename::SessionClosed,
                lifecycle_.ending() ? "this session is closed: " + close_reason_
                                    : "this session is starting");
+        return;
+    }
+    if (msg.msg_type.starts_with(kServersOwnPrefix)) {
+        // The server's own requests to the kernel (a remote session's file
+        // bytes, kernel_files.hpp): files go through the manager's caps.
+        refuse(request, ename::UnknownRequest,
+               "'" + msg.msg_type +
+                   "' is a message of the server's own to the kernel; use the manager's file "
+                   "requests");
         return;
     }
     if (governor_) governor_->on_client_request(now);

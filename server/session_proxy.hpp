@@ -31,6 +31,7 @@
 #include "client_socket.hpp"
 #include "event_loop.hpp"
 #include "inner_channels.hpp"
+#include "kernel_files.hpp"
 #include "session_core.hpp"
 #include "wire_receive.hpp"
 
@@ -139,6 +140,13 @@ class SessionProxy {
     const std::string& session_id() const { return session_id_; }
     const ConnectionInfo& outer_connection() const { return outer_; }
     Sandbox* sandbox() { return sandbox_.get(); }
+    // A request of the server's own on the kernel's control channel, signed
+    // with the inner key (a remote session's file bytes, kernel_files.hpp):
+    // its reply goes to `answered`, never to a client; null when `timeout`
+    // passes first or the kernel goes. False when no kernel is attached.
+    bool ask_kernel(const std::string& msg_type, nlohmann::json content,
+                    std::vector<std::string> buffers, KernelAnswered answered,
+                    std::chrono::milliseconds timeout = std::chrono::seconds(60));
     const Sandbox* sandbox() const { return sandbox_.get(); }
     const SessionGovernor* governor() const { return core_->governor(); }
     std::string state() const { return core_->state(); }
@@ -176,6 +184,16 @@ class SessionProxy {
         std::vector<Frame> frames;
     };
     std::vector<Held> held_;
+    struct KernelCall {
+        KernelAnswered answered;
+        Clock::time_point deadline;
+    };
+    std::unordered_map<std::string, KernelCall> kernel_calls_;  // by msg_id
+    EventLoop::WatchId calls_deadline_ = 0;
+    // Answers every open call with null (the kernel is gone).
+    void end_kernel_calls();
+    // The reply to one, taken out of the relay's way; false: not one.
+    bool answer_kernel_call(const InboundMessage& msg);
     // Starts the client's signature of a large kernel message (scratch_) on
     // another thread; Io uses it if the core forwards the message unchanged.
     void sign_early();

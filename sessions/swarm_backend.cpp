@@ -455,6 +455,10 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
     mounts.push_back(tmpfs(kSandboxHome, limits.disk_mb, 0700));
     mounts.push_back(tmpfs("/dev/shm", limits.shm_mb, 01777));
     mounts.push_back(tmpfs(kSandboxOutputDir, limits.output_mb, 0755));
+    // The kernel writes its uploads here itself (the front sends the bytes
+    // over its control channel: server/kernel_files.hpp); disk_mb, as the
+    // front's cap on what is put there.
+    mounts.push_back(tmpfs(kSandboxInputDir, limits.disk_mb, 0755));
     json ports = json::array();
     for (int i = 0; i < kKernelPortCount; ++i) {
         ports.push_back(

@@ -43,7 +43,9 @@ enum class ErrorChannel { manager, session, both };
     X(TooManyTransfers, manager, "the session's or the server's open transfers are at the cap") \
     X(InvalidOffset, manager, "a chunk's offset is not where the transfer stands")              \
     X(MessageTooLarge, manager, "a manager message is over the frame limit; stream instead")    \
-    X(UnknownRequest, manager, "the manager does not know the message type")                    \
+    X(UnknownRequest, both,                                                                     \
+      "the manager does not know the message type, or a client sent a session one of the "      \
+      "server's own messages to its kernel (cellblock_*)")                                      \
     X(ServerShuttingDown, both,                                                                 \
       "the server is stopping (a signal): the request was not carried out, or its session "     \
       "closed; evalue names the signal")                                                        \

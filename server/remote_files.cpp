@@ -1,0 +1,149 @@
+// File transfer for sessions whose sandbox has no directory on this host (a
+// Swarm task on another node; docs/scale-out.md, "Files"). The client's side
+// is the local one, unchanged: FileTransfers works on a staging copy the
+// front keeps of the session's /data/input and /data/output, under
+// STATE_DIR/remote-files/<session>/ (0700, root's). What lands in the input
+// copy goes on to the kernel before the put is answered; what a get asks for
+// is first fetched from the kernel into the output copy. The bytes travel on
+// the kernel's control channel (kernel_files.hpp).
+#include "server.hpp"
+
+namespace cellblock {
+
+bool Server::files_in_kernel(SessionProxy& s) { return s.sandbox() && !s.sandbox()->files(); }
+
+fs::path Server::remote_files_dir(const std::string& session_id) const {
+    return settings_.state_dir / "remote-files" / session_id;
+}
+
+AskKernel Server::kernel_asker(const std::string& session_id) {
+    return [this, session_id](const std::string& type, json content,
+                              std::vector<std::string> buffers, KernelAnswered answered) {
+        Session* session = sessions_.find(session_id);
+        if (!session || !session->proxy()) return false;
+        return session->proxy()->ask_kernel(type, std::move(content), std::move(buffers),
+                                            std::move(answered));
+    };
+}
+
+SessionFiles Server::session_files(SessionProxy& s) const {
+    Sandbox* box = s.sandbox();
+    if (!box) {
+        throw RequestError{ename::FileError, "session " + s.session_id() + " is " + s.state() +
+                                                 ": its files move once it is awake "
+                                                 "(session_resume_request)"};
+    }
+    const std::uint64_t cap = static_cast<std::uint64_t>(s.governor()->limits().sandbox.disk_mb)
+                              << 20;
+    if (const SandboxFiles* files = box->files()) {
+        return {s.session_id(), files->input_dir(), files->output_dir(), files->staging_dir(), cap};
+    }
+    const fs::path dir = remote_files_dir(s.session_id());
+    std::error_code ec;
+    fs::create_directories(dir.parent_path(), ec);
+    ::chmod(dir.parent_path().c_str(), 0700);
+    for (const char* sub : {"input", "output", "partial"}) fs::create_directories(dir / sub, ec);
+    ::chmod(dir.c_str(), 0700);
+    if (ec) {
+        throw RequestError{ename::FileError, "the front's copy of the session's files, " +
+                                                 dir.string() + ": " + ec.message()};
+    }
+    return {s.session_id(), dir / "input", dir / "output", dir / "partial", cap};
+}
+
+void Server::put_in_kernel(const std::string& session_id, FileTransfers::Reply done,
+                           KernelFilesAnswer answer) {
+    // "/data/input/<path>", as the put's reply names it for the client.
+    const std::string path =
+        checked_relative_path(json_string(done.content, "path"), kSandboxInputDir);
+    const fs::path local = remote_files_dir(session_id) / "input" / path;
+    push_to_kernel(kernel_asker(session_id), local, path,
+                   [this, session_id, done = std::move(done),
+                    answer = std::move(answer)](std::optional<FileRequestError> error) mutable {
+                       if (error) {
+                           // The front's copy stays (and counts): a put again replaces it.
+                           spdlog::warn("session {}: a put did not reach the kernel: {}: {}",
+                                        session_id, error->ename(), error->what());
+                           return answer(nullptr, &*error);
+                       }
+                       if (done.event) on_event(session_id, done.event->first, done.event->second);
+                       answer(&done, nullptr);
+                   });
+}
+
+void Server::pull_output(const std::string& session_id, const json& content,
+                         std::uint64_t max_bytes, const std::string& over_what,
+                         std::function<void(const FileRequestError* error)> then) {
+    const std::string path = checked_relative_path(json_string(content, "path"), kSandboxOutputDir);
+    pull_from_kernel(kernel_asker(session_id), path, remote_files_dir(session_id) / "output" / path,
+                     max_bytes, over_what,
+                     [then = std::move(then)](std::optional<FileRequestError> error) {
+                         then(error ? &*error : nullptr);
+                     });
+}
+
+void Server::kernel_file_request(const WireMessage& request) {
+    const std::string type = request.msg_type();
+    const std::string session_id = session_id_of(request.content);
+    const auto answer = [this, request](FileTransfers::Reply* done, const FileRequestError* e) {
+        if (e) return reply_error(request, e->ename(), e->what());
+        if (metrics_) {
+            std::uint64_t out = 0;
+            for (const auto& b : done->buffers) out += b.size();
+            if (out > 0) metrics_->file_bytes("out", "manager", out);
+        }
+        reply(request, std::move(done->content), std::move(done->buffers));
+    };
+    if (type == "file_list_request") {
+        list_kernel_files(kernel_asker(session_id),
+                          [answer](json listing, std::optional<FileRequestError> error) {
+                              FileTransfers::Reply done{std::move(listing), {}, {}, {}};
+                              answer(error ? nullptr : &done, error ? &*error : nullptr);
+                          });
+        return;
+    }
+    const bool whole = type == "file_get_request";
+    const auto& limits = transfers_.limits();
+    const std::uint64_t max = whole ? limits.max_inline_bytes : limits.max_file_bytes;
+    const std::string over_what =
+        whole ? "the " + std::to_string(max) +
+                    " bytes one message may carry; use file_get_begin_request"
+              : "the server's maximum of " + std::to_string(max) + " bytes";
+    pull_output(
+        session_id, request.content, max, over_what,
+        [this, request, type, answer](const FileRequestError* error) {
+            if (error) return answer(nullptr, error);
+            const fs::path local =
+                remote_files_dir(session_id_of(request.content)) / "output" /
+                checked_relative_path(json_string(request.content, "path"), kSandboxOutputDir);
+            try {
+                SessionProxy& s = live_session(request.content);
+                auto done = transfers_.handle(type, request.content, std::vector<std::string>{},
+                                              session_files(s), Clock::now());
+                ::unlink(local.c_str());  // a download holds it open
+                answer(&done, nullptr);
+            } catch (const FileRequestError& e) {
+                ::unlink(local.c_str());
+                answer(nullptr, &e);
+            } catch (const RequestError& e) {
+                ::unlink(local.c_str());
+                const FileRequestError as_file(e.ename, e.evalue);
+                answer(nullptr, &as_file);
+            }
+        });
+}
+
+void Server::remove_remote_files(const std::string& session_id) {
+    std::error_code ec;
+    fs::remove_all(remote_files_dir(session_id), ec);
+}
+
+void Server::remove_stale_remote_files() {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(settings_.state_dir / "remote-files", ec)) {
+        const std::string id = entry.path().filename().string();
+        if (!sessions_.live(id)) fs::remove_all(entry.path(), ec);
+    }
+}
+
+}  // namespace cellblock
