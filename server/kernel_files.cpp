@@ -36,8 +36,10 @@ FileRequestError no_answer(const std::string& doing) {
 
 std::optional<std::uint64_t> count_of(const json& content, const char* key) {
     const auto it = content.find(key);
-    if (it == content.end() || !it->is_number_unsigned()) return std::nullopt;
-    return it->get<std::uint64_t>();
+    if (it == content.end() || !it->is_number_integer()) return std::nullopt;
+    if (it->is_number_unsigned()) return it->get<std::uint64_t>();
+    const auto n = it->get<std::int64_t>();
+    return n < 0 ? std::nullopt : std::optional<std::uint64_t>(static_cast<std::uint64_t>(n));
 }
 
 // One move in flight: its state outlives each request (held by the answer's
@@ -130,7 +132,7 @@ struct Pull : Move {
         auto self = std::static_pointer_cast<Pull>(shared_from_this());
         if (!ask(kKernelFileRead, std::move(content), {},
                  [self](const KernelAnswer* a) { self->answered(a); })) {
-            finish(no_answer("reading " + path));
+            fail(no_answer("reading " + path));
         }
     }
 
