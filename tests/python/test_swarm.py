@@ -399,6 +399,101 @@ def test_a_swarm_session_killed_at_its_memory_limit_says_so(swarm):
     assert info["state"] == "closed" and info["close_reason"].startswith("memory_limit: "), info
 
 
+def _sha(data):
+    import hashlib
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_files_go_to_and_from_a_swarm_session_through_its_kernel(swarm, tmp_path):
+    """A swarm session has no directory on the front's host: the front keeps a
+    copy (STATE_DIR/remote-files/<session>, root's, 0700) and moves the bytes
+    over the kernel's control channel (server/kernel_files.hpp). Streamed
+    (over several 4 MiB pieces), whole, and by descriptor, both ways; the
+    listing; the errors the local files give; the copy gone at close."""
+    sys.path.insert(0, os.path.join(os.environ.get("CELLBLOCK_SOURCE_DIR", ""), "clients",
+                                    "python"))
+    import cellblock
+
+    check = ("import hashlib, os\n"
+             "def seen(p):\n"
+             "    b = open(p, 'rb').read()\n"
+             "    print(hashlib.sha256(b).hexdigest(), len(b))\n")
+    with cellblock.connect(state_dir=swarm.state_dir) as cb, \
+            cb.session(limits={"disk_mb": 48, "output_mb": 64}) as s:
+        staged = os.path.join(swarm.state_dir, "remote-files", s.id)
+        big = os.urandom((9 << 20) + 123)
+        done = []
+        assert s.put("in/data.bin", big, progress=lambda d, t: done.append(d),
+                     local=False) == "/data/input/in/data.bin"
+        assert done[-1] == len(big)
+        r = s.run(check + "seen('/data/input/in/data.bin')")
+        assert r.stdout.split() == [_sha(big), str(len(big))], (r.stdout, r.error)
+        assert s.put("small.txt", b"hello") == "/data/input/small.txt"
+        assert s.run("print(open('/data/input/small.txt').read())").stdout == "hello\n"
+        # A put again replaces it.
+        s.put("small.txt", b"hello again")
+        assert s.run("print(open('/data/input/small.txt').read())").stdout == "hello again\n"
+        # By descriptor, from a file on the front's host.
+        local_file = tmp_path / "local.bin"
+        local_bytes = os.urandom(5 << 20)
+        local_file.write_bytes(local_bytes)
+        assert s.put("local.bin", local_file, local=True, sha256=_sha(local_bytes)) == \
+            "/data/input/local.bin"
+        r = s.run(check + "seen('/data/input/local.bin')")
+        assert r.stdout.split() == [_sha(local_bytes), str(len(local_bytes))], r.error
+        # Over the session's disk_mb (48 MB: 14 MiB are in already): refused
+        # at the front, before a byte moves.
+        with pytest.raises(cellblock.FileTooLarge):
+            s.put("huge.bin", b"x" * (40 << 20), local=False)
+
+        r = s.run("import hashlib, os\n"
+                  "os.makedirs('/data/output/out', exist_ok=True)\n"
+                  "b = bytes(range(256)) * (26 << 12)\n"
+                  "open('/data/output/out/result.bin', 'wb').write(b)\n"
+                  "open('/data/output/table.csv', 'w').write('a,b\\n1,2\\n')\n"
+                  "os.symlink('/etc/passwd', '/data/output/link')\n"
+                  "print(hashlib.sha256(b).hexdigest(), len(b))")
+        want_sha, want_size = r.stdout.split()
+        got = s.get("out/result.bin", local=False)
+        assert _sha(got) == want_sha and len(got) == int(want_size) > (8 << 20)
+        dest = tmp_path / "result.bin"
+        s.get("out/result.bin", dest, local=True)
+        assert _sha(dest.read_bytes()) == want_sha
+        assert s.get("table.csv") == b"a,b\n1,2\n"
+        listing = swarm.ok("file_list_request", {"session_id": s.id})["content"]
+        listed = {f["path"]: f["size"] for f in listing["files"]}
+        assert listed == {"out/result.bin": int(want_size), "table.csv": 8}, listing
+        with pytest.raises(cellblock.FileNotFound):
+            s.get("missing.bin")
+        with pytest.raises(cellblock.FileError):
+            s.get("link")   # the code's link is not followed
+        with pytest.raises(cellblock.InvalidPath):
+            s.get("../input/small.txt")
+        # The front's copy is root's alone; the pulled files did not stay.
+        st = os.stat(staged)
+        assert st.st_uid == 0 and st.st_mode & 0o777 == 0o700, oct(st.st_mode)
+        assert os.listdir(os.path.join(staged, "output")) in ([], ["out"]), \
+            os.listdir(os.path.join(staged, "output"))
+    assert not os.path.exists(staged), os.listdir(staged)
+
+
+def test_a_client_cannot_send_the_kernel_the_servers_own_file_messages(swarm):
+    """cellblock_file_* go from the front to the kernel only: sent by a
+    client on the session's control channel, they are refused there, and the
+    kernel never writes the file."""
+    sid, kc, _ = swarm.open_session()
+    msg = kc.session.msg("cellblock_file_write_request",
+                         {"transfer": "t1", "path": "planted.txt", "offset": 0, "last": True})
+    kc.control_channel.send(msg)
+    reply = kc.get_control_msg(timeout=30)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "UnknownRequest", reply["content"]
+    assert "server's own" in reply["content"]["evalue"]
+    assert run_ok(kc, "import os; print(os.path.exists('/data/input/planted.txt'))") == \
+        "False\n"
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
 class SwarmKernelTests(conformance.ServerSessionKernelTests):
     """jupyter_kernel_test's suite, and cellblock's own conformance checks,
     against a session the swarm placed."""
