@@ -1142,6 +1142,7 @@ from kernel_start import kernel_start  # noqa: E402  (figure 10 lives in its own
 from zygote import zygote_figure  # noqa: E402  (figure 11 lives in its own file)
 from egress import egress_figure  # noqa: E402  (figure 12 lives in its own file)
 from swarm import swarm_figure  # noqa: E402  (figure 13 lives in its own file)
+from swarm_files import swarm_files_figure  # noqa: E402  (figure 13b lives in its own file)
 from floods import floods_figure  # noqa: E402  (figure 14 lives in its own file)
 from metrics_cost import metrics_cost  # noqa: E402  (figure 15 lives in its own file)
 from host_share import host_share  # noqa: E402  (figure 16 lives in its own file)
@@ -1162,6 +1163,7 @@ FIGURES = {
     "zygote": ("11. Zygote sessions", zygote_figure),
     "egress": ("12. Egress gateway", egress_figure),
     "swarm": ("13. Swarm backend", swarm_figure),
+    "swarmfiles": ("13b. Swarm files of real size", swarm_files_figure),
     "floods": ("14. Output floods", floods_figure),
     "metrics": ("15. Metrics cost", metrics_cost),
     "hostshare": ("16. Sessions beside host processes", host_share),
@@ -1169,5 +1171,5 @@ FIGURES = {
     "restarts": ("18. Restarts", restarts_figure),
 }
 ORDER = ["ready", "step", "rich", "density", "noisy", "throughput", "runsc", "files", "fairness",
-         "kernel", "zygote", "egress", "swarm", "floods", "metrics", "hostshare", "hibernation",
+         "kernel", "zygote", "egress", "swarm", "swarmfiles", "floods", "metrics", "hostshare", "hibernation",
          "restarts"]

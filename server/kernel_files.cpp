@@ -65,46 +65,57 @@ struct Move : std::enable_shared_from_this<Move> {
 struct Push : Move {
     Sha256 hash;  // of what was sent
     FileDescriptor fd;
-    std::uint64_t size = 0, sent = 0;
+    std::uint64_t size = 0;
+    std::uint64_t queued = 0;  // bytes sent to the kernel
+    std::uint64_t acked = 0;   // of them, answered
+    bool all_queued = false;
+    int in_flight = 0;
 
-    void next() {
-        const std::size_t want =
-            static_cast<std::size_t>(std::min<std::uint64_t>(kKernelFileChunk, size - sent));
-        std::string chunk(want, '\0');
-        const std::size_t n = read_into(fd.get(), sent, chunk.data(), want);
-        if (n != want) {
-            finish(FileRequestError(ename::FileError,
-                                    "the staged copy of " + path + " shrank while it was sent"));
-            return;
-        }
-        hash.update(chunk);
-        const bool last = sent + n == size;
-        json content = {{"transfer", transfer}, {"path", path}, {"offset", sent}, {"last", last}};
-        std::vector<std::string> buffers;
-        buffers.push_back(std::move(chunk));
-        started = true;
-        auto self = std::static_pointer_cast<Push>(shared_from_this());
-        if (!ask(kKernelFileWrite, std::move(content), std::move(buffers),
-                 [self, n, last](const KernelAnswer* a) { self->answered(a, n, last); })) {
-            finish(no_answer("writing " + path));
+    void fill() {
+        while (done && !all_queued && in_flight < kKernelFileWindow) {
+            const std::size_t want =
+                static_cast<std::size_t>(std::min<std::uint64_t>(kKernelFileChunk, size - queued));
+            std::string chunk(want, '\0');
+            const std::size_t n = read_into(fd.get(), queued, chunk.data(), want);
+            if (n != want) {
+                return finish(FileRequestError(
+                    ename::FileError, "the staged copy of " + path + " shrank while it was sent"));
+            }
+            hash.update(chunk);
+            const bool last = queued + n == size;
+            json content = {
+                {"transfer", transfer}, {"path", path}, {"offset", queued}, {"last", last}};
+            std::vector<std::string> buffers;
+            buffers.push_back(std::move(chunk));
+            started = true;
+            queued += n;
+            all_queued = last;
+            ++in_flight;
+            auto self = std::static_pointer_cast<Push>(shared_from_this());
+            if (!ask(kKernelFileWrite, std::move(content), std::move(buffers),
+                     [self, n, last](const KernelAnswer* a) { self->answered(a, n, last); })) {
+                return finish(no_answer("writing " + path));
+            }
         }
     }
 
     void answered(const KernelAnswer* a, std::size_t n, bool last) {
+        if (!done) return;  // ended already: the rest of the window is moot
+        --in_flight;
         const std::string doing = "writing " + std::string(kSandboxInputDir) + "/" + path;
         if (!a) return finish(no_answer(doing));
         if (json_string(a->content, "status") != "ok") {
             started = false;  // the kernel dropped it already
             return finish(kernel_refused(a->content, doing));
         }
-        sent += n;
-        if (count_of(a->content, "written") != sent) {
+        acked += n;
+        if (count_of(a->content, "written") != acked) {
             return finish(
                 FileRequestError(ename::FileError, "the kernel, " + doing + ", says it holds " +
                                                        a->content.value("written", json()).dump() +
-                                                       " bytes, not " + std::to_string(sent)));
+                                                       " bytes, not " + std::to_string(acked)));
         }
-        if (!last) return next();
+        if (!last) return fill();
         started = false;
         const std::string got = json_string(a->content, "sha256");
         if (const std::string mine = hash.hex(); got != mine) {
@@ -122,17 +133,26 @@ struct Pull : Move {
     std::string over_what;
     FileDescriptor out;
     Sha256 hash;
-    std::uint64_t got = 0;
-    std::optional<std::uint64_t> size;
+    std::uint64_t got = 0;    // received, in order
+    std::uint64_t asked = 0;  // requested
+    int in_flight = 0;
+    std::optional<std::uint64_t> size;  // the kernel's, from its first answer
 
-    void next() {
-        json content = {
-            {"transfer", transfer}, {"path", path}, {"offset", got}, {"length", kKernelFileChunk}};
-        started = true;
-        auto self = std::static_pointer_cast<Pull>(shared_from_this());
-        if (!ask(kKernelFileRead, std::move(content), {},
-                 [self](const KernelAnswer* a) { self->answered(a); })) {
-            fail(no_answer("reading " + path));
+    void fill() {
+        // One request until the first answer says how large the file is.
+        while (done && (size ? in_flight < kKernelFileWindow && asked < *size : in_flight == 0)) {
+            const std::uint64_t length =
+                size ? std::min<std::uint64_t>(kKernelFileChunk, *size - asked) : kKernelFileChunk;
+            json content = {
+                {"transfer", transfer}, {"path", path}, {"offset", asked}, {"length", length}};
+            started = true;
+            asked += length;
+            ++in_flight;
+            auto self = std::static_pointer_cast<Pull>(shared_from_this());
+            if (!ask(kKernelFileRead, std::move(content), {},
+                     [self](const KernelAnswer* a) { self->answered(a); })) {
+                return fail(no_answer("reading " + path));
+            }
         }
     }
 
@@ -143,6 +163,8 @@ struct Pull : Move {
     }
 
     void answered(const KernelAnswer* a) {
+        if (!done) return;  // ended already: the rest of the window is moot
+        --in_flight;
         const std::string where = std::string(kSandboxOutputDir) + "/" + path;
         const std::string doing = "reading " + where;
         if (!a) return fail(no_answer(doing));
@@ -161,6 +183,7 @@ struct Pull : Move {
         }
         if (!size) {
             size = said_size;
+            asked = a->buffers[0].size();  // the first request asked for a whole chunk
             if (*size > max_bytes) {
                 return fail(
                     FileRequestError(ename::FileTooLarge,
@@ -182,7 +205,7 @@ struct Pull : Move {
                 return fail(
                     FileRequestError(ename::FileError, "the kernel sent nothing while " + doing));
             }
-            return next();
+            return fill();
         }
         started = false;
         if (got != *size) {
@@ -219,7 +242,7 @@ void push_to_kernel(AskKernel ask, fs::path local, std::string path, KernelFiles
             ename::FileError, "the staged copy of " + push->path + ": " + errno_text()));
     }
     push->size = static_cast<std::uint64_t>(st.st_size);
-    push->next();
+    push->fill();
 }
 
 void pull_from_kernel(AskKernel ask, std::string path, fs::path local, std::uint64_t max_bytes,
@@ -241,7 +264,7 @@ void pull_from_kernel(AskKernel ask, std::string path, fs::path local, std::uint
         return pull->finish(FileRequestError(
             ename::FileError, "the front's copy of " + pull->path + ": " + errno_text()));
     }
-    pull->next();
+    pull->fill();
 }
 
 void list_kernel_files(AskKernel ask,

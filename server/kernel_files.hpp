@@ -45,10 +45,12 @@ using AskKernel = std::function<bool(const std::string& msg_type, nlohmann::json
 // How a move ended: nullopt, or why not (the client's ename and evalue).
 using KernelFilesDone = std::function<void(std::optional<FileRequestError> error)>;
 
-// A piece of a file per request: the kernel's control socket takes frames up
-// to the relay's 64 MiB, and one reply in flight at a time keeps the
-// kernel's memory for this bounded.
+// A piece of a file per request (the kernel's control socket takes frames up
+// to the relay's 64 MiB), and at most kKernelFileWindow of them in flight per
+// move: the kernel's side, the wire and the front's side work at once, while
+// what waits in the kernel's sockets for one move stays at 16 MiB.
 inline constexpr std::size_t kKernelFileChunk = 4u << 20;
+inline constexpr int kKernelFileWindow = 4;
 
 // Copies `local` (a staged upload) to `path` beneath the kernel's
 // /data/input; done once the kernel renamed it into place and its sha256 of

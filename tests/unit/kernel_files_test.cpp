@@ -200,6 +200,41 @@ TEST_F(KernelFilesTest, APutGoesInChunksAndEndsWhenTheKernelsHashIsTheFronts) {
     EXPECT_EQ(kernel_->requests[2].bytes, 12345u);
 }
 
+TEST_F(KernelFilesTest, AtMostAWindowOfChunksIsInFlightAndTheyGoInOrder) {
+    const std::string bytes = random_bytes(6 * kKernelFileChunk, 9);
+    write_file(root_ / "front" / "staged", bytes);
+    bool ended = false;
+    push_to_kernel(kernel_->ask(), root_ / "front" / "staged", "six",
+                   [&](std::optional<FileRequestError> e) {
+                       EXPECT_FALSE(e.has_value());
+                       ended = true;
+                   });
+    // Nothing answered yet: the window is full.
+    EXPECT_EQ(kernel_->requests.size(), static_cast<std::size_t>(kKernelFileWindow));
+    kernel_->pump();
+    ASSERT_TRUE(ended);
+    ASSERT_EQ(kernel_->requests.size(), 6u);
+    for (std::size_t i = 0; i < 6; ++i) {
+        EXPECT_EQ(kernel_->requests[i].content["offset"], i * kKernelFileChunk);
+    }
+    EXPECT_EQ(read_file(kernel_->input_ / "six"), bytes);
+
+    // A get asks once until it knows the size, then a window at a time.
+    write_file(kernel_->output_ / "six", bytes);
+    kernel_->requests.clear();
+    ended = false;
+    pull_from_kernel(kernel_->ask(), "six", root_ / "front" / "six", 1ull << 30, "",
+                     [&](std::optional<FileRequestError> e) {
+                         EXPECT_FALSE(e.has_value());
+                         ended = true;
+                     });
+    EXPECT_EQ(kernel_->requests.size(), 1u);
+    kernel_->pump();
+    ASSERT_TRUE(ended);
+    EXPECT_EQ(kernel_->requests.size(), 6u);
+    EXPECT_EQ(read_file(root_ / "front" / "six"), bytes);
+}
+
 TEST_F(KernelFilesTest, AnEmptyFileIsOneLastRequest) {
     EXPECT_FALSE(push("", "empty").has_value());
     ASSERT_EQ(kernel_->requests.size(), 1u);
