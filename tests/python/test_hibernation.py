@@ -257,3 +257,28 @@ def test_prometheus_sees_sleeping_sessions_and_their_snapshots(server_factory): 
     sh.run_ok(kc, "print(x)", timeout=120)
     assert sh.wait_for(lambda: sample(scrape(), "cellblock_snapshot_bytes") == 0, timeout=10)
     assert sample(scrape(), "cellblock_hibernations_total", image=image, outcome="resumed") == 1
+
+
+def test_a_file_request_to_a_hibernated_session_is_refused_with_the_way_out(
+        server_factory):  # noqa: F811
+    """A hibernated session has no sandbox: a file request says so (the server
+    dereferenced the missing sandbox before) and the server serves on; once
+    resumed, its files move again."""
+    srv = server_factory()
+    sid, kc, _ = srv.open_session()
+    sh.run_ok(kc, "z = 2")
+    srv.ok("file_put_request", {"session_id": sid, "path": "before.txt"}, buffers=[b"one"])
+    hibernate(srv, sid)
+    for msg_type, content, buffers in (
+            ("file_put_request", {"path": "a.txt"}, [b"two"]),
+            ("file_get_request", {"path": "a.txt"}, None),
+            ("file_list_request", {}, None)):
+        reply = srv.call(msg_type, {"session_id": sid, **content}, buffers=buffers)
+        assert reply["content"]["status"] == "error", reply["content"]
+        assert reply["content"]["ename"] == "FileError", reply["content"]
+        assert "hibernated" in reply["content"]["evalue"], reply["content"]
+        assert "session_resume_request" in reply["content"]["evalue"], reply["content"]
+    assert srv.ok("server_info_request", {})["content"]["status"] == "ok"
+    srv.ok("session_resume_request", {"session_id": sid}, timeout=180)
+    srv.ok("file_put_request", {"session_id": sid, "path": "a.txt"}, buffers=[b"two"])
+    assert sh.run_ok(kc, "print(open('/data/input/a.txt').read(), z)").strip() == "two 2"

@@ -217,11 +217,12 @@ def test_a_swarm_session_is_contained(bed, swarm):
     finally:
         listener.close()
 
-    # Files live on a node the server has no directory on: a clear refusal.
+    # Files live on a node the server has no directory on: the kernel is
+    # asked (test_files_go_to_and_from_a_swarm_session_through_its_kernel).
     reply = swarm.call("file_get_request", {"session_id": sid, "path": "result.csv"})
     assert reply["content"]["status"] == "error", reply["content"]
-    assert reply["content"]["ename"] == "FileError"
-    assert "swarm backend" in reply["content"]["evalue"]
+    assert reply["content"]["ename"] == "FileNotFound", reply["content"]
+    assert "/data/output/result.csv" in reply["content"]["evalue"], reply["content"]
     swarm.ok("session_close_request", {"session_id": sid})
 
 
