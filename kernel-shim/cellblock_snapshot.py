@@ -236,6 +236,13 @@ def restore(shell, path):
     importlib.invalidate_caches()
     _report.update(lost=lost, saved=len(values) + len(manifest.get("modules", {})),
                    bytes=os.path.getsize(path))
+    # Read: it leaves the session's /data/input. Where the server writes that
+    # dir (runc: read-only here) the server removes it; in a Swarm task the
+    # kernel placed it itself and removes it here.
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
     return report()
 
 

@@ -87,7 +87,13 @@ void KernelSleep::on_woken(Woken woken, Failed failed) {
 }
 
 bool KernelSleep::keep(Sandbox& box, const nlohmann::json& report, std::string& why) {
-    return store_.keep_from(session_id_, box, report, why);
+    const SandboxFiles* files = box.files();
+    if (!files) {
+        why = "the " + box.runtime() +
+              " backend's sandboxes keep no files on this host: no snapshot can be kept";
+        return false;
+    }
+    return store_.keep_from(session_id_, files->output_dir(), files->input_dir(), report, why);
 }
 
 void KernelSleep::wake() {

@@ -7,6 +7,7 @@
 // is first fetched from the kernel into the output copy. The bytes travel on
 // the kernel's control channel (kernel_files.hpp).
 #include "server.hpp"
+#include "session_snapshots.hpp"
 
 namespace cellblock {
 
@@ -131,6 +132,78 @@ void Server::kernel_file_request(const WireMessage& request) {
                 answer(nullptr, &as_file);
             }
         });
+}
+
+void Server::fetch_snapshot(const std::string& session_id, SessionIo::Moved done) {
+    const fs::path output = remote_files_dir(session_id) / "output";
+    std::error_code ec;
+    fs::create_directories(output, ec);
+    fs::create_directories(remote_files_dir(session_id) / "input", ec);
+    const std::uint64_t cap = snapshots_->caps().per_session;
+    pull_from_kernel(
+        kernel_asker(session_id), kSnapshotFile, output / kSnapshotFile, cap,
+        "the snapshot cap of " + std::to_string(cap) + " bytes per session (--snapshot-max-mb)",
+        [done = std::move(done)](std::optional<FileRequestError> error) {
+            if (!error) return done(nullptr);
+            // Past the cap: StorageFull, as a local snapshot's.
+            const std::string why = (error->ename() == ename::FileTooLarge
+                                         ? std::string(ename::StorageFull) + ": "
+                                         : std::string("fetching the snapshot from the kernel: ")) +
+                                    error->what();
+            done(&why);
+        });
+}
+
+namespace {
+
+// Every file of the front's copy of /data/input to the kernel, one after
+// another; `done` once, with null or why not.
+struct InputsToKernel : std::enable_shared_from_this<InputsToKernel> {
+    AskKernel ask;
+    fs::path input;
+    std::vector<std::string> paths;
+    std::size_t next = 0;
+    SessionIo::Moved done;
+
+    void step() {
+        if (next == paths.size()) return done(nullptr);
+        const std::string path = paths[next++];
+        auto self = shared_from_this();
+        push_to_kernel(
+            ask, input / path, path, [self, path](std::optional<FileRequestError> error) {
+                if (!error) return self->step();
+                const std::string why =
+                    "placing " + std::string(kSandboxInputDir) + "/" + path + ": " + error->what();
+                self->done(&why);
+            });
+    }
+};
+
+}  // namespace
+
+void Server::place_snapshot(const std::string& session_id, SessionIo::Moved done) {
+    // The store's sealed copies are what the session had: the front's copy
+    // of /data/input is made anew from them, then every file of it goes to
+    // the new kernel, the snapshot with them.
+    auto moving = std::make_shared<InputsToKernel>();
+    moving->ask = kernel_asker(session_id);
+    moving->input = remote_files_dir(session_id) / "input";
+    moving->done = std::move(done);
+    try {
+        std::error_code ec;
+        fs::remove_all(moving->input, ec);
+        fs::create_directories(moving->input);
+        snapshots_->place(session_id, moving->input);
+        for (const auto& entry : fs::recursive_directory_iterator(moving->input)) {
+            if (entry.is_regular_file() && !entry.is_symlink()) {
+                moving->paths.push_back(fs::relative(entry.path(), moving->input).string());
+            }
+        }
+    } catch (const std::exception& e) {
+        const std::string why = std::string("placing the snapshot: ") + e.what();
+        return moving->done(&why);
+    }
+    moving->step();
 }
 
 void Server::remove_remote_files(const std::string& session_id) {

@@ -296,6 +296,11 @@ class Server final : public SessionObserver {
     void kernel_file_request(const WireMessage& request);
     // Its staging copy goes at close, and any left by an earlier run at start.
     void remove_remote_files(const std::string& session_id);
+    // Hibernation of such a session: its snapshot is fetched into the front's
+    // copy (kept from there with the inputs), and placed in the next sandbox
+    // with every input file, through the kernel.
+    void fetch_snapshot(const std::string& session_id, SessionIo::Moved done);
+    void place_snapshot(const std::string& session_id, SessionIo::Moved done);
     void remove_stale_remote_files();
     json server_info(Request& r, std::vector<std::string>& buffers);
 

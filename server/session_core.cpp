@@ -122,7 +122,16 @@ void SessionCore::on_kernel_attached(Clock::time_point now,
     probe_ids_.insert(probe_ids.begin(), probe_ids.end());
     cpu_ns_at_attach_ = io_.kernel_usage().cpu_ns;
     if (lifecycle_.state() == SessionState::resuming) {
-        send_own(now, true);  // the snapshot first; the requests that woke it after
+        // The snapshot first; the requests that woke it after.
+        // Answered at once here (the time is this turn's) or later (then's).
+        auto at_once = std::make_shared<bool>(true);
+        io_.place_snapshot([this, now, at_once](const std::string* failed) {
+            const Clock::time_point when = *at_once ? now : Clock::now();
+            if (lifecycle_.state() != SessionState::resuming) return;  // closed meanwhile
+            if (failed) return close(when, "resume_failed: " + *failed);
+            send_own(when, true);
+        });
+        *at_once = false;
         return;
     }
     if (lifecycle_.state() == SessionState::adopting) {

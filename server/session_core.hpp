@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -109,6 +110,14 @@ class SessionIo {
     // go, the client's channels staying bound. False with `why` when the
     // snapshot cannot be kept: the session stays as it was.
     virtual bool put_to_sleep(const nlohmann::json& report, std::string& why) = 0;
+    // A sandbox with no directory on this host (a Swarm task) moves its
+    // snapshot through its kernel: out of it once the kernel saved it,
+    // before put_to_sleep(), and into the next one (with the session's
+    // inputs) before it restores. `done` gets null, or why not; here at
+    // once, where the files are on this host.
+    using Moved = std::function<void(const std::string* why_not)>;
+    virtual void fetch_snapshot(Moved done) { done(nullptr); }
+    virtual void place_snapshot(Moved done) { done(nullptr); }
     // Whether put_to_sleep() could keep a snapshot of this sandbox at all;
     // false with `why` (no snapshot store, a backend with no files here).
     virtual bool can_sleep(std::string& why) const = 0;
@@ -375,6 +384,9 @@ class SessionCore {
     // Hibernation's steps (session_sleep.cpp).
     void send_own(Clock::time_point now, bool restore);
     void on_own_reply(Clock::time_point now, InboundMessage& msg);
+    // The saved snapshot is where put_to_sleep() keeps it from (or not: `failed`).
+    void snapshot_fetched(Clock::time_point now, const nlohmann::json& report,
+                          const std::string* failed);
     void hibernation_failed(Clock::time_point now, const std::string& why);
     void wake(Clock::time_point now);
     // Handing over: hibernates once idle with nothing open.

@@ -74,6 +74,12 @@ ProxyOptions Server::proxy_options(const std::string& session_id, const SessionL
         return keep_snapshot(id, box, report, why);
     };
     opts.wake = [this, id = session_id] { wake_session(id); };
+    opts.fetch_snapshot = [this, id = session_id](SessionIo::Moved done) {
+        fetch_snapshot(id, std::move(done));
+    };
+    opts.place_snapshot = [this, id = session_id](SessionIo::Moved done) {
+        place_snapshot(id, std::move(done));
+    };
     opts.hold_for_record = server_key_ && settings_.adopt_grace_ms > 0;
     return opts;
 }

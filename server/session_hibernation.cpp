@@ -41,7 +41,12 @@ json Server::session_resume(Request& r, std::vector<std::string>&) {
 
 bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
                            std::string& why) {
-    if (!snapshots_->keep_from(session_id, box, report, why)) return false;
+    // A swarm task's snapshot was fetched into the front's copy of its files,
+    // beside the inputs put there (fetch_snapshot).
+    const SandboxFiles* files = box.files();
+    const fs::path output = files ? files->output_dir() : remote_files_dir(session_id) / "output";
+    const fs::path input = files ? files->input_dir() : remote_files_dir(session_id) / "input";
+    if (!snapshots_->keep_from(session_id, output, input, report, why)) return false;
     if (egress_) egress_->remove_session(session_id);  // its listener was in the old ipc dir
     trim_due_ = true;
     return true;
@@ -90,9 +95,11 @@ void Server::finish_resume(PendingCreate& pending, WarmSandbox warm) {
         return;
     }
     try {
-        const SandboxFiles* files = warm.sandbox->files();
-        if (!files) throw SnapshotError("the new sandbox keeps no files on this host");
-        snapshots_->place(pending.resume_of, files->input_dir());
+        // A swarm task's snapshot goes through its kernel once it is attached
+        // (place_snapshot); here, into its sandbox's directory.
+        if (const SandboxFiles* files = warm.sandbox->files()) {
+            snapshots_->place(pending.resume_of, files->input_dir());
+        }
         if (pending.limits.network.gateway()) {
             const HostProcess* host = warm.sandbox->host_process();
             if (!egress_ || !host)
@@ -156,6 +163,8 @@ void Server::on_sleep_event(Session& session, const std::string& kind, const std
         // the new sandbox's /data/input.
         if (Sandbox* box = session.sandbox(); box && box->files()) {
             ::unlink((box->files()->input_dir() / kSnapshotFile).c_str());
+        } else {
+            ::unlink((remote_files_dir(id) / "input" / kSnapshotFile).c_str());
         }
         snapshots_->remove(id);
         forget_asleep(id);  // its live row from now (record_live)

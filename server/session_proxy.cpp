@@ -148,12 +148,25 @@ class SessionProxy::Io final : public SessionIo {
             why = "the session has no sandbox";
             return false;
         }
-        if (!p_.sandbox_->files()) {
+        if (!p_.sandbox_->files() && !(p_.options_.fetch_snapshot && p_.options_.place_snapshot)) {
             why = "the " + p_.sandbox_->runtime() +
                   " backend's sandboxes keep no files on this host: no snapshot can be kept";
             return false;
         }
         return true;
+    }
+
+    void fetch_snapshot(Moved done) override {
+        if (p_.sandbox_ && !p_.sandbox_->files() && p_.options_.fetch_snapshot) {
+            return p_.options_.fetch_snapshot(std::move(done));
+        }
+        done(nullptr);
+    }
+    void place_snapshot(Moved done) override {
+        if (p_.sandbox_ && !p_.sandbox_->files() && p_.options_.place_snapshot) {
+            return p_.options_.place_snapshot(std::move(done));
+        }
+        done(nullptr);
     }
 
     void wake() override {

@@ -70,6 +70,9 @@ struct ProxyOptions {
     std::function<bool(Sandbox& sandbox, const nlohmann::json& report, std::string& why)>
         keep_snapshot;
     std::function<void()> wake;
+    // For a sandbox with no directory on this host: the server moves the
+    // snapshot through its kernel (SessionIo::fetch_snapshot, place_snapshot).
+    std::function<void(SessionIo::Moved)> fetch_snapshot, place_snapshot;
     // Adoption after a crash (docs/restarts.md): what goes to the kernel and
     // to the clients on shell and control waits in the proxy until
     // release_held(), which the server calls once the session's record says

@@ -138,21 +138,12 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
             return;
         }
         const json report = report_of(*content);
-        keep_usage();
-        std::string why;
-        if (!io_.put_to_sleep(report, why)) {
-            hibernation_failed(now, why);
-            return;
-        }
-        cpu_ms_earlier_sandboxes_ = cpu_ms_total_;
-        move_to(SessionState::hibernated);
-        const auto lost = report.value("lost", json::array());
-        event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost",
-                                        ms_between(sleep_started_, now), report.value("bytes", 0),
-                                        report.value("saved", 0), lost.size()));
-        // A request came while it was being saved (not while handing over:
-        // the next server answers it).
-        if (!asleep_.empty() && !handing_over_) wake(now);
+        // Answered at once here (the time is this turn's) or later (then's).
+        auto at_once = std::make_shared<bool>(true);
+        io_.fetch_snapshot([this, report, now, at_once](const std::string* failed) {
+            snapshot_fetched(*at_once ? now : Clock::now(), report, failed);
+        });
+        *at_once = false;
         return;
     }
     if (!ok) {
@@ -168,6 +159,30 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
     event("resumed", fmt::format("{:.0f} ms, {} value(s) restored, {} lost", ms,
                                  report.value("saved", 0), (*resumed_)["lost"].size()));
     replay_asleep(now);
+}
+
+void SessionCore::snapshot_fetched(Clock::time_point now, const json& report,
+                                   const std::string* failed) {
+    if (lifecycle_.state() != SessionState::hibernating) return;  // closed meanwhile
+    if (failed) {
+        hibernation_failed(now, *failed);
+        return;
+    }
+    keep_usage();
+    std::string why;
+    if (!io_.put_to_sleep(report, why)) {
+        hibernation_failed(now, why);
+        return;
+    }
+    cpu_ms_earlier_sandboxes_ = cpu_ms_total_;
+    move_to(SessionState::hibernated);
+    const auto lost = report.value("lost", json::array());
+    event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost",
+                                    ms_between(sleep_started_, now), report.value("bytes", 0),
+                                    report.value("saved", 0), lost.size()));
+    // A request came while it was being saved (not while handing over:
+    // the next server answers it).
+    if (!asleep_.empty() && !handing_over_) wake(now);
 }
 
 void SessionCore::hibernation_failed(Clock::time_point now, const std::string& why) {

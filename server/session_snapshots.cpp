@@ -231,16 +231,11 @@ std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path&
     }
 }
 
-bool SnapshotStore::keep_from(const std::string& session_id, Sandbox& box,
-                              const nlohmann::json& report, std::string& why) {
-    const SandboxFiles* files = box.files();
-    if (!files) {
-        why = "the " + box.runtime() +
-              " backend's sandboxes keep no files on this host: no snapshot can be kept";
-        return false;
-    }
+bool SnapshotStore::keep_from(const std::string& session_id, const fs::path& output_dir,
+                              const fs::path& input_dir, const nlohmann::json& report,
+                              std::string& why) {
     try {
-        const std::uint64_t bytes = keep(session_id, files->output_dir(), files->input_dir());
+        const std::uint64_t bytes = keep(session_id, output_dir, input_dir);
         spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id,
                      bytes, report.value("saved", 0),
                      report.value("lost", nlohmann::json::array()).size());

@@ -71,7 +71,8 @@ class SnapshotStore {
     // cellblock_snapshot said, for the log), for a relay's put_to_sleep: false
     // with `why` when the sandbox keeps no files here or keeping failed
     // ("StorageFull: <the numbers>" past a cap).
-    bool keep_from(const std::string& session_id, Sandbox& box, const nlohmann::json& report,
+    bool keep_from(const std::string& session_id, const std::filesystem::path& output_dir,
+                   const std::filesystem::path& input_dir, const nlohmann::json& report,
                    std::string& why);
     // Gives a new sandbox of the session its input files and the snapshot,
     // opened; SnapshotError when a file fails its check (nothing is left

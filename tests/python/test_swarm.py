@@ -495,6 +495,41 @@ def test_a_client_cannot_send_the_kernel_the_servers_own_file_messages(swarm):
     swarm.ok("session_close_request", {"session_id": sid})
 
 
+def test_a_swarm_session_hibernates_and_wakes_in_a_new_service_with_everything(bed, swarm):
+    """Hibernation through the kernel: the snapshot is fetched over the
+    control channel into the front's sealed store with the inputs the front
+    keeps, the service goes (nothing of the session runs on any node), and
+    the next request wakes it in another service, its inputs and the
+    snapshot sent to the new kernel first."""
+    sid, kc, _ = swarm.open_session()
+    server_id = server_id_of(swarm)
+    swarm.ok("file_put_request", {"session_id": sid, "path": "in/data.txt"},
+             buffers=[b"kept input"])
+    assert run_ok(kc, "x = 41\nimport pandas as pd\ndf = pd.DataFrame({'a': [1, 2]})") == ""
+    wait_for(lambda: f"cb-{sid}" in services_of(bed, server_id), timeout=60)
+    before = services_of(bed, server_id)[f"cb-{sid}"]
+    reply = swarm.ok("session_hibernate_request", {"session_id": sid}, timeout=180)["content"]
+    assert reply["state"] == "hibernated" and reply["snapshot_bytes"] > 0, reply
+    wait_for(lambda: f"cb-{sid}" not in services_of(bed, server_id), timeout=30)
+    assert swarm.info_of(sid)["state"] == "hibernated"
+    # The same client: its next cell wakes it, in a new service.
+    assert run_ok(kc, "print(x + 1, df['a'].sum(), open('/data/input/in/data.txt').read())",
+                  timeout=180) == "42 3 kept input\n"
+    services = services_of(bed, server_id)
+    assert f"cb-{sid}" not in services or services[f"cb-{sid}"] != before, services
+    # The snapshot it was restored from stays neither in the task nor in the
+    # front's copy.
+    # (The kernel's own .cellblock-partial, where uploads are written, stays.)
+    assert run_ok(kc, "import os; print(sorted(os.listdir('/data/input')))") == \
+        "['.cellblock-partial', 'in']\n"
+    staged = os.path.join(swarm.state_dir, "remote-files", sid, "input")
+    assert sorted(os.listdir(staged)) == ["in"], os.listdir(staged)
+    kinds = [e["kind"] for e in swarm.ok("session_history_request",
+                                         {"session_id": sid})["content"]["events"]]
+    assert "hibernated" in kinds and "resumed" in kinds, kinds
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
 class SwarmKernelTests(conformance.ServerSessionKernelTests):
     """jupyter_kernel_test's suite, and cellblock's own conformance checks,
     against a session the swarm placed."""

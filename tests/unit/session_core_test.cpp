@@ -92,6 +92,20 @@ class RecordingIo final : public SessionIo {
         if (!keep_snapshot) why = keep_refusal;
         return keep_snapshot;
     }
+    // As a Swarm sandbox when `moves_later`: the snapshot moves through the
+    // kernel, answered when the test says (`fetches`, `places`).
+    bool moves_later = false;
+    std::vector<Moved> fetches, places;
+    void fetch_snapshot(Moved done) override {
+        actions.emplace_back("fetch");
+        if (!moves_later) return done(nullptr);
+        fetches.push_back(std::move(done));
+    }
+    void place_snapshot(Moved done) override {
+        actions.emplace_back("place");
+        if (!moves_later) return done(nullptr);
+        places.push_back(std::move(done));
+    }
     bool sleep_possible = true;
     bool can_sleep(std::string& why) const override {
         if (!sleep_possible) why = "the swarm backend's sandboxes keep no files on this host";
@@ -923,6 +937,55 @@ TEST_F(SleepTest, TheKernelSavesSilentlyThenTheSandboxGoes) {
     EXPECT_TRUE(io.of("release").empty());  // the client's channels stay
     EXPECT_EQ(audit.states,
               (std::vector<std::string>{"idle", "busy", "idle", "hibernating", "hibernated"}));
+}
+
+TEST_F(SleepTest, ASnapshotMovedThroughTheKernelIsWaitedForBothWays) {
+    io.moves_later = true;
+    sleep_at(t0 + 1s);
+    // Saved, not yet fetched: still hibernating, the sandbox kept.
+    ASSERT_EQ(io.fetches.size(), 1u);
+    EXPECT_TRUE(io.of("sleep").empty());
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernating);
+    // A request meanwhile waits, as during the save.
+    core->on_client_request(t0 + 2s, Channel::shell, execute("c2"));
+    EXPECT_TRUE(io.of("kernel", "execute_request").empty());
+    io.fetches[0](nullptr);
+    ASSERT_EQ(io.of("sleep").size(), 1u);
+    // Asleep, and woken at once by the request that came meanwhile.
+    EXPECT_EQ(std::count(audit.states.begin(), audit.states.end(), "hibernated"), 1);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::resuming);
+    ASSERT_EQ(io.of("wake").size(), 1u);
+    // Woken: no restore until the snapshot is placed in the new kernel.
+    core->on_kernel_attached(t0 + 3s, {"probe-2"});
+    ASSERT_EQ(io.places.size(), 1u);
+    const auto owns = io.of("own").size();
+    io.places[0](nullptr);
+    ASSERT_EQ(io.of("own").size(), owns + 1);
+    EXPECT_NE(json_string(io.of("own").back().content, "code").find("restore"), std::string::npos);
+}
+
+TEST_F(SleepTest, ASnapshotThatCannotBeMovedLeavesItAwakeOrClosesTheWake) {
+    io.moves_later = true;
+    sleep_at(t0 + 1s);
+    ASSERT_EQ(io.fetches.size(), 1u);
+    const std::string why = "fetching the snapshot from the kernel: no answer";
+    io.fetches[0](&why);
+    EXPECT_TRUE(io.of("sleep").empty());
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    EXPECT_EQ(audit.events.back(), "hibernate_failed " + why);
+    // Asleep for good this time, then a wake whose placing fails: closed, saying why.
+    io.moves_later = false;
+    sleep_at(t0 + 200s);
+    ASSERT_EQ(core->lifecycle_state(), SessionState::hibernated);
+    std::string no;
+    ASSERT_TRUE(core->resume(t0 + 201s, no)) << no;
+    io.moves_later = true;
+    core->on_kernel_attached(t0 + 202s, {"probe-2"});
+    ASSERT_EQ(io.places.size(), 1u);
+    const std::string failed = "placing /data/input/a.csv: the kernel: full";
+    io.places[0](&failed);
+    EXPECT_TRUE(core->closed());
+    EXPECT_EQ(core->close_reason(), "resume_failed: " + failed);
 }
 
 TEST_F(SleepTest, TheSaveAndTheRestoreCountAsRunningForTheCpuBalancer) {
