@@ -638,6 +638,35 @@ def test_sighup_leaves_the_services_running_and_the_next_start_adopts_them(bed, 
     assert services_of(bed, server_id) == {}
 
 
+def test_sigusr2_hibernates_swarm_sessions_and_the_next_start_wakes_them(bed, tmp_path):
+    """SIGUSR2 hands over and exits: a swarm session hibernates through its
+    kernel (its service removed) and the next server on the state dir wakes
+    it in a new service at its client's first request, through the same
+    connection info, with its variables and inputs. Until stop 51 swarm
+    sessions could not hibernate and were closed."""
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + [
+        "--key-file", str(tmp_path / "server.key")]).start()
+    try:
+        sid, kc, _ = srv.open_session()
+        server_id = server_id_of(srv)
+        srv.ok("file_put_request", {"session_id": sid, "path": "note.txt"}, buffers=[b"still"])
+        assert run_ok(kc, "kept = 23") == ""
+        wait_for(lambda: f"cb-{sid}" in services_of(bed, server_id), timeout=60)
+        srv.proc.send_signal(signal.SIGUSR2)
+        assert srv.proc.wait(timeout=180) == 0, srv.log()[-3000:]
+        assert "1 session(s) handed over" in srv.log(), srv.log()[-3000:]
+        assert f"cb-{sid}" not in services_of(bed, server_id)
+        srv.start()
+        assert srv.info_of(sid)["state"] == "hibernated"
+        assert run_ok(kc, "print(kept, open('/data/input/note.txt').read())",
+                      timeout=180) == "23 still\n"
+    finally:
+        server_id = server_id_of(srv)
+        problems = srv.shutdown()
+        assert not problems, "\n".join(problems)
+    assert services_of(bed, server_id) == {}
+
+
 def test_without_a_grace_a_restart_removes_every_service_it_had(bed):
     srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + ["--adopt-grace", "0"]).start()
     try:
