@@ -99,6 +99,19 @@ def idle_pss(srv, count, swarm):
     return values
 
 
+def load_host_image(bed, work):
+    """`cellblock image export host`, loaded into every node of the testbed."""
+    tar = os.path.join(work, "host.tar")
+    out = subprocess.run([servers.CELLBLOCK, "image", "export", "host", "-o", tar],
+                         check=True, capture_output=True, text=True, timeout=300)
+    # The tag it prints ends with the shim's digest.
+    tag = [l for l in out.stdout.splitlines() if l.strip().startswith("docker import ")]
+    if not tag:
+        raise BenchError(f"cellblock image export printed no tag: {out.stdout}")
+    bed.load_image(tar, tag[0].split()[-1])
+    os.unlink(tar)
+
+
 def swarm_figure(bench):
     work = tempfile.mkdtemp(prefix="cellblock-bench-swarm-", dir="/var/tmp")
     try:
@@ -107,15 +120,7 @@ def swarm_figure(bench):
         raise BenchError(f"dockerd cannot start here: {e}")
     rows = []
     try:
-        tar = os.path.join(work, "host.tar")
-        out = subprocess.run([servers.CELLBLOCK, "image", "export", "host", "-o", tar],
-                             check=True, capture_output=True, text=True, timeout=300)
-        # The tag it prints ends with the shim's digest.
-        tag = [l for l in out.stdout.splitlines() if l.strip().startswith("docker import ")]
-        if not tag:
-            raise BenchError(f"cellblock image export printed no tag: {out.stdout}")
-        bed.load_image(tar, tag[0].split()[-1])
-        os.unlink(tar)
+        load_host_image(bed, work)
 
         reps = bench.n(15, 4)
         pooled, cold = [], []

@@ -14,16 +14,14 @@ and /data/output are tmpfs in the task: memory the session's limit counts.
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 from client import BenchError
 from servers import CellblockServer
-import servers
 from stats import Row, summary
-from swarm import swarm_args
+from swarm import load_host_image, swarm_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
@@ -86,14 +84,7 @@ def swarm_files_figure(bench):
         raise BenchError(f"dockerd cannot start here: {e}")
     times = {"swarm": [], "runc": []}
     try:
-        tar = os.path.join(work, "host.tar")
-        out = subprocess.run([servers.CELLBLOCK, "image", "export", "host", "-o", tar],
-                             check=True, capture_output=True, text=True, timeout=300)
-        tag = [l for l in out.stdout.splitlines() if l.strip().startswith("docker import ")]
-        if not tag:
-            raise BenchError(f"cellblock image export printed no tag: {out.stdout}")
-        bed.load_image(tar, tag[0].split()[-1])
-        os.unlink(tar)
+        load_host_image(bed, work)
         csv = os.path.join(work, "sales.csv")
         expected = make_csv(csv, size)
         size = os.path.getsize(csv)

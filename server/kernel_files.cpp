@@ -253,7 +253,8 @@ void pull_from_kernel(AskKernel ask, std::string path, fs::path local, std::uint
     pull->path = std::move(path);
     pull->local = std::move(local);
     pull->partial = pull->local;
-    pull->partial += ".pull";
+    // Its own name: two gets of one path at once write two files, each whole.
+    pull->partial += ".pull-" + pull->transfer;
     pull->max_bytes = max_bytes;
     pull->over_what = std::move(over_what);
     std::error_code ec;

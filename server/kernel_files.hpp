@@ -59,7 +59,7 @@ void push_to_kernel(AskKernel ask, std::filesystem::path local, std::string path
                     KernelFilesDone done);
 
 // Copies `path` beneath the kernel's /data/output to `local` (written beside
-// it as `local` + ".pull", renamed when whole and its sha256 is the kernel's
+// it as `local` + ".pull-<transfer>", renamed when whole and its sha256 is the kernel's
 // of what it read); FileTooLarge, and nothing kept, past `max_bytes`
 // (`over_what` names that limit for the client).
 void pull_from_kernel(AskKernel ask, std::string path, std::filesystem::path local,

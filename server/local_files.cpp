@@ -226,13 +226,8 @@ void Server::on_local_client(std::uint64_t id) {
             return;
         }
         start_local_copy(id, fds[0].get());
-    } catch (const RequestError& e) {
-        refuse_local(id, e.ename, e.evalue);
-    } catch (const FileRequestError& e) {
-        refuse_local(id, e.ename(), e.what());
-    } catch (const std::exception& e) {
-        spdlog::error("local file socket {}: {}", type, e.what());
-        refuse_local(id, ename::ServerError, e.what());
+    } catch (...) {
+        refuse_local_for_exception(id, type);
     }
 }
 
@@ -259,6 +254,14 @@ void Server::start_local_copy(std::uint64_t id, int client_file) {
                    {{"path", job->copy.sandbox_path}, {"done", 0}, {"size", job->copy.size}});
         job->start(local_wake_.get());
         c.job = std::move(job);
+    } catch (...) {
+        refuse_local_for_exception(id, type);
+    }
+}
+
+void Server::refuse_local_for_exception(std::uint64_t id, const std::string& type) {
+    try {
+        throw;
     } catch (const RequestError& e) {
         refuse_local(id, e.ename, e.evalue);
     } catch (const FileRequestError& e) {

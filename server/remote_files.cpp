@@ -52,6 +52,24 @@ SessionFiles Server::session_files(SessionProxy& s) const {
     return {s.session_id(), dir / "input", dir / "output", dir / "partial", cap};
 }
 
+KernelFilesDone Server::counted_move(const std::string& session_id, KernelFilesDone done) {
+    const std::size_t cap = transfers_.limits().max_session_transfers;
+    std::size_t& moving = kernel_moves_[session_id];
+    if (moving >= cap) {
+        throw FileRequestError(ename::TooManyTransfers,
+                               std::to_string(moving) + " files are moving to or from session " +
+                                   session_id + "'s kernel already (at most " +
+                                   std::to_string(cap) + " at once); try again when one ends");
+    }
+    ++moving;
+    return [this, session_id, done = std::move(done)](std::optional<FileRequestError> error) {
+        if (auto it = kernel_moves_.find(session_id); it != kernel_moves_.end()) {
+            if (--it->second == 0) kernel_moves_.erase(it);
+        }
+        done(std::move(error));
+    };
+}
+
 void Server::put_in_kernel(const std::string& session_id, FileTransfers::Reply done,
                            KernelFilesAnswer answer) {
     // "/data/input/<path>", as the put's reply names it for the client.
@@ -59,8 +77,9 @@ void Server::put_in_kernel(const std::string& session_id, FileTransfers::Reply d
         checked_relative_path(json_string(done.content, "path"), kSandboxInputDir);
     const fs::path local = remote_files_dir(session_id) / "input" / path;
     push_to_kernel(kernel_asker(session_id), local, path,
-                   [this, session_id, done = std::move(done),
-                    answer = std::move(answer)](std::optional<FileRequestError> error) mutable {
+                   counted_move(session_id, [this, session_id, done = std::move(done),
+                                             answer = std::move(answer)](
+                                                std::optional<FileRequestError> error) mutable {
                        if (error) {
                            // The front's copy stays (and counts): a put again replaces it.
                            spdlog::warn("session {}: a put did not reach the kernel: {}: {}",
@@ -69,18 +88,19 @@ void Server::put_in_kernel(const std::string& session_id, FileTransfers::Reply d
                        }
                        if (done.event) on_event(session_id, done.event->first, done.event->second);
                        answer(&done, nullptr);
-                   });
+                   }));
 }
 
 void Server::pull_output(const std::string& session_id, const json& content,
                          std::uint64_t max_bytes, const std::string& over_what,
                          std::function<void(const FileRequestError* error)> then) {
     const std::string path = checked_relative_path(json_string(content, "path"), kSandboxOutputDir);
-    pull_from_kernel(kernel_asker(session_id), path, remote_files_dir(session_id) / "output" / path,
-                     max_bytes, over_what,
-                     [then = std::move(then)](std::optional<FileRequestError> error) {
-                         then(error ? &*error : nullptr);
-                     });
+    pull_from_kernel(
+        kernel_asker(session_id), path, remote_files_dir(session_id) / "output" / path, max_bytes,
+        over_what,
+        counted_move(session_id, [then = std::move(then)](std::optional<FileRequestError> error) {
+            then(error ? &*error : nullptr);
+        }));
 }
 
 void Server::kernel_file_request(const WireMessage& request) {

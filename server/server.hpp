@@ -296,6 +296,12 @@ class Server final : public SessionObserver {
     void kernel_file_request(const WireMessage& request);
     // Its staging copy goes at close, and any left by an earlier run at start.
     void remove_remote_files(const std::string& session_id);
+    // Moves through each session's kernel under way (puts and gets): at most
+    // the per-session transfer cap at once (TooManyTransfers).
+    std::map<std::string, std::size_t> kernel_moves_;
+    // Counts one move of `session_id` (or refuses it); `done`, wrapped to
+    // count it ended.
+    KernelFilesDone counted_move(const std::string& session_id, KernelFilesDone done);
     // Hibernation of such a session: its snapshot is fetched into the front's
     // copy (kept from there with the inputs), and placed in the next sandbox
     // with every input file, through the kernel.
@@ -386,6 +392,8 @@ class Server final : public SessionObserver {
     void finish_local_copy(std::uint64_t id);
     void send_local(LocalClient& c, const std::string& msg_type, json content);
     void refuse_local(std::uint64_t id, const std::string& ename, const std::string& evalue);
+    // refuse_local for the exception being handled (called in a catch).
+    void refuse_local_for_exception(std::uint64_t id, const std::string& type);
     void close_local_client(std::uint64_t id);
     void cancel_local_copies(const std::string& session_id);
     UniqueFd local_listener_;

@@ -470,6 +470,15 @@ def test_files_go_to_and_from_a_swarm_session_through_its_kernel(swarm, tmp_path
             s.get("link")   # the code's link is not followed
         with pytest.raises(cellblock.InvalidPath):
             s.get("../input/small.txt")
+        # Gets at once: each whole (their own partial files at the front), at
+        # most 4 moving through the kernel, the fifth told so.
+        replies = swarm.call_many([("file_get_request", {"session_id": s.id,
+                                                         "path": "out/result.bin"})] * 5)
+        statuses = [r["content"]["status"] for r in replies]
+        assert statuses.count("ok") == 4, [r["content"] for r in replies]
+        assert replies[4]["content"]["ename"] == "TooManyTransfers", replies[4]["content"]
+        for r in replies[:4]:
+            assert r["content"]["size"] == int(want_size)
         # The front's copy is root's alone; the pulled files did not stay.
         st = os.stat(staged)
         assert st.st_uid == 0 and st.st_mode & 0o777 == 0o700, oct(st.st_mode)

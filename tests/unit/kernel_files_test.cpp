@@ -12,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 
 #include "cellblock/sha256.hpp"
 #include "kernel_files.hpp"
@@ -31,6 +32,14 @@ std::string random_bytes(std::size_t n, unsigned seed) {
 std::string read_file(const fs::path& p) {
     std::ifstream in(p, std::ios::binary);
     return {std::istreambuf_iterator<char>(in), {}};
+}
+
+// The names in `dir` (what a move left there).
+std::set<std::string> names(const fs::path& dir) {
+    std::set<std::string> out;
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(dir, ec)) out.insert(e.path().filename());
+    return out;
 }
 
 void write_file(const fs::path& p, const std::string& bytes) {
@@ -278,7 +287,7 @@ TEST_F(KernelFilesTest, AKernelThatCannotBeAskedEndsTheMoveAtOnce) {
     write_file(kernel_->output_ / "y", "abc");
     const auto get = pull("y", 100);
     ASSERT_TRUE(get.has_value());
-    EXPECT_FALSE(fs::exists(root_ / "front" / "out" / "y.pull"));
+    EXPECT_EQ(names(root_ / "front" / "out"), std::set<std::string>{});
 }
 
 TEST_F(KernelFilesTest, AGetComesInChunksBesideItsPlaceAndIsRenamedWhole) {
@@ -286,8 +295,25 @@ TEST_F(KernelFilesTest, AGetComesInChunksBesideItsPlaceAndIsRenamedWhole) {
     write_file(kernel_->output_ / "plots" / "a.png", bytes);
     EXPECT_FALSE(pull("plots/a.png", bytes.size()).has_value());
     EXPECT_EQ(read_file(root_ / "front" / "out" / "plots" / "a.png"), bytes);
-    EXPECT_FALSE(fs::exists(root_ / "front" / "out" / "plots" / "a.png.pull"));
+    EXPECT_EQ(names(root_ / "front" / "out" / "plots"), std::set<std::string>{"a.png"});
     EXPECT_EQ(count(kKernelFileRead), 2u);
+}
+
+TEST_F(KernelFilesTest, TwoGetsOfOnePathAtOnceEachLandWhole) {
+    const std::string bytes = random_bytes(3 * kKernelFileChunk, 11);
+    write_file(kernel_->output_ / "same", bytes);
+    int ended = 0;
+    for (int i = 0; i < 2; ++i) {
+        pull_from_kernel(kernel_->ask(), "same", root_ / "front" / "out" / "same", 1ull << 30, "",
+                         [&](std::optional<FileRequestError> e) {
+                             EXPECT_FALSE(e.has_value());
+                             ++ended;
+                         });
+    }
+    kernel_->pump();
+    EXPECT_EQ(ended, 2);
+    EXPECT_EQ(read_file(root_ / "front" / "out" / "same"), bytes);
+    EXPECT_EQ(names(root_ / "front" / "out"), std::set<std::string>{"same"});
 }
 
 TEST_F(KernelFilesTest, AGetPastItsLimitIsFileTooLargeAndKeepsNothing) {
@@ -296,8 +322,7 @@ TEST_F(KernelFilesTest, AGetPastItsLimitIsFileTooLargeAndKeepsNothing) {
     ASSERT_TRUE(error.has_value());
     EXPECT_EQ(error->ename(), "FileTooLarge");
     EXPECT_NE(std::string(error->what()).find("the test's limit"), std::string::npos);
-    EXPECT_FALSE(fs::exists(root_ / "front" / "out" / "big"));
-    EXPECT_FALSE(fs::exists(root_ / "front" / "out" / "big.pull"));
+    EXPECT_EQ(names(root_ / "front" / "out"), std::set<std::string>{});
     EXPECT_EQ(count(kKernelFileAbort), 1u);
 }
 
@@ -324,7 +349,7 @@ TEST_F(KernelFilesTest, AnswersThatDoNotAddUpAreRefused) {
     error = pull("f", 1ull << 30);
     ASSERT_TRUE(error.has_value());
     EXPECT_EQ(error->ename(), "FileError");
-    EXPECT_FALSE(fs::exists(root_ / "front" / "out" / "f"));
+    EXPECT_EQ(names(root_ / "front" / "out"), std::set<std::string>{});
 }
 
 TEST_F(KernelFilesTest, AMissingFileIsTheKernelsFileNotFound) {
