@@ -171,8 +171,9 @@ class MessageTooLarge(ManagerError):
     """A manager message is over the frame limit; large files are streamed in chunks."""
 
 
-class UnknownRequest(ManagerError):
-    pass
+class UnknownRequest(ManagerError, PolicyError):
+    """The manager does not know the message type; or, on a session, a client
+    sent one of the server's own messages to its kernel (cellblock_*)."""
 
 
 class ServerError(ManagerError):
@@ -216,7 +217,7 @@ _BY_NAME = {cls.__name__: cls for cls in (
 POLICY_ENAMES = frozenset({"ExecutionLimitExceeded", "ExecutionTimeout", "InterruptIgnored",
                            "SessionClosed", "MemoryLimitExceeded", "KernelDied", "SessionBusy",
                            "InvalidLimits", "LimitAboveMaximum", "ServerShuttingDown",
-                           "ServerRestarting"})
+                           "ServerRestarting", "UnknownRequest"})
 
 
 def error_for(ename, evalue="", traceback=None, execution=None, default=CellblockError):
