@@ -866,21 +866,8 @@ class FileTransfers:
         if len(buffers) != 1:
             raise TransferRefused("FileError", f"writing {path} at offset {offset}: the request "
                                                f"carries {len(buffers)} buffers, not 1")
-        if offset == 0:
-            self._drop(transfer)
-            self._check_room(transfer, path)
-            try:
-                upload = self._start_upload(transfer, path)
-            except TransferRefused as e:
-                raise TransferRefused(e.ename, f"starting the upload of {path}: {e.evalue}") \
-                    from None
-            self._open[transfer] = upload
-        else:
-            upload = self._continued(_Upload, transfer, path, offset)
-            if offset != upload.written:
-                raise TransferRefused("FileError", f"writing {path}: the chunk is at offset "
-                                                   f"{offset}, but {upload.written} bytes were "
-                                                   "written so far")
+        upload = self._at(_Upload, transfer, path, offset,
+                          lambda: self._started_upload(transfer, path))
         upload.touched = self._clock()
         try:
             upload.write(buffers[0])
@@ -903,17 +890,8 @@ class FileTransfers:
         if length > self.MAX_READ:
             raise TransferRefused("FileError", f"reading {path}: a chunk of {length} bytes asked, "
                                                f"at most {self.MAX_READ} are sent at once")
-        if offset == 0:
-            self._drop(transfer)
-            self._check_room(transfer, path)
-            download = self._start_download(path, parts)
-            self._open[transfer] = download
-        else:
-            download = self._continued(_Download, transfer, path, offset)
-            if offset != download.sent:
-                raise TransferRefused("FileError", f"reading {path}: the chunk asked is at offset "
-                                                   f"{offset}, but {download.sent} bytes were "
-                                                   "sent so far")
+        download = self._at(_Download, transfer, path, offset,
+                            lambda: self._start_download(path, parts))
         download.touched = self._clock()
         wanted = max(0, min(length, download.size - offset))
         data = b""
@@ -1008,16 +986,38 @@ class FileTransfers:
                                                f"transfer {transfer} ({path}) can start when one "
                                                "ends or is aborted")
 
-    def _continued(self, kind, transfer, path, offset):
+    def _at(self, kind, transfer, path, offset, start):
+        """The transfer a chunk at `offset` belongs to: started anew (`start()`)
+        at offset 0, else the open one of that kind and path, where the last
+        chunk ended."""
+        if offset == 0:
+            self._drop(transfer)
+            self._check_room(transfer, path)
+            going = start()
+            self._open[transfer] = going
+            return going
         going = self._open.get(transfer)
-        what, doing = ("upload", "writing") if kind is _Upload else ("download", "reading")
+        upload = kind is _Upload
+        what, doing = ("upload", "writing") if upload else ("download", "reading")
         if not isinstance(going, kind):
             raise TransferRefused("FileError", f"{doing} {path} at offset {offset}: no {what} "
                                                f"{transfer} is open (one starts at offset 0)")
         if going.path != path:
             raise TransferRefused("FileError", f"{doing} {path} at offset {offset}: {what} "
                                                f"{transfer} is of {going.path}")
+        moved = going.written if upload else going.sent
+        if offset != moved:
+            raise TransferRefused("FileError", f"{doing} {path}: the chunk is at offset {offset}, "
+                                               f"but {moved} bytes were "
+                                               f"{'written' if upload else 'sent'} so far")
         return going
+
+    def _started_upload(self, transfer, path):
+        try:
+            return self._start_upload(transfer, path)
+        except TransferRefused as e:
+            raise TransferRefused(e.ename, f"starting the upload of {path}: {e.evalue}") \
+                from None
 
     def _drop(self, transfer):
         dropped = self._open.pop(transfer, None)

@@ -217,11 +217,17 @@ void Server::on_local_client(std::uint64_t id) {
             pull_output(s.session_id(), c.request->content, transfers_.limits().max_file_bytes,
                         "the server's maximum of " +
                             std::to_string(transfers_.limits().max_file_bytes) + " bytes",
-                        [this, id, fd](const FileRequestError* error) {
+                        [this, id, fd](const FileRequestError* error, const fs::path& local) {
                             const auto it = local_clients_.find(id);
-                            if (it == local_clients_.end()) return;  // the client left
-                            if (error) return refuse_local(id, error->ename(), error->what());
-                            start_local_copy(id, fd->get());
+                            if (it == local_clients_.end()) {
+                                ::unlink(local.c_str());  // the client left
+                            } else if (error) {
+                                refuse_local(id, error->ename(), error->what());
+                            } else {
+                                start_local_copy(id, fd->get());
+                                // The copy reads its own descriptor of it.
+                                ::unlink(local.c_str());
+                            }
                         });
             return;
         }
@@ -243,13 +249,6 @@ void Server::start_local_copy(std::uint64_t id, int client_file) {
             type == "file_put_local_request"
                 ? transfers_.begin_local_put(c.request->content, client_file, files, Clock::now())
                 : transfers_.begin_local_get(c.request->content, client_file, files, Clock::now());
-        if (files_in_kernel(s) && type == "file_get_local_request") {
-            // The copy reads its own descriptor: the front's copy can go.
-            ::unlink(
-                (files.output_dir /
-                 checked_relative_path(json_string(c.request->content, "path"), kSandboxOutputDir))
-                    .c_str());
-        }
         send_local(c, "file_progress",
                    {{"path", job->copy.sandbox_path}, {"done", 0}, {"size", job->copy.size}});
         job->start(local_wake_.get());

@@ -17,6 +17,22 @@ fs::path Server::remote_files_dir(const std::string& session_id) const {
     return settings_.state_dir / "remote-files" / session_id;
 }
 
+fs::path Server::make_remote_files_dir(const std::string& session_id) const {
+    const fs::path dir = remote_files_dir(session_id);
+    std::error_code ec;
+    fs::create_directories(dir.parent_path(), ec);
+    ::chmod(dir.parent_path().c_str(), 0700);
+    for (const char* sub : {"input", "output", "partial"}) {
+        if (!ec) fs::create_directories(dir / sub, ec);
+    }
+    ::chmod(dir.c_str(), 0700);
+    if (ec) {
+        throw RequestError{ename::FileError, "the front's copy of the session's files, " +
+                                                 dir.string() + ": " + ec.message()};
+    }
+    return dir;
+}
+
 AskKernel Server::kernel_asker(const std::string& session_id) {
     return [this, session_id](const std::string& type, json content,
                               std::vector<std::string> buffers, KernelAnswered answered) {
@@ -39,16 +55,7 @@ SessionFiles Server::session_files(SessionProxy& s) const {
     if (const SandboxFiles* files = box->files()) {
         return {s.session_id(), files->input_dir(), files->output_dir(), files->staging_dir(), cap};
     }
-    const fs::path dir = remote_files_dir(s.session_id());
-    std::error_code ec;
-    fs::create_directories(dir.parent_path(), ec);
-    ::chmod(dir.parent_path().c_str(), 0700);
-    for (const char* sub : {"input", "output", "partial"}) fs::create_directories(dir / sub, ec);
-    ::chmod(dir.c_str(), 0700);
-    if (ec) {
-        throw RequestError{ename::FileError, "the front's copy of the session's files, " +
-                                                 dir.string() + ": " + ec.message()};
-    }
+    const fs::path dir = make_remote_files_dir(s.session_id());
     return {s.session_id(), dir / "input", dir / "output", dir / "partial", cap};
 }
 
@@ -92,15 +99,14 @@ void Server::put_in_kernel(const std::string& session_id, FileTransfers::Reply d
 }
 
 void Server::pull_output(const std::string& session_id, const json& content,
-                         std::uint64_t max_bytes, const std::string& over_what,
-                         std::function<void(const FileRequestError* error)> then) {
+                         std::uint64_t max_bytes, const std::string& over_what, PulledThen then) {
     const std::string path = checked_relative_path(json_string(content, "path"), kSandboxOutputDir);
-    pull_from_kernel(
-        kernel_asker(session_id), path, remote_files_dir(session_id) / "output" / path, max_bytes,
-        over_what,
-        counted_move(session_id, [then = std::move(then)](std::optional<FileRequestError> error) {
-            then(error ? &*error : nullptr);
-        }));
+    const fs::path local = remote_files_dir(session_id) / "output" / path;
+    pull_from_kernel(kernel_asker(session_id), path, local, max_bytes, over_what,
+                     counted_move(session_id, [local, then = std::move(then)](
+                                                  std::optional<FileRequestError> error) {
+                         then(error ? &*error : nullptr, local);
+                     }));
 }
 
 void Server::kernel_file_request(const WireMessage& request) {
@@ -132,11 +138,8 @@ void Server::kernel_file_request(const WireMessage& request) {
               : "the server's maximum of " + std::to_string(max) + " bytes";
     pull_output(
         session_id, request.content, max, over_what,
-        [this, request, type, answer](const FileRequestError* error) {
+        [this, request, type, answer](const FileRequestError* error, const fs::path& local) {
             if (error) return answer(nullptr, error);
-            const fs::path local =
-                remote_files_dir(session_id_of(request.content)) / "output" /
-                checked_relative_path(json_string(request.content, "path"), kSandboxOutputDir);
             try {
                 SessionProxy& s = live_session(request.content);
                 auto done = transfers_.handle(type, request.content, std::vector<std::string>{},
@@ -155,10 +158,12 @@ void Server::kernel_file_request(const WireMessage& request) {
 }
 
 void Server::fetch_snapshot(const std::string& session_id, SessionIo::Moved done) {
-    const fs::path output = remote_files_dir(session_id) / "output";
-    std::error_code ec;
-    fs::create_directories(output, ec);
-    fs::create_directories(remote_files_dir(session_id) / "input", ec);
+    fs::path output;
+    try {
+        output = make_remote_files_dir(session_id) / "output";
+    } catch (const RequestError& e) {
+        return done(&e.evalue);
+    }
     const std::uint64_t cap = snapshots_->caps().per_session;
     pull_from_kernel(
         kernel_asker(session_id), kSnapshotFile, output / kSnapshotFile, cap,

@@ -276,6 +276,8 @@ class Server final : public SessionObserver {
     // (kernel_files.hpp, remote_files.cpp).
     static bool files_in_kernel(SessionProxy& s);
     fs::path remote_files_dir(const std::string& session_id) const;
+    // The same, made (root's, 0700, with input/, output/, partial/); FileError.
+    fs::path make_remote_files_dir(const std::string& session_id) const;
     AskKernel kernel_asker(const std::string& session_id);
     // How a move through the kernel ended for the request that waits on it:
     // the reply, or the error.
@@ -287,10 +289,10 @@ class Server final : public SessionObserver {
                        KernelFilesAnswer answer);
     // The kernel's /data/output/<path of `content`> comes into the front's
     // copy first (at most `max_bytes`, `over_what` naming that limit), then
-    // `then` runs (null: it came).
+    // `then` runs (error null: it came, to `local`).
+    using PulledThen = std::function<void(const FileRequestError* error, const fs::path& local)>;
     void pull_output(const std::string& session_id, const json& content, std::uint64_t max_bytes,
-                     const std::string& over_what,
-                     std::function<void(const FileRequestError* error)> then);
+                     const std::string& over_what, PulledThen then);
     // file_list_request, file_get_request and file_get_begin_request of such
     // a session, answered later.
     void kernel_file_request(const WireMessage& request);

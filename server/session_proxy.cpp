@@ -72,11 +72,7 @@ class SessionProxy::Io final : public SessionIo {
         // node): ask the kernel itself, on its control channel (the
         // messaging spec's interrupt_mode "message"). Its reply has no
         // pending request and is dropped.
-        WireMessage msg;
-        msg.header = make_header("interrupt_request", p_.server_session_);
-        msg.parent_header = json::object();
-        msg.content = json::object();
-        auto frames = to_frames(encode(msg, p_.inner_signer_));
+        auto frames = p_.own_message("interrupt_request", json::object());
         if (RelaySocket* control = p_.inner_socket(Channel::control)) control->send(frames);
     }
     void kill_kernel() override {
@@ -110,14 +106,10 @@ class SessionProxy::Io final : public SessionIo {
 
     std::string send_to_kernel(Channel channel, const std::string& msg_type,
                                json content) override {
-        WireMessage msg;
-        msg.header = make_header(msg_type, p_.server_session_);
-        msg.parent_header = json::object();
-        msg.metadata = json::object();
-        msg.content = std::move(content);
-        auto frames = to_frames(encode(msg, p_.inner_signer_));
+        std::string msg_id;
+        auto frames = p_.own_message(msg_type, std::move(content), {}, &msg_id);
         p_.send_or_hold(true, channel, frames);
-        return json_string(msg.header, "msg_id");
+        return msg_id;
     }
 
     bool put_to_sleep(const json& report, std::string& why) override {
@@ -381,17 +373,24 @@ bool SessionProxy::ask_kernel(const std::string& msg_type, json content,
                               std::vector<std::string> buffers, KernelAnswered answered,
                               std::chrono::milliseconds timeout) {
     if (!sandbox_ || !inner_control_ || core_->closed()) return false;
+    std::string msg_id;
+    auto frames = own_message(msg_type, std::move(content), std::move(buffers), &msg_id);
+    // Not held for the record (hold_for_record): a restart fails the move,
+    // which the client is told, and nothing in the record waits for it.
+    if (!inner_control_->send(frames)) return false;
+    kernel_calls_.emplace(msg_id, KernelCall{std::move(answered), Clock::now() + timeout});
+    return true;
+}
+
+std::vector<Frame> SessionProxy::own_message(const std::string& msg_type, json content,
+                                             std::vector<std::string> buffers,
+                                             std::string* msg_id) const {
     WireMessage msg;
     msg.header = make_header(msg_type, server_session_);
     msg.content = std::move(content);
     msg.buffers = std::move(buffers);
-    auto frames = to_frames(encode(msg, inner_signer_));
-    // Not held for the record (hold_for_record): a restart fails the move,
-    // which the client is told, and nothing in the record waits for it.
-    if (!inner_control_->send(frames)) return false;
-    kernel_calls_.emplace(json_string(msg.header, "msg_id"),
-                          KernelCall{std::move(answered), Clock::now() + timeout});
-    return true;
+    if (msg_id) *msg_id = json_string(msg.header, "msg_id");
+    return to_frames(encode(msg, inner_signer_));
 }
 
 void SessionProxy::end_kernel_calls() {

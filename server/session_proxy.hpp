@@ -197,6 +197,11 @@ class SessionProxy {
     void end_kernel_calls();
     // The reply to one, taken out of the relay's way; false: not one.
     bool answer_kernel_call(const InboundMessage& msg);
+    // A message of the server's own to the kernel (its requests, an
+    // interrupt), signed with the inner key; its msg_id in `msg_id`.
+    std::vector<Frame> own_message(const std::string& msg_type, nlohmann::json content,
+                                   std::vector<std::string> buffers = {},
+                                   std::string* msg_id = nullptr) const;
     // Starts the client's signature of a large kernel message (scratch_) on
     // another thread; Io uses it if the core forwards the message unchanged.
     void sign_early();
