@@ -142,7 +142,12 @@ int accept_lifeline(int listener, pid_t init_pid, std::chrono::milliseconds time
         if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) return -1;
         for (auto it = unproven.begin(); it != unproven.end();) {
             const Proof proof = read_proof(*it, peer.proof);
-            if (proof == Proof::shown) return it->fd.release();
+            if (proof == Proof::shown) {
+                // The others not yet judged close with the vector: refused too, in the log.
+                for (std::size_t i = 1; i < unproven.size(); ++i)
+                    refused("a connection refused (the shim's came first)");
+                return it->fd.release();
+            }
             if (proof == Proof::refused) {
                 refused("a connection refused (it did not show the shim's key)");
                 it = unproven.erase(it);
