@@ -45,7 +45,9 @@ reply; the server passes those it still owes and drops the rest.
 
 Files move over control where the server has no directory of the session's
 (a Swarm task): four cellblock_file_* requests, answered by FileTransfers,
-which never follows a link the sandbox's code may have planted.
+which never follows a link the sandbox's code may have planted. A
+cellblock_exit_request on control ends the kernel at once (the server closes
+a session whose sandbox it cannot kill itself at once: a Swarm task).
 """
 import importlib
 import os
@@ -1176,7 +1178,8 @@ class _Listing:
 
 class SandboxKernel(IPythonKernel):
     # ipykernel builds its control dispatch table from this list.
-    control_msg_types = IPythonKernel.control_msg_types + list(FileTransfers.MESSAGES)
+    control_msg_types = (IPythonKernel.control_msg_types + list(FileTransfers.MESSAGES)
+                         + ["cellblock_exit_request"])
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -1229,6 +1232,13 @@ class SandboxKernel(IPythonKernel):
 
     async def cellblock_file_abort_request(self, stream, ident, parent):
         self._answer_file_request(stream, ident, parent)
+
+    async def cellblock_exit_request(self, stream, ident, parent):
+        # The server ends the session and its sandbox cannot be killed at once
+        # (a Swarm task, whose shim holds the engine's SIGTERM through a
+        # drain): exit now, whatever the shell thread is doing. No reply:
+        # the server does not wait for one.
+        os._exit(0)
 
     def _answer_file_request(self, stream, ident, parent):
         msg_type = parent["header"]["msg_type"]

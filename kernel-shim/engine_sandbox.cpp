@@ -1,6 +1,7 @@
 // The shim's `--engine UID` start (docs/scale-out.md): what runc would have
 // set up, done by the shim itself as root under a container engine, before it
 // drops to the sandbox's uid for good.
+#include <fcntl.h>
 #include <grp.h>
 #include <linux/filter.h>
 #include <linux/netlink.h>
@@ -16,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "cellblock/sandbox_protocol.hpp"
@@ -151,6 +153,19 @@ bool enter_engine_sandbox(uid_t uid) {
     }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);  // setuid made it dumpable again
     return install_seccomp_program();
+}
+
+bool front_attached() {
+    for (const char* path : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+        UniqueFd fd(open(path, O_RDONLY | O_CLOEXEC));
+        if (!fd) continue;
+        std::string table;
+        char buf[4096];
+        ssize_t n;
+        while ((n = read(fd.get(), buf, sizeof buf)) > 0) table.append(buf, static_cast<size_t>(n));
+        if (sandbox_protocol::front_attached(table)) return true;
+    }
+    return false;
 }
 
 }  // namespace cellblock::shim

@@ -313,6 +313,7 @@ int main(int argc, char** argv) {
     bool stderr_open = true;
     using Clock = std::chrono::steady_clock;
     std::optional<Clock::time_point> term_at;  // told to stop: the kernel's last moment
+    bool term_held = false;                    // --engine: the engine's SIGTERM, said once
     // No server (orphaned): the end of the grace. Not an optional: GCC at -O1
     // takes its value for uninitialized where it is read.
     bool orphaned = false;
@@ -362,6 +363,18 @@ int main(int argc, char** argv) {
                 const int sig = static_cast<int>(info.ssi_signo);
                 if (sig == SIGINT) {
                     kill(kernel, SIGINT);
+                } else if (sig == SIGTERM && engine && front_attached()) {
+                    // The engine stops a task so when its service is removed
+                    // (the front asked the kernel to exit first) and when its
+                    // node is drained: then the front moves the session while
+                    // the kernel runs on, until the stop grace ends in SIGKILL.
+                    // With no front attached, SIGTERM ends it as below.
+                    if (!term_held) {
+                        say("%s",
+                            "SIGTERM held while a front is attached: the kernel runs until "
+                            "it exits");
+                    }
+                    term_held = true;
                 } else if (sig == SIGTERM || sig == SIGHUP || sig == SIGQUIT) {
                     kill(kernel, SIGTERM);
                     if (!term_at)

@@ -31,4 +31,8 @@ void start_egress_forwarder();
 // (kSeccompBpfEnv) installed. False (said why) if a step failed.
 bool enter_engine_sandbox(uid_t uid);
 
+// Whether a front holds a connection to one of the kernel's ports
+// (sandbox_protocol::front_attached over the task's /proc/net/tcp and tcp6).
+bool front_attached();
+
 }  // namespace cellblock::shim

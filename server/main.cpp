@@ -285,6 +285,14 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"runc", "swarm"}))
         ->capture_default_str();
     std::vector<std::string> swarm_images;
+    double swarm_drain_grace_s = 30;
+    serve_cmd
+        ->add_option("--swarm-drain-grace", swarm_drain_grace_s,
+                     "seconds a session's task on a drained node keeps running while the "
+                     "session hibernates and wakes on another node (its service's stop grace; "
+                     "docs/restarts.md)")
+        ->capture_default_str()
+        ->check(CLI::Range(1.0, 3600.0));
     serve_cmd
         ->add_option("--swarm-docker-host", serve.swarm.docker_host,
                      "the engine API of a Swarm manager (unix:///path)")
@@ -411,6 +419,8 @@ int main(int argc, char** argv) {
                 cellblock::parse_limits(serve_default_limits), serve.policy.defaults);
             for (const auto& item : serve_resolve_items) serve.egress.add_resolve(item);
             serve.egress.apply_to(serve.policy);
+            serve.swarm.drain_grace =
+                std::chrono::milliseconds(static_cast<long>(swarm_drain_grace_s * 1000));
             for (const auto& item : swarm_images) {
                 const auto eq = item.find('=');
                 if (eq == std::string::npos || eq == 0 || eq + 1 == item.size())

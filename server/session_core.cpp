@@ -696,6 +696,7 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         !handover_failed_) {
         consider(settle_at_);  // settle_handover: free yet? (due at once after a reply)
     }
+    if (moving_ && lifecycle_.state() == SessionState::idle && !requests_open()) consider(now);
     if (governor_) {
         consider(governor_->next_expiry_check(now));
         if (free_to_sleep()) {
@@ -790,6 +791,12 @@ void SessionCore::on_tick(Clock::time_point now) {
         }
         if (handing_over_) {
             settle_handover(now);
+        } else if (moving_ && lifecycle_.state() == SessionState::idle && !requests_open()) {
+            if (std::string why; !hibernate(now, why)) {
+                io_.log("cannot move: " + why);
+                event("hibernate_failed", why);
+                moving_ = false;
+            }
         } else if (free_to_sleep() && governor_->hibernation_due(now)) {
             event("hibernating", "idle for hibernate_after_s " +
                                      format_seconds(governor_->limits().hibernate_after_s) + " s");

@@ -247,6 +247,13 @@ class SessionCore {
     bool hibernate(Clock::time_point now, std::string& why);
     // Wakes a hibernated session now, as its next request would.
     bool resume(Clock::time_point now, std::string& why);
+    // Its sandbox's node is being drained (Sandbox::moving): the session
+    // hibernates as soon as it is idle with nothing open, and wakes at once
+    // in a new sandbox (on another node). Requests that come meanwhile wait,
+    // as for any hibernation. If it cannot (no policy to hibernate under,
+    // the kernel's save fails, or it is still busy when the node's grace
+    // ends) its kernel's end closes it, and the close reason says so.
+    void move_away(Clock::time_point now);
     // The server hands its sessions to the next one (docs/restarts.md): from
     // now the session takes no new work (requests wait, not woken for, an
     // interrupt of the running execution excepted) and hibernates once idle
@@ -438,6 +445,7 @@ class SessionCore {
     bool handing_over_ = false;
     bool handover_failed_ = false;     // could not hibernate for it: the server closes it
     bool handover_hibernates_ = true;  // false: left running for the next start to adopt
+    bool moving_ = false;              // move_away: hibernates once free, then wakes
     // No execution, reply or request open at the kernel, none queued for it.
     bool nothing_open() const;
     Clock::time_point settle_at_{};  // when settle_handover looks again

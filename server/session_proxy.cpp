@@ -76,7 +76,9 @@ class SessionProxy::Io final : public SessionIo {
         if (RelaySocket* control = p_.inner_socket(Channel::control)) control->send(frames);
     }
     void kill_kernel() override {
-        if (p_.sandbox_) p_.sandbox_->kill();
+        if (!p_.sandbox_) return;
+        p_.ask_kernel_to_exit();
+        p_.sandbox_->kill();
     }
     SandboxUsage kernel_usage() override {
         return p_.sandbox_ ? p_.sandbox_->usage() : SandboxUsage{};
@@ -352,9 +354,16 @@ std::unique_ptr<Sandbox> SessionProxy::leave_running() {
     return std::move(sandbox_);
 }
 
+void SessionProxy::ask_kernel_to_exit() {
+    if (!sandbox_ || !sandbox_->kill_is_slow() || sandbox_->exited() || !inner_control_) return;
+    auto frames = own_message("cellblock_exit_request", json::object());
+    inner_control_->send(frames);
+}
+
 void SessionProxy::detach_kernel() {
     unwatch_lifeline();
     if (sandbox_) {
+        ask_kernel_to_exit();
         sandbox_->kill();
         if (options_.dispose) {
             options_.dispose(std::move(sandbox_));
@@ -661,7 +670,11 @@ void SessionProxy::on_kernel_heartbeat() {
 }
 
 void SessionProxy::on_lifeline() {
-    if (!sandbox_ || sandbox_->read_lifeline()) return;
+    if (!sandbox_) return;
+    if (sandbox_->read_lifeline()) {
+        if (sandbox_->moving()) core_->move_away(Clock::now());
+        return;
+    }
     // End of file stays readable: watch it no longer.
     loop_.unwatch(*lifeline_watch_);
     lifeline_watch_.reset();

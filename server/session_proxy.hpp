@@ -175,6 +175,9 @@ class SessionProxy {
     void deliver_kernel(Channel channel, Multipart& frames);
     void on_kernel_heartbeat();
     void on_lifeline();
+    // Before a kill that takes a while (Sandbox::kill_is_slow): the kernel
+    // is asked to exit at once (cellblock_exit_request, unanswered).
+    void ask_kernel_to_exit();
     // The sandbox goes and the kernel's channels with it; the client's stay.
     void detach_kernel();
     void unwatch_lifeline();

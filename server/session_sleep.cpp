@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
 namespace cellblock {
 using nlohmann::json;
@@ -112,6 +113,22 @@ bool SessionCore::resume(Clock::time_point now, std::string& why) {
     }
 }
 
+void SessionCore::move_away(Clock::time_point now) {
+    if (moving_ || handing_over_ || lifecycle_.ending() || asleep()) return;
+    if (!governor_) {
+        io_.log(
+            "its sandbox's node is being drained, and it has no policy to hibernate under: "
+            "it ends with the node's grace");
+        return;
+    }
+    moving_ = true;
+    event("moving", "its sandbox's node is being drained");
+    io_.log(
+        "its sandbox's node is being drained: it hibernates once idle and wakes in a new "
+        "sandbox");
+    on_tick(now);
+}
+
 void SessionCore::send_own(Clock::time_point now, bool restore) {
     const std::string& path =
         restore ? options_.snapshot_restore_path : options_.snapshot_save_path;
@@ -180,9 +197,10 @@ void SessionCore::snapshot_fetched(Clock::time_point now, const json& report,
     event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost",
                                     ms_between(sleep_started_, now), report.value("bytes", 0),
                                     report.value("saved", 0), lost.size()));
-    // A request came while it was being saved (not while handing over:
-    // the next server answers it).
-    if (!asleep_.empty() && !handing_over_) wake(now);
+    // Moving (move_away), or a request came while it was being saved (not
+    // while handing over: the next server answers it).
+    const bool moving = std::exchange(moving_, false);
+    if ((moving || !asleep_.empty()) && !handing_over_) wake(now);
 }
 
 void SessionCore::hibernation_failed(Clock::time_point now, const std::string& why) {
@@ -193,6 +211,7 @@ void SessionCore::hibernation_failed(Clock::time_point now, const std::string& w
                             std::chrono::duration_cast<std::chrono::seconds>(wait).count());
     }
     io_.log("hibernation failed: " + why + retry);
+    if (std::exchange(moving_, false)) io_.log("it cannot move off its drained node");
     if (handing_over_) handover_failed_ = true;
     event("hibernate_failed", why);
     move_to(SessionState::idle);

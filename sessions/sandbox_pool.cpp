@@ -62,10 +62,16 @@ SandboxPool::~SandboxPool() {
     for (auto& job : jobs_) {
         if (job.sandbox) held.push_back(job.sandbox.get());
     }
+    // Their channels close first: a kernel no front is attached to ends at
+    // once when its Swarm task is stopped (sandbox_protocol::front_attached).
     for (auto& [name, slot] : slots_) {
-        for (auto& warm : slot.ready) held.push_back(warm.sandbox.get());
+        for (auto& warm : slot.ready) {
+            warm.channels.reset();
+            held.push_back(warm.sandbox.get());
+        }
     }
     for (auto& r : results_) {
+        r.warm.channels.reset();
         if (r.warm.sandbox) held.push_back(r.warm.sandbox.get());
     }
     for_each_at_once(held.size(), 8, [&](std::size_t i) { held[i]->destroy(); });
@@ -99,8 +105,8 @@ WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& lim
         schedule_refills_locked(kRefillDelay);
     }
     Sandbox& box = *warm.sandbox;
-    if (box.exited() || !box.read_lifeline()) {
-        // Died while waiting in the pool: not handed out.
+    if (box.exited() || !box.read_lifeline() || box.moving()) {
+        // Died (or its node is being drained) while waiting in the pool: not handed out.
         warm.channels.reset();
         dispose(std::move(warm.sandbox));
         return {};

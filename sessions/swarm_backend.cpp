@@ -36,7 +36,7 @@ namespace {
 
 // The kernel's ports inside every session's container, in Channel order
 // of the connection file: shell, iopub, stdin, control, hb.
-constexpr int kFirstKernelPort = 5555;
+constexpr int kFirstKernelPort = sandbox_protocol::kEngineFirstKernelPort;
 // The connection file, a Swarm secret: a file only the sandbox's uid reads.
 constexpr const char* kSecretFile = "cellblock-connection.json";
 constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
@@ -46,6 +46,7 @@ constexpr int ConnectionInfo::*kKernelPorts[] = {
     &ConnectionInfo::shell_port, &ConnectionInfo::iopub_port, &ConnectionInfo::stdin_port,
     &ConnectionInfo::control_port, &ConnectionInfo::hb_port};
 constexpr int kKernelPortCount = std::size(kKernelPorts);
+static_assert(kKernelPortCount == sandbox_protocol::kEngineKernelPortCount);
 
 // A field of the engine's node JSON, e.g. ("Status", "State"), ("Description",
 // "Hostname"), ("Spec", "Availability"); `fallback` where it is absent.
@@ -289,6 +290,13 @@ class SwarmSandbox final : public Sandbox {
         std::lock_guard lock(mutex_);
         return node_lost_;
     }
+    bool moving() const override {
+        std::lock_guard lock(mutex_);
+        return moving_ && lost_.empty();
+    }
+    // Removing the service stops the task with its stop grace, which the
+    // shim holds (it waits out a drain): the kernel exits sooner if asked.
+    bool kill_is_slow() const override { return true; }
     // The engine's per-task figures cannot be read from a manager: the usage
     // is what the kernel last reported of its task's cgroup (zeros until its
     // first reply), and whether the memory limit ended it is what its shim
@@ -346,12 +354,24 @@ class SwarmSandbox final : public Sandbox {
         std::lock_guard lock(mutex_);
         return !lost_.empty() || destroyed_;
     }
+    // From the watcher, under the state's lock: its node is being drained.
+    // Said once.
+    void drained() {
+        {
+            std::lock_guard lock(mutex_);
+            if (moving_ || !lost_.empty() || destroyed_) return;
+            moving_ = true;
+        }
+        const std::uint64_t one = 1;
+        [[maybe_unused]] auto r = ::write(event_.get(), &one, sizeof one);
+    }
     // From the watcher, under the state's lock.
     void lost(const std::string& why, bool node, const SwarmTaskEnd& end = {}) {
         {
             std::lock_guard lock(mutex_);
             if (!lost_.empty() || destroyed_) return;
             lost_ = why;
+            if (moving_) lost_ += " (its node was drained before the session could move)";
             if (!end.kernel_exit.empty()) lost_ += " (" + end.kernel_exit + ")";
             if (end.memory_limit_reached) {
                 lost_ += " (memory limit of " + std::to_string(limits_.memory_mb) + " MB reached)";
@@ -392,6 +412,7 @@ class SwarmSandbox final : public Sandbox {
     std::string lost_;
     SandboxUsage reported_;
     bool node_lost_ = false;
+    bool moving_ = false;
     bool memory_limit_hit_ = false;
     bool exited_ = false;
     bool killed_ = false;
@@ -481,7 +502,9 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
         {"ReadOnly", true},
         {"Hostname", "sandbox"},
         {"Init", false},
-        {"StopGracePeriod", 0},
+        // How long a drained node's task has to move its session (the shim
+        // holds the engine's SIGTERM: SessionProxy::ask_kernel_to_exit).
+        {"StopGracePeriod", static_cast<std::int64_t>(settings.drain_grace.count()) * 1000 * 1000},
         {"Mounts", mounts},
         {"Secrets",
          {{{"SecretID", task.secret_id},
@@ -772,6 +795,9 @@ void SwarmBackend::watch() {
                               true);
                     continue;
                 }
+                // Drained: the engine stops the task once its stop grace is
+                // over; the session moves meanwhile.
+                if (node_field(node->second, "Spec", "Availability") == "drain") box->drained();
                 auto task = tasks.find(box->task_id());
                 const json status = task == tasks.end()
                                         ? json::object()

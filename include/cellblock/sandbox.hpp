@@ -135,6 +135,16 @@ class Sandbox {
     virtual std::string log_tail() const = 0;
     // Ended because the machine it ran on was lost, with all its state.
     virtual bool node_lost() const = 0;
+    // Still running, but not for long: its node is being drained (a Swarm
+    // worker set to availability "drain"; the engine stops the task once its
+    // stop grace is over). The session moves: it hibernates and wakes in a
+    // new sandbox elsewhere (docs/restarts.md, "Drained nodes"). Said through
+    // lifeline_fd like an exit; read_lifeline() stays true.
+    virtual bool moving() const { return false; }
+    // Whether kill() leaves the kernel running for a while (a Swarm task is
+    // stopped with its service's stop grace, which its shim holds): the
+    // relay first asks the kernel itself to exit (cellblock_exit_request).
+    virtual bool kill_is_slow() const { return false; }
     // Memory and CPU figures (0 where the backend cannot read one).
     virtual SandboxUsage usage() const = 0;
     // What the kernel reported of its own cgroup on a reply

@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <utility>
 
 namespace cellblock::sandbox_protocol {
 
@@ -249,6 +251,47 @@ inline KernelExit parse_kernel_exit(std::string_view received) {
         return number(what.substr(std::string_view(kExitSignal).size()), KernelExit::How::signaled);
     }
     return {};
+}
+
+// The kernel's ports in a Swarm task (the shim's `--engine` start), in
+// the connection file's order: shell, iopub, stdin, control, hb.
+inline constexpr int kEngineFirstKernelPort = 5555;
+inline constexpr int kEngineKernelPortCount = 5;
+
+// Whether a /proc/net/tcp (or tcp6) table lists an established connection
+// to one of the kernel's ports: a front is attached to the kernel. The
+// `--engine` shim holds the engine's SIGTERM only then (the front moves a
+// drained node's session meanwhile, and ends the kernel itself when it
+// closes it); with no front (a pool's service the server closed, one a
+// crashed server left) SIGTERM ends the kernel at once.
+inline bool front_attached(std::string_view table) {
+    bool header = true;
+    while (!table.empty()) {
+        const auto end = table.find('\n');
+        std::string_view line = table.substr(0, end);
+        table.remove_prefix(end == std::string_view::npos ? table.size() : end + 1);
+        if (std::exchange(header, false)) continue;
+        // "  sl: LOCAL_ADDR:PORT REMOTE_ADDR:PORT ST ...", hex.
+        std::string_view fields[4];
+        for (auto& field : fields) {
+            const auto start = line.find_first_not_of(' ');
+            if (start == std::string_view::npos) break;
+            line.remove_prefix(start);
+            const auto stop = line.find(' ');
+            field = line.substr(0, stop);
+            line.remove_prefix(stop == std::string_view::npos ? line.size() : stop);
+        }
+        const auto colon = fields[1].rfind(':');
+        if (colon == std::string_view::npos || fields[3] != "01") continue;  // 01: ESTABLISHED
+        int port = 0;
+        const std::string_view hex = fields[1].substr(colon + 1);
+        if (std::from_chars(hex.data(), hex.data() + hex.size(), port, 16).ec != std::errc{})
+            continue;
+        if (port >= kEngineFirstKernelPort &&
+            port < kEngineFirstKernelPort + kEngineKernelPortCount)
+            return true;
+    }
+    return false;
 }
 
 }  // namespace cellblock::sandbox_protocol

@@ -45,6 +45,10 @@ struct SwarmSettings {
     // The server's own directory: its Swarm identity (server-id) lives there.
     std::filesystem::path state_dir;
     std::chrono::milliseconds watch_interval{1000};
+    // A service's stop grace (serve --swarm-drain-grace): how long the task
+    // of a session on a drained node keeps running while the session
+    // hibernates and wakes on another node.
+    std::chrono::milliseconds drain_grace{30000};
     std::chrono::milliseconds start_timeout{120000};
 };
 

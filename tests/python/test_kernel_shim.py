@@ -113,7 +113,7 @@ def _running_kernel(tmp_path, info_fields=(), env_fields=()):
             assert kernel.poll() is None, (tmp_path / "kernel.log").read_text()
             assert time.monotonic() < deadline, "the kernel wrote no ports in 60 s"
             time.sleep(0.1)
-        yield written
+        yield dict(written, _process=kernel)
     finally:
         kernel.kill()
         kernel.wait()
@@ -565,3 +565,26 @@ def test_a_transfer_untouched_for_120_s_is_dropped(tmp_path, monkeypatch):
     assert sorted(os.listdir(input_dir / ".cellblock-partial")) == ["new"]
     reply = chunk("old", 4, last=True)
     assert reply["ename"] == "FileError" and not (input_dir / "old").exists(), reply
+
+
+def test_an_exit_request_on_control_ends_the_kernel_while_a_cell_runs(tmp_path):
+    """What the server sends before it removes a Swarm service (whose shim
+    holds the engine's SIGTERM): the kernel exits from its control thread,
+    whatever its shell runs."""
+    started = tmp_path / "cell-started"
+    with _running_kernel(tmp_path) as info:
+        client = _KernelClient(info)
+        try:
+            client.send("shell", "execute_request",
+                        {"code": f"open({str(started)!r}, 'w').close()\nwhile True: pass",
+                         "silent": False, "store_history": False, "user_expressions": {},
+                         "allow_stdin": False, "stop_on_error": True})
+            import time
+            deadline = time.monotonic() + 60
+            while not started.exists():
+                assert time.monotonic() < deadline, "the cell did not start in 60 s"
+                time.sleep(0.05)
+            client.send("control", "cellblock_exit_request", {})
+            assert info["_process"].wait(timeout=60) == 0
+        finally:
+            client.close()

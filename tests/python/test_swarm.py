@@ -77,8 +77,11 @@ def bed():
 
 
 def swarm_args(bed, pool=2):
+    # A drain grace longer than any wait here for a task to end: one that
+    # ends sooner was ended by its kernel's exit, not by the engine's SIGKILL.
     return ["--backend", "swarm", "--swarm-docker-host", bed.describe()["docker_host"],
-            "--swarm-connect-host", "127.0.0.1", "--pool", f"host={pool}"]
+            "--swarm-connect-host", "127.0.0.1", "--pool", f"host={pool}",
+            "--swarm-drain-grace", "120"]
 
 
 def services_of(bed, server_id):
@@ -536,6 +539,50 @@ def test_a_swarm_session_hibernates_and_wakes_in_a_new_service_with_everything(b
     kinds = [e["kind"] for e in swarm.ok("session_history_request",
                                          {"session_id": sid})["content"]["events"]]
     assert "hibernated" in kinds and "resumed" in kinds, kinds
+    swarm.ok("session_close_request", {"session_id": sid})
+
+
+def test_a_drained_worker_moves_its_sessions_to_another_with_their_state(bed, swarm):
+    """`docker node update --availability drain` of a session's worker: the
+    engine stops its task after the service's stop grace (the shim holds the
+    SIGTERM), and meanwhile the session hibernates through its kernel and
+    wakes in a new service on the other worker, with its variables and
+    inputs, for the same client. A cell that comes during the move waits
+    for it."""
+    sid, kc, _ = swarm.open_session()
+    server_id = server_id_of(swarm)
+    swarm.ok("file_put_request", {"session_id": sid, "path": "kept.txt"}, buffers=[b"input"])
+    assert run_ok(kc, "x = 41") == ""
+    drained = node_of(bed, sid)
+    before = services_of(bed, server_id)[f"cb-{sid}"]
+
+    def kinds():
+        return [e["kind"] for e in swarm.ok("session_history_request",
+                                            {"session_id": sid})["content"]["events"]]
+
+    bed.docker("node", "update", "--availability", "drain", drained)
+    try:
+        assert wait_for(lambda: "moving" in kinds(), timeout=60), kinds()
+        # Sent while it moves: answered once it has, by the woken kernel.
+        assert run_ok(kc, "print(x + 1, open('/data/input/kept.txt').read())",
+                      timeout=180) == "42 input\n"
+        # Its old service is gone: the kernel that answered is a new one,
+        # which the engine places on no drained node.
+        assert before not in services_of(bed, server_id).values()
+        assert ["moving", "hibernated", "resumed"] == \
+            [k for k in kinds() if k in ("moving", "hibernated", "resumed")], kinds()
+        assert swarm.info_of(sid)["state"] != "closed"
+        # The drained task's kernel was asked to exit once its service went:
+        # nothing of the session is left on the drained node, long before
+        # the grace of 120 s (swarm_args) would have ended it.
+        worker = next(w["name"] for w in bed.describe()["workers"] if w["container"] == drained)
+
+        def left():
+            return [c["Names"] for c in bed.containers_on(worker)
+                    if c["Names"].startswith(f"cb-{sid}.")]
+        assert wait_for(lambda: not left(), timeout=60), left()
+    finally:
+        bed.docker("node", "update", "--availability", "active", drained)
     swarm.ok("session_close_request", {"session_id": sid})
 
 

@@ -162,5 +162,40 @@ TEST(SandboxProtocol, AnAdoptKeyLineGivesItsKeyAndNothingElseDoes) {
     EXPECT_FALSE(protocol::well_formed_adopt_key(""));
 }
 
+TEST(SandboxProtocol, AFrontIsAttachedOnlyByAnEstablishedConnectionToAKernelPort) {
+    // /proc/net/tcp as a task shows it: 5555 is 15B3, 5559 15B7, 5560 15B8.
+    const std::string header =
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+        "timeout inode\n";
+    const auto row = [](const std::string& local, const std::string& remote,
+                        const std::string& state) {
+        return "   0: " + local + " " + remote + " " + state +
+               " 00000000:00000000 00:00000000 00000000  1000        0 12345 1 0000000000000000 "
+               "100 0 0 10 0\n";
+    };
+    const std::string listening =
+        row("00000000:15B3", "00000000:0000", "0A") + row("00000000:15B7", "00000000:0000", "0A");
+    EXPECT_FALSE(protocol::front_attached(""));
+    EXPECT_FALSE(protocol::front_attached(header));
+    EXPECT_FALSE(protocol::front_attached(header + listening));
+    // The front's connection to control (5558), and to hb (5559).
+    EXPECT_TRUE(
+        protocol::front_attached(header + listening + row("0200000A:15B6", "0100000A:D2F0", "01")));
+    EXPECT_TRUE(protocol::front_attached(header + row("0200000A:15B7", "0100000A:D2F0", "01")));
+    // Closing (06 TIME_WAIT, 08 CLOSE_WAIT), another port, or the kernel's
+    // own connection out to a port 5555 elsewhere: no front.
+    EXPECT_FALSE(protocol::front_attached(header + row("0200000A:15B3", "0100000A:D2F0", "08") +
+                                          row("0200000A:15B4", "0100000A:D2F1", "06")));
+    EXPECT_FALSE(protocol::front_attached(header + row("0200000A:15B8", "0100000A:D2F0", "01")));
+    EXPECT_FALSE(protocol::front_attached(header + row("0200000A:D2F0", "0100000A:15B3", "01")));
+    // tcp6's longer addresses; the header is never read as a row.
+    EXPECT_TRUE(
+        protocol::front_attached(header + row("00000000000000000000000000000000:15B5",
+                                              "0000000000000000FFFF00000100000A:C350", "01")));
+    EXPECT_FALSE(protocol::front_attached("   0: 0200000A:15B3 0100000A:D2F0 01\n"));
+    // Lines cut short or not hex: skipped, never a match.
+    EXPECT_FALSE(protocol::front_attached(header + "   0: 0200000A:15B3\n   1: x:zz y 01\n"));
+}
+
 }  // namespace
 }  // namespace cellblock

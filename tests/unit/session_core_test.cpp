@@ -964,6 +964,62 @@ TEST_F(SleepTest, ASnapshotMovedThroughTheKernelIsWaitedForBothWays) {
     EXPECT_NE(json_string(io.of("own").back().content, "code").find("restore"), std::string::npos);
 }
 
+TEST_F(SleepTest, ASessionOnADrainedNodeMovesOnceItsCellEndsAndWakesAtOnce) {
+    // Busy when its node is drained: nothing is saved under a running cell.
+    core->on_client_request(t0, Channel::shell, execute("c1"));
+    core->on_kernel_iopub(t0, status("c1", "busy"));
+    core->move_away(t0 + 1s);
+    EXPECT_EQ(audit.events.back(), "moving its sandbox's node is being drained");
+    EXPECT_TRUE(io.of("own").empty());
+    EXPECT_NE(core->next_deadline(t0 + 1s), std::optional<Clock::time_point>(t0 + 1s));
+    // Told again (the watcher's every look): once is enough.
+    core->move_away(t0 + 1s);
+    EXPECT_EQ(std::count(audit.events.begin(), audit.events.end(),
+                         "moving its sandbox's node is being drained"),
+              1);
+    // The cell ends: due at once, and saved.
+    core->on_kernel_iopub(t0 + 2s, status("c1", "idle"));
+    core->on_kernel_reply(t0 + 2s, Channel::shell, execute_reply("c1"));
+    ASSERT_EQ(core->next_deadline(t0 + 2s), std::optional<Clock::time_point>(t0 + 2s));
+    core->on_tick(t0 + 2s);
+    const auto own = io.of("own");
+    ASSERT_EQ(own.size(), 1u);
+    EXPECT_NE(json_string(own[0].content, "code").find("save"), std::string::npos);
+    core->on_kernel_reply(t0 + 3s, Channel::shell,
+                          own_reply(own[0].parent_id, {{"saved", 3}, {"bytes", 4096}}));
+    // Asleep, and woken at once with no request waiting: in a new sandbox.
+    ASSERT_EQ(io.of("sleep").size(), 1u);
+    EXPECT_EQ(std::count(audit.states.begin(), audit.states.end(), "hibernated"), 1);
+    ASSERT_EQ(io.of("wake").size(), 1u);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::resuming);
+    attach_and_restore(t0 + 4s);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    // Moved: a later drain moves it again.
+    core->move_away(t0 + 5s);
+    EXPECT_EQ(io.of("own").size(), 3u);  // save, restore, save
+}
+
+TEST_F(SleepTest, ASessionThatCannotSaveStaysOnItsDrainedNodeAndSaysSo) {
+    core->move_away(t0);
+    const auto own = io.of("own");
+    ASSERT_EQ(own.size(), 1u);  // idle: saved at once
+    core->on_kernel_reply(t0 + 1s, Channel::shell,
+                          from_kernel("execute_reply", own[0].parent_id,
+                                      {{"status", "error"},
+                                       {"ename", "MemoryError"},
+                                       {"evalue", "no room"},
+                                       {"traceback", json::array()}}));
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    EXPECT_TRUE(io.of("sleep").empty());
+    const auto logs = io.of("log");
+    EXPECT_TRUE(std::any_of(logs.begin(), logs.end(), [](const auto& a) {
+        return a.why == "it cannot move off its drained node";
+    }));
+    // Not tried again at every tick.
+    core->on_tick(t0 + 2s);
+    EXPECT_EQ(io.of("own").size(), 1u);
+}
+
 TEST_F(SleepTest, ASnapshotThatCannotBeMovedLeavesItAwakeOrClosesTheWake) {
     io.moves_later = true;
     sleep_at(t0 + 1s);

@@ -75,7 +75,8 @@ TEST(SwarmServiceSpec, HasEveryHardeningDockerAllows) {
     // Only what the shim needs before it drops to the sandbox uid (and with it every capability).
     EXPECT_EQ(c["CapabilityAdd"],
               json::array({"CAP_NET_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_CHOWN"}));
-    EXPECT_EQ(c["StopGracePeriod"], 0);
+    // A drained node's task runs this long (ns) while its session moves.
+    EXPECT_EQ(c["StopGracePeriod"], std::int64_t{30} * 1000 * 1000 * 1000);
     EXPECT_FALSE(c.contains("Privileges"));
     EXPECT_FALSE(c.contains("Sysctls"));
     // Never restarted: a new kernel would silently lose the session's state.
