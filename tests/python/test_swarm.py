@@ -571,6 +571,9 @@ def test_a_drained_worker_moves_its_sessions_to_another_with_their_state(bed, sw
         assert before not in services_of(bed, server_id).values()
         assert ["moving", "hibernated", "resumed"] == \
             [k for k in kinds() if k in ("moving", "hibernated", "resumed")], kinds()
+        events = swarm.ok("session_history_request", {"session_id": sid})["content"]["events"]
+        print("the move:", [(e["kind"], e.get("detail", "")) for e in events
+                            if e["kind"] in ("moving", "hibernated", "resumed")])
         assert swarm.info_of(sid)["state"] != "closed"
         # The drained task's kernel was asked to exit once its service went:
         # nothing of the session is left on the drained node, long before
