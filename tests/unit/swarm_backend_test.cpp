@@ -2,6 +2,7 @@
 // session gets (its hardening is security code), image references, the
 // filters encoding, and the Docker API client against a fake engine on a
 // unix socket (status, chunked bodies, errors, a silent engine).
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -386,7 +387,11 @@ class LeftService : public ::testing::Test {
         if (line.find(" /nodes/node-1 ") != std::string::npos) {
             return ok({{"ID", "node-1"}, {"Status", {{"State", node_state_}}}});
         }
-        if (line.find(" /nodes ") != std::string::npos) return ok(json::array());
+        if (line.find(" /nodes ") != std::string::npos) {
+            return ok(json::array({{{"ID", "node-1"},
+                                    {"Status", {{"State", node_state_}}},
+                                    {"Spec", {{"Availability", drained_ ? "drain" : "active"}}}}}));
+        }
         if (line.find(" /services/svc-1 ") != std::string::npos) {
             return ok({{"ID", "svc-1"},
                        {"Spec",
@@ -394,9 +399,10 @@ class LeftService : public ::testing::Test {
                          {"Labels",
                           {{"cellblock.server", server_label_}, {"cellblock.session", "s1"}}}}}});
         }
-        if (line.find(" /tasks?") != std::string::npos) {
+        if (line.find(" /tasks") != std::string::npos) {  // a service's, or all (the watcher)
+            const std::string state = task_ended_ ? "shutdown" : task_state_;
             return ok(json::array(
-                {{{"ID", task_id_}, {"NodeID", "node-1"}, {"Status", {{"State", task_state_}}}}}));
+                {{{"ID", task_id_}, {"NodeID", "node-1"}, {"Status", {{"State", state}}}}}));
         }
         return "HTTP/1.1 404 Not Found\r\nContent-Length: 24\r\n\r\n{\"message\":\"not found\"}";
     }
@@ -447,9 +453,42 @@ class LeftService : public ::testing::Test {
     std::string task_id_ = "task-1";
     std::string task_state_ = "running";
     std::string node_state_ = "ready";
+    // Changed while the backend's watcher reads them.
+    std::atomic<bool> drained_{false}, task_ended_{false};
 };
 
 TEST_F(LeftService, ItsOwnRunningServiceIsAdopted) { EXPECT_EQ(refusal(record()), ""); }
+
+TEST_F(LeftService, ADrainedNodesSandboxIsToldToMoveAndSaysSoIfItsTaskEndsFirst) {
+    FakeEngine engine([this](const std::string& r) { return answer(r); });
+    settings_.docker_host = engine.host();
+    settings_.watch_interval = std::chrono::milliseconds(20);
+    SwarmBackend backend(settings_);
+    auto box = backend.adopt("s1", record(), host_image(), SandboxLimits{});
+    // Its kill waits out the stop grace: the relay asks the kernel to exit first.
+    EXPECT_TRUE(box->kill_is_slow());
+    const auto said = [&](int ms) {
+        pollfd p{box->lifeline_fd(), POLLIN, 0};
+        return ::poll(&p, 1, ms) == 1;
+    };
+    // On a ready, active node: nothing to say.
+    EXPECT_FALSE(said(200));
+    EXPECT_FALSE(box->moving());
+    // Drained: said once, and it still runs.
+    drained_ = true;
+    ASSERT_TRUE(said(10000));
+    EXPECT_TRUE(box->read_lifeline());
+    EXPECT_TRUE(box->moving());
+    EXPECT_FALSE(said(200));  // not again at every look
+    // Its task ends before the session moved: lost, and the reason says why.
+    task_ended_ = true;
+    ASSERT_TRUE(said(10000));
+    EXPECT_FALSE(box->read_lifeline());
+    EXPECT_FALSE(box->moving());
+    EXPECT_NE(box->exit_description().find("its node was drained before the session could move"),
+              std::string::npos)
+        << box->exit_description();
+}
 
 TEST_F(LeftService, AnotherServersOrAnotherSessionsServiceIsNot) {
     server_label_ = "fedcba9876543210";
