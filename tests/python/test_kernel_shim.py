@@ -232,6 +232,21 @@ class _KernelClient:
                 return (msg["header"]["msg_type"], msg["content"],
                         [bytes(b) for b in msg["buffers"]])
 
+    def start_cell(self, code, started):
+        """Sends a cell that creates the file `started`, then runs `code`;
+        returns its msg_id once the file exists (60 s at most): it runs."""
+        import time
+
+        msg_id = self.send("shell", "execute_request",
+                           {"code": f"open({str(started)!r}, 'w').close()\n{code}",
+                            "silent": False, "store_history": False, "user_expressions": {},
+                            "allow_stdin": False, "stop_on_error": True})
+        deadline = time.monotonic() + 60
+        while not started.exists():
+            assert time.monotonic() < deadline, "the cell did not start in 60 s"
+            time.sleep(0.05)
+        return msg_id
+
     def control(self, msg_type, content, buffers=()):
         """A control request's reply: (content, buffers); the reply's type
         checked."""
@@ -492,21 +507,12 @@ def test_files_move_while_a_cell_executes(files_kernel, tmp_path):
     cell waits for a file the test makes only once both moves are done (no
     clock in the verdict: a slow machine cannot fail it)."""
     import hashlib
-    import time
 
     client, input_dir, output_dir = files_kernel
     started, release = tmp_path / "cell-started", tmp_path / "cell-release"
     (output_dir / "out.bin").write_bytes(b"o" * 100000)
-    execution = client.send("shell", "execute_request",
-                            {"code": f"import os, time\nopen({str(started)!r}, 'w').close()\n"
-                                     f"while not os.path.exists({str(release)!r}):\n"
-                                     "    time.sleep(0.05)",
-                             "silent": False, "store_history": False, "user_expressions": {},
-                             "allow_stdin": False, "stop_on_error": True})
-    deadline = time.monotonic() + 60
-    while not started.exists():
-        assert time.monotonic() < deadline, "the cell did not start in 60 s"
-        time.sleep(0.05)
+    execution = client.start_cell(f"import os, time\nwhile not os.path.exists({str(release)!r}):\n"
+                                  "    time.sleep(0.05)", started)
     data = os.urandom(300000)
     assert client.upload("up-1", "during.bin", data, 100000)["sha256"] == \
         hashlib.sha256(data).hexdigest()
@@ -575,15 +581,7 @@ def test_an_exit_request_on_control_ends_the_kernel_while_a_cell_runs(tmp_path):
     with _running_kernel(tmp_path) as info:
         client = _KernelClient(info)
         try:
-            client.send("shell", "execute_request",
-                        {"code": f"open({str(started)!r}, 'w').close()\nwhile True: pass",
-                         "silent": False, "store_history": False, "user_expressions": {},
-                         "allow_stdin": False, "stop_on_error": True})
-            import time
-            deadline = time.monotonic() + 60
-            while not started.exists():
-                assert time.monotonic() < deadline, "the cell did not start in 60 s"
-                time.sleep(0.05)
+            client.start_cell("while True: pass", started)
             client.send("control", "cellblock_exit_request", {})
             assert info["_process"].wait(timeout=60) == 0
         finally:
