@@ -142,8 +142,9 @@ class Sandbox {
     // lifeline_fd like an exit; read_lifeline() stays true.
     virtual bool moving() const { return false; }
     // Whether kill() leaves the kernel running for a while (a Swarm task is
-    // stopped with its service's stop grace, which its shim holds): the
-    // relay first asks the kernel itself to exit (cellblock_exit_request).
+    // stopped with its service's stop grace, which its shim holds while a
+    // front is attached): the relay first asks the kernel itself to exit
+    // (cellblock_exit_request).
     virtual bool kill_is_slow() const { return false; }
     // Memory and CPU figures (0 where the backend cannot read one).
     virtual SandboxUsage usage() const = 0;
