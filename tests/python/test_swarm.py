@@ -568,7 +568,8 @@ def test_a_drained_worker_moves_its_sessions_to_another_with_their_state(bed, sw
                       timeout=180) == "42 input\n"
         # Its old service is gone: the kernel that answered is a new one,
         # which the engine places on no drained node.
-        assert before not in services_of(bed, server_id).values()
+        assert wait_for(lambda: before not in services_of(bed, server_id).values(),
+                        timeout=30), services_of(bed, server_id)
         assert ["moving", "hibernated", "resumed"] == \
             [k for k in kinds() if k in ("moving", "hibernated", "resumed")], kinds()
         events = swarm.ok("session_history_request", {"session_id": sid})["content"]["events"]
