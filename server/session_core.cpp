@@ -696,7 +696,7 @@ std::optional<Clock::time_point> SessionCore::next_deadline(Clock::time_point no
         !handover_failed_) {
         consider(settle_at_);  // settle_handover: free yet? (due at once after a reply)
     }
-    if (moving_ && lifecycle_.state() == SessionState::idle && !requests_open()) consider(now);
+    if (due_to_move()) consider(now);
     if (governor_) {
         consider(governor_->next_expiry_check(now));
         if (free_to_sleep()) {
@@ -791,9 +791,9 @@ void SessionCore::on_tick(Clock::time_point now) {
         }
         if (handing_over_) {
             settle_handover(now);
-        } else if (moving_ && lifecycle_.state() == SessionState::idle && !requests_open()) {
+        } else if (due_to_move()) {
             if (std::string why; !hibernate(now, why)) {
-                io_.log("cannot move: " + why);
+                io_.log("it cannot move off its drained node: " + why);
                 event("hibernate_failed", why);
                 moving_ = false;
             }

@@ -446,6 +446,8 @@ class SessionCore {
     bool handover_failed_ = false;     // could not hibernate for it: the server closes it
     bool handover_hibernates_ = true;  // false: left running for the next start to adopt
     bool moving_ = false;              // move_away: hibernates once free, then wakes
+    // Moving, idle and nothing open at the kernel: its hibernation starts now.
+    bool due_to_move() const;
     // No execution, reply or request open at the kernel, none queued for it.
     bool nothing_open() const;
     Clock::time_point settle_at_{};  // when settle_handover looks again

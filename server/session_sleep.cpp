@@ -129,6 +129,10 @@ void SessionCore::move_away(Clock::time_point now) {
     on_tick(now);
 }
 
+bool SessionCore::due_to_move() const {
+    return moving_ && lifecycle_.state() == SessionState::idle && !requests_open();
+}
+
 void SessionCore::send_own(Clock::time_point now, bool restore) {
     const std::string& path =
         restore ? options_.snapshot_restore_path : options_.snapshot_save_path;
