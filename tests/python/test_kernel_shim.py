@@ -106,7 +106,9 @@ def _running_kernel(tmp_path, info_fields=(), env_fields=()):
         while True:
             try:
                 written = json.loads(path.read_text() or "{}")
-            except ValueError:  # ipykernel is writing it (not atomically)
+            except (ValueError, FileNotFoundError):
+                # ipykernel rewrites it by removing it and writing a new one
+                # (jupyter_core's secure_write): absent, then half-written.
                 written = {}
             if written.get("shell_port") and written.get("hb_port"):
                 break
