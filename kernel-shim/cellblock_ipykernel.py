@@ -103,6 +103,8 @@ from ipykernel.ipkernel import IPythonKernel  # noqa: E402
 from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 from traitlets import DottedObjectName  # noqa: E402
 
+import cellblock_egress_tunnel  # noqa: E402
+
 
 class OutputBudget:
     """The running execution's output budget, shared by stdout, stderr and
@@ -1260,17 +1262,18 @@ class SandboxKernel(IPythonKernel):
         self.schedule_dispatch(stop_aborting)
 
 
-def _curve_secret_key(path):
-    # cellblock's own field of a connection file: the kernel's CurveZMQ
-    # secret key (Z85), when its channels leave the host (a Swarm node's).
+def _cellblock_fields(path):
+    # The connection file with cellblock's own fields: the kernel's CurveZMQ
+    # secret key (Z85), when its channels leave the host (a Swarm node's),
+    # and the port of its egress tunnel, when it has one.
     import json
 
     try:
         with open(path) as f:
-            key = json.load(f).get("curve_secret_key")
+            info = json.load(f)
     except (OSError, ValueError):
-        return None
-    return key or None
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _make_curve_server(sock, secret_key):
@@ -1311,11 +1314,18 @@ class SandboxKernelApp(IPKernelApp):
     # (docs/scale-out.md, "Encryption"). Read before ipykernel writes the
     # file again without cellblock's fields.
     curve_secret_key = None
+    # A Swarm task's way out (cellblock_egress_tunnel), one more CurveZMQ
+    # server of the kernel's key, on the port the connection file names.
+    egress_tunnel = None
 
     def init_connection_file(self):
         super().init_connection_file()
-        self.curve_secret_key = _curve_secret_key(self.abs_connection_file)
+        fields = _cellblock_fields(self.abs_connection_file)
+        self.curve_secret_key = fields.get("curve_secret_key") or None
         USAGE.enabled = bool(self.curve_secret_key)  # a front that cannot read our cgroups
+        if self.curve_secret_key:
+            self.egress_tunnel = cellblock_egress_tunnel.start_from_connection_file(
+                fields, self.curve_secret_key)
 
     def _bind_socket(self, s, port):
         if self.curve_secret_key:

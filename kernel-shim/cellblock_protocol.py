@@ -45,3 +45,26 @@ ADOPTED_STDERR_FD = 4
 # server, passed to the forked session's shim in this variable.
 ADOPT_GRACE_ENV = "CELLBLOCK_ADOPT_GRACE_MS"
 ADOPT_GRACE_REQUEST = "adopt_grace_ms"
+
+# A Swarm task's egress tunnel (docs/scale-out.md, "Egress"): when its
+# connection file has EGRESS_TUNNEL_FIELD, the kernel binds a CurveZMQ ROUTER
+# on that port and the front connects a DEALER. Every message is [verb,
+# connection id, ...]: hello (front, id "": with the trust store, which the
+# kernel writes to CA_BUNDLE; the kernel answers hello and listens on
+# EGRESS_SOCKET), open (kernel: a client came), data (either: offset, bytes),
+# ack (either: bytes delivered in all), eof (either: no more data), close
+# (either: gone). At most TUNNEL_WINDOW bytes unacknowledged per connection
+# and way, TUNNEL_CHUNK per data, TUNNEL_MAX_CONNECTIONS at once.
+EGRESS_TUNNEL_FIELD = "cellblock_egress_port"
+EGRESS_TUNNEL_PORT = 5560
+EGRESS_SOCKET = "/run/cellblock/egress.sock"
+CA_BUNDLE = "/run/cellblock/ca-certificates.crt"
+TUNNEL_HELLO = "hello"
+TUNNEL_OPEN = "open"
+TUNNEL_DATA = "data"
+TUNNEL_ACK = "ack"
+TUNNEL_EOF = "eof"
+TUNNEL_CLOSE = "close"
+TUNNEL_CHUNK = 65536
+TUNNEL_WINDOW = 262144
+TUNNEL_MAX_CONNECTIONS = 128

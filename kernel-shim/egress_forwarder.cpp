@@ -157,7 +157,7 @@ bool pump(Pipe& p, const pollfd* polled) {
 
 }  // namespace
 
-void start_egress_forwarder() {
+void start_egress_forwarder(bool copy) {
     const pid_t pid = fork();
     if (pid != 0) {
         if (pid < 0) say("egress forwarder: fork failed");
@@ -185,7 +185,7 @@ void start_egress_forwarder() {
     }
     // Under runsc (its init connects its lifeline by path) sockets cannot be
     // passed to the host: copy.
-    const bool copy_mode = getenv(sandbox_protocol::kLifelineEnv) != nullptr;
+    const bool copy_mode = copy || getenv(sandbox_protocol::kLifelineEnv) != nullptr;
     std::vector<Pipe> pipes;
     std::vector<pollfd> fds;
     for (;;) {

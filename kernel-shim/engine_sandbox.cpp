@@ -132,7 +132,10 @@ bool enter_engine_sandbox(uid_t uid) {
     };
     for (const Dir& dir :
          {Dir{home, 0700, true}, Dir{"/data/output", 0755, true}, Dir{"/data/input", 0755, true},
-          Dir{"/tmp", 01777, false}, Dir{"/dev/shm", 01777, false}}) {
+          Dir{"/tmp", 01777, false}, Dir{"/dev/shm", 01777, false},
+          // A session with the egress gateway: the kernel's tunnel writes its
+          // trust store and listens for the forwarder here.
+          Dir{sandbox_protocol::kIpcDir, 0755, true}}) {
         if (!dir.path || access(dir.path, F_OK) != 0) continue;
         // chmod while root still owns it: no CAP_FOWNER here.
         if (chmod(dir.path, dir.mode) != 0 || (dir.own && chown(dir.path, uid, uid) != 0)) {

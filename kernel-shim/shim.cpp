@@ -258,7 +258,7 @@ int main(int argc, char** argv) {
         if (const char* home = getenv("HOME")) make_dir(home);
         if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
     }
-    start_egress_forwarder();
+    start_egress_forwarder(/*copy=*/engine);
 
     sigset_t handled;
     sigemptyset(&handled);

@@ -23,7 +23,10 @@ void close_inherited(int first);
 // 127.0.0.1:3128 that hands each connection to the gateway through
 // /run/cellblock/egress.sock (or, under runsc, copies it), or answers that
 // there is none. It holds none of the shim's descriptors.
-void start_egress_forwarder();
+// `copy`: copy each connection instead of passing its socket (under runsc,
+// whose sockets cannot reach the host, and under --engine, where the
+// listener is the kernel's own tunnel, kernel-shim/cellblock_egress_tunnel.py).
+void start_egress_forwarder(bool copy);
 
 // `--engine UID` (docs/scale-out.md): as root under a container engine, the
 // default routes deleted, home and the shared directories prepared, then uid

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "cellblock/errno_text.hpp"
+#include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/unique_fd.hpp"
 
 namespace cellblock {
@@ -156,6 +157,9 @@ ConnectionInfo ConnectionInfo::from_json(const json& j) {
                                      " must be a CurveZMQ key: 40 characters of Z85");
         }
     }
+    if (const auto it = j.find(sandbox_protocol::kEgressTunnelField); it != j.end()) {
+        info.egress_port = port_field(*it, sandbox_protocol::kEgressTunnelField);
+    }
     return info;
 }
 
@@ -169,6 +173,7 @@ json ConnectionInfo::to_json() const {
     j["kernel_name"] = kernel_name;
     if (!curve_server_key.empty()) j["curve_server_key"] = curve_server_key;
     if (!curve_secret_key.empty()) j["curve_secret_key"] = curve_secret_key;
+    if (egress_port != 0) j[sandbox_protocol::kEgressTunnelField] = egress_port;
     return j;
 }
 

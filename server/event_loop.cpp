@@ -60,11 +60,13 @@ EventLoop::WatchId EventLoop::watch_fd(int fd, Handler on_ready, std::function<b
     return id;
 }
 
-void EventLoop::want_writable(WatchId id, bool writable) {
+void EventLoop::want_writable(WatchId id, bool writable) { want(id, true, writable); }
+
+void EventLoop::want(WatchId id, bool readable, bool writable) {
     auto it = watches_.find(id);
     if (it == watches_.end()) return;
     epoll_event ev{};
-    ev.events = EPOLLIN | (writable ? EPOLLOUT : 0u);
+    ev.events = (readable ? EPOLLIN : 0u) | (writable ? EPOLLOUT : 0u);
     ev.data.u64 = id;
     if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, it->second.fd, &ev) != 0) {
         throw std::runtime_error(std::string("event loop: epoll_ctl MOD: ") + std::strerror(errno));

@@ -54,6 +54,9 @@ class EventLoop {
     // Also calls the fd's handler while it is writable (a transport with
     // bytes left to write), or no longer.
     void want_writable(WatchId id, bool writable);
+    // Both at once: a stream that must stop reading while its peer has no
+    // room (an error or hang-up still calls the handler).
+    void want(WatchId id, bool readable, bool writable);
     // Call before closing what is watched. Safe from inside any handler: a
     // watch removed during a turn is not called later in that turn.
     void unwatch(WatchId id);

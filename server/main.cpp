@@ -427,11 +427,7 @@ int main(int argc, char** argv) {
                     throw std::runtime_error("--swarm-image " + item + ": expected IMAGE=REF");
                 serve.swarm.images[item.substr(0, eq)] = item.substr(eq + 1);
             }
-            if (serve.backend == "swarm" && !serve.egress.allow.empty()) {
-                throw std::runtime_error(
-                    "--egress-allow: the egress gateway serves runc sessions only; sessions "
-                    "on the swarm backend have no network (docs/scale-out.md)");
-            }
+            serve.swarm.egress_tunnel = !serve.egress.allow.empty();
             for (const auto& item : pool_items) {
                 const auto eq = item.find('=');
                 if (eq == std::string::npos)

@@ -175,6 +175,14 @@ class Server final : public SessionObserver {
                        std::string& why);
     void wake_session(const std::string& session_id);
     void finish_resume(PendingCreate& pending, WarmSandbox warm);
+    // The session's way out through the egress gateway in `sandbox`
+    // (session_egress.cpp): the gateway's listener in its ipc dir, or for a
+    // Swarm task the tunnel to its kernel (returned, for its Session).
+    // Throws std::runtime_error. close_egress ends either.
+    std::unique_ptr<EgressTunnel> open_egress(const std::string& session_id, Sandbox& sandbox,
+                                              const SessionLimits& limits);
+    void close_egress(const std::string& session_id);
+    fs::path remote_egress_dir(const std::string& session_id) const;
     // What the server does when the core says a hibernation or a wake ended.
     void on_sleep_event(Session& session, const std::string& kind, const std::string& detail);
     // A create that will not be served: its client is answered, or the

@@ -155,7 +155,7 @@ void Server::on_egress(const EgressEvent& event) {
 
 void Server::on_closed(const std::string& session_id, const std::string& reason) {
     trim_due_ = true;
-    if (egress_) egress_->remove_session(session_id);
+    close_egress(session_id);
     cancel_local_copies(session_id);
     transfers_.session_closed(session_id);
     remove_remote_files(session_id);

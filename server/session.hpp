@@ -21,6 +21,7 @@
 #include "cellblock/image.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/wire_message.hpp"
+#include "egress_tunnel.hpp"
 #include "session_events.hpp"
 #include "session_proxy.hpp"
 
@@ -62,6 +63,10 @@ class Session {
     // (session_hibernate_request, session_resume_request).
     std::vector<WireMessage>& waiting_sleep() { return waiting_sleep_; }
     std::vector<WireMessage>& waiting_wake() { return waiting_wake_; }
+    // The way out of a Swarm task's session to the egress gateway, while its
+    // sandbox lives (Server::open_egress); null for a local sandbox, whose
+    // gateway listens in its own ipc dir.
+    std::unique_ptr<EgressTunnel>& egress_tunnel() { return egress_tunnel_; }
 
   private:
     std::string id_;
@@ -70,6 +75,7 @@ class Session {
     CpuFairness fairness_;
     SessionOrigin origin_;
     std::vector<WireMessage> waiting_sleep_, waiting_wake_;
+    std::unique_ptr<EgressTunnel> egress_tunnel_;
 };
 
 class SessionTable {

@@ -219,20 +219,11 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
         finish_resume(pending, std::move(warm));
         return;
     }
+    std::unique_ptr<EgressTunnel> egress_tunnel;
     if (pending.limits.network.gateway()) {
-        // The session's way out: a listener in its own ipc dir, which the
-        // sandbox sees as /run/cellblock/egress.sock.
+        // The session's way out (session_egress.cpp).
         try {
-            if (!egress_) throw std::runtime_error("the server has no egress gateway");
-            const auto lifetime =
-                std::chrono::seconds(static_cast<std::int64_t>(pending.limits.lifetime_s) + 3600);
-            const HostProcess* host = warm.sandbox->host_process();
-            if (!host) {
-                throw std::runtime_error("the " + warm.sandbox->runtime() +
-                                         " backend's sandboxes have no ipc directory here");
-            }
-            egress_->add_session(pending.session_id, host->session_dir().ipc(),
-                                 pending.limits.network, lifetime);
+            egress_tunnel = open_egress(pending.session_id, *warm.sandbox, pending.limits);
         } catch (const std::exception& e) {
             spdlog::error("session {}: egress gateway: {}", pending.session_id, e.what());
             reply_error(pending.request, ename::ServerError,
@@ -270,6 +261,7 @@ void Server::finish_create(PendingCreate& pending, WarmSandbox warm, double star
     SessionProxy& session = *proxy;
     Session& held = sessions_.add(Session(pending.session_id, pending.image, std::move(proxy)));
     held.origin() = {pending.image_def, pending.limits, pending.kind, pending.poolable};
+    held.egress_tunnel() = std::move(egress_tunnel);
     const double seconds = std::chrono::duration<double>(Clock::now() - pending.started).count();
     const SessionTag tag = tag_of(pending.session_id);
     for (auto* o : observers_) o->created(tag, warm_start, seconds);

@@ -47,7 +47,7 @@ bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
     const fs::path output = files ? files->output_dir() : remote_files_dir(session_id) / "output";
     const fs::path input = files ? files->input_dir() : remote_files_dir(session_id) / "input";
     if (!snapshots_->keep_from(session_id, output, input, report, why)) return false;
-    if (egress_) egress_->remove_session(session_id);  // its listener was in the old ipc dir
+    close_egress(session_id);  // its way out was the old sandbox's
     trim_due_ = true;
     return true;
 }
@@ -101,13 +101,8 @@ void Server::finish_resume(PendingCreate& pending, WarmSandbox warm) {
             snapshots_->place(pending.resume_of, files->input_dir());
         }
         if (pending.limits.network.gateway()) {
-            const HostProcess* host = warm.sandbox->host_process();
-            if (!egress_ || !host)
-                throw std::runtime_error("no egress gateway for the new sandbox");
-            const auto lifetime =
-                std::chrono::seconds(static_cast<std::int64_t>(pending.limits.lifetime_s) + 3600);
-            egress_->add_session(pending.resume_of, host->session_dir().ipc(),
-                                 pending.limits.network, lifetime);
+            session->egress_tunnel() =
+                open_egress(pending.resume_of, *warm.sandbox, pending.limits);
         }
     } catch (const std::exception& e) {
         pool_->dispose(std::move(warm.sandbox));

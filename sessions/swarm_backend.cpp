@@ -39,6 +39,8 @@ namespace {
 constexpr int kFirstKernelPort = sandbox_protocol::kEngineFirstKernelPort;
 // The connection file, a Swarm secret: a file only the sandbox's uid reads.
 constexpr const char* kSecretFile = "cellblock-connection.json";
+// A gateway session's ipc dir in its task: a trust store and a socket.
+constexpr int kIpcDirMb = 4;
 constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
 constexpr std::int64_t kNanoPerCore = 1000000000;
 // The connection file's ports, in the order of the container's ports from kFirstKernelPort.
@@ -431,9 +433,9 @@ std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
 std::string libexec_digest(const fs::path& libexec_dir) {
     std::string all;
     // Every file the sandbox runs from there (kernel-shim/CMakeLists.txt).
-    for (const char* name :
-         {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
-          "cellblock_containment.py", "cellblock_protocol.py", "cellblock_snapshot.py"}) {
+    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
+                             "cellblock_containment.py", "cellblock_protocol.py",
+                             "cellblock_snapshot.py", "cellblock_egress_tunnel.py"}) {
         std::ifstream in(libexec_dir / name, std::ios::binary);
         if (!in) throw SandboxError("no " + (libexec_dir / name).string());
         std::stringstream bytes;
@@ -484,6 +486,16 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
     for (int i = 0; i < kKernelPortCount; ++i) {
         ports.push_back(
             {{"Protocol", "tcp"}, {"TargetPort", kFirstKernelPort + i}, {"PublishMode", "host"}});
+    }
+    if (settings.egress_tunnel) {
+        // The egress tunnel (server/egress_tunnel.hpp): its port, and the
+        // ipc dir where the kernel writes the trust store and listens for
+        // the shim's forwarder once the front says hello (a session without
+        // the gateway never does, and its code is told it has no network).
+        ports.push_back({{"Protocol", "tcp"},
+                         {"TargetPort", sandbox_protocol::kEgressTunnelPort},
+                         {"PublishMode", "host"}});
+        mounts.push_back(tmpfs(sandbox_protocol::kIpcDir, kIpcDirMb, 0755));
     }
     const json labels = {{"cellblock.server", server_id},
                          {"cellblock.session", session_id},
@@ -646,6 +658,8 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
     for (int i = 0; i < kKernelPortCount; ++i) kernel.*kKernelPorts[i] = kFirstKernelPort + i;
     kernel.key = make_random_key();
     kernel.kernel_name = image.name;
+    if (settings_.egress_tunnel) kernel.egress_port = sandbox_protocol::kEgressTunnelPort;
+    const std::size_t published = kKernelPortCount + (kernel.egress_port ? 1 : 0);
     // The channels cross the network between the front and the node: the
     // kernel binds them as CurveZMQ servers with a key made for this session
     // (only its secret has it); the front keeps the public half.
@@ -684,7 +698,7 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
             const std::string state = status.value("State", "");
             if (state == "running" &&
                 status.value("PortStatus", json::object()).value("Ports", json::array()).size() ==
-                    kKernelPortCount) {
+                    published) {
                 break;
             }
             if (state == "failed" || state == "rejected" || state == "shutdown" ||
@@ -729,6 +743,8 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
             const int i = port.value("TargetPort", 0) - kFirstKernelPort;
             if (i >= 0 && i < kKernelPortCount)
                 inner.*kKernelPorts[i] = port.value("PublishedPort", 0);
+            if (port.value("TargetPort", 0) == sandbox_protocol::kEgressTunnelPort)
+                inner.egress_port = port.value("PublishedPort", 0);
         }
         const std::string node_id = task.value("NodeID", "");
         const json node = api.expect("GET", "/nodes/" + node_id);

@@ -29,6 +29,10 @@ struct ConnectionInfo {
     // empty: the NULL mechanism, as every Jupyter kernel.
     std::string curve_server_key;
     std::string curve_secret_key;
+    // A Swarm task's egress tunnel (server/egress_tunnel.hpp), as
+    // sandbox_protocol::kEgressTunnelField: in the kernel's file the port it
+    // binds, in the front's the port its node publishes; 0, none.
+    int egress_port = 0;
 
     int port(Channel c) const;
     void set_port(Channel c, int port);

@@ -53,7 +53,28 @@ namespace cellblock::sandbox_protocol {
     /* A fork request's "adopt_grace_ms" goes to the forked session's shim as this */       \
     /* variable (see "A session's sandbox that outlives its server" below). */              \
     W(kAdoptGraceEnv, "ADOPT_GRACE_ENV", "CELLBLOCK_ADOPT_GRACE_MS")                        \
-    W(kAdoptGraceRequest, "ADOPT_GRACE_REQUEST", "adopt_grace_ms")
+    W(kAdoptGraceRequest, "ADOPT_GRACE_REQUEST", "adopt_grace_ms")                          \
+    /* A Swarm task's egress tunnel (docs/scale-out.md, "Egress"): when its connection */   \
+    /* file has EGRESS_TUNNEL_FIELD, the kernel binds a CurveZMQ ROUTER on that port and */ \
+    /* the front connects a DEALER. Every message is [verb, connection id, ...]: hello */   \
+    /* (front, id "": with the trust store, which the kernel writes to CA_BUNDLE; the */    \
+    /* kernel answers hello and listens on EGRESS_SOCKET), open (kernel: a client came), */ \
+    /* data (either: offset, bytes), ack (either: bytes delivered in all), eof (either: */  \
+    /* no more data), close (either: gone). At most TUNNEL_WINDOW bytes unacknowledged */   \
+    /* per connection and way, TUNNEL_CHUNK per data, TUNNEL_MAX_CONNECTIONS at once. */    \
+    W(kEgressTunnelField, "EGRESS_TUNNEL_FIELD", "cellblock_egress_port")                   \
+    N(kEgressTunnelPort, "EGRESS_TUNNEL_PORT", 5560)                                        \
+    W(kEgressSocket, "EGRESS_SOCKET", "/run/cellblock/egress.sock")                         \
+    W(kEgressCaBundle, "CA_BUNDLE", "/run/cellblock/ca-certificates.crt")                   \
+    W(kTunnelHello, "TUNNEL_HELLO", "hello")                                                \
+    W(kTunnelOpen, "TUNNEL_OPEN", "open")                                                   \
+    W(kTunnelData, "TUNNEL_DATA", "data")                                                   \
+    W(kTunnelAck, "TUNNEL_ACK", "ack")                                                      \
+    W(kTunnelEof, "TUNNEL_EOF", "eof")                                                      \
+    W(kTunnelClose, "TUNNEL_CLOSE", "close")                                                \
+    N(kTunnelChunkBytes, "TUNNEL_CHUNK", 65536)                                             \
+    N(kTunnelWindowBytes, "TUNNEL_WINDOW", 262144)                                          \
+    N(kTunnelMaxConnections, "TUNNEL_MAX_CONNECTIONS", 128)
 
 // The descriptors attached to a fork request, in this order; then one v1
 // cgroup `tasks` file per hierarchy (the request's "cgroups" count).

@@ -50,6 +50,11 @@ struct SwarmSettings {
     // hibernates and wakes on another node.
     std::chrono::milliseconds drain_grace{30000};
     std::chrono::milliseconds start_timeout{120000};
+    // The server has an egress gateway (serve --egress-allow): every service
+    // publishes the kernel's egress tunnel too (server/egress_tunnel.hpp),
+    // used by the sessions the gateway serves. Sandboxes are pooled before
+    // their session's network is known, as runc's all have the forwarder.
+    bool egress_tunnel = false;
 };
 
 // The engine image reference of an image (SwarmSettings::images, or the

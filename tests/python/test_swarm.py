@@ -13,6 +13,7 @@ capabilities, routes, interfaces, its root), the engine's services after a
 close, a killed worker and a kill -9 of the server.
 """
 import errno
+import http.server
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import uuid
 
 import pytest
 
+import test_egress as egress
 import test_kernel_conformance as conformance
 from conftest import CELLBLOCK_BIN
 from server_helpers import (ServerProcess, ShellWatch, execute, new_state_dir, run_ok,
@@ -104,9 +106,29 @@ def node_of(bed, sid):
 
 
 @pytest.fixture(scope="module")
-def swarm_server(bed, request):
+def upstream():
+    """An HTTP server on this host's 127.0.0.1 (test_egress's): the one
+    destination the module's server lets its sessions reach, by a pinned
+    name, through its egress gateway."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), egress.Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def egress_args(port):
+    # As test_egress's server: the name pinned to 127.0.0.1, which is opted
+    # in; nothing here asks a DNS server.
+    return ["--egress-allow", f"{egress.API}:{port}",
+            "--egress-resolve", f"{egress.API}=127.0.0.1",
+            "--egress-private", "127.0.0.1/32", "--egress-no-dns"]
+
+
+@pytest.fixture(scope="module")
+def swarm_server(bed, upstream, request):
     failed_before = request.session.testsfailed
-    srv = ServerProcess(new_state_dir(), swarm_args(bed)).start()
+    srv = ServerProcess(new_state_dir(), swarm_args(bed) + egress_args(upstream)).start()
     yield srv
     server_id = server_id_of(srv)
     problems = srv.shutdown(keep_log=request.session.testsfailed > failed_before)
@@ -276,30 +298,39 @@ class BridgeCapture:
 
 
 def published_ports(bed, sid):
-    """The five ports session `sid`'s task publishes on its node (at
-    127.0.0.1 on this host), in the connection file's order."""
+    """The ports session `sid`'s task publishes on its node (at 127.0.0.1 on
+    this host): the kernel's five in the connection file's order, then its
+    egress tunnel's (the module's server has a gateway)."""
     task = bed.docker("service", "ps", "-q", "--no-trunc", f"cb-{sid}").split()[0]
     ports = json.loads(bed.docker("inspect", "--type", "task", "--format",
                                   "{{json .Status.PortStatus.Ports}}", task))
     return [p["PublishedPort"] for p in sorted(ports, key=lambda p: p["TargetPort"])]
 
 
-def test_no_code_or_output_crosses_to_a_node_in_clear(bed, swarm):
+def test_no_code_or_output_crosses_to_a_node_in_clear(bed, swarm, upstream):
     # The front's channels to a node are CurveZMQ with a key pair made for the
     # session: captured on the bridge between this host and the workers,
-    # neither the code of an execution nor its output shows, while clear
-    # bytes sent to the same port by the same path do.
-    sid, kc, _ = swarm.open_session()
+    # neither the code of an execution nor its output shows, nor what the
+    # code fetched through the egress tunnel, while clear bytes sent to the
+    # same port by the same path do.
+    sid, kc, _ = swarm.open_session(limits={"network": {"mode": "gateway"}})
     ports = published_ports(bed, sid)
-    assert len(ports) == 5, ports
+    assert len(ports) == 6, ports
     token = uuid.uuid4().hex
     code_text, output_text = f"cbcode{token}", f"cbcode{token}"[::-1]
     probe = f"cbprobe{token}".encode()
+    fetched_path = f"/cbpath{token}"
     with BridgeCapture(bed.describe()["bridge"], ports) as capture:
         assert run_ok(kc, f"word = {code_text!r}\nprint(word[::-1])") == output_text + "\n"
+        got = egress.fetch(kc, f"http://{egress.API}:{upstream}{fetched_path}")
+        assert got["status"] == 200 and json.loads(got["body"])["path"] == fetched_path, got
         mechanisms = [zmtp_mechanism(port, then_send=probe if port == ports[0] else b"")
                       for port in ports]
-    assert mechanisms == ["CURVE"] * 5, mechanisms
+    assert mechanisms == ["CURVE"] * 6, mechanisms
+    tunnel_bytes = sum(len(b) for (src, dst), b in capture.flows.items()
+                       if ports[5] in (src, dst))
+    assert tunnel_bytes > len(fetched_path) * 2, "the fetch must cross the tunnel's port"
+    assert fetched_path.encode() not in capture.seen(), "egress crossed to the node in clear"
     seen = capture.seen()
     assert probe in seen, "the capture must see clear bytes sent to the session's node"
     session_bytes = sum(len(b) for b in capture.flows.values())
@@ -308,6 +339,63 @@ def test_no_code_or_output_crosses_to_a_node_in_clear(bed, swarm):
     assert output_text.encode() not in seen, "the output crossed from the node in clear"
     assert b"execute_request" not in seen and b"kernel_info" not in seen
     swarm.ok("session_close_request", {"session_id": sid})
+
+
+def post_reversed(kc, url, size):
+    """The session's code posts `size` pseudo-random bytes through its proxy:
+    [status, the reply's length, whether it is the body reversed] (what
+    test_egress's Upstream answers a POST with)."""
+    code = egress.FETCH + f"""
+import random
+body = random.Random(7).randbytes({size})
+got = fetch({url!r}, data=body)
+reply = got["body"].encode("latin-1")
+print(json.dumps([got["status"], len(reply), reply == body[::-1]]))
+"""
+    return json.loads(run_ok(kc, code, timeout=120).splitlines()[-1])
+
+
+def test_a_swarm_session_reaches_its_allowlist_through_the_front_and_nothing_else(swarm,
+                                                                                  upstream):
+    """The egress gateway serves Swarm sessions: the kernel carries the
+    code's proxy connections over its CurveZMQ egress tunnel to the front,
+    which hands them to the gateway on this machine; the allowlist, the
+    audit and the trust store are the gateway's, as on runc; the way out
+    follows the session into the service it wakes in."""
+    sid, kc, reply = swarm.open_session(limits={"network": {"mode": "gateway"}})
+    assert reply["limits"]["network"]["mode"] == "gateway"
+    base = f"http://{egress.API}:{upstream}"
+    got = egress.fetch(kc, base + "/echo")
+    assert got["status"] == 200 and json.loads(got["body"])["path"] == "/echo", got
+    # Four windows each way (the tunnel's TUNNEL_WINDOW is 256 KiB).
+    size = 1 << 20
+    assert post_reversed(kc, base + "/post", size) == [201, size, True]
+    # Refused by the gateway, saying why, and audited.
+    got = egress.fetch(kc, f"http://elsewhere.cellblock.test:{upstream}/")
+    assert got["status"] == 403, got
+    events = wait_for(lambda: len(egress.egress_events(swarm, sid)) >= 3 and
+                      egress.egress_events(swarm, sid))
+    verdicts = [(e["verdict"], e["host"]) for e in events]
+    assert ("allowed", egress.API) in verdicts and \
+        ("refused", "elsewhere.cellblock.test") in verdicts, verdicts
+    # The trust store the front sent with its hello is the code's.
+    assert run_ok(kc, "import os; print(os.path.getsize(os.environ['SSL_CERT_FILE']) > 1000)") \
+        == "True\n"
+    # A session without the gateway on the same server is told it has none.
+    other, other_kc, _ = swarm.open_session()
+    got = egress.fetch(other_kc, base + "/echo")
+    assert got["status"] == 403 and "no network access" in got["body"], got
+    assert egress.egress_events(swarm, other) == []
+    swarm.ok("session_close_request", {"session_id": other})
+    # Hibernated and woken in a new service: its way out comes back with it.
+    reply = swarm.ok("session_hibernate_request", {"session_id": sid}, timeout=180)["content"]
+    assert reply["state"] == "hibernated", reply
+    woken = run_ok(kc, egress.FETCH + f"print(json.dumps(fetch({base + '/after-wake'!r})))",
+                   timeout=180)
+    got = json.loads(woken.splitlines()[-1])
+    assert got["status"] == 200 and json.loads(got["body"])["path"] == "/after-wake", got
+    swarm.ok("session_close_request", {"session_id": sid})
+    assert not os.path.exists(os.path.join(swarm.state_dir, "remote-egress", sid))
 
 
 def test_a_runtime_the_swarm_cannot_run_is_refused(swarm):

@@ -93,6 +93,7 @@ void expect_same(const ConnectionInfo& a, const ConnectionInfo& b) {
     EXPECT_EQ(a.kernel_name, b.kernel_name);
     EXPECT_EQ(a.curve_server_key, b.curve_server_key);
     EXPECT_EQ(a.curve_secret_key, b.curve_secret_key);
+    EXPECT_EQ(a.egress_port, b.egress_port);
 }
 
 const json& reference_connections() {
@@ -183,6 +184,22 @@ TEST(ConnectionInfo, CurveKeysAreWrittenOnlyWhenSetAndMustBeZ85) {
         EXPECT_EQ(error_of([&] { ConnectionInfo::from_json(bad); }),
                   std::string("field ") + field + " must be a string");
     }
+}
+
+TEST(ConnectionInfo, TheEgressTunnelsPortIsWrittenOnlyWhenSetAndMustBeAPort) {
+    ConnectionInfo c = sample();
+    EXPECT_FALSE(c.to_json().contains("cellblock_egress_port"));
+    c.egress_port = 5560;
+    const json j = c.to_json();
+    EXPECT_EQ(j.at("cellblock_egress_port"), 5560);
+    expect_same(ConnectionInfo::from_json(j), c);
+    json bad = j;
+    bad["cellblock_egress_port"] = 70000;
+    EXPECT_EQ(error_of([&] { ConnectionInfo::from_json(bad); }),
+              "field cellblock_egress_port must be in 0..65535, got 70000");
+    bad["cellblock_egress_port"] = "5560";
+    EXPECT_EQ(error_of([&] { ConnectionInfo::from_json(bad); }),
+              "field cellblock_egress_port must be an integer");
 }
 
 TEST(ConnectionInfo, WriteReadRoundTripWithMode0600) {

@@ -185,6 +185,7 @@ TEST(SwarmImageRef, TheShimsDigestCoversItsFilesAndTheirNames) {
     write("cellblock_containment.py", "containment");
     write("cellblock_protocol.py", "protocol");
     write("cellblock_snapshot.py", "snapshot");
+    write("cellblock_egress_tunnel.py", "egress tunnel");
     const std::string first = libexec_digest(dir);
     EXPECT_EQ(first.size(), 12u);
     EXPECT_EQ(libexec_digest(dir), first);
