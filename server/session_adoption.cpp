@@ -317,6 +317,22 @@ void Server::take_over_adopted() {
             state.network_bytes = body.value("network_bytes", std::uint64_t{0});
             relay.adopt(state);
             if (!probed[i].channels) throw SandboxError(probed[i].error);
+            // The gateway is this server's: the session's way out is made
+            // again (a new listener in its ipc dir, or a new tunnel to its
+            // task). Without it the session goes on with no network, and
+            // its history says so.
+            std::string egress_lost;
+            if (limits.network.gateway()) {
+                try {
+                    held.egress_tunnel() = open_egress(id, *adopted.sandbox, limits);
+                } catch (const std::exception& e) {
+                    egress_lost = e.what();
+                    spdlog::error(
+                        "session {}: its way out through the egress gateway was not "
+                        "restored: {}",
+                        id, egress_lost);
+                }
+            }
             relay.attach(std::move(adopted.sandbox), std::move(*probed[i].channels));
             relay.replay(state.requests);  // verified again; they wait for the settle
             store_.add_event(
@@ -324,7 +340,11 @@ void Server::take_over_adopted() {
                  fmt::format("by the server's next start: its sandbox ran on; {} "
                              "execution(s), {} request(s) open at the kernel, {} "
                              "queued",
-                             state.executions, state.in_kernel.size(), state.requests.size())});
+                             state.executions, state.in_kernel.size(), state.requests.size()) +
+                     (egress_lost.empty()
+                          ? std::string()
+                          : "; its way out through the egress gateway was not restored (" +
+                                egress_lost + "): it has no network now")});
             spdlog::info(
                 "session {}: adopted (ports {}..{}, {} execution(s), {} request(s) open at the "
                 "kernel, {} queued)",

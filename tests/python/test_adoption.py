@@ -543,3 +543,38 @@ def test_a_listener_that_never_accepts_cannot_keep_the_sandbox_past_its_grace(
     assert srv.info_of(sid)["state"] == "closed"
     sh.assert_session_gone(srv.state_dir, sid, pids)
 
+
+
+def test_an_adopted_gateway_session_has_its_way_out_again(server_factory, tmp_path):  # noqa: F811
+    # The egress gateway is the server's child and ends with it: the adopting
+    # server hands the session's ipc dir a listener of its own gateway.
+    import http.server
+    import json
+
+    import test_egress as egress
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), egress.Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = upstream.server_address[1]
+    try:
+        srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                              "--pool", "host=0",
+                              "--egress-allow", f"{egress.API}:{port}",
+                              "--egress-resolve", f"{egress.API}=127.0.0.1",
+                              "--egress-private", "127.0.0.1/32", "--egress-no-dns"])
+        sid, kc, _ = srv.open_session(limits={"network": {"mode": "gateway"}})
+        echo = f"http://{egress.API}:{port}/echo"
+        assert egress.fetch(kc, echo)["status"] == 200
+        watch = sh.ShellWatch(kc)
+        srv.kill9()
+        assert sh.wait_for(lambda: "waits 120000 ms" in shim_log(srv, sid), timeout=30), \
+            shim_log(srv, sid)[-500:]
+        assert watch.wait_closed(timeout=60)
+        srv.start()
+        assert f"session {sid}: adopted" in srv.log(), srv.log()[-3000:]
+        got = egress.fetch(kc, echo)
+        assert got["status"] == 200 and json.loads(got["body"])["path"] == "/echo", got
+        verdicts = [e["verdict"] for e in egress.egress_events(srv, sid)]
+        assert verdicts.count("allowed") >= 2, verdicts
+    finally:
+        upstream.shutdown()
+        upstream.server_close()

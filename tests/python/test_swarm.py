@@ -696,19 +696,24 @@ def secrets_of(bed, server_id):
                       "-q").split()
 
 
-def test_kill9_of_the_server_then_restart_adopts_its_services(bed, tmp_path):
+def test_kill9_of_the_server_then_restart_adopts_its_services(bed, tmp_path, upstream):
     """Phase 3 of docs/restarts.md: the services outlive a killed server, and
     the next start on its state dir takes each session's service back (the
     same task: the kernel and its variables) through its clients' old
-    connection info; what no session held (the pool's) is removed."""
-    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + [
+    connection info; what no session held (the pool's) is removed. A
+    session with the egress gateway has its way out again (a new tunnel to
+    the same task, to the new server's gateway)."""
+    srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=1) + egress_args(upstream) + [
         "--key-file", str(tmp_path / "server.key")]).start()
+    echo = f"http://{egress.API}:{upstream}/echo"
     try:
         opened = []
         for n in range(2):
-            sid, kc, _ = srv.open_session()
+            network = {"mode": "gateway" if n == 1 else "none"}
+            sid, kc, _ = srv.open_session(limits={"network": network})
             assert run_ok(kc, f"kept = {n} * 10 + 7") == ""
             opened.append((sid, kc))
+        assert egress.fetch(opened[1][1], echo)["status"] == 200
         server_id = server_id_of(srv)
         wait_for(lambda: len(services_of(bed, server_id)) == 3, timeout=60)
         before = services_of(bed, server_id)
@@ -743,6 +748,9 @@ def test_kill9_of_the_server_then_restart_adopts_its_services(bed, tmp_path):
             kinds = [e["kind"] for e in srv.ok("session_history_request",
                                                {"session_id": sid})["content"]["events"]]
             assert "adopted" in kinds, kinds
+        got = egress.fetch(opened[1][1], echo)
+        assert got["status"] == 200 and json.loads(got["body"])["path"] == "/echo", got
+        assert egress.fetch(opened[0][1], echo)["status"] == 403
         sid, kc, _ = srv.open_session()
         assert run_ok(kc, "print(2)") == "2\n"
     finally:
