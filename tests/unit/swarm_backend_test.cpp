@@ -46,9 +46,10 @@ Image host_image() {
 
 constexpr std::uint32_t kTestUid = kSwarmFirstUid + 7;
 
-json spec_for(const Image& image, const SandboxLimits& limits = {}) {
+json spec_for(const Image& image, const SandboxLimits& limits = {}, bool egress_tunnel = false) {
     SwarmSettings settings;
     settings.network = "sessions-net";
+    settings.egress_tunnel = egress_tunnel;
     return swarm_service_spec(settings, "server-1", "abcdef0123456789", image, limits,
                               {"secret-id", "secret-name", kTestUid, "0123abcd"});
 }
@@ -105,6 +106,27 @@ TEST(SwarmServiceSpec, HasEveryHardeningDockerAllows) {
     EXPECT_EQ(spec["Labels"]["cellblock.server"], "server-1");
     EXPECT_EQ(spec["Labels"]["cellblock.session"], "abcdef0123456789");
     EXPECT_EQ(spec["Name"], "cb-abcdef0123456789");
+}
+
+TEST(SwarmServiceSpec, AServerWithAGatewayPublishesTheEgressTunnelAndAnIpcDir) {
+    const auto targets = [](const json& spec) {
+        std::vector<int> ports;
+        for (const auto& p : spec["EndpointSpec"]["Ports"]) ports.push_back(p["TargetPort"]);
+        std::vector<std::string> tmpfs;
+        for (const auto& m : spec["TaskTemplate"]["ContainerSpec"]["Mounts"]) {
+            if (m["Type"] == "tmpfs") tmpfs.push_back(m["Target"]);
+        }
+        return std::pair{ports, tmpfs};
+    };
+    const auto [plain_ports, plain_tmpfs] = targets(spec_for(host_image()));
+    EXPECT_EQ(plain_ports, (std::vector<int>{5555, 5556, 5557, 5558, 5559}));
+    EXPECT_EQ(std::count(plain_tmpfs.begin(), plain_tmpfs.end(), "/run/cellblock"), 0);
+    const json spec = spec_for(host_image(), {}, /*egress_tunnel=*/true);
+    const auto [ports, tmpfs] = targets(spec);
+    EXPECT_EQ(ports, (std::vector<int>{5555, 5556, 5557, 5558, 5559, 5560}));
+    EXPECT_EQ(spec["EndpointSpec"]["Ports"][5]["PublishMode"], "host");
+    EXPECT_FALSE(spec["EndpointSpec"]["Ports"][5].contains("PublishedPort"));
+    EXPECT_EQ(std::count(tmpfs.begin(), tmpfs.end(), "/run/cellblock"), 1);
 }
 
 TEST(SwarmServiceSpec, CarriesTheSessionsLimits) {
