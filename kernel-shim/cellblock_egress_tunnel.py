@@ -20,6 +20,8 @@ and every buffer and count is bounded.
 """
 import collections
 import errno
+import hashlib
+import hmac
 import os
 import socket
 import sys
@@ -40,7 +42,7 @@ CLOSE = protocol.TUNNEL_CLOSE.encode()
 
 # The frames after the verb that each verb from the front carries:
 # [verb, connection id, ...].
-FRAMES = {HELLO: 3, DATA: 4, ACK: 3, EOF: 2, CLOSE: 2}
+FRAMES = {HELLO: 4, DATA: 4, ACK: 3, EOF: 2, CLOSE: 2}
 
 LISTEN_BACKLOG = 64
 # The largest frame a peer may send (the trust store is the largest the front
@@ -130,11 +132,19 @@ class EgressTunnel:
     "fronts gone" and "failures" (exceptions, OS errors); and how often the
     front's pipe was full ("front full"), which is no trouble."""
 
-    def __init__(self, context, endpoint, secret_key,
+    def __init__(self, context, endpoint, secret_key, signing_key,
                  socket_path=protocol.EGRESS_SOCKET, ca_bundle_path=protocol.CA_BUNDLE):
         self._context = context
         self._endpoint = endpoint
         self._secret_key = secret_key.encode() if isinstance(secret_key, str) else secret_key
+        # The kernel's message key (the connection file's "key"): a hello
+        # must be signed with it. CURVE without a handler that checks client
+        # keys admits any client that knows the kernel's public key; the
+        # signature is what says the front is the server (as the kernel's
+        # channels' signatures do).
+        self._signing_key = signing_key.encode() if isinstance(signing_key, str) else signing_key
+        if not self._signing_key:
+            raise ValueError("egress tunnel: no message key to check the front's hello with")
         self._socket_path = socket_path
         self._ca_bundle_path = ca_bundle_path
         self.endpoint = None       # as bound (a "*" port resolved)
@@ -365,6 +375,9 @@ class EgressTunnel:
             if conn_id:
                 self._note("malformed", "a hello with a connection id")
                 return
+            if not self._signed(message[2], message[3]):
+                self._note("refused", "a hello not signed with the session's key")
+                return
             self._on_hello(peer, message[2])
             return
         if peer != self._front:
@@ -381,6 +394,10 @@ class EgressTunnel:
                 return
             fields = [number] + fields[1:]
         self._handlers[verb](conn_id, *fields)
+
+    def _signed(self, trust_store, signature):
+        expected = hmac.new(self._signing_key, trust_store, hashlib.sha256).hexdigest().encode()
+        return hmac.compare_digest(expected, signature)
 
     def _on_hello(self, peer, trust_store):
         if peer != self._front:
@@ -595,6 +612,6 @@ def start_from_connection_file(info, secret_key):
         raise ValueError(f"egress tunnel: the connection file's {protocol.EGRESS_TUNNEL_FIELD} "
                          f"is not a TCP port: {port!r}")
     # A context of its own: its I/O thread is not the kernel channels'.
-    tunnel = EgressTunnel(zmq.Context(), f"tcp://*:{port}", secret_key)
+    tunnel = EgressTunnel(zmq.Context(), f"tcp://*:{port}", secret_key, info.get("key") or "")
     tunnel.start()
     return tunnel

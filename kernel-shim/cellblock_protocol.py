@@ -49,8 +49,9 @@ ADOPT_GRACE_REQUEST = "adopt_grace_ms"
 # A Swarm task's egress tunnel (docs/scale-out.md, "Egress"): when its
 # connection file has EGRESS_TUNNEL_FIELD, the kernel binds a CurveZMQ ROUTER
 # on that port and the front connects a DEALER. Every message is [verb,
-# connection id, ...]: hello (front, id "": with the trust store, which the
-# kernel writes to CA_BUNDLE; the kernel answers hello and listens on
+# connection id, ...]: hello (front, id "": the trust store, which the kernel
+# writes to CA_BUNDLE, and its HMAC-SHA256 in hex with the kernel's message
+# key, without which it is refused; the kernel answers hello and listens on
 # EGRESS_SOCKET), open (kernel: a client came), data (either: offset, bytes),
 # ack (either: bytes delivered in all), eof (either: no more data), close
 # (either: gone). At most TUNNEL_WINDOW bytes unacknowledged per connection

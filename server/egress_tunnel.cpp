@@ -14,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cellblock/sandbox_protocol.hpp"
+#include "cellblock/signer.hpp"
 #include "multipart.hpp"
 #include "unix_address.hpp"
 
@@ -115,7 +116,9 @@ void EgressTunnel::on_monitor() {
 void EgressTunnel::say_hello() {
     // The maximum message size bounds what comes back (data, kChunk); the
     // trust store (a few hundred KiB) only goes out.
-    send({protocol::kTunnelHello, "", settings_.trust_store});
+    const std::string signature =
+        Signer(settings_.signing_key).sign(settings_.trust_store, "", "", "");
+    send({protocol::kTunnelHello, "", settings_.trust_store, signature});
 }
 
 void EgressTunnel::send(std::initializer_list<std::string_view> frames) {

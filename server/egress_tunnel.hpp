@@ -36,6 +36,10 @@ struct EgressTunnelSettings {
     std::string server_key;                // the kernel's CurveZMQ public key (Z85)
     std::filesystem::path gateway_socket;  // the gateway's listener for this session
     std::string trust_store;               // what the task's code trusts (sent with hello)
+    // The kernel's message key (its connection's "key"): hello is signed
+    // with it, so that only the server becomes the task's front (CURVE with
+    // no check of client keys admits anyone who has the kernel's public key).
+    std::string signing_key;
 };
 
 class EgressTunnel {

@@ -60,6 +60,7 @@ std::unique_ptr<EgressTunnel> Server::open_egress(const std::string& session_id,
     tunnel.server_key = kernel.curve_server_key;
     tunnel.gateway_socket = dir / sandbox_protocol::kEgressSocketName;
     tunnel.trust_store = read_trust_store(dir / kEgressCaBundleName);
+    tunnel.signing_key = kernel.key;
     return std::make_unique<EgressTunnel>(loop_, context_, std::move(tunnel));
 }
 

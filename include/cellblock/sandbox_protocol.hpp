@@ -21,59 +21,60 @@ namespace cellblock::sandbox_protocol {
 // What the zygote (Python) shares with the server or the shim (C++):
 // W(C++ constant, Python name, word) and N(C++ constant, Python name, number).
 // The order of a fork request's descriptors is CELLBLOCK_FORK_FDS below.
-#define CELLBLOCK_SANDBOX_PROTOCOL(W, N)                                                    \
-    /* Paths inside every sandbox. */                                                       \
-    W(kShimPath, "SHIM", "/opt/cellblock/cellblock-shim")                                   \
-    W(kConnectionFile, "CONNECTION_FILE", "/run/cellblock/kernel.json")                     \
-    /* The zygote's command line (after the interpreter and the script). */                 \
-    W(kZygoteSocketOption, "SOCKET_OPTION", "--socket")                                     \
-    W(kZygotePreloadOption, "PRELOAD_OPTION", "--preload")                                  \
-    /* Server -> zygote on its control socket: "seccomp <BPF program>" once, then fork */   \
-    /* requests (JSON, with CELLBLOCK_FORK_FDS attached). Replies are JSON objects with */  \
-    /* these keys. */                                                                       \
-    W(kSeccompRequest, "SECCOMP", "seccomp")                                                \
-    N(kMaxRequestBytes, "MAX_REQUEST", 65536)                                               \
-    W(kReplyPid, "REPLY_PID", "pid")                                                        \
-    W(kReplyRefused, "REPLY_REFUSED", "refused")                                            \
-    W(kReplyError, "REPLY_ERROR", "error")                                                  \
-    /* A fork's reports on its report socket, and the server's answers, in order: */        \
-    /* "userns", "mapped", "init PID", "cgrouped", "ready"; "error WHY" at any step. */     \
-    W(kReportUserns, "REPORT_USERNS", "userns")                                             \
-    W(kAnswerMapped, "ANSWER_MAPPED", "mapped")                                             \
-    W(kReportInit, "REPORT_INIT", "init")                                                   \
-    W(kAnswerCgrouped, "ANSWER_CGROUPED", "cgrouped")                                       \
-    W(kReportReady, "REPORT_READY", "ready")                                                \
-    W(kReportError, "REPORT_ERROR", "error")                                                \
-    N(kMaxCgroupFds, "MAX_CGROUP_FDS", 32)                                                  \
-    /* The shim adopting a forked kernel: `cellblock-shim --adopt KERNEL_PID STDERR_FD`, */ \
-    /* with the lifeline at its usual fd and the kernel's stderr pipe at the next one. */   \
-    W(kShimAdoptOption, "SHIM_ADOPT_OPTION", "--adopt")                                     \
-    N(kLifelineFd, "LIFELINE_FD", 3)                                                        \
-    N(kAdoptedStderrFd, "ADOPTED_STDERR_FD", 4)                                             \
-    /* A fork request's "adopt_grace_ms" goes to the forked session's shim as this */       \
-    /* variable (see "A session's sandbox that outlives its server" below). */              \
-    W(kAdoptGraceEnv, "ADOPT_GRACE_ENV", "CELLBLOCK_ADOPT_GRACE_MS")                        \
-    W(kAdoptGraceRequest, "ADOPT_GRACE_REQUEST", "adopt_grace_ms")                          \
-    /* A Swarm task's egress tunnel (docs/scale-out.md, "Egress"): when its connection */   \
-    /* file has EGRESS_TUNNEL_FIELD, the kernel binds a CurveZMQ ROUTER on that port and */ \
-    /* the front connects a DEALER. Every message is [verb, connection id, ...]: hello */   \
-    /* (front, id "": with the trust store, which the kernel writes to CA_BUNDLE; the */    \
-    /* kernel answers hello and listens on EGRESS_SOCKET), open (kernel: a client came), */ \
-    /* data (either: offset, bytes), ack (either: bytes delivered in all), eof (either: */  \
-    /* no more data), close (either: gone). At most TUNNEL_WINDOW bytes unacknowledged */   \
-    /* per connection and way, TUNNEL_CHUNK per data, TUNNEL_MAX_CONNECTIONS at once. */    \
-    W(kEgressTunnelField, "EGRESS_TUNNEL_FIELD", "cellblock_egress_port")                   \
-    N(kEgressTunnelPort, "EGRESS_TUNNEL_PORT", 5560)                                        \
-    W(kEgressSocket, "EGRESS_SOCKET", "/run/cellblock/egress.sock")                         \
-    W(kEgressCaBundle, "CA_BUNDLE", "/run/cellblock/ca-certificates.crt")                   \
-    W(kTunnelHello, "TUNNEL_HELLO", "hello")                                                \
-    W(kTunnelOpen, "TUNNEL_OPEN", "open")                                                   \
-    W(kTunnelData, "TUNNEL_DATA", "data")                                                   \
-    W(kTunnelAck, "TUNNEL_ACK", "ack")                                                      \
-    W(kTunnelEof, "TUNNEL_EOF", "eof")                                                      \
-    W(kTunnelClose, "TUNNEL_CLOSE", "close")                                                \
-    N(kTunnelChunkBytes, "TUNNEL_CHUNK", 65536)                                             \
-    N(kTunnelWindowBytes, "TUNNEL_WINDOW", 262144)                                          \
+#define CELLBLOCK_SANDBOX_PROTOCOL(W, N)                                                     \
+    /* Paths inside every sandbox. */                                                        \
+    W(kShimPath, "SHIM", "/opt/cellblock/cellblock-shim")                                    \
+    W(kConnectionFile, "CONNECTION_FILE", "/run/cellblock/kernel.json")                      \
+    /* The zygote's command line (after the interpreter and the script). */                  \
+    W(kZygoteSocketOption, "SOCKET_OPTION", "--socket")                                      \
+    W(kZygotePreloadOption, "PRELOAD_OPTION", "--preload")                                   \
+    /* Server -> zygote on its control socket: "seccomp <BPF program>" once, then fork */    \
+    /* requests (JSON, with CELLBLOCK_FORK_FDS attached). Replies are JSON objects with */   \
+    /* these keys. */                                                                        \
+    W(kSeccompRequest, "SECCOMP", "seccomp")                                                 \
+    N(kMaxRequestBytes, "MAX_REQUEST", 65536)                                                \
+    W(kReplyPid, "REPLY_PID", "pid")                                                         \
+    W(kReplyRefused, "REPLY_REFUSED", "refused")                                             \
+    W(kReplyError, "REPLY_ERROR", "error")                                                   \
+    /* A fork's reports on its report socket, and the server's answers, in order: */         \
+    /* "userns", "mapped", "init PID", "cgrouped", "ready"; "error WHY" at any step. */      \
+    W(kReportUserns, "REPORT_USERNS", "userns")                                              \
+    W(kAnswerMapped, "ANSWER_MAPPED", "mapped")                                              \
+    W(kReportInit, "REPORT_INIT", "init")                                                    \
+    W(kAnswerCgrouped, "ANSWER_CGROUPED", "cgrouped")                                        \
+    W(kReportReady, "REPORT_READY", "ready")                                                 \
+    W(kReportError, "REPORT_ERROR", "error")                                                 \
+    N(kMaxCgroupFds, "MAX_CGROUP_FDS", 32)                                                   \
+    /* The shim adopting a forked kernel: `cellblock-shim --adopt KERNEL_PID STDERR_FD`, */  \
+    /* with the lifeline at its usual fd and the kernel's stderr pipe at the next one. */    \
+    W(kShimAdoptOption, "SHIM_ADOPT_OPTION", "--adopt")                                      \
+    N(kLifelineFd, "LIFELINE_FD", 3)                                                         \
+    N(kAdoptedStderrFd, "ADOPTED_STDERR_FD", 4)                                              \
+    /* A fork request's "adopt_grace_ms" goes to the forked session's shim as this */        \
+    /* variable (see "A session's sandbox that outlives its server" below). */               \
+    W(kAdoptGraceEnv, "ADOPT_GRACE_ENV", "CELLBLOCK_ADOPT_GRACE_MS")                         \
+    W(kAdoptGraceRequest, "ADOPT_GRACE_REQUEST", "adopt_grace_ms")                           \
+    /* A Swarm task's egress tunnel (docs/scale-out.md, "Egress"): when its connection */    \
+    /* file has EGRESS_TUNNEL_FIELD, the kernel binds a CurveZMQ ROUTER on that port and */  \
+    /* the front connects a DEALER. Every message is [verb, connection id, ...]: hello */    \
+    /* (front, id "": the trust store, which the kernel writes to CA_BUNDLE, and its */      \
+    /* HMAC-SHA256 in hex with the kernel's message key, without which it is refused; the */ \
+    /* kernel answers hello and listens on EGRESS_SOCKET), open (kernel: a client came), */  \
+    /* data (either: offset, bytes), ack (either: bytes delivered in all), eof (either: */   \
+    /* no more data), close (either: gone). At most TUNNEL_WINDOW bytes unacknowledged */    \
+    /* per connection and way, TUNNEL_CHUNK per data, TUNNEL_MAX_CONNECTIONS at once. */     \
+    W(kEgressTunnelField, "EGRESS_TUNNEL_FIELD", "cellblock_egress_port")                    \
+    N(kEgressTunnelPort, "EGRESS_TUNNEL_PORT", 5560)                                         \
+    W(kEgressSocket, "EGRESS_SOCKET", "/run/cellblock/egress.sock")                          \
+    W(kEgressCaBundle, "CA_BUNDLE", "/run/cellblock/ca-certificates.crt")                    \
+    W(kTunnelHello, "TUNNEL_HELLO", "hello")                                                 \
+    W(kTunnelOpen, "TUNNEL_OPEN", "open")                                                    \
+    W(kTunnelData, "TUNNEL_DATA", "data")                                                    \
+    W(kTunnelAck, "TUNNEL_ACK", "ack")                                                       \
+    W(kTunnelEof, "TUNNEL_EOF", "eof")                                                       \
+    W(kTunnelClose, "TUNNEL_CLOSE", "close")                                                 \
+    N(kTunnelChunkBytes, "TUNNEL_CHUNK", 65536)                                              \
+    N(kTunnelWindowBytes, "TUNNEL_WINDOW", 262144)                                           \
     N(kTunnelMaxConnections, "TUNNEL_MAX_CONNECTIONS", 128)
 
 // The descriptors attached to a fork request, in this order; then one v1

@@ -5,6 +5,7 @@ speaking cellblock_protocol's words, and clients on the tunnel's unix
 socket as the shim's egress forwarder connects them. Every wait has a
 deadline, so a failure is an assertion, never a hang."""
 import hashlib
+import hmac
 import os
 import shutil
 import socket
@@ -53,7 +54,8 @@ def _number(value):
 class FakeFront:
     """The front's side: a DEALER, a CURVE client of the kernel's key."""
 
-    def __init__(self, endpoint, server_public, context=CONTEXT):
+    def __init__(self, endpoint, server_public, signing_key, context=CONTEXT):
+        self.signing_key = signing_key
         self.sock = context.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.curve_serverkey = server_public
@@ -73,8 +75,11 @@ class FakeFront:
     def silent_for(self, seconds=QUIET_S):
         return not self.sock.poll(seconds * 1000)
 
+    def signature(self, trust_store):
+        return hmac.new(self.signing_key, trust_store, hashlib.sha256).hexdigest().encode()
+
     def hello(self, trust_store=b"a trust store"):
-        self.send(HELLO, b"", trust_store)
+        self.send(HELLO, b"", trust_store, self.signature(trust_store))
         assert self.recv() == [HELLO, b""]
 
     def expect(self, verb, conn_id):
@@ -111,15 +116,17 @@ class Rig:
         self.ca_bundle_path = os.path.join(self.dir, "ca-certificates.crt")
         self.context = context
         self.public, secret = zmq.curve_keypair()
+        self.signing_key = os.urandom(32).hex().encode()  # the connection file's "key"
         self.tunnel = cellblock_egress_tunnel.EgressTunnel(
-            context, "tcp://127.0.0.1:*", secret.decode(), socket_path=self.socket_path,
+            context, "tcp://127.0.0.1:*", secret.decode(), self.signing_key,
+            socket_path=self.socket_path,
             ca_bundle_path=self.ca_bundle_path)
         self.tunnel.start()
         self.fronts = []
         self.clients = []
 
     def front(self):
-        front = FakeFront(self.tunnel.endpoint, self.public, self.context)
+        front = FakeFront(self.tunnel.endpoint, self.public, self.signing_key, self.context)
         self.fronts.append(front)
         return front
 
@@ -211,6 +218,33 @@ def test_hello_writes_the_trust_store_and_opens_the_socket(rig):
     # stop() removes the socket file.
     rig.tunnel.stop()
     assert not os.path.exists(rig.socket_path)
+
+
+def test_a_hello_not_signed_with_the_sessions_key_is_refused(rig):
+    # A client that knows the kernel's public key gets a CURVE handshake;
+    # without the session's message key it cannot become the front.
+    intruder = rig.front()
+    intruder.signing_key = b"not the session's key"
+    intruder.send(HELLO, b"", b"my trust store", intruder.signature(b"my trust store"))
+    intruder.send(HELLO, b"", b"my trust store", b"")
+    assert intruder.silent_for(0.5)
+    assert not os.path.exists(rig.socket_path) and not os.path.exists(rig.ca_bundle_path)
+    assert rig.tunnel.counts["refused"] == 2
+    # The front that has the key is answered, and the intruder's messages
+    # are still nobody's.
+    front = rig.front()
+    front.hello()
+    rig.client()
+    conn = front.expect_open()
+    intruder.send(DATA, conn, b"0", b"injected")
+    assert front.silent_for(0.3) and intruder.silent_for(0.1)
+    assert rig.tunnel.counts["ignored"] >= 1
+
+
+def test_the_tunnel_refuses_to_start_without_a_message_key():
+    with pytest.raises(ValueError):
+        cellblock_egress_tunnel.EgressTunnel(CONTEXT, "tcp://127.0.0.1:*",
+                                             zmq.curve_keypair()[1].decode(), b"")
 
 
 def test_a_stale_socket_file_is_replaced_at_the_first_hello(rig):

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cellblock/sandbox_protocol.hpp"
+#include "cellblock/signer.hpp"
 #include "multipart.hpp"
 #include "unix_address.hpp"
 
@@ -29,6 +30,12 @@ namespace {
 namespace protocol = sandbox_protocol;
 using Message = std::vector<std::string>;
 constexpr auto kWait = std::chrono::seconds(10);
+
+// The hello the front must send: the trust store, signed with the kernel's key.
+Message hello() {
+    return {protocol::kTunnelHello, "", "the trust store",
+            Signer("the kernel's key").sign("the trust store", "", "", "")};
+}
 
 struct Harness {
     zmq::context_t context;
@@ -58,10 +65,10 @@ struct Harness {
         EXPECT_EQ(::bind(listener.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof *addr),
                   0);
         EXPECT_EQ(::listen(listener.get(), 256), 0);
-        tunnel.emplace(
-            loop, context,
-            EgressTunnelSettings{"s1", task.get(zmq::sockopt::last_endpoint),
-                                 std::string(public_key), dir / "egress.sock", "the trust store"});
+        tunnel.emplace(loop, context,
+                       EgressTunnelSettings{"s1", task.get(zmq::sockopt::last_endpoint),
+                                            std::string(public_key), dir / "egress.sock",
+                                            "the trust store", "the kernel's key"});
     }
     ~Harness() {
         tunnel.reset();
@@ -117,7 +124,7 @@ struct Harness {
     // hello from the front, answered; then an open connection "1".
     UniqueFd greet_and_open(const std::string& id = "1") {
         if (front.empty()) {
-            EXPECT_EQ(task_receives(), (Message{protocol::kTunnelHello, "", "the trust store"}));
+            EXPECT_EQ(task_receives(), hello());
             task_sends({protocol::kTunnelHello, ""});
         }
         task_sends({protocol::kTunnelOpen, id});
@@ -133,7 +140,7 @@ std::string pattern(std::size_t size) {
 
 TEST(EgressTunnel, HelloCarriesTheTrustStoreAndTheAnswerIsNoted) {
     Harness h;
-    EXPECT_EQ(h.task_receives(), (Message{protocol::kTunnelHello, "", "the trust store"}));
+    EXPECT_EQ(h.task_receives(), hello());
     EXPECT_FALSE(h.tunnel->counts().greeted);
     h.task_sends({protocol::kTunnelHello, ""});
     EXPECT_TRUE(h.tunnel->counts().greeted);
@@ -260,7 +267,7 @@ TEST(EgressTunnel, AChannelMadeAgainAfterABreakClosesTheOpenConnectionsAndSaysHe
     h.task = zmq::socket_t(h.context, zmq::socket_type::router);
     h.bind_task(endpoint);
     h.front.clear();
-    EXPECT_EQ(h.task_receives(), (Message{protocol::kTunnelHello, "", "the trust store"}));
+    EXPECT_EQ(h.task_receives(), hello());
     EXPECT_EQ(h.tunnel->counts().reconnects, 1u);
     EXPECT_EQ(h.tunnel->counts().open_now, 0u);
     EXPECT_EQ(h.gateway_reads(gateway.get(), 100), "");  // closed
