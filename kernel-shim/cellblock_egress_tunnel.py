@@ -17,6 +17,9 @@ the kernel's own channels. The code in the sandbox has the kernel's uid and
 may speak to the socket or end this thread: that harms only its own egress
 (the front enforces everything), so nothing here is trusted beyond CURVE,
 and every buffer and count is bounded.
+
+One concern, one file (about 600 lines): the tunnel's loop, its protocol
+checks and its connections are read together.
 """
 import collections
 import errno
