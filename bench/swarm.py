@@ -17,6 +17,10 @@ docker-in-docker workers), in the same run as its baselines.
   host's (the workers are docker-in-docker containers, no user namespace)
   and each session's kernel has a uid of its own (docs/scale-out.md): the
   session's processes are those running with its uid.
+- egress: one small GET and a 20 MB download through the egress gateway
+  from a swarm session (the kernel's egress tunnel to the front, then the
+  gateway) against a runc session of this host (the forwarder hands its
+  socket to the gateway), same upstream on 127.0.0.1, same run.
 """
 import os
 import subprocess
@@ -25,6 +29,7 @@ import tempfile
 import time
 
 from client import BenchError
+import egress
 from figures import ONE_PLUS_ONE, MANY_STEPS, ab_blocks
 from servers import CellblockServer, host_pids, pss_bytes, wait_ready
 import servers
@@ -112,6 +117,61 @@ def load_host_image(bed, work):
     os.unlink(tar)
 
 
+def egress_rows(bench, bed):
+    """A small GET and a 20 MB download through the gateway, from a swarm
+    session and from a runc session, interleaved."""
+    upstream = egress.serve()
+    port = upstream.server_address[1]
+    args = ["--egress-allow", f"{egress.HOST}:{port}",
+            "--egress-resolve", f"{egress.HOST}=127.0.0.1",
+            "--egress-private", "127.0.0.1/32", "--egress-no-dns"]
+    limits = {"limits": {**MANY_STEPS, "network": {"mode": "gateway", "max_bytes": 64 << 30}}}
+    base = f"http://{egress.HOST}:{port}"
+    small_n, big_n, big = bench.n(100, 20), bench.n(9, 3), 20 * egress.MB
+    rows = []
+    try:
+        with CellblockServer("swarm-egress", {"host": 1},
+                             extra_args=swarm_args(bed) + args) as ssrv, \
+                CellblockServer("swarm-egress-runc", {"host": 1}, extra_args=args) as rsrv:
+            sreply, rreply = ssrv.create(limits), rsrv.create(limits)
+            sch = ssrv.open_channels(sreply["connection"])
+            rch = rsrv.open_channels(rreply["connection"])
+            try:
+                wait_ready(sch, time.monotonic() + 120)
+                wait_ready(rch, time.monotonic() + 120)
+                bench.log(f"swarm: egress, {small_n} small GETs and {big_n}× 20 MB each side")
+                s_small, r_small, s_big, r_big = [], [], [], []
+                batch = max(1, small_n // 10)
+                for _ in range(small_n // batch):
+                    s_small += egress.in_session(sch, f"{base}/small", batch, False)["times"]
+                    r_small += egress.in_session(rch, f"{base}/small", batch, False)["times"]
+                for _ in range(big_n):
+                    for ch, out in ((sch, s_big), (rch, r_big)):
+                        got = egress.in_session(ch, f"{base}/bytes/{big}", 1, False)
+                        if got["size"] != big:
+                            raise BenchError(f"egress: got {got['size']} of {big} bytes")
+                        out.append(big / egress.MB / got["times"][0])
+            finally:
+                sch.close()
+                rch.close()
+                ssrv.close_session(sreply["session_id"])
+                rsrv.close_session(rreply["session_id"])
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+    s, r = summary(ms(s_small)), summary(ms(r_small))
+    rows.append(Row("13", "Swarm: one small GET through the egress gateway (new connection)",
+                    "ms", s, r, "a runc session on this host, same gateway and upstream",
+                    note=f"{s['median'] - r['median']:+.2f} ms at the median"))
+    s, r = summary(s_big), summary(r_big)
+    rows.append(Row("13", "Swarm: 20 MB download through the egress tunnel and gateway", "MB/s",
+                    s, r, "a runc session on this host, same gateway and upstream",
+                    higher_is_better=True, note=f"{s['median'] / r['median']:.2f}× runc"))
+    bench.raw["swarm_egress"] = {"swarm_small_ms": ms(s_small), "runc_small_ms": ms(r_small),
+                                 "swarm_mb_s": s_big, "runc_mb_s": r_big}
+    return rows
+
+
 def swarm_figure(bench):
     work = tempfile.mkdtemp(prefix="cellblock-bench-swarm-", dir="/var/tmp")
     try:
@@ -185,6 +245,8 @@ def swarm_figure(bench):
                              f"{24 * 1024 / sp['median']:.0f} swarm sessions per 24 GiB node "
                              f"by PSS alone"))
         bench.raw["swarm_pss"] = {"swarm_bytes": swarm_pss, "runc_bytes": runc_pss}
+
+        rows += egress_rows(bench, bed)
     finally:
         residue = testbed.down(work)
         if residue:

@@ -93,24 +93,27 @@ void SandboxPool::schedule_refills_locked(std::chrono::milliseconds delay) {
 
 WarmSandbox SandboxPool::take(const std::string& image, const SandboxLimits& limits) {
     WarmSandbox warm;
-    {
-        std::lock_guard lock(mutex_);
-        auto it = slots_.find(image);
-        if (it == slots_.end() || it->second.ready.empty() ||
-            !backend_->can_serve(it->second.config.image, it->second.config.limits, limits)) {
-            return {};
+    for (;;) {
+        {
+            std::lock_guard lock(mutex_);
+            auto it = slots_.find(image);
+            if (it == slots_.end() || it->second.ready.empty() ||
+                !backend_->can_serve(it->second.config.image, it->second.config.limits, limits)) {
+                return {};
+            }
+            warm = std::move(it->second.ready.front());
+            it->second.ready.pop_front();
+            schedule_refills_locked(kRefillDelay);
         }
-        warm = std::move(it->second.ready.front());
-        it->second.ready.pop_front();
-        schedule_refills_locked(kRefillDelay);
-    }
-    Sandbox& box = *warm.sandbox;
-    if (box.exited() || !box.read_lifeline() || box.moving()) {
-        // Died (or its node is being drained) while waiting in the pool: not handed out.
+        Sandbox& box = *warm.sandbox;
+        if (!box.exited() && box.read_lifeline() && !box.moving()) break;
+        // Died (or its node is being drained) while waiting in the pool: not
+        // handed out, replaced by a refill, and the next one is tried (a
+        // drained node may hold several of the pool's).
         warm.channels.reset();
         dispose(std::move(warm.sandbox));
-        return {};
     }
+    Sandbox& box = *warm.sandbox;
     try {
         box.apply_limits(limits);
         box.set_limits(limits);
