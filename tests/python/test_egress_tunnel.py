@@ -22,12 +22,8 @@ sys.path.insert(0, os.path.join(os.environ.get("CELLBLOCK_SOURCE_DIR", "../.."),
 import cellblock_egress_tunnel  # noqa: E402
 import cellblock_protocol as protocol  # noqa: E402
 
-HELLO = protocol.TUNNEL_HELLO.encode()
-OPEN = protocol.TUNNEL_OPEN.encode()
-DATA = protocol.TUNNEL_DATA.encode()
-ACK = protocol.TUNNEL_ACK.encode()
-EOF = protocol.TUNNEL_EOF.encode()
-CLOSE = protocol.TUNNEL_CLOSE.encode()
+from cellblock_egress_tunnel import ACK, CLOSE, DATA, EOF, HELLO, OPEN  # noqa: E402
+
 CHUNK = protocol.TUNNEL_CHUNK
 WINDOW = protocol.TUNNEL_WINDOW
 
