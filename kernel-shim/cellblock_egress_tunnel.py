@@ -44,7 +44,9 @@ EOF = protocol.TUNNEL_EOF.encode()
 CLOSE = protocol.TUNNEL_CLOSE.encode()
 
 # The frames after the verb that each verb from the front carries:
-# [verb, connection id, ...].
+# [verb, connection id, ...]. A side closes a connection once it has sent
+# eof and had everything it sent acknowledged, and has written the other's
+# eof: a close makes the other side drop what it has not written.
 FRAMES = {HELLO: 4, DATA: 4, ACK: 3, EOF: 2, CLOSE: 2}
 
 LISTEN_BACKLOG = 64
@@ -119,7 +121,10 @@ class TunnelConnection:
         return self.acked <= total <= self.sent
 
     def done(self):
-        return self.client_eof and self.shut
+        # Both ways ended, and everything sent acknowledged: the front has
+        # written it all to the gateway (a close makes the other side drop
+        # what it has not written yet).
+        return self.client_eof and self.shut and self.acked == self.sent
 
 
 class EgressTunnel:
@@ -483,6 +488,7 @@ class EgressTunnel:
                                        f"{conn.sent} sent")
             return
         conn.acked = total
+        self._finish_if_done(conn)
 
     def _on_eof(self, conn_id):
         conn = self._known(conn_id)

@@ -254,6 +254,7 @@ void EgressTunnel::on_ack(Connection& c, const std::string& total) {
         return;
     }
     c.acked = *acked;
+    if (done(c)) return end(c);
     rewatch(c);
 }
 
@@ -276,7 +277,7 @@ void EgressTunnel::read_gateway(Connection& c) {
     if (n == 0) {
         c.gateway_ended = true;
         send({protocol::kTunnelEof, c.id});
-        if (c.shut) return end(c);
+        if (done(c)) return end(c);
     } else {
         const std::string offset = std::to_string(c.sent);
         send({protocol::kTunnelData, c.id, offset,
@@ -304,8 +305,14 @@ void EgressTunnel::write_gateway(Connection& c) {
         ::shutdown(c.gateway.get(), SHUT_WR);
         c.shut = true;
     }
-    if (c.shut && c.gateway_ended) return end(c);
+    if (done(c)) return end(c);
     rewatch(c);
+}
+
+bool EgressTunnel::done(const Connection& c) {
+    // Both ways ended, and everything sent to the task acknowledged (a close
+    // makes the task drop what it has not written to its client yet).
+    return c.shut && c.gateway_ended && c.acked == c.sent;
 }
 
 void EgressTunnel::end(Connection& c) {

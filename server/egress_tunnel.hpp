@@ -86,7 +86,9 @@ class EgressTunnel {
     // A connection the task broke the protocol on, or whose gateway side
     // failed: the task is told (close), the gateway's socket closed.
     void fail(Connection& c, const char* why, bool task_broke_protocol);
-    // Both ways done: the task is told (close) and the connection forgotten.
+    // Both ways done (done()): the task is told (close) and the connection
+    // forgotten.
+    static bool done(const Connection& c);
     void end(Connection& c);
     void drop(const std::string& id);
     void send(std::initializer_list<std::string_view> frames);
