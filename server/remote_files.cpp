@@ -14,7 +14,7 @@ namespace cellblock {
 bool Server::files_in_kernel(SessionProxy& s) { return s.sandbox() && !s.sandbox()->files(); }
 
 fs::path Server::remote_files_dir(const std::string& session_id) const {
-    return settings_.state_dir / "remote-files" / session_id;
+    return settings_.state_dir / kRemoteFilesDir / session_id;
 }
 
 fs::path Server::make_remote_files_dir(const std::string& session_id) const {
@@ -237,10 +237,16 @@ void Server::remove_remote_files(const std::string& session_id) {
 }
 
 void Server::remove_stale_remote_files() {
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(settings_.state_dir / "remote-files", ec)) {
-        const std::string id = entry.path().filename().string();
-        if (!sessions_.live(id)) fs::remove_all(entry.path(), ec);
+    // What an earlier run kept for sessions that are not live now: the
+    // front's copies of their files, and their egress listeners
+    // (session_egress.cpp).
+    for (const char* kept : {kRemoteFilesDir, kRemoteEgressDir}) {
+        const fs::path root = settings_.state_dir / kept;
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(root, ec)) {
+            const std::string id = entry.path().filename().string();
+            if (!sessions_.live(id)) fs::remove_all(entry.path(), ec);
+        }
     }
 }
 

@@ -53,6 +53,12 @@
 #include "version.hpp"
 
 namespace cellblock {
+
+// Under STATE_DIR, per session with no directory on this host (a Swarm
+// task): the front's copy of its files (remote_files.cpp) and its egress
+// listener (session_egress.cpp).
+inline constexpr const char* kRemoteFilesDir = "remote-files";
+inline constexpr const char* kRemoteEgressDir = "remote-egress";
 namespace fs = std::filesystem;
 using nlohmann::json;
 

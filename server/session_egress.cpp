@@ -29,7 +29,7 @@ std::string read_trust_store(const fs::path& path) {
 }  // namespace
 
 fs::path Server::remote_egress_dir(const std::string& session_id) const {
-    return settings_.state_dir / "remote-egress" / session_id;
+    return settings_.state_dir / kRemoteEgressDir / session_id;
 }
 
 std::unique_ptr<EgressTunnel> Server::open_egress(const std::string& session_id, Sandbox& sandbox,

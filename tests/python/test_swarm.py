@@ -727,7 +727,13 @@ def test_kill9_of_the_server_then_restart_adopts_its_services(bed, tmp_path, ups
         # answered once the next one adopts it.
         assert watch.wait_closed(timeout=60)
         pending = opened[0][1].execute("print(kept + 1)")
+        # What a session no longer live left in the front's directory goes at
+        # the next start; an adopted gateway session's listener is made again.
+        stale = os.path.join(srv.state_dir, "remote-egress", "0123456789abcdef")
+        os.makedirs(stale)
         srv.start()
+        assert not os.path.exists(stale)
+        assert os.listdir(os.path.join(srv.state_dir, "remote-egress")) == [opened[1][0]]
         log = srv.log()
         for sid, _ in opened:
             assert f"session {sid}: its service adopted" in log, log[-3000:]
