@@ -28,6 +28,7 @@ import uuid
 import pytest
 
 import test_egress as egress
+import test_egress_secrets as egress_secrets
 import test_kernel_conformance as conformance
 from conftest import CELLBLOCK_BIN
 from server_helpers import (ServerProcess, ShellWatch, execute, new_state_dir, run_ok,
@@ -396,6 +397,48 @@ def test_a_swarm_session_reaches_its_allowlist_through_the_front_and_nothing_els
     assert got["status"] == 200 and json.loads(got["body"])["path"] == "/after-wake", got
     swarm.ok("session_close_request", {"session_id": sid})
     assert not os.path.exists(os.path.join(swarm.state_dir, "remote-egress", sid))
+
+
+def test_a_swarm_sessions_secrets_are_added_by_the_gateway_on_the_front(bed, tmp_path):
+    """A secret the gateway adds to a host's HTTPS requests works for a Swarm
+    session as for a runc one: the session's CA, in the trust store the front
+    sends with its hello, is what the task's code trusts; the credential
+    itself stays on the front."""
+    host = egress_secrets.SECRET_HOST
+    key, cert = egress_secrets.make_cert(str(tmp_path), "up", [host])
+    upstream = egress_secrets.tls_server(key, cert)
+    port = upstream.server_address[1]
+    token = "Bearer tok-" + uuid.uuid4().hex
+    os.environ["CB_TEST_SWARM_TOKEN"] = token
+    try:
+        srv = ServerProcess(new_state_dir(), swarm_args(bed, pool=0) + [
+            "--egress-allow", f"{host}:{port}", "--egress-resolve", f"{host}=127.0.0.1",
+            "--egress-private", "127.0.0.1/32", "--egress-no-dns", "--egress-ca", cert,
+            "--egress-secret", f"{host}:Authorization=env:CB_TEST_SWARM_TOKEN"]).start()
+    finally:
+        del os.environ["CB_TEST_SWARM_TOKEN"]
+    try:
+        secret = {"host": host, "header": "Authorization", "value_from": "env:CB_TEST_SWARM_TOKEN"}
+        sid, kc, _ = srv.open_session(limits={"network": {"mode": "gateway",
+                                                          "secrets": [secret]}})
+        code = egress_secrets.FETCH + f"print(json.dumps(fetch({f'https://{host}:{port}/v1'!r})))"
+        got = json.loads(run_ok(kc, code, timeout=120).strip().splitlines()[-1])
+        assert got["status"] == 200, got
+        seen = json.loads(got["body"])
+        assert seen["authorization_sha256"] == egress_secrets.sha(token), seen
+        issuer = run_ok(kc, egress_secrets.TUNNEL + f"""
+t = tunnel("{host}", {port}, verify=True)
+print(dict(x[0] for x in t.getpeercert()["issuer"])["commonName"])
+t.close()
+""")
+        assert issuer.strip() == f"cellblock session {sid}", issuer
+        assert run_ok(kc, "import os; print(any(v.startswith('Bearer tok-') "
+                          "for v in os.environ.values()))") == "False\n"
+    finally:
+        problems = srv.shutdown()
+        upstream.shutdown()
+        upstream.server_close()
+        assert not problems, "\n".join(problems)
 
 
 def test_a_runtime_the_swarm_cannot_run_is_refused(swarm):
