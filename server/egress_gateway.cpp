@@ -256,8 +256,10 @@ void EgressGateway::send(const json& message, int fd) {
     gateway::send_control(control_.get(), message, fd);
 }
 
-void EgressGateway::add_session(const std::string& session_id, const std::filesystem::path& ipc_dir,
-                                const NetworkLimits& network, std::chrono::seconds lifetime) {
+std::string EgressGateway::add_session(const std::string& session_id,
+                                       const std::filesystem::path& ipc_dir,
+                                       const NetworkLimits& network,
+                                       std::chrono::seconds lifetime) {
     json add = {{"op", "add"}, {"session", session_id}, {"network", network.to_json()}};
     std::string bundle = read_small_file(kSystemCaBundle, 16u << 20, false, kSystemCaBundle);
     if (!network.secrets.empty()) {
@@ -291,6 +293,7 @@ void EgressGateway::add_session(const std::string& session_id, const std::filesy
     Entry entry{std::move(listener), std::move(add)};
     send(entry.add, entry.listener.get());
     sessions_[session_id] = std::move(entry);
+    return bundle;
 }
 
 void EgressGateway::remove_session(const std::string& session_id) {

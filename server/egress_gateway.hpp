@@ -101,9 +101,9 @@ class EgressGateway {
     // session's own), writes ipc_dir/ca-certificates.crt, and hands the
     // listener to the gateway with the limits; with secrets, also their
     // values and a new CA valid for `lifetime`, whose key only the gateway
-    // keeps. Throws on failure.
-    void add_session(const std::string& session_id, const std::filesystem::path& ipc_dir,
-                     const NetworkLimits& network, std::chrono::seconds lifetime);
+    // keeps. Returns that trust store (what it wrote). Throws on failure.
+    std::string add_session(const std::string& session_id, const std::filesystem::path& ipc_dir,
+                            const NetworkLimits& network, std::chrono::seconds lifetime);
     void remove_session(const std::string& session_id);
 
     // The events waiting (JSON objects, gateway.hpp). Sets `restarted` when the

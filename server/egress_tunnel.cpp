@@ -147,16 +147,18 @@ void EgressTunnel::on_tunnel() {
             ++counts_.protocol_errors;
             continue;
         }
-        std::string verb(message.view(0)), id(message.view(1));
-        std::string third, fourth;
-        if (frames > 2) third = message.view(2);
-        if (frames > 3) fourth = message.view(3);
-        handle(verb, id, frames > 2 ? &third : nullptr, frames > 3 ? &fourth : nullptr);
+        // Views of the message's frames (a data chunk is copied once, into
+        // what waits for the gateway).
+        const auto frame = [&](std::size_t i) {
+            return i < frames ? std::optional(message.view(i)) : std::nullopt;
+        };
+        handle(message.view(0), message.view(1), frame(2), frame(3));
     }
 }
 
-void EgressTunnel::handle(const std::string& verb, const std::string& id, const std::string* third,
-                          const std::string* fourth) {
+void EgressTunnel::handle(std::string_view verb, std::string_view id,
+                          std::optional<std::string_view> third,
+                          std::optional<std::string_view> fourth) {
     if (verb == protocol::kTunnelHello) {
         if (!counts_.greeted) {
             spdlog::info("session {}: egress tunnel to its task is up", settings_.session_id);
@@ -203,7 +205,7 @@ void EgressTunnel::handle(const std::string& verb, const std::string& id, const 
     }
 }
 
-void EgressTunnel::open(const std::string& id) {
+void EgressTunnel::open(std::string_view id) {
     if (const auto it = connections_.find(id); it != connections_.end()) {
         return fail(*it->second, "a connection opened twice", true);
     }
@@ -214,7 +216,7 @@ void EgressTunnel::open(const std::string& id) {
         return;
     }
     auto c = std::make_unique<Connection>();
-    c->id = id;
+    c->id = std::string(id);
     const auto addr = unix_address(settings_.gateway_socket.native());
     c->gateway.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     // A unix connect completes at once or fails (EAGAIN: the gateway's
@@ -235,7 +237,7 @@ void EgressTunnel::open(const std::string& id) {
     rewatch(ref);
 }
 
-void EgressTunnel::on_data(Connection& c, const std::string& offset, const std::string& bytes) {
+void EgressTunnel::on_data(Connection& c, std::string_view offset, std::string_view bytes) {
     const auto at = decimal(offset);
     if (!at || *at != c.received || bytes.size() > kChunk || c.task_ended ||
         c.received + bytes.size() - c.delivered > kWindow) {
@@ -247,7 +249,7 @@ void EgressTunnel::on_data(Connection& c, const std::string& offset, const std::
     write_gateway(c);
 }
 
-void EgressTunnel::on_ack(Connection& c, const std::string& total) {
+void EgressTunnel::on_ack(Connection& c, std::string_view total) {
     const auto acked = decimal(total);
     if (!acked || *acked < c.acked || *acked > c.sent) {
         fail(c, "an acknowledgement of bytes never sent", true);
@@ -349,7 +351,7 @@ void EgressTunnel::fail(Connection& c, const char* why, bool task_broke_protocol
     drop(c.id);
 }
 
-void EgressTunnel::drop(const std::string& id) {
+void EgressTunnel::drop(std::string_view id) {
     const auto it = connections_.find(id);
     if (it == connections_.end()) return;
     if (it->second->watch) loop_.unwatch(it->second->watch);

@@ -21,7 +21,9 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include <zmq.hpp>
 
@@ -72,11 +74,11 @@ class EgressTunnel {
     // hello again.
     void on_monitor();
     void on_tunnel();
-    void handle(const std::string& verb, const std::string& id, const std::string* third,
-                const std::string* fourth);
-    void open(const std::string& id);
-    void on_data(Connection& c, const std::string& offset, const std::string& bytes);
-    void on_ack(Connection& c, const std::string& total);
+    void handle(std::string_view verb, std::string_view id, std::optional<std::string_view> third,
+                std::optional<std::string_view> fourth);
+    void open(std::string_view id);
+    void on_data(Connection& c, std::string_view offset, std::string_view bytes);
+    void on_ack(Connection& c, std::string_view total);
     void on_gateway(Connection& c);
     void read_gateway(Connection& c);
     void write_gateway(Connection& c);
@@ -90,7 +92,7 @@ class EgressTunnel {
     // forgotten.
     static bool done(const Connection& c);
     void end(Connection& c);
-    void drop(const std::string& id);
+    void drop(std::string_view id);
     void send(std::initializer_list<std::string_view> frames);
 
     EventLoop& loop_;
@@ -99,7 +101,7 @@ class EgressTunnel {
     zmq::socket_t monitor_;
     EventLoop::WatchId watch_ = 0, monitor_watch_ = 0;
     int handshakes_ = 0;
-    std::map<std::string, std::unique_ptr<Connection>> connections_;
+    std::map<std::string, std::unique_ptr<Connection>, std::less<>> connections_;
     Counts counts_;
 };
 

@@ -7,26 +7,9 @@
 // gateway and everything it holds stay on this machine.
 #include <sys/stat.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "server.hpp"
 
 namespace cellblock {
-
-namespace {
-
-// The gateway writes the trust store the session's code uses beside its
-// listener; a Swarm task is sent it with the tunnel's hello.
-std::string read_trust_store(const fs::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw std::runtime_error("cannot read the session's trust store " + path.string());
-    std::ostringstream bytes;
-    bytes << in.rdbuf();
-    return bytes.str();
-}
-
-}  // namespace
 
 fs::path Server::remote_egress_dir(const std::string& session_id) const {
     return settings_.state_dir / kRemoteEgressDir / session_id;
@@ -53,13 +36,15 @@ std::unique_ptr<EgressTunnel> Server::open_egress(const std::string& session_id,
         throw std::runtime_error("the session's egress dir " + dir.string() + ": " + ec.message());
     ::chmod(dir.parent_path().c_str(), 0700);
     ::chmod(dir.c_str(), 0700);
-    egress_->add_session(session_id, dir, limits.network, lifetime);
+    // The trust store the gateway wrote beside its listener goes to the task
+    // with the tunnel's hello.
+    const std::string trust_store = egress_->add_session(session_id, dir, limits.network, lifetime);
     EgressTunnelSettings tunnel;
     tunnel.session_id = session_id;
     tunnel.endpoint = "tcp://" + kernel.ip + ":" + std::to_string(kernel.egress_port);
     tunnel.server_key = kernel.curve_server_key;
     tunnel.gateway_socket = dir / sandbox_protocol::kEgressSocketName;
-    tunnel.trust_store = read_trust_store(dir / kEgressCaBundleName);
+    tunnel.trust_store = trust_store;
     tunnel.signing_key = kernel.key;
     return std::make_unique<EgressTunnel>(loop_, context_, std::move(tunnel));
 }

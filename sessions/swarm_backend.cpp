@@ -39,9 +39,9 @@ namespace {
 constexpr int kFirstKernelPort = sandbox_protocol::kEngineFirstKernelPort;
 // The connection file, a Swarm secret: a file only the sandbox's uid reads.
 constexpr const char* kSecretFile = "cellblock-connection.json";
+constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
 // A gateway session's ipc dir in its task: a trust store and a socket.
 constexpr int kIpcDirMb = 4;
-constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
 constexpr std::int64_t kNanoPerCore = 1000000000;
 // The connection file's ports, in the order of the container's ports from kFirstKernelPort.
 constexpr int ConnectionInfo::*kKernelPorts[] = {
