@@ -162,7 +162,7 @@ std::unique_ptr<InnerChannels> probe_kernel(zmq::context_t& context, Sandbox& sa
     // The kernel routes input_request to the shell sender's identity, so the
     // stdin socket shares the shell socket's identity. Control has it too: a
     // kernel keeps the replies it could not route while no server relayed
-    // (cellblock_ipykernel.KeptReplies), and sends them when a relay connects
+    // (cellblock_unrelayed.KeptReplies), and sends them when a relay connects
     // under the identity they were sent to (an adopting server's).
     const std::string identity = "cellblock-" + sandbox.session_id();
     const auto check_abandoned = [&] {

@@ -542,7 +542,7 @@ bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
     json md = metadata_of(msg, options_.max_json_depth);
     if (!md["cellblock"].is_object()) md["cellblock"] = json::object();
     // What the kernel published while no relay listened, as cellblock's
-    // kernel counted it (cellblock_ipykernel.Unheard: a lower bound);
+    // kernel counted it (cellblock_unrelayed.Unheard: a lower bound);
     // another kernel's is not known.
     const json report = take_kernel_report(md);
     const auto messages = count_in(report, "unheard_messages");

@@ -469,7 +469,7 @@ class SessionCore {
     std::string carried_fence_;
     bool fence_passed_ = false;
     // Carried shell requests whose idle status the kernel may have published
-    // while no server ran (a reply it kept, cellblock_ipykernel.KeptReplies):
+    // while no server ran (a reply it kept, cellblock_unrelayed.KeptReplies):
     // each is published here once the fence's own idle status shows the
     // kernel's went by (iopub is in order), unless the kernel's came.
     std::map<std::string, nlohmann::json> idle_owed_;

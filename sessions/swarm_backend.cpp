@@ -7,6 +7,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -431,16 +432,26 @@ std::string swarm_image_ref(const SwarmSettings& settings, const Image& image) {
 }
 
 std::string libexec_digest(const fs::path& libexec_dir) {
+    // Every file `image export` puts at /opt/cellblock (the whole directory,
+    // kernel-shim/CMakeLists.txt): one more module of the launcher is covered
+    // without a list to keep. The shim and the launcher must be there.
+    for (const char* needed : {"cellblock-shim", "cellblock_ipykernel.py"}) {
+        if (!fs::is_regular_file(libexec_dir / needed)) {
+            throw SandboxError("no " + (libexec_dir / needed).string());
+        }
+    }
+    std::vector<std::string> names;
+    for (const auto& entry : fs::directory_iterator(libexec_dir)) {
+        if (entry.is_regular_file()) names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
     std::string all;
-    // Every file the sandbox runs from there (kernel-shim/CMakeLists.txt).
-    for (const char* name : {"cellblock-shim", "cellblock_ipykernel.py", "cellblock_zygote.py",
-                             "cellblock_containment.py", "cellblock_protocol.py",
-                             "cellblock_snapshot.py", "cellblock_egress_tunnel.py"}) {
+    for (const auto& name : names) {
         std::ifstream in(libexec_dir / name, std::ios::binary);
-        if (!in) throw SandboxError("no " + (libexec_dir / name).string());
+        if (!in) throw SandboxError("cannot read " + (libexec_dir / name).string());
         std::stringstream bytes;
         bytes << in.rdbuf();
-        all += std::string(name) + '\0' + std::to_string(bytes.str().size()) + '\0' + bytes.str();
+        all += name + '\0' + std::to_string(bytes.str().size()) + '\0' + bytes.str();
     }
     return sha256_hex(all).substr(0, 12);
 }

@@ -3,7 +3,8 @@ forked kernel uses to start from its zygote's state without touching all of
 it (docs/zygote.md, "What a fork's kernel does not touch"). Checked here on
 the interpreter running the tests; test_zygote.py checks the same behaviour
 in real forked sessions. The file transfers over control
-(FileTransfers) are checked against the real kernel process too."""
+(cellblock_files.FileTransfers) are checked against the real kernel process
+too."""
 import contextlib
 import os
 import sys
@@ -12,6 +13,7 @@ import types
 import pytest
 
 sys.path.insert(0, os.path.join(os.environ.get("CELLBLOCK_SOURCE_DIR", "../.."), "kernel-shim"))
+import cellblock_files  # noqa: E402
 import cellblock_ipykernel as shim  # noqa: E402
 
 
@@ -557,7 +559,7 @@ def test_a_transfer_untouched_for_120_s_is_dropped(tmp_path, monkeypatch):
     input_dir.mkdir()
     monkeypatch.setenv("CELLBLOCK_INPUT_DIR", str(input_dir))
     now = [1000.0]
-    transfers = shim.FileTransfers(clock=lambda: now[0])
+    transfers = cellblock_files.FileTransfers(clock=lambda: now[0])
     write = "cellblock_file_write_request"
 
     def chunk(transfer, offset, last=False):

@@ -1528,7 +1528,7 @@ TEST_F(SleepTest, AnAdoptedSessionHoldsRequestsUntilItsClientsListen) {
 
 // Requests open at the kernel when the server died (docs/restarts.md): c1
 // finished while no server ran, and the kernel kept its reply
-// (cellblock_ipykernel.KeptReplies) but its idle status went to no one; c2
+// (cellblock_unrelayed.KeptReplies) but its idle status went to no one; c2
 // still ran; c3's reply was lost. Each is answered once, and each client
 // waiting for an idle status gets one: c1's published by the relay once the
 // fence's idle shows the kernel's went by, c2's the kernel's own.

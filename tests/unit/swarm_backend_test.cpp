@@ -214,8 +214,18 @@ TEST(SwarmImageRef, TheShimsDigestCoversItsFilesAndTheirNames) {
     write("cellblock-shim", "shim v2");
     EXPECT_NE(libexec_digest(dir), first);
     write("cellblock_protocol.py", "protocol v2");
-    EXPECT_NE(libexec_digest(dir), first);
-    fs::remove(dir / "cellblock_zygote.py");
+    const std::string second = libexec_digest(dir);
+    EXPECT_NE(second, first);
+    // A module the launcher imports that no list names is covered too, and
+    // so is its name: every file the image carries at /opt/cellblock.
+    write("cellblock_files.py", "files");
+    const std::string third = libexec_digest(dir);
+    EXPECT_NE(third, second);
+    fs::rename(dir / "cellblock_files.py", dir / "cellblock_files2.py");
+    EXPECT_NE(libexec_digest(dir), third);
+    fs::remove(dir / "cellblock_files2.py");
+    EXPECT_EQ(libexec_digest(dir), second);
+    fs::remove(dir / "cellblock_ipykernel.py");
     EXPECT_THROW(libexec_digest(dir), SandboxError);
     fs::remove_all(dir);
 }
