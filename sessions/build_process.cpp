@@ -56,7 +56,12 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
     env.push_back(nullptr);
     const pid_t pid = ::fork();
     if (pid < 0) throw std::runtime_error("fork: " + errno_text());
+    // The child leads a process group of its own (mmdebstrap's dpkg and apt
+    // are in it), which a stop that outlasts kStopGrace kills whole; a
+    // terminal's Ctrl-C reaches this process, which tells the child.
+    if (pid > 0) ::setpgid(pid, pid);
     if (pid == 0) {
+        ::setpgid(0, 0);
         const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
         ::dup2(devnull, STDIN_FILENO);
         ::dup2(write_end.get(), STDOUT_FILENO);
@@ -98,13 +103,40 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
     Finished result;
     std::deque<std::string> tail;
     std::string pending;
-    bool told = false;
+    // A stop: the child is told (SIGTERM); mmdebstrap then finishes the step
+    // it is in, which took up to 5 minutes on a loaded host, so past
+    // kStopGrace its whole group is killed. Whatever it left (a half-made
+    // root, its /proc, /sys and /dev mounts) is the temp dir's, which
+    // remove_tree unmounts and removes.
+    std::optional<Clock::time_point> told;
+    std::optional<Clock::time_point> killed;
+    auto stop_child = [&] {
+        if (!g_stop_signal.load()) return;
+        const auto now = Clock::now();
+        if (!told) {
+            ::kill(pid, SIGTERM);
+            told = now;
+        } else if (!killed && now - *told >= kStopGrace) {
+            if (progress) {
+                *progress << "  " << argv[0] << " still ran " << kStopGrace.count()
+                          << " s after the stop: killed\n"
+                          << std::flush;
+            }
+            ::kill(-pid, SIGKILL);
+            ::kill(pid, SIGKILL);
+            killed = now;
+        }
+    };
     char buf[4096];
     for (;;) {
-        if (g_stop_signal.load() && !told) {
-            ::kill(pid, SIGTERM);
-            told = true;
-        }
+        stop_child();
+        // A process of the group that escaped the kill may hold the pipe:
+        // the output is not waited for long after the kill.
+        if (killed && Clock::now() - *killed > std::chrono::seconds(5)) break;
+        pollfd pfd{read_end.get(), POLLIN, 0};
+        const int ready = ::poll(&pfd, 1, told ? 500 : 1000);
+        if (ready < 0 && errno != EINTR) break;
+        if (ready <= 0) continue;
         const ssize_t n = ::read(read_end.get(), buf, sizeof buf);
         if (n == 0) break;
         if (n < 0) {
@@ -131,11 +163,11 @@ Finished run_child(const std::vector<std::string>& argv, std::ostream* progress,
     }
     read_end.reset();
     int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-        if (g_stop_signal.load() && !told) {
-            ::kill(pid, SIGTERM);
-            told = true;
-        }
+    for (;;) {
+        stop_child();
+        const pid_t waited = ::waitpid(pid, &status, told ? WNOHANG : 0);
+        if (waited == pid || (waited < 0 && errno != EINTR)) break;
+        if (waited == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     if (progress) {

@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -27,8 +28,10 @@
 #include <fstream>
 #include <functional>
 #include <iomanip>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "cellblock/oci_bundle.hpp"
 
@@ -49,7 +52,9 @@ void write_file_bytes(const fs::path& path, const std::string& data, mode_t mode
 double unix_now();
 
 // Signals (build_process.cpp).
-// A build stops at SIGINT, SIGTERM or SIGHUP: the child is told, the temp dir removed.
+// A build stops at SIGINT, SIGTERM or SIGHUP: the child is told, killed with
+// its process group if it still runs kStopGrace later, the temp dir removed.
+inline constexpr std::chrono::seconds kStopGrace{10};
 extern std::atomic<int> g_stop_signal;
 extern "C" void on_stop_signal(int sig);
 
