@@ -50,30 +50,8 @@ trap 'kill -- -$background 2>/dev/null || true' EXIT
 # servers and sessions.
 phase "unit tests"
 ctest --test-dir "$root/build" --output-on-failure --timeout 900 -L unit -j2
-# The suites on the build tree's image store (label image_store: mmdebstrap
-# builds, then sessions and the attack files on the built image, 18 of the
-# plain pass's 50 minutes) run one after the other beside the rest, which
-# wait on sandboxes and kernels more than they compute; each judges only
-# what its own servers, sessions and store could have changed. The
-# kernelspec both use is installed once, first.
-phase "integration tests (the image-store suites beside the rest)"
-ctest --test-dir "$root/build" --output-on-failure -R '^kernelspec_install$'
-image_log="$root/build-image-suites.log"
-setsid ctest --test-dir "$root/build" --output-on-failure --timeout 900 -L image_store \
-  -FS cellblock_kernelspec >"$image_log" 2>&1 &
-image_suites=$!
-trap 'kill -- -$background -$image_suites 2>/dev/null || true' EXIT
-rest=0
-ctest --test-dir "$root/build" --output-on-failure --timeout 900 -LE 'unit|image_store' \
-  -E '^kernelspec_install$' -FS cellblock_kernelspec || rest=$?
-phase "the image-store suites (started beside the rest)"
-images=0
-wait $image_suites || images=$?
-cat "$image_log"
-if [ "$rest" -ne 0 ] || [ "$images" -ne 0 ]; then
-  echo "integration tests failed (the rest: exit $rest; the image-store suites: exit $images)" >&2
-  exit 1
-fi
+phase "integration tests"
+ctest --test-dir "$root/build" --output-on-failure --timeout 900 -LE unit
 
 phase "waiting for the background builds"
 if ! wait $background; then
