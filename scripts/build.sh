@@ -12,7 +12,8 @@ build=${1:-$root/build}
 sanitize=${CELLBLOCK_SANITIZE:-OFF}
 opt=-O2
 [[ $sanitize == ON ]] && opt=-O1
+source "$root/scripts/ccache.sh"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$opt -g1 -DNDEBUG" \
-  -DCELLBLOCK_SANITIZE="$sanitize" >/dev/null
+  -DCELLBLOCK_SANITIZE="$sanitize" "${ccache_args[@]}" >/dev/null
 cmake --build "$build" -j"$(nproc)"

@@ -9,6 +9,9 @@ PACKAGES=(
   libzmq3-dev cppzmq-dev nlohmann-json3-dev uuid-dev libssl-dev
   libsqlitecpp-dev libsqlite3-dev libgtest-dev libcli11-dev libspdlog-dev libfmt-dev
   libseccomp-dev
+  # a compiler cache: a rebuild of sources that barely changed (the next CI run,
+  # another clone) takes objects from it instead of compiling (scripts/build.sh)
+  ccache
   # the egress gateway's tests make their upstreams' certificates with the openssl tool
   openssl ca-certificates
   # fuzzing (tests/fuzz: clang's libFuzzer and sanitizer runtimes)

@@ -37,7 +37,10 @@ background_log="$root/build-background.log"
 # ends whole if the run stops early (a failed plain test).
 setsid nice -n 19 ionice -c 3 bash -c '
     set -euo pipefail
-    cmake -S "$1/tests/fuzz" -B "$1/build-fuzz" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
+    root=$1
+    source "$root/scripts/ccache.sh"
+    cmake -S "$1/tests/fuzz" -B "$1/build-fuzz" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+      "${ccache_args[@]}" >/dev/null
     cmake --build "$1/build-fuzz" -j"$(nproc)"
     CELLBLOCK_SANITIZE=ON bash "$1/scripts/build.sh" "$1/build-asan"' _ "$root" \
   >"$background_log" 2>&1 &
