@@ -166,7 +166,9 @@ class SessionProxy {
     Clock::time_point idle_since() const { return core_->idle_since(); }
 
   private:
+    // The core's way out (session_proxy_io.cpp).
     class Io;
+    static std::unique_ptr<SessionIo> make_io(SessionProxy& proxy);
     // Reads and hands on one client message; false when none waited.
     bool on_client(Channel channel);
     void on_client_heartbeat();
@@ -227,7 +229,7 @@ class SessionProxy {
     std::unique_ptr<RelaySocket> inner_shell_, inner_control_, inner_stdin_, inner_iopub_,
         inner_hb_;
     std::unique_ptr<Sandbox> sandbox_;
-    std::unique_ptr<Io> io_;
+    std::unique_ptr<SessionIo> io_;
     std::unique_ptr<SessionCore> core_;
     Multipart scratch_;
     struct EarlySignature {
