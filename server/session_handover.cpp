@@ -18,6 +18,14 @@
 // in the state dir in the clear. Whatever cannot be carried is named: a
 // session that could not hibernate is closed `server_restart: <why>`, one
 // that cannot be taken back `restore_failed: <why>`.
+//
+// Why one file of about 550 lines: both halves of a restart are here, the
+// leaving process's (begin, settle, write the rows, leave sandboxes running)
+// and the new one's (read the rows, take each session back), so that the
+// row's fields are written and read side by side; a field added to one half
+// and not the other is a restart that silently loses it. The parts that
+// stand alone are apart: adoption (session_adoption.cpp), the carried
+// requests' frames (carried_frames.hpp), the sealing (server_key.cpp).
 #include <fmt/format.h>
 
 #include "carried_frames.hpp"

@@ -11,6 +11,13 @@ The manager socket and each session's channels speak the Jupyter wire format
 through jupyter_client's Session (and pyzmq, which jupyter_client brings).
 A Server may be shared by threads (each thread gets its own manager socket);
 a Session belongs to one thread at a time.
+
+Why one module of about 550 lines: a Server and its Sessions are one object
+graph (a Session borrows its Server's ZMQ context, sends its manager
+requests (info, history, hibernate, resume, close) through its Server, whose
+retry across a server's restart they share, and is listed in its Server's
+open sessions until it closes), and the user's import is `cellblock.connect()`. What was separable is apart: files (`files.py`,
+mixed into Session), results and errors (`results.py`, `errors.py`).
 """
 import fcntl
 import json
