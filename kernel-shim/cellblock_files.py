@@ -4,6 +4,11 @@ on another node (docs/scale-out.md, "Files"). cellblock_ipykernel's
 SandboxKernel answers the four cellblock_file_* requests with it, on the
 control thread. Nothing here follows a link the sandbox's code may plant,
 nor waits on a FIFO planted where a file is expected.
+
+Over 500 lines with a reason: every path walk here goes through the same few
+descriptor-relative helpers (_open_root, _open_parent, _open_component, _Fd),
+and each of the four requests (write, read, list, abort) is checked against
+them in one reading; split, a request could reach for a plain open().
 """
 import errno
 import hashlib

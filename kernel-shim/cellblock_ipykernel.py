@@ -49,6 +49,13 @@ Files move over control where the server has no directory of the session's
 which never follows a link the sandbox's code may have planted. A
 cellblock_exit_request on control ends the kernel at once (the server closes
 a session whose sandbox it cannot kill itself at once: a Swarm task).
+
+Over 500 lines with a reason: it is the one place where ipykernel's classes
+(IPKernelApp, IPythonKernel, OutStream, Heartbeat) are subclassed, and each
+subclass changes what ipykernel does in the others' middle (the app makes the
+streams that share the kernel's output budget, the kernel reports what they
+dropped); what stands alone is apart: files (cellblock_files.py), kept
+replies (cellblock_unrelayed.py), snapshots (cellblock_snapshot.py).
 """
 import importlib
 import os

@@ -12,6 +12,11 @@
 //
 // No sockets, no clock reads, no syscalls: tests/unit/session_core_test.cpp
 // drives it with a recording SessionIo and a clock of its own.
+//
+// Over 500 lines with a reason: this is the core's whole contract, in both
+// directions (the events it takes, SessionIo's verbs it calls, the observer
+// it tells, and the state the server reads back for hibernation, handover and
+// fairness), each commented; the state itself is in session_core.cpp.
 #pragma once
 
 #include <chrono>

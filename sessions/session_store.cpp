@@ -4,6 +4,12 @@
 // It takes no locks of its own; other processes (an operator's sqlite3 shell, a
 // report script) may read the file concurrently, which WAL allows, and writers
 // from elsewhere wait up to the busy timeout.
+//
+// Over 500 lines with a reason: the schema (four versions and their upgrade),
+// the row readers that name each column by position and the queries that
+// select those columns are one contract with the file on disk, and read best
+// side by side: a column added to one and not the others is read as the
+// wrong field, not refused.
 #include "cellblock/session_store.hpp"
 
 #include <sys/stat.h>
