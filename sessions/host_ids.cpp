@@ -12,6 +12,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "sandbox_internal.hpp"
+
 namespace cellblock {
 namespace fs = std::filesystem;
 
@@ -178,4 +180,14 @@ std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
     return killed;
 }
 
+namespace sandbox_detail {
+
+void write_id_maps(pid_t pid, const IdMapping& ids) {
+    const std::string map = "0 " + std::to_string(ids.host_base) + " " + std::to_string(ids.size);
+    const fs::path proc = "/proc/" + std::to_string(pid);
+    write_value(proc / "uid_map", map);
+    write_value(proc / "gid_map", map);
+}
+
+}  // namespace sandbox_detail
 }  // namespace cellblock

@@ -1,18 +1,13 @@
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/sandbox_tuning.hpp"
 
-#include <sched.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <fstream>
-#include <set>
 #include <stdexcept>
 #include <system_error>
-
-#include "seccomp_syscalls.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
@@ -105,81 +100,6 @@ std::vector<std::string> sandbox_environment(const Image& image) {
     std::vector<std::string> out;
     for (const auto& [name, value] : env) out.push_back(name + "=" + value);
     return out;
-}
-
-json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
-    // Docker's default profile denies these to an unprivileged container; so do
-    // we, plus the calls that let same-uid code hijack another process, and
-    // inotify: the kernel charges a sandbox's inotify instances to the user
-    // that made its user namespace (root, through runc), so one session could
-    // spend the 128 that every session and root's own daemons share.
-    static const std::vector<std::string> denied = {
-        "acct", "add_key", "bpf", "chroot", "clock_adjtime", "clock_settime", "create_module",
-        "delete_module", "fanotify_init", "finit_module", "fsconfig", "fsmount", "fsopen", "fspick",
-        "get_kernel_syms", "init_module", "inotify_init", "inotify_init1", "io_uring_enter",
-        "io_uring_register", "io_uring_setup", "ioperm", "iopl", "kcmp", "kexec_file_load",
-        "kexec_load", "keyctl", "lookup_dcookie", "mount", "mount_setattr", "move_mount",
-        "name_to_handle_at", "nfsservctl", "open_by_handle_at", "open_tree", "perf_event_open",
-        "pidfd_getfd", "pivot_root", "process_madvise", "process_vm_readv", "process_vm_writev",
-        "ptrace", "query_module", "quotactl", "quotactl_fd", "reboot", "request_key",
-        "setdomainname", "sethostname", "setns",
-        // i386's socket multiplexer: its
-        // arguments are in memory, where
-        // seccomp cannot see AF_VSOCK.
-        "socketcall", "settimeofday", "swapoff", "swapon", "_sysctl", "syslog", "umount2",
-        "unshare", "uselib", "userfaultfd", "ustat", "vhangup"};
-    // An allowlist: every x86_64 system call the build's kernel headers know,
-    // less the denied ones, and nothing else. A call newer than the headers,
-    // or one only the i386 ABI has, gets ENOSYS instead of reaching the kernel.
-    // The profile is x86_64's, whose numbers these headers are.
-    const std::uint64_t namespace_flags = CLONE_NEWTIME | CLONE_NEWNS | CLONE_NEWCGROUP |
-                                          CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER |
-                                          CLONE_NEWPID | CLONE_NEWNET;
-    std::set<std::string> denied_set(denied.begin(), denied.end());
-    if (role == SandboxRole::zygote) {
-        for (const char* call : {"unshare", "mount", "umount2", "move_mount", "sethostname"})
-            denied_set.erase(call);
-    }
-    std::vector<std::string> allowed;
-    for (const auto& name : x86_64_syscall_names()) {
-        if (denied_set.count(name) || name == "clone" || name == "clone3" || name == "socket") {
-            continue;
-        }
-        allowed.push_back(name);
-    }
-    json syscalls = json::array();
-    syscalls.push_back({{"names", allowed}, {"action", "SCMP_ACT_ALLOW"}});
-    // clone without any namespace flag (seccomp compares (flags & mask) == 0).
-    syscalls.push_back({{"names", {"clone"}},
-                        {"action", "SCMP_ACT_ALLOW"},
-                        {"args",
-                         {{{"index", 0},
-                           {"value", namespace_flags},
-                           {"valueTwo", 0},
-                           {"op", "SCMP_CMP_MASKED_EQ"}}}}});
-    // socket of any family but AF_VSOCK, which reaches the hypervisor's host side.
-    syscalls.push_back({{"names", {"socket"}},
-                        {"action", "SCMP_ACT_ALLOW"},
-                        {"args", {{{"index", 0}, {"value", AF_VSOCK}, {"op", "SCMP_CMP_NE"}}}}});
-    // The denied calls say EPERM, as under Docker's profile.
-    syscalls.push_back({{"names", std::vector<std::string>(denied_set.begin(), denied_set.end())},
-                        {"action", "SCMP_ACT_ERRNO"},
-                        {"errnoRet", EPERM}});
-    // glibc falls back from clone3 to clone on ENOSYS; clone's flags can be filtered.
-    if (kind != RuntimeKind::runsc) {
-        syscalls.push_back(
-            {{"names", {"clone3"}}, {"action", "SCMP_ACT_ERRNO"}, {"errnoRet", ENOSYS}});
-    } else {
-        // gVisor (runsc 2022) applies every SCMP_ACT_ERRNO, the default one
-        // too, as EPERM whatever errnoRet says: glibc would then not fall back
-        // to clone and no thread could start. Its Sentry has no clone3 and
-        // answers ENOSYS itself, so the call is let through to it.
-        syscalls.push_back({{"names", {"clone3"}}, {"action", "SCMP_ACT_ALLOW"}});
-    }
-    return {{"defaultAction", "SCMP_ACT_ERRNO"},
-            {"defaultErrnoRet", ENOSYS},
-            {"architectures", {"SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"}},
-            {"syscalls", syscalls}};
 }
 
 json make_oci_config(const SandboxSpec& spec) {

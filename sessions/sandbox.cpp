@@ -62,22 +62,6 @@ std::string log_tail(const fs::path& log) {
     return text;
 }
 
-void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner, const char* mode) {
-    const std::string options = "size=" + std::to_string(size_mb) + "m,mode=" + mode +
-                                ",uid=" + std::to_string(owner) + ",gid=" + std::to_string(owner);
-    if (::mount("tmpfs", target.c_str(), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                options.c_str()) != 0) {
-        throw SandboxError("mount tmpfs " + target.string() + ": " + errno_text());
-    }
-}
-
-void unmount_if_mounted(const fs::path& target) {
-    // MNT_DETACH so a process still holding a file there cannot keep the session alive.
-    for (int i = 0; i < 4; ++i) {
-        if (::umount2(target.c_str(), MNT_DETACH) != 0) break;
-    }
-}
-
 std::string container_id_for(const std::string& session_id) { return "cb-" + session_id; }
 
 std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std::string> args) {

@@ -1,6 +1,7 @@
-// What sandbox.cpp, lifeline.cpp, gvisor.cpp, reaper.cpp and
-// sandbox_cgroups.cpp share: small file helpers, naming, and the runtime's
-// command line. Private to sessions/.
+// What sandbox.cpp, lifeline.cpp, gvisor.cpp, reaper.cpp, the OS concerns'
+// files (sandbox_cgroups.cpp, sandbox_mounts.cpp, host_ids.cpp' id maps) and
+// the zygote's fork share: small file helpers, naming, the runtime's command
+// line, and each concern's host-side verbs. Private to sessions/.
 #pragma once
 
 #include <sys/types.h>
@@ -11,6 +12,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cellblock/errno_text.hpp"
@@ -22,9 +24,13 @@ namespace fs = std::filesystem;
 std::string read_text(const fs::path& path);
 std::uint64_t read_u64(const fs::path& path);
 std::string log_tail(const fs::path& log);
+// Mounts (sandbox_mounts.cpp).
 void mount_tmpfs(const fs::path& target, int size_mb, std::uint32_t owner,
                  const char* mode = "0700");
 void unmount_if_mounted(const fs::path& target);
+// A detached copy of a session directory's mount (open_tree) with
+// `attributes` (MOUNT_ATTR_*), for a zygote's fork to move in.
+UniqueFd detached_tree(const fs::path& dir, std::uint64_t attributes);
 std::string container_id_for(const std::string& session_id);
 std::vector<std::string> runtime_argv(const RuntimeSettings& s, std::vector<std::string> args);
 fs::path runtime_file(const fs::path& dir);
@@ -62,6 +68,15 @@ void remove_cgroup_dirs(std::vector<fs::path> dirs);
 void remove_cgroups(const std::string& container_id);
 // How many cgroups the thread still waits to remove.
 std::size_t cgroups_pending_removal();
+// A forked session's own cgroup in every hierarchy (sandbox_cgroups.cpp),
+// beside its zygote's; and the early taking of the threadgroup lock that
+// the fork's move into its v2 cgroup would otherwise wait for.
+std::vector<fs::path> create_session_cgroups(const std::string& container_id,
+                                             const std::string& zygote_id);
+std::jthread take_threadgroup_lock_early(const fs::path& v2_root);
+// The leased host ids become `pid`'s user namespace's 0..size (host_ids.cpp):
+// uid_map and gid_map, written once each.
+void write_id_maps(pid_t pid, const IdMapping& ids);
 void remove_session(RuntimeSettings settings, const std::string& session_id, const fs::path& dir);
 
 // gVisor (gvisor.cpp).

@@ -1,13 +1,11 @@
-// A per-image zygote (zygote.hpp, docs/zygote.md): its start, the seccomp
-// program every fork installs, its end. A fork, the host's half of it, is in
-// zygote_fork.cpp.
+// A per-image zygote (zygote.hpp, docs/zygote.md): its start, with the
+// seccomp program every fork installs (compiled in seccomp.cpp), its end. A fork, the host's half
+// of it, is in zygote_fork.cpp.
 #include "cellblock/zygote.hpp"
 
 #include <fcntl.h>
 #include <poll.h>
-#include <seccomp.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -51,21 +49,6 @@ constexpr size_t kMaxReplyBytes = 65536;
 // has become the zygote's user), within the kernel's fs.nr_open default.
 constexpr int kNofileUnknown = 65536;
 constexpr rlim_t kMaxNofile = 1 << 20;
-
-std::uint32_t scmp_action(const json& rule) {
-    const std::string action = rule.at("action");
-    if (action == "SCMP_ACT_ALLOW") return SCMP_ACT_ALLOW;
-    if (action == "SCMP_ACT_ERRNO")
-        return SCMP_ACT_ERRNO(static_cast<std::uint16_t>(rule.value("errnoRet", EPERM)));
-    throw SandboxError("seccomp: action " + action + " is not supported here");
-}
-
-scmp_compare scmp_op(const std::string& op) {
-    if (op == "SCMP_CMP_NE") return SCMP_CMP_NE;
-    if (op == "SCMP_CMP_EQ") return SCMP_CMP_EQ;
-    if (op == "SCMP_CMP_MASKED_EQ") return SCMP_CMP_MASKED_EQ;
-    throw SandboxError("seccomp: comparison " + op + " is not supported here");
-}
 
 }  // namespace
 
@@ -114,56 +97,6 @@ json receive_reply(int socket, std::chrono::milliseconds timeout) {
 }
 
 }  // namespace zygote_detail
-
-std::string compile_seccomp_bpf(const json& profile) {
-    const std::uint32_t default_action =
-        scmp_action({{"action", profile.at("defaultAction")},
-                     {"errnoRet", profile.value("defaultErrnoRet", EPERM)}});
-    scmp_filter_ctx ctx = seccomp_init(default_action);
-    if (!ctx) throw SandboxError("seccomp_init failed");
-    std::unique_ptr<void, void (*)(void*)> owner(ctx, [](void* c) { seccomp_release(c); });
-    // runc's defaults: no_new_privs is the caller's business, and a rule
-    // that cannot be added for one architecture (a call i386 lacks) is skipped.
-    seccomp_attr_set(ctx, SCMP_FLTATR_CTL_NNP, 0);
-    for (const auto& arch : profile.value("architectures", json::array())) {
-        const std::string name = arch;
-        const std::uint32_t token = name == "SCMP_ARCH_X86"   ? SCMP_ARCH_X86
-                                    : name == "SCMP_ARCH_X32" ? SCMP_ARCH_X32
-                                                              : SCMP_ARCH_NATIVE;
-        const int r = seccomp_arch_add(ctx, token);
-        if (r != 0 && r != -EEXIST) throw SandboxError("seccomp_arch_add " + name + " failed");
-    }
-    for (const auto& rule : profile.at("syscalls")) {
-        const std::uint32_t action = scmp_action(rule);
-        if (action == default_action) continue;  // libseccomp refuses it; runc skips it too
-        std::vector<scmp_arg_cmp> args;
-        for (const auto& arg : rule.value("args", json::array())) {
-            args.push_back({arg.at("index").get<unsigned>(), scmp_op(arg.at("op")),
-                            arg.at("value").get<std::uint64_t>(),
-                            arg.value("valueTwo", std::uint64_t{0})});
-        }
-        for (const auto& name : rule.at("names")) {
-            const int nr = seccomp_syscall_resolve_name(name.get<std::string>().c_str());
-            if (nr == __NR_SCMP_ERROR) continue;  // unknown to libseccomp: the default applies
-            const int r = seccomp_rule_add_array(ctx, action, nr,
-                                                 static_cast<unsigned>(args.size()), args.data());
-            if (r != 0 && r != -EEXIST) {
-                throw SandboxError("seccomp rule for " + name.get<std::string>() + ": " +
-                                   std::strerror(-r));
-            }
-        }
-    }
-    const int out = ::memfd_create("cellblock-seccomp", MFD_CLOEXEC);
-    if (out < 0) throw SandboxError("memfd_create: " + errno_text());
-    UniqueFd memfd(out);
-    if (seccomp_export_bpf(ctx, memfd.get()) != 0) throw SandboxError("seccomp_export_bpf failed");
-    const off_t size = ::lseek(memfd.get(), 0, SEEK_END);
-    std::string bpf(static_cast<size_t>(size), '\0');
-    if (::pread(memfd.get(), bpf.data(), bpf.size(), 0) != size) {
-        throw SandboxError("seccomp: reading the program back failed");
-    }
-    return bpf;
-}
 
 std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings& settings,
                                       std::chrono::milliseconds timeout) {

@@ -18,7 +18,6 @@
 #include <charconv>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -78,91 +77,6 @@ Report receive_report(int fd, const std::string& step) {
         throw SandboxError("zygote fork: " + report.text.substr(error.size()));
     }
     return report;
-}
-
-// Moving a process into a cgroup takes the kernel's global threadgroup lock
-// for writing, and the first taking after a pause waits for an RCU grace
-// period (6-15 ms here) with the cgroup mutex held; for one more grace
-// period after it is released, the next taking is immediate (the lock's
-// rcu_sync stays on its slow path). A fork needs one such move (its init
-// into the v2 cgroup, below), about 10 ms after the request. This takes the
-// lock once, early, on a thread of its own, so that the wait overlaps the
-// zygote's fork and the init's move finds the lock on its fast path: the
-// server re-joins its own v2 cgroup, a move that moves nothing. Measured in
-// docs/zygote.md ("Why A moves itself"). Failures change nothing and are
-// only logged: the init's move then pays the wait itself.
-std::jthread take_threadgroup_lock_early(const fs::path& v2_root) {
-    std::string own;
-    {
-        std::istringstream lines(read_text("/proc/self/cgroup"));
-        for (std::string line; std::getline(lines, line);) {
-            if (line.rfind("0::", 0) == 0) own = line.substr(3);
-        }
-    }
-    if (own.empty() || own.find("..") != std::string::npos) return {};
-    return std::jthread([procs = v2_root / fs::path(own).relative_path() / "cgroup.procs"] {
-        const UniqueFd fd(::open(procs.c_str(), O_WRONLY | O_CLOEXEC));
-        // "0": the writer's own process, which is in that cgroup already.
-        if (!fd || ::write(fd.get(), "0", 1) != 1) {
-            spdlog::debug("re-joining {} (to take the threadgroup lock early): {}", procs.string(),
-                          errno_text());
-        }
-    });
-}
-
-// The session's own cgroup in every hierarchy, as runc makes for a booted
-// sandbox (v2: the one unified directory; v1: each mounted hierarchy, the
-// named and hybrid ones too), so that nothing of it stays in the zygote's.
-// A v1 cpuset gets the zygote's cpus and mems, a v1 devices cgroup the
-// zygote's device list (runc's: the default devices only).
-std::vector<fs::path> create_session_cgroups(const std::string& container_id,
-                                             const std::string& zygote_id) {
-    std::vector<fs::path> dirs;
-    const bool v2 = cgroup_v2();
-    for (const auto& parent : sandboxes_cgroup_parents()) {
-        if (v2) {
-            ::mkdir(parent.c_str(), 0755);
-            std::ofstream(parent / "cgroup.subtree_control") << "+memory +pids +cpu";
-        } else if (!fs::exists(parent / zygote_id)) {
-            continue;
-        }
-        dirs.push_back(parent / container_id);
-    }
-    for (const auto& dir : dirs) {
-        if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-            throw SandboxError("cgroup " + dir.string() + ": " + errno_text());
-        }
-        const fs::path zygote = dir.parent_path() / zygote_id;
-        if (fs::exists(dir / "cpuset.cpus")) {
-            for (const char* file : {"cpuset.cpus", "cpuset.mems"}) {
-                std::string value = read_text(zygote / file);
-                while (!value.empty() && value.back() == '\n') value.pop_back();
-                if (!value.empty()) write_value(dir / file, value);
-            }
-        }
-        if (fs::exists(dir / "devices.deny")) {
-            write_value(dir / "devices.deny", "a");
-            std::istringstream allowed(read_text(zygote / "devices.list"));
-            for (std::string line; std::getline(allowed, line);) {
-                if (!line.empty()) write_value(dir / "devices.allow", line);
-            }
-        }
-    }
-    return dirs;
-}
-
-// A detached copy of a session directory's mount (open_tree), with the
-// attributes the session gets: the forked child moves it into its own mount
-// namespace; it never sees the host path.
-UniqueFd detached_tree(const fs::path& dir, std::uint64_t attributes) {
-    UniqueFd tree(::open_tree(AT_FDCWD, dir.c_str(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC));
-    if (!tree) throw SandboxError("open_tree " + dir.string() + ": " + errno_text());
-    mount_attr attr{};
-    attr.attr_set = attributes;
-    if (::mount_setattr(tree.get(), "", AT_EMPTY_PATH, &attr, sizeof attr) != 0) {
-        throw SandboxError("mount_setattr " + dir.string() + ": " + errno_text());
-    }
-    return tree;
 }
 
 }  // namespace
@@ -327,12 +241,7 @@ class Zygote::ForkInProgress {
 
     // The session's host ids become its user namespace's 0..size.
     void map_ids(pid_t forked) {
-        const IdMapping& ids = box_->host_ids();
-        const std::string map =
-            "0 " + std::to_string(ids.host_base) + " " + std::to_string(ids.size);
-        const fs::path proc = "/proc/" + std::to_string(forked);
-        write_value(proc / "uid_map", map);
-        write_value(proc / "gid_map", map);
+        write_id_maps(forked, box_->host_ids());
         tell(protocol::kAnswerMapped);
         mapped_ms_ = ms_since_start();
     }
