@@ -1,5 +1,5 @@
 // What sandbox.cpp, lifeline.cpp, gvisor.cpp, reaper.cpp, the OS concerns'
-// files (sandbox_cgroups.cpp, sandbox_mounts.cpp, host_ids.cpp' id maps) and
+// files (sandbox_cgroups.cpp, sandbox_mounts.cpp, host_ids.cpp's id maps) and
 // the zygote's fork share: small file helpers, naming, the runtime's command
 // line, and each concern's host-side verbs. Private to sessions/.
 #pragma once
