@@ -264,6 +264,14 @@ nlohmann::json make_header(std::string_view msg_type, std::string_view session,
     };
 }
 
+std::string reply_type(std::string_view request_type) {
+    constexpr std::string_view suffix = "_request";
+    if (request_type.size() > suffix.size() && request_type.ends_with(suffix)) {
+        return std::string(request_type.substr(0, request_type.size() - suffix.size())) + "_reply";
+    }
+    return "error_reply";
+}
+
 WireMessage make_reply(const WireMessage& parent, std::string_view msg_type, nlohmann::json content,
                        std::string_view session) {
     WireMessage reply;

@@ -126,7 +126,7 @@ void Server::close_local_client(std::uint64_t id) {
 void Server::send_local(LocalClient& c, const std::string& msg_type, json content) {
     const WireMessage msg =
         make_reply(*c.request, msg_type, std::move(content), "cellblock-server");
-    const std::string packed = pack_frames(encode(msg, signer_));
+    const std::string packed = pack_frames(encode(msg, manager_.signer()));
     // A client that does not read loses its progress messages, never the
     // reply: the socket's buffer holds far more than a progress message.
     if (::send(c.socket.get(), packed.data(), packed.size(), MSG_NOSIGNAL | MSG_DONTWAIT) < 0 &&
@@ -190,7 +190,7 @@ void Server::on_local_client(std::uint64_t id) {
         close_local_client(id);
         return;
     }
-    auto decoded = decode(*frames, signer_, &replay_, WireLimits{});
+    auto decoded = decode(*frames, manager_.signer(), &manager_.replay_guard(), WireLimits{});
     if (!decoded.message) {
         spdlog::warn("local file socket: rejected a request: {}", decoded.error);
         close_local_client(id);

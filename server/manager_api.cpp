@@ -1,18 +1,19 @@
 // The manager socket: verify, dispatch to one handler per request type, reply.
-#include "server.hpp"
+#include "manager_api.hpp"
+
+#include <algorithm>
+#include <span>
+
+#include <spdlog/spdlog.h>
+
+#include "cellblock/error_names.hpp"
+#include "cellblock/session_policy.hpp"
+#include "file_transfer.hpp"
+#include "multipart.hpp"
 
 namespace cellblock {
 
-void Server::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
-    if (metrics_) count_create_reply(request, content);
-    WireMessage msg =
-        make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
-    // The buffers (a download's chunk, megabytes) are not signed: they go out
-    // as frames that own their string, without a copy; the rest is small.
-    auto frames = to_frames(encode(msg, signer_));
-    for (auto& buffer : buffers) frames.emplace_back(std::move(buffer));
-    send_multipart(manager_, frames);
-}
+using nlohmann::json;
 
 namespace {
 
@@ -43,27 +44,56 @@ std::optional<WireMessage> authenticated_parent(std::span<const std::string_view
 
 }  // namespace
 
-void Server::reply_error(const WireMessage& request, const std::string& ename,
-                         const std::string& evalue) {
+ManagerApi::ManagerApi(zmq::context_t& context, std::string key)
+    : socket_(context, zmq::socket_type::router), key_(std::move(key)), signer_(key_) {
+    socket_.set(zmq::sockopt::linger, 1000);
+    // Frames up to the ceiling are read and answered (MessageTooLarge past the
+    // real limit, see on_readable); past it libzmq cuts the connection.
+    socket_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kManagerFrameCeiling));
+    socket_.set(zmq::sockopt::router_handover, 1);
+}
+
+void ManagerApi::handle(const std::string& msg_type, Handler handler) {
+    handlers_[msg_type] = std::move(handler);
+}
+
+void ManagerApi::set_key(std::string key) {
+    key_ = std::move(key);
+    signer_ = Signer(key_);
+}
+
+std::string ManagerApi::bind(const std::string& endpoint) {
+    socket_.bind(endpoint);
+    endpoint_ = socket_.get(zmq::sockopt::last_endpoint);
+    return endpoint_;
+}
+
+void ManagerApi::reply(const WireMessage& request, json content, std::vector<std::string> buffers) {
+    if (watch_) watch_(request, content);
+    WireMessage msg =
+        make_reply(request, reply_type(request.msg_type()), std::move(content), "cellblock-server");
+    // The buffers (a download's chunk, megabytes) are not signed: they go out
+    // as frames that own their string, without a copy; the rest is small.
+    auto frames = to_frames(encode(msg, signer_));
+    for (auto& buffer : buffers) frames.emplace_back(std::move(buffer));
+    send_multipart(socket_, frames);
+}
+
+void ManagerApi::reply_error(const WireMessage& request, const std::string& ename,
+                             const std::string& evalue) {
     reply(request, {{"status", "error"}, {"ename", ename}, {"evalue", evalue}});
 }
 
-void Server::refuse(const WireMessage& request, const std::string& ename,
-                    const std::string& evalue) {
+void ManagerApi::refuse(const WireMessage& request, const std::string& ename,
+                        const std::string& evalue) {
     spdlog::warn("manager: refused {} from {}: {}: {}", request.msg_type(),
                  identity_text(request.identities.empty() ? "" : request.identities[0]), ename,
                  evalue);
     reply_error(request, ename, evalue);
 }
 
-void Server::on_manager() {
-    // The largest request anyone needs: one file in one message, or one chunk.
-    const std::size_t max_request_bytes =
-        std::max<std::size_t>(static_cast<std::size_t>(options_.policy.max_inline_file_bytes),
-                              transfers_.limits().max_chunk_bytes) +
-        (1 << 20);
-    // A burst of requests is handled in one turn, bounded so sessions keep flowing.
-    for (int i = 0; i < 64 && recv_multipart(manager_, scratch_, kManagerMaxFrames); ++i) {
+void ManagerApi::on_readable() {
+    for (int i = 0; i < 64 && recv_multipart(socket_, scratch_, kManagerMaxFrames); ++i) {
         const auto views = scratch_.views();
         const std::string_view sender = views.empty() ? std::string_view() : views[0];
         WireLimits limits;  // up to the socket's ceiling: read, then refused with a reply
@@ -89,7 +119,6 @@ void Server::on_manager() {
             continue;
         }
         Request request{std::move(*decoded.message), {views.begin() + head.size(), views.end()}};
-        const std::string type = request.message.msg_type();
         if (scratch_.dropped_frames > 0) {
             refuse(request.message, ename::InvalidRequest,
                    std::to_string(scratch_.frames.size() + scratch_.dropped_frames) +
@@ -97,279 +126,42 @@ void Server::on_manager() {
                        " a manager request may have");
             continue;
         }
-        if (scratch_.total_bytes > max_request_bytes) {
+        if (scratch_.total_bytes > max_request_bytes_) {
             refuse(request.message, ename::MessageTooLarge,
                    "the message is " + std::to_string(scratch_.total_bytes) + " bytes, over the " +
-                       std::to_string(max_request_bytes) +
+                       std::to_string(max_request_bytes_) +
                        " a manager request may carry; send big files in chunks "
                        "(file_put_begin_request)");
             continue;
         }
-        if (type.size() < 9 || !type.ends_with("_request")) {
-            refuse(request.message, ename::InvalidRequest, "'" + type + "' is not a request");
-            continue;
-        }
-        auto handler = handlers_.find(type);
-        if (handler == handlers_.end()) {
-            refuse(request.message, ename::UnknownRequest,
-                   "the manager does not know '" + type + "'");
-            continue;
-        }
-        std::vector<std::string> buffers;
-        try {
-            json content = (this->*(handler->second))(request, buffers);
-            if (!content.is_null()) reply(request.message, std::move(content), std::move(buffers));
-        } catch (const RequestError& e) {
-            reply_error(request.message, e.ename, e.evalue);
-        } catch (const FileRequestError& e) {
-            reply_error(request.message, e.ename(), e.what());
-        } catch (const PolicyError& e) {
-            reply_error(request.message, e.ename(), e.what());
-        } catch (const std::exception& e) {
-            spdlog::error("manager {}: {}", type, e.what());
-            reply_error(request.message, ename::ServerError, e.what());
-        }
+        dispatch(request);
     }
 }
 
-std::string Server::session_id_of(const json& content) const {
-    auto it = content.find("session_id");
-    if (it == content.end() || !it->is_string() || it->get<std::string>().empty()) {
-        throw RequestError{ename::InvalidRequest, "session_id (a string) is required"};
+void ManagerApi::dispatch(Request& request) {
+    const std::string type = request.message.msg_type();
+    if (type.size() < 9 || !type.ends_with("_request")) {
+        return refuse(request.message, ename::InvalidRequest, "'" + type + "' is not a request");
     }
-    return it->get<std::string>();
-}
-
-SessionProxy& Server::live_session(const json& content) {
-    const std::string id = session_id_of(content);
-    Session* session = sessions_.find(id);
-    if (!session || !session->proxy()) {
-        if (auto record = store_.session(id)) {
-            throw RequestError{ename::SessionClosed,
-                               "session " + id + " is closed: " + record->close_reason};
-        }
-        throw RequestError{ename::NoSuchSession, "no session " + id};
+    auto handler = handlers_.find(type);
+    if (handler == handlers_.end()) {
+        return refuse(request.message, ename::UnknownRequest,
+                      "the manager does not know '" + type + "'");
     }
-    SessionProxy& relay = *session->proxy();
-    if (relay.closed()) {
-        throw RequestError{ename::SessionClosed,
-                           "session " + id + " is closed: " + relay.close_reason()};
+    std::vector<std::string> buffers;
+    try {
+        json content = handler->second(request, buffers);
+        if (!content.is_null()) reply(request.message, std::move(content), std::move(buffers));
+    } catch (const RequestError& e) {
+        reply_error(request.message, e.ename, e.evalue);
+    } catch (const FileRequestError& e) {
+        reply_error(request.message, e.ename(), e.what());
+    } catch (const PolicyError& e) {
+        reply_error(request.message, e.ename(), e.what());
+    } catch (const std::exception& e) {
+        spdlog::error("manager {}: {}", type, e.what());
+        reply_error(request.message, ename::ServerError, e.what());
     }
-    return relay;
-}
-
-json Server::session_list(Request& r, std::vector<std::string>&) {
-    const bool open_only = r.message.content.value("open_only", false);
-    json list = json::array();
-    for (const auto& s : store_.sessions(open_only, 1000)) {
-        json entry = {{"session_id", s.id},
-                      {"image", s.image},
-                      {"state", s.state},
-                      {"created_at", s.created_at},
-                      {"executions", s.execution_count},
-                      {"close_reason", s.close_reason}};
-        if (Session* held = sessions_.find(s.id); held && held->proxy()) {
-            entry["state"] = held->proxy()->state();
-            if (const auto* g = held->proxy()->governor()) entry["executions"] = g->executions();
-            if (held->proxy()->lifecycle_state() == SessionState::hibernated) {
-                entry["snapshot"] = snapshot_json(s.id);
-            }
-            if (const Sandbox* box = held->sandbox()) {
-                entry["container_id"] = box->container_id();
-                entry["pids"] = sandbox_pids(box->container_id());
-            }
-        }
-        list.push_back(entry);
-    }
-    // Every sandbox on the host that this server runs: the sessions' above,
-    // and the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
-    json warm = pool_->warm_sandboxes();
-    for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
-    // And what the backend runs besides: the zygotes sessions are forked
-    // from (docs/zygote.md), or the Swarm's nodes (docs/scale-out.md).
-    json zygotes = json::array(), nodes = json::array(), refused = json::array();
-    for (auto& extra : pool_->extras()) {
-        if (extra.value("kind", "") == "zygote") {
-            extra["pids"] = sandbox_pids(extra.value("container_id", ""));
-            zygotes.push_back(std::move(extra));
-        } else if (extra.value("kind", "") == "zygote_refused") {
-            refused.push_back({{"image", extra["image"]}, {"why", extra["why"]}});
-        } else {
-            nodes.push_back(std::move(extra));
-        }
-    }
-    json reply = {{"status", "ok"},
-                  {"sessions", list},
-                  {"warm_sandboxes", warm},
-                  {"zygotes", zygotes},
-                  {"backend", pool_->backend().name()},
-                  {"runtime_root", settings_.runtime_root().string()}};
-    if (!nodes.empty()) reply["nodes"] = nodes;
-    // Zygote images whose sessions boot, because this host refuses forking.
-    if (!refused.empty()) reply["zygotes_refused"] = refused;
-    return reply;
-}
-
-json Server::session_info(Request& r, std::vector<std::string>&) {
-    const std::string id = session_id_of(r.message.content);
-    const auto record = store_.session(id);
-    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
-    json info = {{"status", "ok"},
-                 {"session_id", id},
-                 {"image", record->image},
-                 {"image_id", record->image_id},
-                 {"state", record->state},
-                 {"created_at", record->created_at},
-                 {"closed_at", record->closed_at},
-                 {"close_reason", record->close_reason},
-                 {"limits", record->limits},
-                 {"metadata", record->metadata},
-                 {"executions", record->execution_count},
-                 {"host_ids", {{"base", record->host_id_base}, {"count", record->host_id_count}}}};
-    if (record->state == "closed") {
-        // What the session used over its life, kept at the close.
-        info["usage"] = {{"memory_peak_bytes", record->memory_peak_bytes},
-                         {"cpu_ms", record->cpu_ms}};
-    }
-    if (SessionProxy* live = sessions_.live(id)) {
-        SessionProxy& s = *live;
-        info["state"] = s.state();
-        if (const auto* g = s.governor()) {
-            info["executions"] = g->executions();
-            info["executions_left"] = g->executions_left();
-        }
-        if (s.lifecycle_state() == SessionState::hibernated) {
-            info["snapshot_bytes"] = snapshots_->bytes(id);
-            info["snapshot"] = snapshot_json(id);
-        }
-        if (Sandbox* box = s.sandbox()) {
-            const auto u = box->usage();
-            info["usage"] = {{"memory_bytes", u.memory_bytes},
-                             {"memory_peak_bytes", u.memory_peak_bytes},
-                             {"cpu_ms", u.cpu_ns / 1000000}};
-        }
-    }
-    return info;
-}
-
-json Server::session_close(Request& r, std::vector<std::string>&) {
-    SessionProxy& s = live_session(r.message.content);
-    s.close("closed_by_request");
-    return {{"status", "ok"}, {"session_id", s.session_id()}};
-}
-
-json Server::session_history(Request& r, std::vector<std::string>&) {
-    const std::string id = session_id_of(r.message.content);
-    const auto record = store_.session(id);
-    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
-    json executions = json::array();
-    for (const auto& e : store_.executions(id)) {
-        executions.push_back({{"count", e.count},
-                              {"msg_id", e.msg_id},
-                              {"code", e.code},
-                              {"status", e.status},
-                              {"ename", e.ename},
-                              {"started_at", e.started_at},
-                              {"wall_ms", e.wall_ms},
-                              {"cpu_ms", e.cpu_ms},
-                              {"memory_peak_bytes", e.memory_peak_bytes},
-                              {"output_bytes", e.output_bytes},
-                              {"truncated", e.truncated}});
-    }
-    json events = json::array();
-    for (const auto& e : store_.events(id)) {
-        events.push_back({{"at", e.at}, {"kind", e.kind}, {"detail", e.detail}});
-    }
-    return {{"status", "ok"},
-            {"session_id", id},
-            {"image", record->image},
-            {"image_id", record->image_id},
-            {"state", record->state},
-            {"close_reason", record->close_reason},
-            {"memory_peak_bytes", record->memory_peak_bytes},
-            {"cpu_ms", record->cpu_ms},
-            {"executions", executions},
-            {"events", events}};
-}
-
-json Server::file_request(Request& r, std::vector<std::string>& buffers) {
-    SessionProxy& s = live_session(r.message.content);
-    const std::string type = r.message.msg_type();
-    const bool in_kernel = files_in_kernel(s);
-    if (in_kernel && (type == "file_list_request" || type == "file_get_request" ||
-                      type == "file_get_begin_request")) {
-        kernel_file_request(r.message);
-        return nullptr;  // answered once the kernel's file is here
-    }
-    auto done =
-        transfers_.handle(type, r.message.content, r.buffers, session_files(s), Clock::now());
-    if (metrics_) {
-        std::uint64_t in = 0, out = 0;
-        for (const auto& b : r.buffers) in += b.size();
-        for (const auto& b : done.buffers) out += b.size();
-        if (in > 0) metrics_->file_bytes("in", "manager", in);
-        if (out > 0) metrics_->file_bytes("out", "manager", out);
-    }
-    if (in_kernel && done.event) {
-        // A put landed in the front's copy: answered once the kernel has it.
-        put_in_kernel(
-            s.session_id(), std::move(done),
-            [this, request = r.message](FileTransfers::Reply* put, const FileRequestError* error) {
-                if (error) return reply_error(request, error->ename(), error->what());
-                reply(request, std::move(put->content));
-            });
-        return nullptr;
-    }
-    if (done.event) on_event(s.session_id(), done.event->first, done.event->second);
-    buffers = std::move(done.buffers);
-    return std::move(done.content);
-}
-
-json Server::server_info(Request&, std::vector<std::string>&) {
-    // {name: {rootfs, runtime, content_id, size_bytes, built, pool}}: a built
-    // image's current version, and the one its pool holds.
-    const json pools = pool_->state();
-    json images = json::object();
-    for (const auto& [name, image] : images_) {
-        json entry = {{"rootfs", image.rootfs == "store" ? "store" : image.rootfs},
-                      {"runtime", image.runtime},
-                      {"preload", image.preload},
-                      {"pool", pools.contains(name) ? pools[name] : json(nullptr)}};
-        if (image.rootfs == "store") {
-            const auto current = image_store_.current(name);
-            entry["built"] = current.has_value();
-            entry["content_id"] = current ? current->content_id : "";
-            entry["size_bytes"] = current ? current->size_bytes() : 0;
-            entry["source"] = current ? current->manifest.value("source", "") : "";
-            const auto pool_id = pool_image_ids_.find(name);
-            entry["pool_content_id"] = pool_id != pool_image_ids_.end() ? pool_id->second : "";
-        }
-        images[name] = entry;
-    }
-    const std::size_t open = sessions_.live_count();
-    return {
-        {"status", "ok"},
-        {"implementation", "cellblock"},
-        {"version", kVersion},
-        {"protocol_version", std::string(kProtocolVersion)},
-        {"images", images},
-        {"default_image", options_.default_image},
-        {"pool", pools},
-        {"sessions",
-         {{"open", open}, {"starting", creating_.size()}, {"max", options_.policy.max_sessions}}},
-        {"policy", options_.policy.to_json()},
-        // What the sandboxes' parent cgroup weighs on the host (cpu_fairness.hpp):
-        // null until this server has set it.
-        {"cpu",
-         {{"interactive_sessions", interactive_sessions_},
-          {"hogging_sessions", hogging_sessions_},
-          {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)},
-          // Every server's on the host (cpu_demand.hpp), which the weight follows.
-          {"host",
-           {{"interactive_sessions", host_demand_.interactive},
-            {"hogging_sessions", host_demand_.hogging},
-            {"servers", host_demand_.servers}}}}},
-        {"state_dir", settings_.state_dir.string()}};
 }
 
 }  // namespace cellblock

@@ -43,6 +43,7 @@
 #include "file_transfer.hpp"
 #include "inner_channels.hpp"
 #include "local_files.hpp"
+#include "manager_api.hpp"
 #include "manager_paths.hpp"
 #include "multipart.hpp"
 #include "server_metrics.hpp"
@@ -66,24 +67,6 @@ inline constexpr auto kProbeTimeout = std::chrono::seconds(60);
 // How often the server checks whether a built image's name moved (a rebuild,
 // `image rm`): a readlink and a stat per built image (ImageStore::current_id).
 inline constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
-// The manager socket reads a frame up to this size so that a request too
-// large gets an answer (MessageTooLarge); requests themselves are far smaller.
-inline constexpr std::size_t kManagerFrameCeiling = 256u << 20;
-inline constexpr std::size_t kManagerMaxFrames = 64;
-
-// "x_request" -> "x_reply"; anything else -> "error_reply".
-inline std::string reply_type(const std::string& request_type) {
-    constexpr std::string_view suffix = "_request";
-    if (request_type.size() > suffix.size() && request_type.ends_with(suffix))
-        return request_type.substr(0, request_type.size() - suffix.size()) + "_reply";
-    return "error_reply";
-}
-
-// A manager request failed in a way the client should be told about.
-struct RequestError {
-    std::string ename, evalue;
-};
-
 // Start-up helpers (server_startup.cpp).
 void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key,
                        const fs::path& files_socket);
@@ -111,12 +94,7 @@ class Server final : public SessionObserver {
     void on_requests_changed(const std::string& session_id) override;
 
   private:
-    struct Request {
-        WireMessage message;
-        // The message's buffers, still in the received frames (scratch_): an
-        // upload's chunk is written from there, not copied first.
-        std::vector<std::string_view> buffers;
-    };
+    using Request = ManagerApi::Request;
     struct PendingCreate {
         WireMessage request;
         std::string session_id;
@@ -139,14 +117,15 @@ class Server final : public SessionObserver {
         // to answer; a failure closes that session).
         std::string resume_of;
     };
-    using Handler = json (Server::*)(Request&, std::vector<std::string>& reply_buffers);
-
-    void on_manager();
-    void reply(const WireMessage& request, json content, std::vector<std::string> buffers = {});
+    // The manager's requests, each to its Server method (server_startup.cpp).
+    void register_requests();
+    void reply(const WireMessage& request, json content, std::vector<std::string> buffers = {}) {
+        manager_.reply(request, std::move(content), std::move(buffers));
+    }
     void reply_error(const WireMessage& request, const std::string& ename,
-                     const std::string& evalue);
-    // An error reply and one log line: a request the manager will not handle.
-    void refuse(const WireMessage& request, const std::string& ename, const std::string& evalue);
+                     const std::string& evalue) {
+        manager_.reply_error(request, ename, evalue);
+    }
     void on_pool_results();
     void finish_create(PendingCreate& pending, WarmSandbox warm, double start_ms, bool warm_start);
     // Queued creates, oldest first, take the warm sandboxes the pool holds.
@@ -344,11 +323,9 @@ class Server final : public SessionObserver {
     AuditTrail audit_{store_};
     std::vector<SessionEvents*> observers_{&audit_};
     zmq::context_t context_ = make_server_context();
-    zmq::socket_t manager_{context_, zmq::socket_type::router};
-    std::string manager_endpoint_;
-    std::string key_ = make_random_key();
-    Signer signer_{key_};
-    ReplayGuard replay_;
+    // The manager socket (manager_api.hpp): bound at start-up, under the
+    // last server's key when it handed over.
+    ManagerApi manager_{context_, make_random_key()};
     UniqueFd server_lock_;
     UniqueFd wake_fd_;
     UniqueFd signal_fd_;
@@ -375,8 +352,6 @@ class Server final : public SessionObserver {
     std::unordered_map<std::uint64_t, std::string> orphan_starts_;
     // Files in and out of sessions, in chunks (file_transfer.hpp).
     FileTransfers transfers_;
-    std::unordered_map<std::string, Handler> handlers_;
-    Multipart scratch_;
     // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
     void balance_cpu(Clock::time_point now);
     // Publishes this server's interactive and hogging sessions, and gives the

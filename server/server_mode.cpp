@@ -176,7 +176,7 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
 }
 
 int Server::run() {
-    spdlog::info("cellblock serve: manager on {}, state in {}, {} image(s)", manager_endpoint_,
+    spdlog::info("cellblock serve: manager on {}, state in {}, {} image(s)", manager_.endpoint(),
                  settings_.state_dir.string(), images_.size());
     remove_stale_remote_files();
     // Sandboxes outlive this process: something must clean up after them if
@@ -190,9 +190,9 @@ int Server::run() {
         spawn_keeper(keeper);
     }
     bool signalled = false;
-    loop_.watch(manager_, [this] {
+    loop_.watch(manager_.socket(), [this] {
         audit_.flush();  // history read in this turn sees the executions that ended in it
-        on_manager();
+        manager_.on_readable();
     });
     loop_.watch_fd(wake_fd_.get(), [this] { on_pool_results(); });
     if (egress_) {

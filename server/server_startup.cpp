@@ -225,15 +225,7 @@ Server::Server(const ServeOptions& options)
     }
     snapshots_->clear(handed);
 
-    handlers_ = {{"session_create_request", &Server::session_create},
-                 {"session_list_request", &Server::session_list},
-                 {"session_info_request", &Server::session_info},
-                 {"session_close_request", &Server::session_close},
-                 {"session_history_request", &Server::session_history},
-                 {"session_hibernate_request", &Server::session_hibernate},
-                 {"session_resume_request", &Server::session_resume},
-                 {"server_info_request", &Server::server_info}};
-    for (const auto& type : FileTransfers::request_types()) handlers_[type] = &Server::file_request;
+    register_requests();
 
     wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
     if (!wake_fd_) throw std::runtime_error(std::string("eventfd: ") + strerror(errno));
@@ -286,11 +278,6 @@ Server::Server(const ServeOptions& options)
         },
         options_.pool_workers);
 
-    manager_.set(zmq::sockopt::linger, 1000);
-    // Frames up to the ceiling are read and answered (MessageTooLarge past the
-    // real limit, see on_manager); past it libzmq cuts the connection.
-    manager_.set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(kManagerFrameCeiling));
-    manager_.set(zmq::sockopt::router_handover, 1);
     // The last server's endpoint and key, if it handed over: its clients
     // hold them. Its port taken meanwhile, a new one (logged; the clients
     // read server.json again).
@@ -303,13 +290,42 @@ Server::Server(const ServeOptions& options)
                      e.what(), options_.manager_endpoint);
         manager_.bind(options_.manager_endpoint);
     }
-    manager_endpoint_ = manager_.get(zmq::sockopt::last_endpoint);
     take_over_sessions(handover);
     take_over_adopted();
     open_local_files();
     if (!options_.metrics_address.empty()) start_metrics();
-    write_server_file(server_file(settings_.state_dir), manager_endpoint_, key_,
+    write_server_file(server_file(settings_.state_dir), manager_.endpoint(), manager_.key(),
                       local_listener_ ? local_files_socket(settings_.state_dir) : fs::path());
+}
+
+void Server::register_requests() {
+    const std::pair<const char*, json (Server::*)(Request&, std::vector<std::string>&)> requests[] =
+        {{"session_create_request", &Server::session_create},
+         {"session_list_request", &Server::session_list},
+         {"session_info_request", &Server::session_info},
+         {"session_close_request", &Server::session_close},
+         {"session_history_request", &Server::session_history},
+         {"session_hibernate_request", &Server::session_hibernate},
+         {"session_resume_request", &Server::session_resume},
+         {"server_info_request", &Server::server_info}};
+    const auto bound = [this](json (Server::*handler)(Request&, std::vector<std::string>&)) {
+        return [this, handler](Request& r, std::vector<std::string>& buffers) {
+            return (this->*handler)(r, buffers);
+        };
+    };
+    for (const auto& [type, handler] : requests) manager_.handle(type, bound(handler));
+    for (const auto& type : FileTransfers::request_types()) {
+        manager_.handle(type, bound(&Server::file_request));
+    }
+    // The largest request anyone needs: one file in one message, or one chunk.
+    manager_.set_max_request_bytes(
+        std::max<std::size_t>(static_cast<std::size_t>(options_.policy.max_inline_file_bytes),
+                              transfers_.limits().max_chunk_bytes) +
+        (1 << 20));
+    // With --metrics (started later), each create's answer is counted.
+    manager_.watch_replies([this](const WireMessage& request, const json& content) {
+        if (metrics_) count_create_reply(request, content);
+    });
 }
 
 Server::~Server() {

@@ -26,11 +26,6 @@ bool ends_with(std::string_view s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-std::string reply_type_for(const std::string& request_type) {
-    return request_type.substr(0, request_type.size() - std::string_view("_request").size()) +
-           "_reply";
-}
-
 // An error reply's content. A kernel_info_reply also carries the fields
 // clients read unconditionally (jupyter_client's wait_for_ready does).
 json error_content(const std::string& request_type, const std::string& ename,
@@ -256,7 +251,7 @@ bool SessionCore::sent_again(const InboundMessage& msg, Channel channel) {
         // The kernel's copy, by its parent's msg_id (the kernel writes the
         // parent header back as it parsed it): of the same kind of request.
         auto resent = resent_.find(id);
-        if (resent != resent_.end() && resent->second.msg_type != reply_type_for(msg.msg_type)) {
+        if (resent != resent_.end() && resent->second.msg_type != reply_type(msg.msg_type)) {
             resent = resent_.end();
         }
         if (resent != resent_.end() || !carried_fence_.empty()) {
@@ -493,7 +488,7 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
         io_.rejected(where, "", "reply to a request that is not open: '" + msg.parent_id + "'");
         return;
     }
-    if (msg.msg_type != reply_type_for(it->second.msg_type)) {
+    if (msg.msg_type != reply_type(it->second.msg_type)) {
         io_.rejected(where, "", "'" + msg.msg_type + "' does not answer " + it->second.msg_type);
         return;
     }
@@ -526,7 +521,7 @@ void SessionCore::on_kernel_reply(Clock::time_point now, Channel channel, Inboun
 bool SessionCore::reply_carried(Channel channel, InboundMessage& msg) {
     auto it = carried_.find(msg.parent_id);
     if (it == carried_.end() || it->second.channel != channel ||
-        msg.msg_type != reply_type_for(it->second.msg_type)) {
+        msg.msg_type != reply_type(it->second.msg_type)) {
         return false;
     }
     note_answered(it->second.header);
@@ -878,7 +873,7 @@ void SessionCore::refuse(const PendingRequest& request, const std::string& ename
         content["payload"] = json::array();
         if (governor_) content["cellblock"] = {{"executions_left", governor_->executions_left()}};
     }
-    reply(request, reply_type_for(request.msg_type), content);
+    reply(request, reply_type(request.msg_type), content);
     publish_status(request.header, "idle");
 }
 
@@ -896,7 +891,7 @@ void SessionCore::fail_pending(const std::string& ename, const std::string& eval
         } else if (request.msg_type == "shutdown_request") {
             content = {{"status", "ok"}, {"restart", false}};
         }
-        reply(request, reply_type_for(request.msg_type), content);
+        reply(request, reply_type(request.msg_type), content);
         publish_status(request.header, "idle");
     }
 }

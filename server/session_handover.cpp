@@ -229,8 +229,8 @@ void Server::forget_asleep(const std::string& id) {
 void Server::write_handover() {
     const double now_unix = unix_now();
     json server_row = {{"version", kHandoverVersion},
-                       {"manager_endpoint", manager_endpoint_},
-                       {"manager_key", key_}};
+                       {"manager_endpoint", manager_.endpoint()},
+                       {"manager_key", manager_.key()}};
     try {
         const auto bytes = json::to_cbor(server_row);
         store_.put_handover(
@@ -439,8 +439,7 @@ std::string Server::take_over_manager(std::vector<HandoverRow>& rows) {
         try {
             std::ifstream in(server_file(settings_.state_dir));
             const json last = json::parse(in);
-            key_ = last.at("key").get<std::string>();
-            signer_ = Signer(key_);
+            manager_.set_key(last.at("key").get<std::string>());
             if (options_.manager_endpoint.find('*') != std::string::npos) {
                 return last.at("manager").get<std::string>();
             }
@@ -459,8 +458,7 @@ std::string Server::take_over_manager(std::vector<HandoverRow>& rows) {
         if (options_.manager_endpoint.find('*') != std::string::npos) {
             endpoint = manager.at("manager_endpoint").get<std::string>();
         }
-        key_ = manager.at("manager_key").get<std::string>();
-        signer_ = Signer(key_);
+        manager_.set_key(manager.at("manager_key").get<std::string>());
     } catch (const std::exception& e) {
         spdlog::warn("handover: the manager's row: {}; new manager endpoint and key", e.what());
     }

@@ -126,6 +126,10 @@ std::vector<std::string> encode(const WireMessage& msg, const Signer& signer);
 nlohmann::json make_header(std::string_view msg_type, std::string_view session,
                            std::string_view username = "cellblock");
 
+// "x_request" -> "x_reply"; anything else -> "error_reply" (the manager's
+// answer to a message that is not a request).
+std::string reply_type(std::string_view request_type);
+
 // A reply or broadcast whose parent is `parent`.
 WireMessage make_reply(const WireMessage& parent, std::string_view msg_type, nlohmann::json content,
                        std::string_view session);
