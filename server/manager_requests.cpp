@@ -1,61 +1,14 @@
-// The manager's requests that read or close a session, move its files, or
-// describe the server: one Server method each, registered on the ManagerApi
-// (manager_api.hpp) in server_startup.cpp.
+// The manager's requests that move a session's files or describe the server
+// (Server methods, registered on the ManagerApi in server_startup.cpp), and
+// what the server gives SessionRequests (session_requests.hpp) of the
+// backend.
 #include "server.hpp"
 
 namespace cellblock {
 
-std::string Server::session_id_of(const json& content) const {
-    auto it = content.find("session_id");
-    if (it == content.end() || !it->is_string() || it->get<std::string>().empty()) {
-        throw RequestError{ename::InvalidRequest, "session_id (a string) is required"};
-    }
-    return it->get<std::string>();
-}
-
-SessionProxy& Server::live_session(const json& content) {
-    const std::string id = session_id_of(content);
-    Session* session = sessions_.find(id);
-    if (!session || !session->proxy()) {
-        if (auto record = store_.session(id)) {
-            throw RequestError{ename::SessionClosed,
-                               "session " + id + " is closed: " + record->close_reason};
-        }
-        throw RequestError{ename::NoSuchSession, "no session " + id};
-    }
-    SessionProxy& relay = *session->proxy();
-    if (relay.closed()) {
-        throw RequestError{ename::SessionClosed,
-                           "session " + id + " is closed: " + relay.close_reason()};
-    }
-    return relay;
-}
-
-json Server::session_list(Request& r, std::vector<std::string>&) {
-    const bool open_only = r.message.content.value("open_only", false);
-    json list = json::array();
-    for (const auto& s : store_.sessions(open_only, 1000)) {
-        json entry = {{"session_id", s.id},
-                      {"image", s.image},
-                      {"state", s.state},
-                      {"created_at", s.created_at},
-                      {"executions", s.execution_count},
-                      {"close_reason", s.close_reason}};
-        if (Session* held = sessions_.find(s.id); held && held->proxy()) {
-            entry["state"] = held->proxy()->state();
-            if (const auto* g = held->proxy()->governor()) entry["executions"] = g->executions();
-            if (held->proxy()->lifecycle_state() == SessionState::hibernated) {
-                entry["snapshot"] = snapshot_json(s.id);
-            }
-            if (const Sandbox* box = held->sandbox()) {
-                entry["container_id"] = box->container_id();
-                entry["pids"] = sandbox_pids(box->container_id());
-            }
-        }
-        list.push_back(entry);
-    }
-    // Every sandbox on the host that this server runs: the sessions' above,
-    // and the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
+json Server::backend_inventory() const {
+    // Every sandbox on the host that this server runs besides the sessions':
+    // the warm ones waiting in the pool (`runc --root RUNTIME_ROOT list`).
     json warm = pool_->warm_sandboxes();
     for (auto& box : warm) box["pids"] = sandbox_pids(box["container_id"].get<std::string>());
     // And what the backend runs besides: the zygotes sessions are forked
@@ -71,98 +24,14 @@ json Server::session_list(Request& r, std::vector<std::string>&) {
             nodes.push_back(std::move(extra));
         }
     }
-    json reply = {{"status", "ok"},
-                  {"sessions", list},
-                  {"warm_sandboxes", warm},
-                  {"zygotes", zygotes},
-                  {"backend", pool_->backend().name()},
-                  {"runtime_root", settings_.runtime_root().string()}};
-    if (!nodes.empty()) reply["nodes"] = nodes;
+    json inventory = {{"warm_sandboxes", warm},
+                      {"zygotes", zygotes},
+                      {"backend", pool_->backend().name()},
+                      {"runtime_root", settings_.runtime_root().string()}};
+    if (!nodes.empty()) inventory["nodes"] = nodes;
     // Zygote images whose sessions boot, because this host refuses forking.
-    if (!refused.empty()) reply["zygotes_refused"] = refused;
-    return reply;
-}
-
-json Server::session_info(Request& r, std::vector<std::string>&) {
-    const std::string id = session_id_of(r.message.content);
-    const auto record = store_.session(id);
-    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
-    json info = {{"status", "ok"},
-                 {"session_id", id},
-                 {"image", record->image},
-                 {"image_id", record->image_id},
-                 {"state", record->state},
-                 {"created_at", record->created_at},
-                 {"closed_at", record->closed_at},
-                 {"close_reason", record->close_reason},
-                 {"limits", record->limits},
-                 {"metadata", record->metadata},
-                 {"executions", record->execution_count},
-                 {"host_ids", {{"base", record->host_id_base}, {"count", record->host_id_count}}}};
-    if (record->state == "closed") {
-        // What the session used over its life, kept at the close.
-        info["usage"] = {{"memory_peak_bytes", record->memory_peak_bytes},
-                         {"cpu_ms", record->cpu_ms}};
-    }
-    if (SessionProxy* live = sessions_.live(id)) {
-        SessionProxy& s = *live;
-        info["state"] = s.state();
-        if (const auto* g = s.governor()) {
-            info["executions"] = g->executions();
-            info["executions_left"] = g->executions_left();
-        }
-        if (s.lifecycle_state() == SessionState::hibernated) {
-            info["snapshot_bytes"] = snapshots_->bytes(id);
-            info["snapshot"] = snapshot_json(id);
-        }
-        if (Sandbox* box = s.sandbox()) {
-            const auto u = box->usage();
-            info["usage"] = {{"memory_bytes", u.memory_bytes},
-                             {"memory_peak_bytes", u.memory_peak_bytes},
-                             {"cpu_ms", u.cpu_ns / 1000000}};
-        }
-    }
-    return info;
-}
-
-json Server::session_close(Request& r, std::vector<std::string>&) {
-    SessionProxy& s = live_session(r.message.content);
-    s.close("closed_by_request");
-    return {{"status", "ok"}, {"session_id", s.session_id()}};
-}
-
-json Server::session_history(Request& r, std::vector<std::string>&) {
-    const std::string id = session_id_of(r.message.content);
-    const auto record = store_.session(id);
-    if (!record) throw RequestError{ename::NoSuchSession, "no session " + id};
-    json executions = json::array();
-    for (const auto& e : store_.executions(id)) {
-        executions.push_back({{"count", e.count},
-                              {"msg_id", e.msg_id},
-                              {"code", e.code},
-                              {"status", e.status},
-                              {"ename", e.ename},
-                              {"started_at", e.started_at},
-                              {"wall_ms", e.wall_ms},
-                              {"cpu_ms", e.cpu_ms},
-                              {"memory_peak_bytes", e.memory_peak_bytes},
-                              {"output_bytes", e.output_bytes},
-                              {"truncated", e.truncated}});
-    }
-    json events = json::array();
-    for (const auto& e : store_.events(id)) {
-        events.push_back({{"at", e.at}, {"kind", e.kind}, {"detail", e.detail}});
-    }
-    return {{"status", "ok"},
-            {"session_id", id},
-            {"image", record->image},
-            {"image_id", record->image_id},
-            {"state", record->state},
-            {"close_reason", record->close_reason},
-            {"memory_peak_bytes", record->memory_peak_bytes},
-            {"cpu_ms", record->cpu_ms},
-            {"executions", executions},
-            {"events", events}};
+    if (!refused.empty()) inventory["zygotes_refused"] = refused;
+    return inventory;
 }
 
 json Server::file_request(Request& r, std::vector<std::string>& buffers) {

@@ -49,6 +49,7 @@
 #include "server_metrics.hpp"
 #include "session.hpp"
 #include "session_proxy.hpp"
+#include "session_requests.hpp"
 #include "session_snapshots.hpp"
 #include "snapshot_cipher.hpp"
 #include "version.hpp"
@@ -71,11 +72,10 @@ inline constexpr auto kPoolVersionCheck = std::chrono::seconds(2);
 void write_server_file(const fs::path& path, const std::string& endpoint, const std::string& key,
                        const fs::path& files_socket);
 UniqueFd hold_server_lock(const fs::path& state_dir);
-std::vector<pid_t> sandbox_pids(const std::string& container_id);
 zmq::context_t make_server_context();
 std::vector<Image> load_images(const std::vector<fs::path>& dirs);
 
-class Server final : public SessionObserver {
+class Server final : public SessionObserver, private SessionService {
   public:
     explicit Server(const ServeOptions& options);
     ~Server() override;
@@ -141,16 +141,25 @@ class Server final : public SessionObserver {
     // answered ServerShuttingDown naming `signal`, and the loop turns until
     // those answers are written (at most kShutdownFlush).
     void shut_down(const std::string& signal);
-    SessionProxy& live_session(const json& content);
+    // The session a request names, live (RequestError otherwise), and its id.
+    SessionProxy& live_session(const json& content) { return session_requests_.live(content); }
+    static std::string session_id_of(const json& content) {
+        return SessionRequests::session_id_of(content);
+    }
     // The session an event is about, for its observers.
     SessionTag tag_of(const std::string& session_id) const;
-    std::string session_id_of(const json& content) const;
+
+    // SessionService: what session_list, _info, _close and _history read
+    // (session_requests.hpp).
+    const SessionStore& registry() const override { return store_; }
+    SessionTable& sessions() override { return sessions_; }
+    json snapshot(const std::string& session_id) const override {
+        return snapshot_json(session_id);
+    }
+    json backend_inventory() const override;
+    SessionRequests session_requests_{*this};
 
     json session_create(Request& r, std::vector<std::string>& buffers);
-    json session_list(Request& r, std::vector<std::string>& buffers);
-    json session_info(Request& r, std::vector<std::string>& buffers);
-    json session_close(Request& r, std::vector<std::string>& buffers);
-    json session_history(Request& r, std::vector<std::string>& buffers);
     // Hibernation (session_hibernation.cpp, docs/hibernation.md).
     json session_hibernate(Request& r, std::vector<std::string>& buffers);
     json session_resume(Request& r, std::vector<std::string>& buffers);

@@ -46,19 +46,6 @@ UniqueFd hold_server_lock(const fs::path& state_dir) {
     return fd;
 }
 
-// The host pids of a sandbox's processes (its cgroup's members).
-std::vector<pid_t> sandbox_pids(const std::string& container_id) {
-    std::vector<pid_t> pids;
-    for (const auto& dir : sandbox_cgroup_dirs(container_id)) {
-        std::ifstream procs(dir / "cgroup.procs");
-        if (!procs) continue;
-        for (pid_t pid; procs >> pid;) pids.push_back(pid);
-        if (!pids.empty()) break;
-    }
-    std::sort(pids.begin(), pids.end());
-    return pids;
-}
-
 // Each session holds about ten sockets and twenty-odd descriptors: lift the
 // process's descriptor limit to its hard maximum and size the ZMQ context by
 // it (libzmq's default is 1023 sockets per context). Must run before the
@@ -301,10 +288,6 @@ Server::Server(const ServeOptions& options)
 void Server::register_requests() {
     const std::pair<const char*, json (Server::*)(Request&, std::vector<std::string>&)> requests[] =
         {{"session_create_request", &Server::session_create},
-         {"session_list_request", &Server::session_list},
-         {"session_info_request", &Server::session_info},
-         {"session_close_request", &Server::session_close},
-         {"session_history_request", &Server::session_history},
          {"session_hibernate_request", &Server::session_hibernate},
          {"session_resume_request", &Server::session_resume},
          {"server_info_request", &Server::server_info}};
@@ -314,6 +297,18 @@ void Server::register_requests() {
         };
     };
     for (const auto& [type, handler] : requests) manager_.handle(type, bound(handler));
+    // The requests that read or close sessions go through the narrow
+    // SessionService (session_requests.hpp).
+    const std::pair<const char*, json (SessionRequests::*)(const json&)> reads[] = {
+        {"session_list_request", &SessionRequests::list},
+        {"session_info_request", &SessionRequests::info},
+        {"session_close_request", &SessionRequests::close},
+        {"session_history_request", &SessionRequests::history}};
+    for (const auto& [type, handler] : reads) {
+        manager_.handle(type, [this, handler](Request& r, std::vector<std::string>&) {
+            return (session_requests_.*handler)(r.message.content);
+        });
+    }
     for (const auto& type : FileTransfers::request_types()) {
         manager_.handle(type, bound(&Server::file_request));
     }
