@@ -53,10 +53,17 @@ struct FakeServerDir {
             ::pause();
             ::_exit(0);
         }
-        char byte = 0;
-        (void)!::read(ready[0], &byte, 1);
-        ::close(ready[0]);
+        // Our write end closed first: a child that dies before it holds the
+        // lock fails the test at once (no lock holder), not at ctest's timeout.
         ::close(ready[1]);
+        char byte = 0;
+        const bool locked = holder > 0 && ::read(ready[0], &byte, 1) == 1;
+        ::close(ready[0]);
+        if (!locked && holder > 0) {
+            ::kill(holder, SIGKILL);
+            ::waitpid(holder, nullptr, 0);
+            holder = -1;
+        }
     }
     ~FakeServerDir() {
         if (holder > 0) {
