@@ -43,6 +43,7 @@ std::optional<json> RuncSandbox::adoption_record() const {
         (runsc && (adopt_key_.empty() || gofer_pid_ <= 0))) {
         return std::nullopt;
     }
+    if (adoption_record_) return adoption_record_;
     ConnectionInfo inner = inner_;
     inner.ip = std::string(kSandboxIpcDir) + "/k";  // as the sandbox's file says
     json zygote = nullptr;
@@ -67,7 +68,8 @@ std::optional<json> RuncSandbox::adoption_record() const {
         record["gofer_start"] = process_start_ticks(gofer_pid_);
         record["adopt_key"] = adopt_key_;
     }
-    return record;
+    adoption_record_ = std::move(record);
+    return adoption_record_;
 }
 
 namespace {
