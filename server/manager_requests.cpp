@@ -106,6 +106,11 @@ json Server::server_info(Request&, std::vector<std::string>&) {
          {{"interactive_sessions", interactive_sessions_},
           {"hogging_sessions", hogging_sessions_},
           {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)},
+          // Whether the hogging sessions weigh a process each: only while the
+          // host's own processes contend (host_contention.hpp), with the last
+          // judgement's figures.
+          {"host_contended", host_contention_.counted()},
+          {"host_contention", host_contention_.why()},
           // Every server's on the host (cpu_demand.hpp), which the weight follows.
           {"host",
            {{"interactive_sessions", host_demand_.interactive},

@@ -29,6 +29,7 @@
 #include "cellblock/connection_info.hpp"
 #include "cellblock/cpu_fairness.hpp"
 #include "cellblock/error_names.hpp"
+#include "cellblock/host_contention.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/replay_guard.hpp"
 #include "cellblock/runc_backend.hpp"
@@ -376,6 +377,10 @@ class Server final : public SessionObserver, private SessionService {
     // does not weigh the sandboxes or could not publish (then its own count).
     std::unique_ptr<HostCpuDemand> cpu_demand_;
     CpuDemand host_demand_;
+    // Whether the host's own processes contend with the sandboxes, which
+    // decides whether the hogging sessions weigh a process each
+    // (host_contention.hpp).
+    HostContention host_contention_;
     // Sessions' way out (egress_gateway.hpp); null when the server has none.
     std::unique_ptr<EgressGateway> egress_;
     std::unique_ptr<EgressEvents> egress_events_;  // its events, watched from run()

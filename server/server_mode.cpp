@@ -100,7 +100,19 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
         cpu_demand_->publish(interactive, hogging);
         host_demand_ = cpu_demand_->totals();
     }
-    const int weight = sandboxes_weight(host_demand_.interactive, host_demand_.hogging);
+    // The hogs weigh a process each only while the host's processes contend
+    // for the CPU; else one together, so that an interactive process of the
+    // host is not kept waiting behind them (host_contention.hpp).
+    const bool counted = host_contention_.observe(
+        host_demand_.hogging > 0 ? read_host_cpu() : std::nullopt, host_demand_.hogging > 0);
+    if (host_contention_.changed())
+        spdlog::log(counted ? spdlog::level::info : spdlog::level::debug,
+                    "the host's processes and the {} sessions holding the CPU: {}",
+                    host_demand_.hogging,
+                    host_demand_.hogging ? host_contention_.why() : "none hog");
+    const std::size_t counted_hogs =
+        counted ? host_demand_.hogging : std::min<std::size_t>(host_demand_.hogging, 1);
+    const int weight = sandboxes_weight(host_demand_.interactive, counted_hogs);
     // Written when the sum changes: every server publishing in the same
     // directory computes the same sum and writes the same figure, and an
     // idle host's parent is left alone. (Not when the parent merely holds

@@ -28,7 +28,10 @@
 //
 // The sandboxes' common parent cgroup (`cellblock`) is one entity among the
 // host's processes, and its weight goes to whatever inside it runs. The
-// server gives it (`sandboxes_weight`) one process's weight per session
+// server gives it (`sandboxes_weight`), while the host's own processes
+// contend for the CPU (host_contention.hpp; else one process's for all of
+// them, so that a waking host process does not wait behind ten spinners),
+// one process's weight per session
 // holding the CPU (`hogging`: an execution past `interactive_run`, normal or
 // yielding; a demoted one is owed nothing), so that no runnable session gets
 // less than a host process does (one process for all of them let two host
