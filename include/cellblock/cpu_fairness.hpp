@@ -31,9 +31,9 @@
 // server gives it (`sandboxes_weight`), while the host's own processes
 // contend for the CPU (host_contention.hpp; else one process's for all of
 // them, so that a waking host process does not wait behind ten spinners),
-// one process's weight per session
-// holding the CPU (`hogging`: an execution past `interactive_run`, normal or
-// yielding; a demoted one is owed nothing), so that no runnable session gets
+// one process's weight per session holding the CPU (`hogging`: an execution
+// past `interactive_run`, normal or yielding; a demoted one is owed
+// nothing), so that no runnable session gets
 // less than a host process does (one process for all of them let two host
 // spinners take 0.65 of a core each while a pandas cell beside two spinning
 // sessions got 0.2: bench figure 16); a yielding step moves a session's time
