@@ -27,6 +27,10 @@ read strictly, and a UTF-8 character split across two reads (or any invalid
 byte) ended the forwarding for the rest of the session (upstream fix:
 ipykernel PR #1129).
 
+A flush with nothing to send returns at once (SandboxOutStream.flush):
+ipykernel 6.17 handed every flush to its IOPub thread and waited there, two
+hand-overs and a wake-up at the end of every execution for nothing.
+
 Packages: pip installs into PIP_TARGET (the session's home, on PYTHONPATH);
 the directory is made before ipykernel is imported and import caches are
 dropped after every cell, so `%pip install x` then `import x` works.
@@ -167,6 +171,38 @@ class SandboxOutStream(OutStream):
             super().write(string[:kept])
             return len(string)
         return super().write(string)
+
+    # ipykernel 6.17 hands every flush to the IOPub thread and waits for it
+    # there, with nothing to send as well: the end of every execution
+    # flushes stdout and stderr, each a hand-over and a wake-up of the
+    # thread, and on a host whose CPUs are busy each wake-up waits its turn.
+    # A flush with nothing buffered and no flush pending or under way returns
+    # at once: a `1+1` round trip 6.4-6.9 ms -> 4.3 ms, the kernel's CPU per
+    # execution 4.8 -> 3.4 ms (measured here). The IOPub thread's queue keeps
+    # its order: what was written before is already queued there, ahead of
+    # the status that follows. Only the shell reply may now leave before the
+    # IOPub messages still queued, which the protocol allows across channels,
+    # and the relay holds an execute_reply until its idle status anyway
+    # (session_core.cpp, held_reply_), so the reply's output figures are
+    # whole.
+    _flushing = 0  # _flush calls under way (on the IOPub thread, its only writer)
+
+    def _flush(self):
+        self._flushing += 1
+        try:
+            super()._flush()
+        finally:
+            self._flushing -= 1
+
+    def flush(self):
+        if (self.echo is not None or self._flush_pending or self._subprocess_flush_pending
+                or self._flushing):
+            super().flush()
+            return
+        with self._buffer_lock:
+            empty = self._buffer.tell() == 0
+        if not empty:
+            super().flush()
 
     def _watch_pipe_fd(self):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
