@@ -28,6 +28,11 @@
 // so every `recheck_every` the one-process weight is tried again for a
 // window and judged anew: a host spinner that is still there regains, for
 // that second, what it had before.
+//
+// Servers sharing a host judge each on its own readings (the same host-wide
+// figures); the shared parent holds the last figure written, and a server
+// writes only when its own figure changes, so a server that counts and one
+// that does not agree again by the next check.
 #pragma once
 
 #include <chrono>
