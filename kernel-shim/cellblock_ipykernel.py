@@ -195,13 +195,12 @@ class SandboxOutStream(OutStream):
             self._flushing -= 1
 
     def flush(self):
-        if (self.echo is not None or self._flush_pending or self._subprocess_flush_pending
-                or self._flushing):
-            super().flush()
-            return
-        with self._buffer_lock:
-            empty = self._buffer.tell() == 0
-        if not empty:
+        waits = (self.echo is not None or self._flush_pending or self._subprocess_flush_pending
+                 or self._flushing)
+        if not waits:
+            with self._buffer_lock:
+                waits = self._buffer.tell() > 0
+        if waits:
             super().flush()
 
     def _watch_pipe_fd(self):

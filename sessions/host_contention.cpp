@@ -1,6 +1,5 @@
 #include "cellblock/host_contention.hpp"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -9,16 +8,14 @@
 
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/runc_sandbox.hpp"
-#include "cellblock/unique_fd.hpp"
+#include "sandbox_internal.hpp"
 
 namespace cellblock {
 namespace fs = std::filesystem;
 
 namespace {
 
-double seconds(std::chrono::steady_clock::duration d) {
-    return std::chrono::duration<double>(d).count();
-}
+using Seconds = HostContentionPolicy::Seconds;
 
 std::string cores(double c) {
     char text[32];
@@ -43,7 +40,7 @@ bool HostContention::observe(const std::optional<HostCpuReading>& reading, bool 
         counted_ = true;
         why_ = "the host's CPU time could not be read";
     } else if (counted_) {
-        if (seconds(reading->at - counted_since_) >= policy_.recheck_every.count()) {
+        if (reading->at - counted_since_ >= policy_.recheck_every) {
             // Tried again at one process's weight, judged over a window from now.
             counted_ = false;
             window_.assign(1, *reading);
@@ -51,7 +48,7 @@ bool HostContention::observe(const std::optional<HostCpuReading>& reading, bool 
         }
     } else {
         window_.push_back(*reading);
-        while (window_.size() > 2 && seconds(reading->at - window_[1].at) >= policy_.window.count())
+        while (window_.size() > 2 && reading->at - window_[1].at >= policy_.window)
             window_.pop_front();
         judge();
     }
@@ -62,7 +59,7 @@ bool HostContention::observe(const std::optional<HostCpuReading>& reading, bool 
 void HostContention::judge() {
     const HostCpuReading& first = window_.front();
     const HostCpuReading& last = window_.back();
-    const double span = seconds(last.at - first.at);
+    const double span = Seconds(last.at - first.at).count();
     if (span < policy_.window.count() || span <= 0) return;
     auto delta = [&](std::uint64_t a, std::uint64_t b) {
         return b > a ? static_cast<double>(b - a) / 1e9 / span : 0.0;
@@ -86,24 +83,13 @@ void HostContention::judge() {
 
 namespace {
 
-bool read_file(const fs::path& path, std::string& out) {
-    const UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd) return false;
-    char buf[4096];
-    out.clear();
-    for (;;) {
-        const ssize_t n = ::read(fd.get(), buf, sizeof buf);
-        if (n < 0) return false;
-        if (n == 0) return true;
-        out.append(buf, static_cast<std::size_t>(n));
-    }
-}
+using sandbox_detail::read_text;  // "" when the file cannot be read
 
 // Every CPU's busy time (user, nice, system, irq, softirq; guest time is in
 // user already, idle, iowait and steal are not busy), in nanoseconds.
 std::optional<std::uint64_t> host_busy_ns() {
-    std::string text;
-    if (!read_file("/proc/stat", text) || text.rfind("cpu ", 0) != 0) return std::nullopt;
+    const std::string text = read_text("/proc/stat");
+    if (text.rfind("cpu ", 0) != 0) return std::nullopt;
     std::istringstream in(text.substr(4, text.find('\n') - 4));
     std::uint64_t user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0;
     if (!(in >> user >> nice >> system >> idle >> iowait >> irq >> softirq)) return std::nullopt;
@@ -116,16 +102,16 @@ std::optional<std::uint64_t> host_busy_ns() {
 // A top-level cgroup's CPU time: v1 cpuacct.usage (ns) in whichever mount
 // holds cpuacct, v2 cpu.stat's usage_usec.
 std::optional<std::uint64_t> group_cpu_ns(const char* group) {
-    std::string text;
     const fs::path root = kCgroupRoot;
     if (cgroup_v2()) {
-        if (!read_file(root / group / "cpu.stat", text)) return std::nullopt;
+        const std::string text = read_text(root / group / "cpu.stat");
         const auto at = text.find("usage_usec ");
         if (at == std::string::npos) return std::nullopt;
         return std::stoull(text.substr(at + 11)) * 1000;
     }
     for (const char* controller : {"cpuacct", "cpu,cpuacct", "cpuacct,cpu"})
-        if (read_file(root / controller / group / "cpuacct.usage", text) && !text.empty())
+        if (const std::string text = read_text(root / controller / group / "cpuacct.usage");
+            !text.empty())
             return std::stoull(text);
     return std::nullopt;
 }

@@ -9,10 +9,8 @@ kernel-shim/cellblock_ipykernel.py decodes incrementally with replacement. Both
 kernels are checked: forked from the zygote (serve, image host) and booted
 (kernel mode).
 """
-import pytest
-
 import server_helpers as sh
-from conftest import run_cell, start_kernel, stop_kernel, stream_text
+from conftest import run_cell, stream_text
 from server_helpers import server  # noqa: F401 (the fixture)
 
 PY = "/usr/bin/python3"
@@ -61,16 +59,9 @@ def test_a_forked_session_forwards_every_later_descriptor_output(server):  # noq
     check_session(run)
 
 
-@pytest.fixture
-def booted():
-    km, kc = start_kernel()
-    yield kc
-    stop_kernel(km, kc)
-
-
-def test_a_booted_kernel_forwards_every_later_descriptor_output(booted):
+def test_a_booted_kernel_forwards_every_later_descriptor_output(kernel):
     def run(code):
-        reply, msgs = run_cell(booted, code, timeout=120)
+        reply, msgs = run_cell(kernel[1], code, timeout=120)
         assert reply["status"] == "ok", reply
         return stream_text(msgs, "stdout"), stream_text(msgs, "stderr")
 

@@ -14,10 +14,7 @@ the zygote (serve) and booted (kernel mode).
 """
 import re
 
-import pytest
-
 import server_helpers as sh
-from conftest import start_kernel, stop_kernel
 from server_helpers import server  # noqa: F401 (the fixture)
 
 COUNT_SCHEDULES = """
@@ -108,12 +105,5 @@ def test_a_forked_session_flushes_nothing_for_nothing_and_loses_nothing(server):
     server.ok("session_close_request", {"session_id": sid})
 
 
-@pytest.fixture
-def booted():
-    km, kc = start_kernel()
-    yield kc
-    stop_kernel(km, kc)
-
-
-def test_a_booted_kernel_flushes_nothing_for_nothing_and_loses_nothing(booted):
-    check(raw_runner(booted))
+def test_a_booted_kernel_flushes_nothing_for_nothing_and_loses_nothing(kernel):
+    check(raw_runner(kernel[1]))
