@@ -37,6 +37,7 @@ CpuFairness::CpuFairness(CpuFairnessPolicy policy) : policy_(std::move(policy)) 
     // is refused. Either way a demoted session must keep making progress.
     policy_.demoted_weight = std::max(policy_.demoted_weight, 2);
     policy_.demoted_cpus = std::max(policy_.demoted_cpus, 0.01);
+    policy_.storm_cpus = std::max(policy_.storm_cpus, 0.01);
     for (auto& step : policy_.long_steps) step.weight = std::max(step.weight, 2);
 }
 
@@ -51,17 +52,18 @@ std::optional<std::vector<const CpuFairness::Interval*>> CpuFairness::window(Sec
     return std::nullopt;
 }
 
-std::optional<std::string> CpuFairness::abuse() const {
+std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
     if (const auto w = window(policy_.storm_after)) {
         const bool storm =
             std::all_of(w->begin(), w->end(), [&](const Interval* i) { return i->storm(policy_); });
         if (storm) {
-            return fmt::format(
-                "a fork or thread storm: {} tasks in the cgroup (pids.current) "
-                "for {:.1f} s",
-                history_.back().tasks, policy_.storm_after.count());
+            return Abuse{fmt::format("a fork or thread storm: {} tasks in the cgroup "
+                                     "(pids.current) for {:.1f} s",
+                                     history_.back().tasks, policy_.storm_after.count()),
+                         true};
         }
     }
+    if (auto creep = creeping()) return Abuse{std::move(*creep), true};
     if (const auto w = window(policy_.background_after)) {
         // Loud through (nearly) the whole window, not on average: the tail of
         // a cell that just ended (threads winding down) is no abuse.
@@ -75,18 +77,35 @@ std::optional<std::string> CpuFairness::abuse() const {
         }
         const double span = seconds(history_.back().end - w->back()->start);
         if (!executed && loud >= 0.8 * span) {
-            return fmt::format(
-                "work left running with no execution: {:.2f} of a core for "
-                "{:.1f} s",
-                cpu / span, span);
+            return Abuse{fmt::format("work left running with no execution: {:.2f} of a core "
+                                     "for {:.1f} s",
+                                     cpu / span, span)};
         }
     }
     return std::nullopt;
 }
 
+std::optional<std::string> CpuFairness::creeping() const {
+    const auto w = window(policy_.creep_after);
+    if (!w) return std::nullopt;
+    std::int64_t added = 0;
+    std::size_t rising = 0;
+    for (const Interval* i : *w) {
+        added += i->added;
+        rising += i->added > 0 ? 1 : 0;
+    }
+    if (added < policy_.creep_tasks ||
+        static_cast<double>(rising) < policy_.creep_rising * static_cast<double>(w->size()))
+        return std::nullopt;
+    return fmt::format(
+        "a fork or thread storm: {} tasks in the cgroup (pids.current), {} more than "
+        "{:.1f} s before, rising in {} of {} samples",
+        history_.back().tasks, added, policy_.creep_after.count(), rising, w->size());
+}
+
 bool CpuFairness::calm() const {
     const auto w = window(policy_.calm_after);
-    if (!w) return false;
+    if (!w || creeping()) return false;
     double cpu = 0, span = 0, wanting = 0;
     for (const Interval* i : *w) {
         if (i->storm(policy_)) return false;
@@ -173,14 +192,15 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     // A counter that went back (a reset) counts as no CPU used.
     i.cpu_s = sample.cpu_ns >= last_->cpu_ns ? double(sample.cpu_ns - last_->cpu_ns) / 1e9 : 0.0;
     i.tasks = sample.tasks;
-    i.grew = sample.tasks >= 0 && last_->tasks >= 0 &&
-             sample.tasks - last_->tasks >= policy_.storm_growth;
+    if (sample.tasks >= 0 && last_->tasks >= 0) i.added = sample.tasks - last_->tasks;
+    i.grew = i.added >= policy_.storm_growth;
     i.executed = sample.executed;
     i.runnable = sample.runnable;
     history_.push_back(i);
     last_ = sample;
     const Seconds keep = std::max(
-        {policy_.storm_after, policy_.background_after, policy_.calm_after, policy_.active_span});
+        {policy_.storm_after, policy_.creep_after, policy_.background_after, policy_.calm_after,
+         policy_.active_span});
     while (history_.size() > 1 && Seconds(sample.at - history_.front().end) >= keep)
         history_.pop_front();
 
@@ -192,10 +212,11 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
         return change_to(
             next, next.level == CpuSetting::Level::yielding ? "cpu_yielding" : "cpu_restored", why);
     }
-    if (auto why = abuse()) {
-        demoted_why_ = *why;
-        return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, policy_.demoted_cpus},
-                         "cpu_demoted", *why);
+    if (auto abusing = abuse()) {
+        demoted_why_ = abusing->why;
+        const double cpus = abusing->storm ? policy_.storm_cpus : policy_.demoted_cpus;
+        return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
+                         abusing->why);
     }
     const CpuSetting next = yielding_setting(sample);
     if (next == setting_) return std::nullopt;

@@ -456,6 +456,10 @@ void RuncSandbox::reap_init() {
 
 void RuncSandbox::destroy() {
     if (destroyed_) return;
+    // A demoted sandbox runs a few ms per 100 ms: its killed processes would
+    // take that long to die (a fork storm's hundreds, seconds), and its cgroup
+    // outlive it. Its own quota back first.
+    set_cpu_quota(limits().cpus);
     destroyed_ = true;
     close_counters();
     kill();

@@ -9,11 +9,17 @@
 // feeds them here, with whether an execution ran. What is penalised is what
 // is abusive, and only once it is sustained (seconds, not one sample):
 //  - a fork or thread storm: the task count at or above `storm_tasks`, or
-//    growing by `storm_growth` per sample, for `storm_after`;
+//    growing by `storm_growth` per sample, for `storm_after`; or creeping up
+//    (rising in `creep_rising` of the samples over `creep_after`, by
+//    `creep_tasks` or more): ten fork bombs slow each other's forks to a few
+//    tasks a second each, under the other two rules for tens of seconds;
 //  - work left running with no execution: CPU above `busy_share` of a core
 //    over `background_after` in which no execution ran.
 // Either demotes the session to `demoted_weight` and caps its quota at
-// `demoted_cpus`: a guaranteed share that still makes progress, never the
+// `demoted_cpus` (`storm_cpus` for a storm, whose every fork costs its
+// neighbours kernel work that no weight governs: page tables copied and
+// write-protected, TLB shootdowns to the other CPUs, rmap walks over pages
+// shared by hundreds of processes): a guaranteed share that still makes progress, never the
 // starvation of cgroup cpu.idle. It is restored once it has been calm for
 // `calm_after`: no storm, and without an execution at most `calm_share` of a
 // core used and a runnable task in at most `calm_runnable` of the samples. A
@@ -69,9 +75,15 @@ struct CpuFairnessPolicy {
     Seconds calm_after{5.0};
     std::int64_t storm_tasks = 128;  // processes and threads in the cgroup (pids.current)
     std::int64_t storm_growth = 32;  // tasks added within one sample
+    // Creeping growth: a pool started once rises in one or two samples, a
+    // bomb in nearly all of them, however slowly.
+    Seconds creep_after{2.0};
+    double creep_rising = 0.75;     // of the samples in creep_after, at least
+    std::int64_t creep_tasks = 8;   // added over creep_after, at least
     int normal_weight = 1024;        // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
+    double storm_cpus = 0.01;    // the same, demoted for a storm
     // Active (it weighs on the sandboxes' parent): more than active_share of
     // a core used over the last active_span.
     Seconds active_span{1.0};
@@ -153,14 +165,21 @@ class CpuFairness {
         Clock::time_point start, end;
         double cpu_s = 0;
         std::int64_t tasks = -1;
-        bool grew = false;  // by storm_growth or more
+        bool grew = false;       // by storm_growth or more
+        std::int64_t added = 0;  // tasks since the previous sample (0 when unknown)
         std::int64_t runnable = -1;
         bool executed = false;
         bool storm(const CpuFairnessPolicy& p) const { return grew || tasks >= p.storm_tasks; }
     };
     // The intervals ending within the last `span`, if they cover all of it.
     std::optional<std::vector<const Interval*>> window(CpuFairnessPolicy::Seconds span) const;
-    std::optional<std::string> abuse() const;
+    struct Abuse {
+        std::string why;
+        bool storm = false;
+    };
+    std::optional<Abuse> abuse() const;
+    // The task count creeping up over creep_after: what, if so.
+    std::optional<std::string> creeping() const;
     bool calm() const;
     CpuSetting yielding_setting(const CpuSample& sample) const;
     CpuChange change_to(CpuSetting next, std::string event, std::string why);

@@ -204,6 +204,54 @@ TEST(CpuFairness, AThreadStormSeenAsGrowthIsDemotedButOneBurstOfThreadsIsNot) {
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
 }
 
+// Ten fork bombs slow each other's forks to a few tasks a second each: under
+// storm_growth per sample, and tens of seconds from storm_tasks.
+void creep(Feeder& x, double seconds, std::initializer_list<int> per_sample) {
+    const int samples = static_cast<int>(seconds * 4 + 0.5);
+    auto step = per_sample.begin();
+    for (int i = 0; i < samples; ++i) {
+        x.tasks += *step;
+        if (++step == per_sample.end()) step = per_sample.begin();
+        x.run(0.25, 0.4, true);
+    }
+}
+
+TEST(CpuFairness, AForkBombCreepingUpAFewTasksASecondIsAStormCappedTighterThanBackgroundWork) {
+    Feeder x;
+    x.cell(1.0, 0.3);
+    x.running_since.reset();
+    // 6-8 tasks a second, one sample in four without a new one.
+    creep(x, 1.75, {2, 2, 0, 3});
+    EXPECT_TRUE(x.changes.empty()) << "not yet two seconds of it";
+    creep(x, 0.5, {2, 2, 0, 3});
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    EXPECT_EQ(x.changes[0].setting, (CpuSetting{Level::demoted, 64, 0.01}));
+    const std::string& why = x.changes[0].detail;
+    EXPECT_NE(why.find("storm"), std::string::npos) << why;
+    EXPECT_NE(why.find("rising in 6 of 8 samples"), std::string::npos) << why;
+    // Still creeping: no calm, however little CPU it gets at its cap.
+    creep(x, 10.0, {2, 2, 0, 3});
+    EXPECT_EQ(x.changes.size(), 1u);
+    // pids.max reached: the count stands still, and storm_tasks is not reached
+    // below 128, so once still for calm_after it is restored.
+    x.run(5.25, 0.0, false);
+    EXPECT_EQ(x.events(), (std::vector<std::string>{"cpu_demoted", "cpu_restored"}));
+}
+
+TEST(CpuFairness, PoolsGrowingLazilyAndSubprocessesComingAndGoingAreNoStorm) {
+    Feeder x;
+    // A thread pool started a worker per task submitted: six, one a sample.
+    creep(x, 1.5, {1});
+    // Then it works, its count still.
+    x.cell(3.0, 1.0);
+    // A loop of subprocess.run: one appears, one exits, all along.
+    x.running_since.reset();
+    creep(x, 10.0, {1, -1});
+    // A build starting eight jobs at once, which end over the next samples.
+    creep(x, 10.0, {8, -3, -3, -2});
+    for (const auto& c : x.changes) EXPECT_NE(c.event, "cpu_demoted") << c.detail;
+}
+
 TEST(CpuFairness, AnIdleSessionOrOneWithUnknownTasksIsLeftAlone) {
     Feeder x;
     x.run(60.0, 0.001, false);
