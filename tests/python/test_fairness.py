@@ -232,6 +232,39 @@ def test_a_thread_storm_is_demoted_then_restored_once_it_is_gone(server):  # noq
     server.ok("session_close_request", {"session_id": sid})
 
 
+# Processes appearing a few a second, as ten fork bombs slowing each other's
+# forks grow: never 32 in one sample nor 128 in all, for seconds.
+CREEP = """
+import subprocess, time
+children = []
+for _ in range(24):
+    children.append(subprocess.Popen(['sleep', '120']))
+    time.sleep(0.12)
+"""
+
+
+def test_processes_creeping_up_a_few_a_second_are_a_storm_capped_at_a_hundredth_of_a_core(server):  # noqa: F811,E501
+    sid, kc, _ = server.open_session()
+    need_cpu_controller(sid)
+    msg_id = kc.execute(CREEP)
+    # Tighter than background work's 0.05: a storm's forks cost its
+    # neighbours kernel work that no weight governs.
+    assert wait_for(lambda: cpu_quota(sid) == 1000, timeout=30), cpu_quota(sid)
+    assert cpu_shares(sid) == 64
+    assert run_until_reply(kc, msg_id)["content"]["status"] == "ok"
+    events = cpu_events(server, sid)
+    assert events and events[0]["kind"] == "cpu_demoted", events
+    assert "storm" in events[0]["detail"] and "rising in" in events[0]["detail"], events[0]
+    # The creeping stops (at the cap, the last spawns come slowly): calm for
+    # 5 s, then restored, with the session's own quota.
+    assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=40), cpu_shares(sid)
+    assert cpu_quota(sid) == 100000
+    assert [e["kind"] for e in cpu_events(server, sid)] == ["cpu_demoted", "cpu_restored"]
+    reply, _ = execute(kc, "for c in children: c.kill(); c.wait()", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    server.ok("session_close_request", {"session_id": sid})
+
+
 def parent_shares():
     """cpu.shares of the sandboxes' common parent cgroup, or None."""
     for path in glob.glob("/sys/fs/cgroup/cpu*/cellblock/cpu.shares"):
