@@ -77,9 +77,10 @@ std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
         }
         const double span = seconds(history_.back().end - w->back()->start);
         if (!executed && loud >= 0.8 * span) {
-            return Abuse{fmt::format("work left running with no execution: {:.2f} of a core "
-                                     "for {:.1f} s",
-                                     cpu / span, span)};
+            return Abuse{
+                fmt::format("work left running with no execution: {:.2f} of a core "
+                            "for {:.1f} s",
+                            cpu / span, span)};
         }
     }
     return std::nullopt;
@@ -198,9 +199,9 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     i.runnable = sample.runnable;
     history_.push_back(i);
     last_ = sample;
-    const Seconds keep = std::max(
-        {policy_.storm_after, policy_.creep_after, policy_.background_after, policy_.calm_after,
-         policy_.active_span});
+    const Seconds keep =
+        std::max({policy_.storm_after, policy_.creep_after, policy_.background_after,
+                  policy_.calm_after, policy_.active_span});
     while (history_.size() > 1 && Seconds(sample.at - history_.front().end) >= keep)
         history_.pop_front();
 

@@ -78,9 +78,9 @@ struct CpuFairnessPolicy {
     // Creeping growth: a pool started once rises in one or two samples, a
     // bomb in nearly all of them, however slowly.
     Seconds creep_after{2.0};
-    double creep_rising = 0.75;     // of the samples in creep_after, at least
-    std::int64_t creep_tasks = 8;   // added over creep_after, at least
-    int normal_weight = 1024;        // cgroup v1 cpu.shares
+    double creep_rising = 0.75;    // of the samples in creep_after, at least
+    std::int64_t creep_tasks = 8;  // added over creep_after, at least
+    int normal_weight = 1024;      // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
     double storm_cpus = 0.01;    // the same, demoted for a storm
