@@ -57,10 +57,10 @@ std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
         const bool storm =
             std::all_of(w->begin(), w->end(), [&](const Interval* i) { return i->storm(policy_); });
         if (storm) {
-            return Abuse{fmt::format("a fork or thread storm: {} tasks in the cgroup "
-                                     "(pids.current) for {:.1f} s",
-                                     history_.back().tasks, policy_.storm_after.count()),
-                         true};
+            return Abuse{
+                fmt::format("a fork or thread storm: {} tasks in the cgroup "
+                            "(pids.current) for {:.1f} s",
+                            history_.back().tasks, policy_.storm_after.count())};
         }
     }
     if (auto creep = creeping()) return Abuse{std::move(*creep), true};
@@ -215,7 +215,7 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     }
     if (auto abusing = abuse()) {
         demoted_why_ = abusing->why;
-        const double cpus = abusing->storm ? policy_.storm_cpus : policy_.demoted_cpus;
+        const double cpus = abusing->creeping ? policy_.storm_cpus : policy_.demoted_cpus;
         return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
                          abusing->why);
     }
