@@ -16,16 +16,18 @@
 //  - work left running with no execution: CPU above `busy_share` of a core
 //    over `background_after` in which no execution ran.
 // Either demotes the session to `demoted_weight` and caps its quota at
-// `demoted_cpus` (`storm_cpus` for one creeping up: a fork bomb, whose every
-// fork costs its neighbours kernel work that no weight governs: page tables
+// `demoted_cpus`; `storm_cpus` for one creeping up, a fork bomb, whose every
+// fork costs its neighbours kernel work that no weight governs (page tables
 // copied and write-protected, TLB shootdowns to the other CPUs, rmap walks
-// over pages shared by hundreds of processes. A burst that then stays, a
+// over pages shared by hundreds of processes). A burst that then stays, a
 // big thread pool, keeps `demoted_cpus`: at a hundredth of a core its
-// threads' own starts and ends outlasted 40 s): a guaranteed share that still makes progress, never
-// the starvation of cgroup cpu.idle. It is restored once it has been calm for `calm_after`: no
-// storm, and without an execution at most `calm_share` of a core used and a runnable task in at
-// most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU, so it stays demoted
-// rather than flapping. A long execution is legitimate and is never demoted: once it has been
+// threads' own starts and ends outlasted 40 s. Either is a guaranteed share
+// that still makes progress, never the starvation of cgroup cpu.idle. It is
+// restored once it has been calm for `calm_after`: no storm, and without an
+// execution at most `calm_share` of a core used and a runnable task in at
+// most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU,
+// so it stays demoted rather than flapping. A long execution is legitimate
+// and is never demoted: once it has been
 // CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
 // session next to ten spinning cells still answers at once and work begun
