@@ -194,7 +194,6 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     i.cpu_s = sample.cpu_ns >= last_->cpu_ns ? double(sample.cpu_ns - last_->cpu_ns) / 1e9 : 0.0;
     i.tasks = sample.tasks;
     if (sample.tasks >= 0 && last_->tasks >= 0) i.added = sample.tasks - last_->tasks;
-    i.grew = i.added >= policy_.storm_growth;
     i.executed = sample.executed;
     i.runnable = sample.runnable;
     history_.push_back(i);

@@ -168,11 +168,12 @@ class CpuFairness {
         Clock::time_point start, end;
         double cpu_s = 0;
         std::int64_t tasks = -1;
-        bool grew = false;       // by storm_growth or more
         std::int64_t added = 0;  // tasks since the previous sample (0 when unknown)
         std::int64_t runnable = -1;
         bool executed = false;
-        bool storm(const CpuFairnessPolicy& p) const { return grew || tasks >= p.storm_tasks; }
+        bool storm(const CpuFairnessPolicy& p) const {
+            return added >= p.storm_growth || tasks >= p.storm_tasks;
+        }
     };
     // The intervals ending within the last `span`, if they cover all of it.
     std::optional<std::vector<const Interval*>> window(CpuFairnessPolicy::Seconds span) const;

@@ -232,8 +232,8 @@ TEST(CpuFairness, AForkBombCreepingUpAFewTasksASecondIsAStormCappedTighterThanBa
     // Still creeping: no calm, however little CPU it gets at its cap.
     creep(x, 10.0, {2, 2, 0, 3});
     EXPECT_EQ(x.changes.size(), 1u);
-    // pids.max reached: the count stands still, and storm_tasks is not reached
-    // below 128, so once still for calm_after it is restored.
+    // The count stands still (the bombs stopped), below storm_tasks: once
+    // still for calm_after it is restored.
     x.run(5.25, 0.0, false);
     EXPECT_EQ(x.events(), (std::vector<std::string>{"cpu_demoted", "cpu_restored"}));
 }
