@@ -564,6 +564,9 @@ def test_an_adopted_gateway_session_has_its_way_out_again(server_factory, tmp_pa
         sid, kc, _ = srv.open_session(limits={"network": {"mode": "gateway"}})
         echo = f"http://{egress.API}:{port}/echo"
         assert egress.fetch(kc, echo)["status"] == 200
+        # The gateway reports a request once it has closed it, over a pipe the
+        # server reads in its loop: the kernel can hold the reply first.
+        assert sh.wait_for(lambda: egress.egress_events(srv, sid), timeout=30)
         watch = sh.ShellWatch(kc)
         srv.kill9()
         assert sh.wait_for(lambda: "waits 120000 ms" in shim_log(srv, sid), timeout=30), \
@@ -573,8 +576,9 @@ def test_an_adopted_gateway_session_has_its_way_out_again(server_factory, tmp_pa
         assert f"session {sid}: adopted" in srv.log(), srv.log()[-3000:]
         got = egress.fetch(kc, echo)
         assert got["status"] == 200 and json.loads(got["body"])["path"] == "/echo", got
-        verdicts = [e["verdict"] for e in egress.egress_events(srv, sid)]
-        assert verdicts.count("allowed") >= 2, verdicts
+        def verdicts():
+            return [e["verdict"] for e in egress.egress_events(srv, sid)]
+        assert sh.wait_for(lambda: verdicts().count("allowed") >= 2, timeout=30), verdicts()
     finally:
         upstream.shutdown()
         upstream.server_close()
