@@ -225,6 +225,11 @@ int main(int argc, char** argv) {
             "weigh, each as a process; default) or 'fixed' (the host's default: one process's "
             "worth for all of them)")
         ->check(CLI::IsMember({"active", "fixed"}));
+    serve_cmd->add_flag(
+        "--cpu-idle", serve.cpu_idle,
+        "sessions holding the CPU run as idle cgroups, and the sandboxes' parent too while "
+        "they hold it and the host's processes do not contend: a waking quiet session or "
+        "host process then never waits for a tick behind them (docs/performance.md)");
     serve_cmd
         ->add_option("--cpu-demand-dir", serve.cpu_demand_dir,
                      "where the host's servers publish what their sessions ask of the "

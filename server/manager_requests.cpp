@@ -106,6 +106,7 @@ json Server::server_info(Request&, std::vector<std::string>&) {
          {{"interactive_sessions", interactive_sessions_},
           {"hogging_sessions", hogging_sessions_},
           {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)},
+          {"sandboxes_idle", sandboxes_idle_},
           // Whether the hogging sessions weigh a process each: only while the
           // host's own processes contend (host_contention.hpp), with the last
           // judgement's figures.

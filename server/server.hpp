@@ -371,6 +371,7 @@ class Server final : public SessionObserver, private SessionService {
     // sandboxes_weight), and how many sessions were interactive and hogging then.
     int sandboxes_weight_ = CpuFairnessPolicy{}.normal_weight;
     bool sandboxes_weight_set_ = false;  // by this server, and the cgroup took it
+    bool sandboxes_idle_ = false;        // cpu.idle, as this server last wrote it
     std::size_t interactive_sessions_ = 0;
     std::size_t hogging_sessions_ = 0;
     // The host's servers' figures (cpu_demand.hpp); null when this server

@@ -82,11 +82,18 @@ void Server::balance_cpu(Clock::time_point now) {
         const double cpus = change->setting.cpus <= 0 ? own
                             : own > 0                 ? std::min(change->setting.cpus, own)
                                                       : change->setting.cpus;
+        // --cpu-idle: what holds the CPU runs only when nothing else wants
+        // it. The weight cannot be written while idle: leave first, enter last.
+        const bool idle =
+            options_.cpu_idle && change->setting.level != CpuSetting::Level::normal;
+        if (options_.cpu_idle && !idle) cpu->set_cpu_idle(false);
         const bool weighted = cpu->set_cpu_weight(change->setting.weight);
         const bool capped = cpu->set_cpu_quota(cpus);
         if (!weighted && !capped) continue;  // no CPU controller for this sandbox
-        spdlog::info("session {}: {}: {}", id, change->event, change->detail);
-        on_event(id, change->event, change->detail);
+        const bool idled = idle && cpu->set_cpu_idle(true);
+        const std::string detail = change->detail + (idled ? "; an idle cgroup" : "");
+        spdlog::info("session {}: {}: {}", id, change->event, detail);
+        on_event(id, change->event, detail);
     }
     interactive_sessions_ = active;
     hogging_sessions_ = hogging;
@@ -113,20 +120,30 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     const std::size_t counted_hogs =
         counted ? host_demand_.hogging : std::min<std::size_t>(host_demand_.hogging, 1);
     const int weight = sandboxes_weight(host_demand_.interactive, counted_hogs);
+    // --cpu-idle: while sessions hold the CPU and the host's processes do not
+    // contend, the parent is idle, so that a waking host process (a client,
+    // a shell) or this server never waits behind the sandboxes; once the host
+    // contends, the hogs count as processes again, not idle.
+    const bool idle = options_.cpu_idle && host_demand_.hogging > 0 && !counted;
+    if (idle != sandboxes_idle_ || (idle && weight != sandboxes_weight_)) {
+        // A weight cannot be written while idle: leave first, enter last.
+        if (sandboxes_idle_) sandboxes_idle_ = !set_sandboxes_cpu_idle(false);
+    }
     // Written when the sum changes: every server publishing in the same
     // directory computes the same sum and writes the same figure, and an
     // idle host's parent is left alone. (Not when the parent merely holds
     // another figure: a server publishing elsewhere would then rewrite it
     // against this one four times a second.) Not retried each tick when
     // refused (no such cgroup: no local sandboxes).
-    if (weight == sandboxes_weight_) return;
+    if (weight == sandboxes_weight_ && idle == sandboxes_idle_) return;
     const bool set = set_sandboxes_cpu_weight(weight);
     set_servers_cpu_weight(weight);
+    if (idle) sandboxes_idle_ = set_sandboxes_cpu_idle(true);
     spdlog::debug(
-        "sandboxes' CPU weight {}{} (on the host: {} interactive sessions, {} hogging, "
+        "sandboxes' CPU weight {}{}{} (on the host: {} interactive sessions, {} hogging, "
         "{} servers)",
-        weight, set ? "" : " not set", host_demand_.interactive, host_demand_.hogging,
-        host_demand_.servers);
+        weight, set ? "" : " not set", sandboxes_idle_ ? ", idle" : "", host_demand_.interactive,
+        host_demand_.hogging, host_demand_.servers);
     sandboxes_weight_ = weight;
     sandboxes_weight_set_ = set;
 }

@@ -27,6 +27,11 @@ struct ServeOptions {
     // (cpu_fairness.hpp, sandboxes_weight); false leaves it at the host's
     // default, one process's worth for all of them.
     bool weigh_sandboxes = true;
+    // Sessions holding the CPU (yielding or demoted) become idle cgroups,
+    // and so does the sandboxes' parent while they hold it and the host's
+    // own processes do not contend (cpu_fairness.hpp; docs/performance.md,
+    // "cpu.idle"). Off by default: measured, not yet the default.
+    bool cpu_idle = false;
     // Where the host's servers publish what their sessions ask of that
     // parent (cpu_demand.hpp): servers sharing a host share this too.
     std::filesystem::path cpu_demand_dir = kCpuDemandDir;

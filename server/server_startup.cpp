@@ -127,6 +127,9 @@ Server::Server(const ServeOptions& options)
         // round trip in the server once ten spinning sessions weighed ten).
         if (const std::string why = join_servers_cgroup(); !why.empty())
             spdlog::warn("the server keeps the host's CPU weight: {}", why);
+        // A server that ended without its shutdown (--cpu-idle) may have left
+        // the parent idle: every sandbox would then wait on every host process.
+        set_sandboxes_cpu_idle(false);
         try {
             cpu_demand_ = std::make_unique<HostCpuDemand>(options_.cpu_demand_dir);
         } catch (const std::exception& e) {

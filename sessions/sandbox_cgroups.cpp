@@ -108,6 +108,14 @@ bool write_cpu_weight(const char* group, int shares) {
 
 bool set_sandboxes_cpu_weight(int shares) { return write_cpu_weight(kSandboxesCgroup, shares); }
 
+bool set_sandboxes_cpu_idle(bool idle) {
+    bool v2 = false;
+    const fs::path dir = cpu_group_dir(kSandboxesCgroup, v2);
+    if (dir.empty()) return false;
+    const UniqueFd fd(::open((dir / "cpu.idle").c_str(), O_WRONLY | O_CLOEXEC));
+    return fd && ::write(fd.get(), idle ? "1" : "0", 1) == 1;
+}
+
 bool set_servers_cpu_weight(int shares) { return write_cpu_weight(kServersCgroup, shares); }
 
 std::string join_servers_cgroup() {
@@ -144,6 +152,7 @@ void RuncSandbox::open_counters() {
         counters_.cpu_weight = open_first({"cpu.weight"}, O_WRONLY);
         counters_.cpu_weight_v2 = static_cast<bool>(counters_.cpu_weight);
     }
+    counters_.cpu_idle = open_first({"cpu.idle"}, O_WRONLY);
     counters_.cpu_quota = open_first({"cpu.cfs_quota_us"}, O_WRONLY);
     if (!counters_.cpu_quota) {
         counters_.cpu_quota = open_first({"cpu.max"}, O_WRONLY);
@@ -154,6 +163,7 @@ void RuncSandbox::open_counters() {
 void RuncSandbox::close_counters() {
     for (UniqueFd* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
                          &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
+                         &counters_.cpu_idle,
                          &counters_.pids_current}) {
         fd->reset();
     }
@@ -254,6 +264,11 @@ bool RuncSandbox::set_cpu_weight(int shares) {
     const std::string text = weight_text(shares, counters_.cpu_weight_v2);
     return ::pwrite(counters_.cpu_weight.get(), text.data(), text.size(), 0) ==
            static_cast<ssize_t>(text.size());
+}
+
+bool RuncSandbox::set_cpu_idle(bool idle) {
+    if (destroyed_ || !counters_.cpu_idle) return false;
+    return ::pwrite(counters_.cpu_idle.get(), idle ? "1" : "0", 1, 0) == 1;
 }
 
 void RuncSandbox::apply_limits(const SandboxLimits& limits) { apply_cgroup_limits(*this, limits); }

@@ -159,6 +159,8 @@ class RuncSandbox final : public Sandbox,
     bool set_cpu_weight(int shares) override;
     // cpu.cfs_quota_us per 100 ms period (v2 cpu.max); false without such a file.
     bool set_cpu_quota(double cpus) override;
+    // cpu.idle (v1 since Linux 5.15, and v2); false without such a file.
+    bool set_cpu_idle(bool idle) override;
     // pids.current of the sandbox's cgroup; -1 unknown.
     std::int64_t task_count() const override;
     // Reads /proc per task, up to the first runnable one (state R): the
@@ -203,7 +205,7 @@ class RuncSandbox final : public Sandbox,
     // Kept-open cgroup files (none where the controller or file is absent).
     struct CounterFiles {
         UniqueFd memory_peak, memory_usage, oom_control, cpu_usage;
-        UniqueFd cpu_weight, cpu_quota, pids_current;
+        UniqueFd cpu_weight, cpu_quota, cpu_idle, pids_current;
         bool cpu_weight_v2 = false, cpu_quota_v2 = false;
     } counters_;
     void open_counters();
@@ -239,6 +241,12 @@ std::vector<std::filesystem::path> remove_orphan_cgroups(std::chrono::seconds mi
 // there is no such cgroup or it refused. The parent is shared by every server
 // on the host: the last writer's figure holds.
 bool set_sandboxes_cpu_weight(int shares);
+
+// Sets cpu.idle of the sandboxes' parent cgroup: while set, every process of
+// the host that is not idle runs before any sandbox, and the parent's weight
+// cannot be written (serve --cpu-idle, cpu_fairness.hpp). False if there is
+// no such file or it refused.
+bool set_sandboxes_cpu_idle(bool idle);
 
 // Moves this process (all its threads, and the children it starts later) into
 // the servers' cgroup (`cellblock-servers`, beside the sandboxes' parent),

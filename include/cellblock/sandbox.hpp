@@ -61,6 +61,10 @@ class SandboxCpu {
     virtual bool set_cpu_weight(int shares) = 0;
     // CFS quota in cores per period; 0 or less: none.
     virtual bool set_cpu_quota(double cpus) = 0;
+    // cgroup cpu.idle: the sandbox's tasks run only when no sibling that is
+    // not idle wants the CPU (SCHED_IDLE as a group); false when the write
+    // failed. A weight cannot be written while idle.
+    virtual bool set_cpu_idle(bool idle) = 0;
     // Processes and threads (pids.current); -1 unknown.
     virtual std::int64_t task_count() const = 0;
     // 1 if one of its tasks is runnable now, 0 none, -1 unknown.

@@ -475,6 +475,49 @@ def test_the_hogs_weigh_a_process_each_only_while_the_host_contends(server):  # 
         server.ok("session_close_request", {"session_id": sid})
 
 
+def test_with_cpu_idle_a_long_computation_is_an_idle_group_until_it_ends(demand_dir):
+    """serve --cpu-idle: a computation that yields becomes an idle cgroup
+    (cpu.idle 1, its history saying so) with its quota untouched, and its
+    weight and cpu.idle 0 come back when it ends; the sandboxes' parent is
+    idle while it holds the CPU exactly when the server judges that the
+    host's processes do not contend, and not once nothing holds the CPU."""
+    srv = sh.start_server(["--cpu-idle", "--cpu-demand-dir", demand_dir + "-idle"])
+    try:
+        sid, kc, _ = srv.open_session()
+        need_cpu_controller(sid)
+        if cpu_idle(sid) is None:
+            pytest.skip("no cpu.idle on this kernel (Linux 5.15 and later)")
+
+        def cpu_info():
+            return srv.ok("server_info_request", {})["content"]["cpu"]
+
+        msg_id = kc.execute(SPIN.format(s=8))
+        assert wait_for(lambda: cpu_idle(sid) == 1, timeout=10), \
+            (cpu_idle(sid), cpu_events(srv, sid))
+        yielding = [e for e in cpu_events(srv, sid) if e["kind"] == "cpu_yielding"]
+        assert yielding and "an idle cgroup" in yielding[0]["detail"], cpu_events(srv, sid)
+        assert cpu_quota(sid) == 100000
+        seen = set()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            cpu = cpu_info()
+            if cpu["hogging_sessions"] != 1:
+                break
+            if not cpu["host_contention"].startswith("checking"):
+                assert cpu["sandboxes_idle"] == (not cpu["host_contended"]), cpu
+                seen.add(cpu["sandboxes_idle"])
+            time.sleep(0.1)
+        assert seen, "the session stopped holding the CPU before the parent was checked"
+        assert run_until_reply(kc, msg_id)["content"]["status"] == "ok"
+        assert wait_for(lambda: (cpu_idle(sid), cpu_shares(sid)) == (0, 1024), timeout=10), \
+            (cpu_idle(sid), cpu_shares(sid), cpu_events(srv, sid))
+        assert wait_for(lambda: cpu_info()["sandboxes_idle"] is False, timeout=10), cpu_info()
+        srv.ok("session_close_request", {"session_id": sid})
+    finally:
+        problems = srv.shutdown()
+    assert not problems, "\n".join(problems)
+
+
 def test_the_weight_counts_every_servers_sessions_on_the_host(server, demand_dir):  # noqa: E501
     """Two servers on one host share the sandboxes' parent cgroup: its weight
     follows the sessions of both (each publishes its own under the demand
