@@ -84,8 +84,7 @@ void Server::balance_cpu(Clock::time_point now) {
                                                       : change->setting.cpus;
         // --cpu-idle: what holds the CPU runs only when nothing else wants
         // it. The weight cannot be written while idle: leave first, enter last.
-        const bool idle =
-            options_.cpu_idle && change->setting.level != CpuSetting::Level::normal;
+        const bool idle = options_.cpu_idle && change->setting.level != CpuSetting::Level::normal;
         if (options_.cpu_idle && !idle) cpu->set_cpu_idle(false);
         const bool weighted = cpu->set_cpu_weight(change->setting.weight);
         const bool capped = cpu->set_cpu_quota(cpus);

@@ -163,8 +163,7 @@ void RuncSandbox::open_counters() {
 void RuncSandbox::close_counters() {
     for (UniqueFd* fd : {&counters_.memory_peak, &counters_.memory_usage, &counters_.oom_control,
                          &counters_.cpu_usage, &counters_.cpu_weight, &counters_.cpu_quota,
-                         &counters_.cpu_idle,
-                         &counters_.pids_current}) {
+                         &counters_.cpu_idle, &counters_.pids_current}) {
         fd->reset();
     }
 }
