@@ -119,11 +119,13 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     const std::size_t counted_hogs =
         counted ? host_demand_.hogging : std::min<std::size_t>(host_demand_.hogging, 1);
     const int weight = sandboxes_weight(host_demand_.interactive, counted_hogs);
-    // --cpu-idle: while sessions hold the CPU and the host's processes do not
-    // contend, the parent is idle, so that a waking host process (a client,
-    // a shell) or this server never waits behind the sandboxes; once the host
-    // contends, the hogs count as processes again, not idle.
-    const bool idle = options_.cpu_idle && host_demand_.hogging > 0 && !counted;
+    // --cpu-idle: while sessions hold the CPU and the host's processes were
+    // judged not to contend, the parent is idle, so that a waking host
+    // process (a client, a shell) or this server never waits behind the
+    // sandboxes. Not while a window is being judged (the first, or a
+    // re-check every 15 s): an idle parent beside a host that does contend
+    // would starve the interactive sessions in it for that second.
+    const bool idle = options_.cpu_idle && host_demand_.hogging > 0 && host_contention_.calm();
     if (idle != sandboxes_idle_ || (idle && weight != sandboxes_weight_)) {
         // A weight cannot be written while idle: leave first, enter last.
         if (sandboxes_idle_) sandboxes_idle_ = !set_sandboxes_cpu_idle(false);

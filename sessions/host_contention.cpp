@@ -34,10 +34,12 @@ bool HostContention::observe(const std::optional<HostCpuReading>& reading, bool 
         // something does.
         window_.clear();
         counted_ = false;
+        calm_ = false;
         why_ = "no session holds the CPU";
     } else if (!reading) {
         window_.clear();
         counted_ = true;
+        calm_ = false;
         why_ = "the host's CPU time could not be read";
     } else if (counted_) {
         if (reading->at - counted_since_ >= policy_.recheck_every) {
@@ -73,10 +75,12 @@ void HostContention::judge() {
                                 cores(span) + " s";
     if (host >= policy_.min_host_cores && host >= policy_.host_share * sandboxes) {
         counted_ = true;
+        calm_ = false;
         counted_since_ = last.at;
         window_.clear();
         why_ = "they contend: " + figures;
     } else {
+        calm_ = true;
         why_ = "they do not contend: " + figures;
     }
 }

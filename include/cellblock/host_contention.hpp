@@ -73,6 +73,11 @@ class HostContention {
     bool observe(const std::optional<HostCpuReading>& reading, bool hogs);
 
     bool counted() const { return counted_; }
+    // Whether the last full window was judged and the host's processes did
+    // not contend: false while a window is still being gathered (the first
+    // after sessions began to hold the CPU, or a re-check), and while counted.
+    // What `serve --cpu-idle` needs before it makes the sandboxes' parent idle.
+    bool calm() const { return calm_; }
     // The last judgement, with its figures ("" before the first): for the log
     // and server_info.
     const std::string& why() const { return why_; }
@@ -85,6 +90,7 @@ class HostContention {
     HostContentionPolicy policy_;
     std::deque<HostCpuReading> window_;  // at one process's weight, since it was last set
     bool counted_ = false;
+    bool calm_ = false;
     bool changed_ = false;
     Clock::time_point counted_since_{};
     std::string why_;

@@ -106,6 +106,41 @@ TEST(HostContention, NoHogsNoQuestionAndJudgedAfreshWhenOneHogs) {
     EXPECT_FALSE(c.observe(h.step(0.3, 1.6), true));
 }
 
+TEST(HostContention, CalmOnlyOnceAWholeWindowFoundTheHostQuiet) {
+    // serve --cpu-idle makes the sandboxes' parent idle only when calm: never
+    // while a window is still gathered, so that a host that does contend is
+    // not given every sandbox for that second.
+    HostContentionPolicy p;
+    p.recheck_every = 5s;
+    HostContention c(p);
+    Host h;
+    for (int i = 0; i < 4; ++i) {
+        EXPECT_FALSE(c.observe(h.step(0.3, 1.6), true)) << i;
+        EXPECT_FALSE(c.calm()) << i;  // the first window is still gathered
+    }
+    c.observe(h.step(0.3, 1.6), true);
+    EXPECT_TRUE(c.calm()) << c.why();
+    // Host spinners start: calm until a window holds enough of them.
+    while (!c.observe(h.step(1.33, 0.67), true)) {
+    }
+    EXPECT_FALSE(c.calm()) << c.why();
+    // The re-check: not calm while its window is gathered, calm once it has
+    // found the spinners gone.
+    int checking = 0;
+    while (c.observe(h.step(0.3, 1.6), true)) {
+    }
+    while (!c.calm()) {
+        ASSERT_LT(++checking, 10) << c.why();
+        c.observe(h.step(0.3, 1.6), true);
+    }
+    EXPECT_EQ(checking, 4);  // the re-check's reading, then a second of them
+    EXPECT_NE(c.why().find("do not contend"), std::string::npos) << c.why();
+    c.observe(std::nullopt, false);
+    EXPECT_FALSE(c.calm());
+    EXPECT_TRUE(c.observe(std::nullopt, true));  // unreadable: counted, not calm
+    EXPECT_FALSE(c.calm());
+}
+
 TEST(HostContention, AHostWhoseFiguresCannotBeReadCountsTheHogs) {
     // As before the judgement existed: a session's share against the host
     // is what cannot be lost.
