@@ -126,10 +126,6 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     // re-check every 15 s): an idle parent beside a host that does contend
     // would starve the interactive sessions in it for that second.
     const bool idle = options_.cpu_idle && host_demand_.hogging > 0 && host_contention_.calm();
-    if (idle != sandboxes_idle_ || (idle && weight != sandboxes_weight_)) {
-        // A weight cannot be written while idle: leave first, enter last.
-        if (sandboxes_idle_) sandboxes_idle_ = !set_sandboxes_cpu_idle(false);
-    }
     // Written when the sum changes: every server publishing in the same
     // directory computes the same sum and writes the same figure, and an
     // idle host's parent is left alone. (Not when the parent merely holds
@@ -137,6 +133,8 @@ void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {
     // against this one four times a second.) Not retried each tick when
     // refused (no such cgroup: no local sandboxes).
     if (weight == sandboxes_weight_ && idle == sandboxes_idle_) return;
+    // A weight cannot be written while idle: leave first, enter last.
+    if (sandboxes_idle_) sandboxes_idle_ = !set_sandboxes_cpu_idle(false);
     const bool set = set_sandboxes_cpu_weight(weight);
     set_servers_cpu_weight(weight);
     if (idle) sandboxes_idle_ = set_sandboxes_cpu_idle(true);

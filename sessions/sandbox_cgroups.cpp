@@ -94,14 +94,19 @@ fs::path cpu_group_dir(const char* group, bool& v2) {
     return {};
 }
 
-bool write_cpu_weight(const char* group, int shares) {
+// Writes `text` to the CPU controller's file of a top-level cgroup, named
+// by whether the tree is v2.
+bool write_cpu_file(const char* group, const char* v1_name, const char* v2_name,
+                    const std::string& text) {
     bool v2 = false;
     const fs::path dir = cpu_group_dir(group, v2);
     if (dir.empty()) return false;
-    const fs::path file = dir / (v2 ? "cpu.weight" : "cpu.shares");
-    const UniqueFd fd(::open(file.c_str(), O_WRONLY | O_CLOEXEC));
-    const std::string text = weight_text(shares, v2);
+    const UniqueFd fd(::open((dir / (v2 ? v2_name : v1_name)).c_str(), O_WRONLY | O_CLOEXEC));
     return fd && ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
+}
+
+bool write_cpu_weight(const char* group, int shares) {
+    return write_cpu_file(group, "cpu.shares", "cpu.weight", weight_text(shares, cgroup_v2()));
 }
 
 }  // namespace
@@ -109,11 +114,7 @@ bool write_cpu_weight(const char* group, int shares) {
 bool set_sandboxes_cpu_weight(int shares) { return write_cpu_weight(kSandboxesCgroup, shares); }
 
 bool set_sandboxes_cpu_idle(bool idle) {
-    bool v2 = false;
-    const fs::path dir = cpu_group_dir(kSandboxesCgroup, v2);
-    if (dir.empty()) return false;
-    const UniqueFd fd(::open((dir / "cpu.idle").c_str(), O_WRONLY | O_CLOEXEC));
-    return fd && ::write(fd.get(), idle ? "1" : "0", 1) == 1;
+    return write_cpu_file(kSandboxesCgroup, "cpu.idle", "cpu.idle", idle ? "1" : "0");
 }
 
 bool set_servers_cpu_weight(int shares) { return write_cpu_weight(kServersCgroup, shares); }
