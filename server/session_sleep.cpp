@@ -43,6 +43,22 @@ json report_of(const json& content) {
     return report != data->end() && report->is_object() ? *report : json::object();
 }
 
+// The kernel's own timing of its save or restore (the report's "ms"), for
+// the history: only the steps it is known to time, only numbers, since the
+// report is the session's code speaking.
+std::string kernel_steps(const json& report) {
+    const auto ms = report.find("ms");
+    if (ms == report.end() || !ms->is_object()) return "";
+    std::string text;
+    for (const char* step : {"namespace", "write", "files", "imports"}) {
+        const auto value = ms->find(step);
+        if (value == ms->end() || !value->is_number()) continue;
+        text += fmt::format("{}{} {:.0f} ms", text.empty() ? "" : ", ", step,
+                            std::clamp(value->get<double>(), 0.0, 1e9));
+    }
+    return text.empty() ? "" : "; in the kernel: " + text;
+}
+
 std::string error_of(const json& content) {
     return json_string(content, "ename") + ": " + json_string(content, "evalue");
 }
@@ -177,8 +193,9 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
     lost_to_tell_ = (*resumed_)["lost"];
     move_to(SessionState::idle);
     idle_since_ = now;
-    event("resumed", fmt::format("{:.0f} ms, {} value(s) restored, {} lost", ms,
-                                 report.value("saved", 0), (*resumed_)["lost"].size()));
+    event("resumed",
+          fmt::format("{:.0f} ms, {} value(s) restored, {} lost{}", ms, report.value("saved", 0),
+                      (*resumed_)["lost"].size(), kernel_steps(report)));
     replay_asleep(now);
 }
 
@@ -198,9 +215,9 @@ void SessionCore::snapshot_fetched(Clock::time_point now, const json& report,
     cpu_ms_earlier_sandboxes_ = cpu_ms_total_;
     move_to(SessionState::hibernated);
     const auto lost = report.value("lost", json::array());
-    event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost",
+    event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost{}",
                                     ms_between(sleep_started_, now), report.value("bytes", 0),
-                                    report.value("saved", 0), lost.size()));
+                                    report.value("saved", 0), lost.size(), kernel_steps(report)));
     // Moving (move_away), or a request came while it was being saved (not
     // while handing over: the next server answers it).
     const bool moving = std::exchange(moving_, false);

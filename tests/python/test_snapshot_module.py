@@ -108,6 +108,93 @@ def test_round_trip_keeps_values_functions_classes_and_files(dirs):
     assert "generator" in whys["gen"] and "socket" in whys["sock"], whys
 
 
+def test_big_arrays_leave_the_pickle_as_buffers_and_come_back_exact(dirs):
+    """Format 3: an array's data is a tar member of its own, written from the
+    array's memory and read into the new one; sharing, memory order,
+    read-only flags and views survive, and the restored arrays are writable."""
+    home, tmp = dirs["before"]
+    saved = run("""
+        cell("import numpy as np\\nimport pandas as pd")
+        cell("big = np.arange(1_000_000, dtype=np.float64)\\nsame = big\\nholder = {'arr': big}")
+        cell("fort = np.asfortranarray(np.arange(200_000.0).reshape(400, 500))")
+        cell("view = big[::2]")
+        cell("ro = np.ones(100_000)\\nro.flags.writeable = False")
+        cell("frame = pd.DataFrame({'a': np.arange(200_000), 'b': np.arange(200_000) * 0.5})")
+        cell("small = np.arange(10)")
+        print(json.dumps(cellblock_snapshot.save(shell, %r)))
+    """ % str(dirs["snapshot"]), home, tmp)
+    assert saved["lost"] == [], saved
+    with tarfile.open(dirs["snapshot"]) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+        members = {m.name: m.size for m in tar.getmembers()}
+    assert manifest["format"] == 3
+    sizes = manifest["buffers"]
+    # big once (shared three ways), fort, ro, the frame's two blocks; not the
+    # view (not contiguous) nor the small array.
+    assert 8_000_000 in sizes and sizes.count(8_000_000) == 1, sizes
+    assert 1_600_000 in sizes and 800_000 in sizes, sizes
+    assert all(size >= 64 << 10 for size in sizes), sizes
+    assert [members[f"buffers/{n}"] for n in range(len(sizes))] == sizes
+    # The pickle itself holds the view's data, not the big arrays'.
+    assert members["namespace.dill"] < 8_000_000, members
+    home2, tmp2 = dirs["after"]
+    restored = run("""
+        r = cellblock_snapshot.restore(shell, %r)
+        ns = shell.user_ns
+        np = ns["np"]
+        checks = {
+            "big": float(ns["big"].sum()) == 499999500000.0 and ns["big"].dtype == np.float64,
+            "shared": ns["same"] is ns["big"] and ns["holder"]["arr"] is ns["big"],
+            "fortran": ns["fort"].flags.f_contiguous and float(ns["fort"][399, 499]) == 199999.0,
+            "view": ns["view"].shape == (500_000,) and float(ns["view"][1]) == 2.0,
+            "readonly": ns["ro"].flags.writeable is False and float(ns["ro"].sum()) == 100000.0,
+            "frame": int(ns["frame"]["a"].sum()) == 19999900000 and float(ns["frame"]["b"][3]) == 1.5,
+            "small": ns["small"].tolist() == list(range(10)),
+        }
+        cell("big[0] = 7.0\\nframe.loc[0, 'b'] = 9.0")
+        checks["writable"] = float(ns["same"][0]) == 7.0 and float(ns["frame"]["b"][0]) == 9.0
+        print(json.dumps({"report": r, "checks": checks}))
+    """ % str(dirs["snapshot"]), home2, tmp2)
+    failed = [k for k, ok in restored["checks"].items() if not ok]
+    assert not failed, restored
+    assert restored["report"]["lost"] == []
+    assert set(restored["report"]["ms"]) == {"files", "imports", "namespace"}
+
+
+def test_a_format_2_snapshot_still_restores(dirs):
+    """What a server before format 3 kept (one in-band dill pickle) wakes
+    under this one."""
+    body = """
+        import dill, io, tarfile, time
+        cell("import numpy as np")
+        cell("arr = np.arange(100_000)\\nname = 'kept'\\ndef f(x):\\n    return x + 1")
+        values = {k: shell.user_ns[k] for k in ("arr", "name", "f")}
+        manifest = {"format": 2, "python": "%%d.%%d" %% sys.version_info[:2], "dill": dill.__version__,
+                    "taken_at": time.time(), "modules": {"np": "numpy"}, "lost": [],
+                    "execution_count": 3, "input_parsed": ["", "import numpy as np", "arr = 1"],
+                    "input_raw": ["", "import numpy as np", "arr = 1"], "dirs": {}}
+        with tarfile.open(%r, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in (("manifest.json", json.dumps(manifest).encode()),
+                               ("namespace.dill", dill.dumps({"names": values, "outputs": {}}))):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        print(json.dumps({}))
+    """
+    home, tmp = dirs["before"]
+    run(body % str(dirs["snapshot"]), home, tmp)
+    home2, tmp2 = dirs["after"]
+    restored = run("""
+        r = cellblock_snapshot.restore(shell, %r)
+        ns = shell.user_ns
+        print(json.dumps({"report": r, "sum": int(ns["arr"].sum()), "name": ns["name"],
+                          "f": ns["f"](1), "count": shell.execution_count}))
+    """ % str(dirs["snapshot"]), home2, tmp2)
+    assert restored["report"]["lost"] == [], restored
+    assert (restored["sum"], restored["name"], restored["f"], restored["count"]) == \
+        (4999950000, "kept", 2, 3)
+
+
 def test_a_module_that_no_longer_imports_is_named(dirs, tmp_path):
     home, tmp = dirs["before"]
     pkg = tmp_path / "pkg"
@@ -142,7 +229,7 @@ def test_another_format_is_refused_with_a_reason(dirs):
         for m, data in members:
             if m.name == "manifest.json":
                 manifest = json.loads(data)
-                manifest["format"] = 3
+                manifest["format"] = 4
                 data = json.dumps(manifest).encode()
                 m.size = len(data)
             tar.addfile(m, __import__("io").BytesIO(data) if data is not None else None)
@@ -154,7 +241,7 @@ def test_another_format_is_refused_with_a_reason(dirs):
         except cellblock_snapshot.SnapshotRefused as e:
             print(json.dumps({"refused": str(e), "x": "x" in shell.user_ns}))
     """ % str(newer), home2, tmp2)
-    assert out["refused"] == "snapshot format 3, this kernel reads 2", out
+    assert out["refused"] == "snapshot format 4, this kernel reads 2 and 3", out
     assert out["x"] is False
 
 
