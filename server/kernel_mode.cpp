@@ -150,11 +150,13 @@ int run_kernel_mode(const KernelModeOptions& options) {
     KernelSleep sleep(loop, context, session_id, image, limits.sandbox, settings,
                       options.kernel_transport, options.paths.state_dir / "kernel-snapshots");
     proxy_options.observer = &sleep;
+    // One session per process: sealed here, on the loop's thread.
     proxy_options.keep_snapshot = [&](Sandbox& box, const nlohmann::json& report,
-                                      std::string& why) {
-        if (!sleep.keep(box, report, why)) return false;
+                                      SessionIo::Moved done) {
+        std::string why;
+        if (!sleep.keep(box, report, why)) return done(&why);
         if (egress) egress->remove_session(session_id);  // its listener was in the old ipc dir
-        return true;
+        done(nullptr);
     };
     proxy_options.wake = [&] { sleep.wake(); };
     auto proxy = std::make_unique<SessionProxy>(context, loop, session_id, outer, proxy_options);

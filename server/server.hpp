@@ -26,6 +26,7 @@
 #include <zmq.hpp>
 
 #include "audit_trail.hpp"
+#include "background_work.hpp"
 #include "cellblock/connection_info.hpp"
 #include "cellblock/cpu_fairness.hpp"
 #include "cellblock/error_names.hpp"
@@ -166,10 +167,16 @@ class Server final : public SessionObserver, private SessionService {
     json session_resume(Request& r, std::vector<std::string>& buffers);
     // {bytes, kept_at, age_s} of a hibernated session's snapshot, or null.
     json snapshot_json(const std::string& session_id) const;
-    bool keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
-                       std::string& why);
+    // Sealed on a thread of background_ (a GiB took the loop for a second);
+    // `done` as ProxyOptions::keep_snapshot says.
+    void keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
+                       SessionIo::Moved done);
     void wake_session(const std::string& session_id);
+    // The snapshot is opened into the sandbox's input dir on a thread of
+    // background_, then attach_resumed() hands the sandbox to the session.
     void finish_resume(PendingCreate& pending, WarmSandbox warm);
+    void attach_resumed(const std::string& session_id, const SessionLimits& limits,
+                        WarmSandbox warm, const std::string& failed);
     // The session's way out through the egress gateway in `sandbox`
     // (session_egress.cpp): the gateway's listener in its ipc dir, or for a
     // Swarm task the tunnel to its kernel (returned, for its Session).
@@ -346,6 +353,9 @@ class Server final : public SessionObserver, private SessionService {
     // The one loop: the manager, the pool's wake-ups, signals, and every
     // session's sockets and deadline (sessions_ go first when the server ends).
     EventLoop loop_;
+    // Snapshots sealed and opened off the loop's thread (reset before the
+    // pool when the server ends: what waits on it holds sandboxes).
+    std::unique_ptr<BackgroundWork> background_ = std::make_unique<BackgroundWork>(loop_);
     SessionTable sessions_;
     // Closed sessions whose channels have answered SessionClosed long
     // enough; destroyed after the loop's turn, not from their own deadline.

@@ -334,6 +334,7 @@ Server::~Server() {
         if (SessionProxy* relay = session.proxy()) relay->close("server_shutdown");
     }
     sessions_.clear();
+    background_.reset();  // waits for seals under way; a waking sandbox is destroyed
     audit_.flush();
     pool_.reset();  // joins workers, destroys warm sandboxes
     std::error_code ec;

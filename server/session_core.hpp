@@ -110,17 +110,19 @@ class SessionIo {
     // restore), signed with the kernel's key; returns its msg_id.
     virtual std::string send_to_kernel(Channel channel, const std::string& msg_type,
                                        nlohmann::json content) = 0;
+    using Moved = std::function<void(const std::string* why_not)>;
     // Hibernation, once the kernel saved its snapshot (`report`: what
     // cellblock_snapshot said of it): keep the snapshot and let the sandbox
-    // go, the client's channels staying bound. False with `why` when the
-    // snapshot cannot be kept: the session stays as it was.
-    virtual bool put_to_sleep(const nlohmann::json& report, std::string& why) = 0;
+    // go, the client's channels staying bound. `done` gets null once it is
+    // asleep, or why the snapshot could not be kept (the session stays as it
+    // was); now or in a later turn (the server seals it on another thread),
+    // and not at all once the session is closed meanwhile.
+    virtual void put_to_sleep(const nlohmann::json& report, Moved done) = 0;
     // A sandbox with no directory on this host (a Swarm task) moves its
     // snapshot through its kernel: out of it once the kernel saved it,
     // before put_to_sleep(), and into the next one (with the session's
     // inputs) before it restores. `done` gets null, or why not; here at
     // once, where the files are on this host.
-    using Moved = std::function<void(const std::string* why_not)>;
     virtual void fetch_snapshot(Moved done) { done(nullptr); }
     virtual void place_snapshot(Moved done) { done(nullptr); }
     // Whether put_to_sleep() could keep a snapshot of this sandbox at all;
@@ -400,6 +402,9 @@ class SessionCore {
     void snapshot_fetched(Clock::time_point now, const nlohmann::json& report,
                           const std::string* failed);
     void hibernation_failed(Clock::time_point now, const std::string& why);
+    // put_to_sleep() answered: asleep, or not (`failed`).
+    void snapshot_kept(Clock::time_point now, const nlohmann::json& report,
+                       const std::string* failed);
     void wake(Clock::time_point now);
     // Handing over: hibernates once idle with nothing open.
     void settle_handover(Clock::time_point now);

@@ -78,8 +78,8 @@ ProxyOptions Server::proxy_options(const std::string& session_id, const SessionL
     opts.dispose = [pool](std::unique_ptr<Sandbox> box) { pool->dispose(std::move(box)); };
     opts.on_expired = [this, id = session_id] { expired_.push_back(id); };
     opts.keep_snapshot = [this, id = session_id](Sandbox& box, const json& report,
-                                                 std::string& why) {
-        return keep_snapshot(id, box, report, why);
+                                                 SessionIo::Moved done) {
+        keep_snapshot(id, box, report, std::move(done));
     };
     opts.wake = [this, id = session_id] { wake_session(id); };
     opts.fetch_snapshot = [this, id = session_id](SessionIo::Moved done) {

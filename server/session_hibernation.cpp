@@ -39,17 +39,65 @@ json Server::session_resume(Request& r, std::vector<std::string>&) {
     return nullptr;  // answered when it is awake
 }
 
-bool Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
-                           std::string& why) {
+namespace {
+
+// A number the kernel's report gives (the session's code speaking), or 0.
+std::int64_t report_count(const json& report, const char* key) {
+    const auto value = report.find(key);
+    return value != report.end() && value->is_number_integer() ? value->get<std::int64_t>() : 0;
+}
+
+}  // namespace
+
+void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
+                           SessionIo::Moved done) {
     // A swarm task's snapshot was fetched into the front's copy of its files,
     // beside the inputs put there (fetch_snapshot).
     const SandboxFiles* files = box.files();
     const fs::path output = files ? files->output_dir() : remote_files_dir(session_id) / "output";
     const fs::path input = files ? files->input_dir() : remote_files_dir(session_id) / "input";
-    if (!snapshots_->keep_from(session_id, output, input, report, why)) return false;
-    close_egress(session_id);  // its way out was the old sandbox's
-    trim_due_ = true;
-    return true;
+    std::shared_ptr<SnapshotKeeping> keeping;
+    try {
+        keeping = snapshots_->begin_keep(session_id, output, input);
+    } catch (const StorageFull& e) {
+        const std::string why = std::string(ename::StorageFull) + ": " + e.what();
+        return done(&why);
+    } catch (const std::exception& e) {
+        const std::string why = e.what();
+        return done(&why);
+    }
+    const auto started = Clock::now();
+    const auto lost = report.find("lost");
+    const std::size_t lost_count = lost != report.end() && lost->is_array() ? lost->size() : 0;
+    background_->run(
+        [keeping] { keeping->seal(); },
+        [this, keeping, started, saved = report_count(report, "saved"), lost_count,
+         done = std::move(done)](const std::string& error) {
+            const Session* session = sessions_.find(keeping->session_id);
+            if (!session || !session->live()) {
+                snapshots_->abandon(*keeping);  // closed meanwhile: nobody waits
+                return;
+            }
+            std::string why = error;
+            if (why.empty()) {
+                try {
+                    const std::uint64_t bytes = snapshots_->finish_keep(*keeping);
+                    spdlog::info(
+                        "session {}: snapshot kept ({} bytes, {} value(s), {} lost), sealed in "
+                        "{:.0f} ms",
+                        keeping->session_id, bytes, saved, lost_count,
+                        std::chrono::duration<double, std::milli>(Clock::now() - started).count());
+                } catch (const std::exception& e) {
+                    why = e.what();
+                }
+            } else {
+                snapshots_->abandon(*keeping);
+            }
+            if (!why.empty()) return done(&why);
+            close_egress(keeping->session_id);  // its way out was the old sandbox's
+            trim_due_ = true;
+            done(nullptr);
+        });
 }
 
 json Server::snapshot_json(const std::string& session_id) const {
@@ -94,23 +142,43 @@ void Server::finish_resume(PendingCreate& pending, WarmSandbox warm) {
         pool_->dispose(std::move(warm.sandbox));  // closed meanwhile
         return;
     }
+    // A swarm task's snapshot goes through its kernel once it is attached
+    // (place_snapshot); here, into its sandbox's directory, off the loop.
+    const SandboxFiles* files = warm.sandbox->files();
+    if (!files) return attach_resumed(pending.resume_of, pending.limits, std::move(warm), "");
+    std::shared_ptr<SnapshotPlacing> placing;
     try {
-        // A swarm task's snapshot goes through its kernel once it is attached
-        // (place_snapshot); here, into its sandbox's directory.
-        if (const SandboxFiles* files = warm.sandbox->files()) {
-            snapshots_->place(pending.resume_of, files->input_dir());
-        }
-        if (pending.limits.network.gateway()) {
-            session->egress_tunnel() =
-                open_egress(pending.resume_of, *warm.sandbox, pending.limits);
+        placing = snapshots_->begin_place(pending.resume_of, files->input_dir());
+    } catch (const std::exception& e) {
+        return attach_resumed(pending.resume_of, pending.limits, std::move(warm), e.what());
+    }
+    auto held = std::make_shared<WarmSandbox>(std::move(warm));
+    background_->run([placing] { placing->open(); },
+                     [this, held, id = pending.resume_of,
+                      limits = pending.limits](const std::string& error) {
+                         attach_resumed(id, limits, std::move(*held), error);
+                     });
+}
+
+void Server::attach_resumed(const std::string& session_id, const SessionLimits& limits,
+                            WarmSandbox warm, const std::string& failed) {
+    Session* session = sessions_.find(session_id);
+    SessionProxy* relay = session ? session->proxy() : nullptr;
+    if (!relay || relay->closed() || relay->lifecycle_state() != SessionState::resuming) {
+        pool_->dispose(std::move(warm.sandbox));  // closed meanwhile
+        return;
+    }
+    try {
+        if (!failed.empty()) throw std::runtime_error(failed);
+        if (limits.network.gateway()) {
+            session->egress_tunnel() = open_egress(session_id, *warm.sandbox, limits);
         }
     } catch (const std::exception& e) {
         pool_->dispose(std::move(warm.sandbox));
         relay->close(std::string("resume_failed: ") + e.what());
         return;
     }
-    spdlog::info("session {}: waking in sandbox {}", pending.resume_of,
-                 warm.sandbox->container_id());
+    spdlog::info("session {}: waking in sandbox {}", session_id, warm.sandbox->container_id());
     // A new sandbox at the pool's setting: the balancer starts over with it
     // (a demotion of the old one is not carried to a sandbox without it).
     session->fairness() = CpuFairness{};

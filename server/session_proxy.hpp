@@ -64,10 +64,11 @@ struct ProxyOptions {
     std::function<void()> on_expired;
     // Hibernation (docs/hibernation.md); null: the session does not
     // hibernate. keep_snapshot takes the snapshot the kernel wrote, before
-    // the sandbox goes (false with why: the session stays awake); wake asks
-    // for a sandbox to resume in, handed over later with attach() (or the
-    // session is closed).
-    std::function<bool(Sandbox& sandbox, const nlohmann::json& report, std::string& why)>
+    // the sandbox goes, and says so to its last argument (null, or why not:
+    // the session stays awake), now or in a later turn, and never once the
+    // session is closed; wake asks for a sandbox to resume in, handed over
+    // later with attach() (or the session is closed).
+    std::function<void(Sandbox& sandbox, const nlohmann::json& report, SessionIo::Moved done)>
         keep_snapshot;
     std::function<void()> wake;
     // For a sandbox with no directory on this host: the server moves the

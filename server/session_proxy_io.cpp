@@ -105,11 +105,14 @@ class SessionProxy::Io final : public SessionIo {
         return msg_id;
     }
 
-    bool put_to_sleep(const json& report, std::string& why) override {
-        if (!can_sleep(why)) return false;
-        if (!p_.options_.keep_snapshot(*p_.sandbox_, report, why)) return false;
-        p_.detach_kernel();
-        return true;
+    void put_to_sleep(const json& report, Moved done) override {
+        std::string why;
+        if (!can_sleep(why)) return done(&why);
+        p_.options_.keep_snapshot(*p_.sandbox_, report,
+                                  [this, done = std::move(done)](const std::string* failed) {
+                                      if (!failed) p_.detach_kernel();
+                                      done(failed);
+                                  });
     }
 
     bool client_connected(const std::string& identity) const override {

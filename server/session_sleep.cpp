@@ -207,9 +207,19 @@ void SessionCore::snapshot_fetched(Clock::time_point now, const json& report,
         return;
     }
     keep_usage();
-    std::string why;
-    if (!io_.put_to_sleep(report, why)) {
-        hibernation_failed(now, why);
+    // Answered at once here (the time is this turn's) or later (then's).
+    auto at_once = std::make_shared<bool>(true);
+    io_.put_to_sleep(report, [this, report, now, at_once](const std::string* failed) {
+        snapshot_kept(*at_once ? now : Clock::now(), report, failed);
+    });
+    *at_once = false;
+}
+
+void SessionCore::snapshot_kept(Clock::time_point now, const json& report,
+                                const std::string* failed) {
+    if (lifecycle_.state() != SessionState::hibernating) return;  // closed meanwhile
+    if (failed) {
+        hibernation_failed(now, *failed);
         return;
     }
     cpu_ms_earlier_sandboxes_ = cpu_ms_total_;

@@ -175,6 +175,9 @@ void SnapshotStore::check_room(const std::string& session_id, std::uint64_t need
     for (const auto& [id, kept] : kept_) {
         if (id != session_id) others += kept.info.bytes;
     }
+    for (const auto& [id, reserved] : keeping_) {
+        if (id != session_id) others += reserved;
+    }
     if (others + needed > caps_.total) {
         throw StorageFull("the snapshot would take " + megabytes(needed) +
                           " and the server's snapshots already hold " + megabytes(others) +
@@ -195,40 +198,80 @@ void SnapshotStore::check_room(const std::string& session_id, std::uint64_t need
 
 std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path& output_dir,
                                   const fs::path& input_dir) {
-    const fs::path to = dir(session_id);
-    const UniqueFd output = open_dir(output_dir, "taking the snapshot");
-    const UniqueFd input = open_dir(input_dir, "keeping /data/input");
+    const auto keeping = begin_keep(session_id, output_dir, input_dir);
+    try {
+        keeping->seal();
+    } catch (...) {
+        abandon(*keeping);
+        throw;
+    }
+    return finish_keep(*keeping);
+}
+
+std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& session_id,
+                                                           const fs::path& output_dir,
+                                                           const fs::path& input_dir) {
+    if (keeping_.count(session_id)) {
+        throw SnapshotError("taking the snapshot: a snapshot of this session is being kept");
+    }
+    auto keeping = std::make_shared<SnapshotKeeping>();
+    keeping->session_id = session_id;
+    keeping->to = dir(session_id);
+    keeping->output = open_dir(output_dir, "taking the snapshot");
+    keeping->input = open_dir(input_dir, "keeping /data/input");
     struct stat st {};
-    if (::fstatat(output.get(), kSnapshotFile, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+    if (::fstatat(keeping->output.get(), kSnapshotFile, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
         !S_ISREG(st.st_mode)) {
         throw SnapshotError("taking the snapshot: the kernel left no snapshot file");
     }
-    check_room(session_id, static_cast<std::uint64_t>(st.st_size) + kSealOverhead +
-                               tree_bytes(input.get(), kSnapshotFile));
+    const std::uint64_t needed = static_cast<std::uint64_t>(st.st_size) + kSealOverhead +
+                                 tree_bytes(keeping->input.get(), kSnapshotFile);
+    check_room(session_id, needed);
     remove(session_id);
-    Kept kept;
-    kept.key = std::make_unique<SnapshotKey>();
+    keeping->key = std::make_shared<const SnapshotKey>();
+    keeping_[session_id] = needed;
+    return keeping;
+}
+
+void SnapshotKeeping::seal() {
     try {
         fs::create_directories(to);
         fs::permissions(to, fs::perms::owner_all, fs::perm_options::replace);
-        const std::uint64_t bytes =
-            copy_regular(output.get(), kSnapshotFile, to / "snapshot", "taking the snapshot",
-                         kKept.file, {true, kept.key.get(), session_id + "/snapshot"});
+        bytes = copy_regular(output.get(), kSnapshotFile, to / "snapshot", "taking the snapshot",
+                             kKept.file, {true, key.get(), session_id + "/snapshot"});
         copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input", kKept,
-                  {true, kept.key.get(), session_id + "/input"});
+                  {true, key.get(), session_id + "/input"});
         ::unlinkat(output.get(), kSnapshotFile, 0);
-        kept.info.kept_at = unix_time_now();
-        std::error_code ec;
-        for (const auto& entry : fs::recursive_directory_iterator(to, ec)) {
-            if (entry.is_regular_file(ec)) kept.info.bytes += entry.file_size(ec);
-        }
-        kept_[session_id] = std::move(kept);
-        return bytes;
-    } catch (...) {
-        std::error_code ec;
-        fs::remove_all(to, ec);
+    } catch (const SnapshotError&) {
         throw;
+    } catch (const std::exception& e) {
+        throw SnapshotError(std::string("keeping the snapshot: ") + e.what());
     }
+}
+
+std::uint64_t SnapshotStore::finish_keep(SnapshotKeeping& keeping) {
+    keeping_.erase(keeping.session_id);
+    if (removed_while_keeping_.erase(keeping.session_id)) {
+        std::error_code ec;
+        fs::remove_all(keeping.to, ec);
+        throw SnapshotError("keeping the snapshot: the session was removed meanwhile");
+    }
+    Kept kept;
+    kept.key = keeping.key;
+    kept.info.kept_at = unix_time_now();
+    std::error_code ec;
+    for (const auto& entry : fs::recursive_directory_iterator(keeping.to, ec)) {
+        if (entry.is_regular_file(ec)) kept.info.bytes += entry.file_size(ec);
+    }
+    kept_[keeping.session_id] = std::move(kept);
+    return keeping.bytes;
+}
+
+void SnapshotStore::abandon(SnapshotKeeping& keeping) {
+    keeping_.erase(keeping.session_id);
+    removed_while_keeping_.erase(keeping.session_id);
+    std::error_code ec;
+    fs::remove_all(keeping.to, ec);
 }
 
 bool SnapshotStore::keep_from(const std::string& session_id, const fs::path& output_dir,
@@ -249,25 +292,48 @@ bool SnapshotStore::keep_from(const std::string& session_id, const fs::path& out
 }
 
 void SnapshotStore::place(const std::string& session_id, const fs::path& input_dir) const {
-    const fs::path from = dir(session_id);
+    begin_place(session_id, input_dir)->open();
+}
+
+std::unique_ptr<SnapshotPlacing> SnapshotStore::begin_place(const std::string& session_id,
+                                                            const fs::path& input_dir) const {
     const auto kept = kept_.find(session_id);
     if (kept == kept_.end()) {
         throw SnapshotError("placing the snapshot: this server holds no key for session " +
                             session_id + "'s snapshot");
     }
-    const SnapshotKey* key = kept->second.key.get();
-    const UniqueFd dir_fd = open_dir(from, "placing the snapshot");
-    const UniqueFd input = open_dir(from / "input", "placing /data/input");
-    copy_tree(input.get(), input_dir, "", "placing /data/input", kPlaced,
-              {false, key, session_id + "/input"});
-    copy_regular(dir_fd.get(), "snapshot", input_dir / kSnapshotFile, "placing the snapshot",
-                 kPlaced.file, {false, key, session_id + "/snapshot"});
+    auto placing = std::make_unique<SnapshotPlacing>();
+    placing->session_id = session_id;
+    placing->key = kept->second.key;
+    placing->to = input_dir;
+    const fs::path from = dir(session_id);
+    placing->from = open_dir(from, "placing the snapshot");
+    placing->input = open_dir(from / "input", "placing /data/input");
+    return placing;
+}
+
+void SnapshotPlacing::open() const {
+    try {
+        copy_tree(input.get(), to, "", "placing /data/input", kPlaced,
+                  {false, key.get(), session_id + "/input"});
+        copy_regular(from.get(), "snapshot", to / kSnapshotFile, "placing the snapshot",
+                     kPlaced.file, {false, key.get(), session_id + "/snapshot"});
+    } catch (const SnapshotError&) {
+        throw;
+    } catch (const std::exception& e) {
+        throw SnapshotError(std::string("placing the snapshot: ") + e.what());
+    }
 }
 
 void SnapshotStore::remove(const std::string& session_id) {
+    kept_.erase(session_id);
+    if (keeping_.count(session_id)) {
+        // Being written on another thread: its files go when it ends.
+        removed_while_keeping_.insert(session_id);
+        return;
+    }
     std::error_code ec;
     fs::remove_all(dir(session_id), ec);
-    kept_.erase(session_id);
 }
 
 void SnapshotStore::clear(const std::set<std::string>& except) {
@@ -294,7 +360,7 @@ void SnapshotStore::adopt(const std::string& session_id, std::string_view key, S
         throw SnapshotError("the snapshot " + file.string() + " is missing");
     }
     Kept kept;
-    kept.key = std::make_unique<SnapshotKey>(key);
+    kept.key = std::make_shared<const SnapshotKey>(key);
     kept.info = info;
     kept_[session_id] = std::move(kept);
 }

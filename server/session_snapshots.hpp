@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cellblock/sandbox.hpp"
+#include "cellblock/unique_fd.hpp"
 #include "snapshot_cipher.hpp"
 
 namespace cellblock {
@@ -50,6 +51,29 @@ struct SnapshotCaps {
     std::uint64_t keep_free = std::uint64_t{512} << 20;
 };
 
+// A keep under way (SnapshotStore::begin_keep): its sealing, seal(), may
+// run on any thread; it touches only what it holds.
+struct SnapshotKeeping {
+    std::string session_id;
+    std::filesystem::path to;  // the session's dir in the store
+    UniqueFd output, input;    // the sandbox's output and input dirs
+    std::shared_ptr<const SnapshotKey> key;
+    std::uint64_t bytes = 0;  // the snapshot's own, once sealed
+    // Seals the snapshot and the input files into `to`; SnapshotError.
+    void seal();
+};
+
+// A place under way (SnapshotStore::begin_place): open() may run on any
+// thread.
+struct SnapshotPlacing {
+    UniqueFd from, input;  // the session's dir in the store, and its input/
+    std::filesystem::path to;  // the new sandbox's input dir
+    std::string session_id;
+    std::shared_ptr<const SnapshotKey> key;
+    // Opens every file into `to`; SnapshotError when one fails its check.
+    void open() const;
+};
+
 struct SnapshotInfo {
     std::uint64_t bytes = 0;  // on disk: the snapshot and the input files, sealed
     double kept_at = 0;       // unix time
@@ -67,6 +91,16 @@ class SnapshotStore {
     // space. On failure nothing of the session's is left in the store.
     std::uint64_t keep(const std::string& session_id, const std::filesystem::path& output_dir,
                        const std::filesystem::path& input_dir);
+    // keep() in three steps, for a seal off the loop's thread: begin_keep
+    // checks the room (StorageFull) and reserves it, the returned keeping's
+    // seal() writes, and finish_keep (with the snapshot's bytes) or abandon
+    // ends it, on the thread that began it. A remove() of the session meanwhile
+    // makes finish_keep throw SnapshotError and leaves nothing.
+    std::shared_ptr<SnapshotKeeping> begin_keep(const std::string& session_id,
+                                                const std::filesystem::path& output_dir,
+                                                const std::filesystem::path& input_dir);
+    std::uint64_t finish_keep(SnapshotKeeping& keeping);
+    void abandon(SnapshotKeeping& keeping);
     // keep() from a sandbox the kernel saved in (`report`: what
     // cellblock_snapshot said, for the log), for a relay's put_to_sleep: false
     // with `why` when the sandbox keeps no files here or keeping failed
@@ -78,6 +112,10 @@ class SnapshotStore {
     // opened; SnapshotError when a file fails its check (nothing is left
     // half written).
     void place(const std::string& session_id, const std::filesystem::path& input_dir) const;
+    // place() with its opening off this thread: SnapshotError at once when
+    // the store holds no such snapshot.
+    std::unique_ptr<SnapshotPlacing> begin_place(const std::string& session_id,
+                                                 const std::filesystem::path& input_dir) const;
     // The snapshot leaves the store (resumed, or the session closed).
     void remove(const std::string& session_id);
     // The remove() of everything in the store; `root` stays. With `except`,
@@ -102,10 +140,14 @@ class SnapshotStore {
     std::filesystem::path root_;
     SnapshotCaps caps_;
     struct Kept {
-        std::unique_ptr<SnapshotKey> key;
+        std::shared_ptr<const SnapshotKey> key;
         SnapshotInfo info;
     };
     std::map<std::string, Kept> kept_;
+    // Keeps under way: the room each reserved; and those whose session was
+    // removed meanwhile (their files go when they end).
+    std::map<std::string, std::uint64_t> keeping_;
+    std::set<std::string> removed_while_keeping_;
 };
 
 }  // namespace cellblock

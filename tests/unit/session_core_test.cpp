@@ -85,12 +85,15 @@ class RecordingIo final : public SessionIo {
         actions.push_back(a);
         return a.parent_id;
     }
-    bool put_to_sleep(const json& report, std::string& why) override {
+    // Kept at once, or when the test says (`keeps`) when `keeps_later`.
+    bool keeps_later = false;
+    std::vector<Moved> keeps;
+    void put_to_sleep(const json& report, Moved done) override {
         Action a("sleep");
         a.content = report;
         actions.push_back(std::move(a));
-        if (!keep_snapshot) why = keep_refusal;
-        return keep_snapshot;
+        if (keeps_later) return keeps.push_back(std::move(done));
+        done(keep_snapshot ? nullptr : &keep_refusal);
     }
     // As a Swarm sandbox when `moves_later`: the snapshot moves through the
     // kernel, answered when the test says (`fetches`, `places`).
@@ -962,6 +965,44 @@ TEST_F(SleepTest, ASnapshotMovedThroughTheKernelIsWaitedForBothWays) {
     io.places[0](nullptr);
     ASSERT_EQ(io.of("own").size(), owns + 1);
     EXPECT_NE(json_string(io.of("own").back().content, "code").find("restore"), std::string::npos);
+}
+
+TEST_F(SleepTest, ASnapshotSealedInALaterTurnHoldsRequestsUntilItIsKept) {
+    io.keeps_later = true;
+    sleep_at(t0 + 1s);
+    // Saved, being sealed: still hibernating, the sandbox kept.
+    ASSERT_EQ(io.keeps.size(), 1u);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::hibernating);
+    core->on_client_request(t0 + 2s, Channel::shell, execute("c2"));
+    EXPECT_TRUE(io.of("kernel", "execute_request").empty());
+    io.keeps[0](nullptr);
+    // Asleep, and woken at once by the request that came meanwhile.
+    EXPECT_EQ(std::count(audit.states.begin(), audit.states.end(), "hibernated"), 1);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::resuming);
+    EXPECT_EQ(io.of("wake").size(), 1u);
+}
+
+TEST_F(SleepTest, ASealThatFailsInALaterTurnLeavesTheSessionAwake) {
+    io.keeps_later = true;
+    sleep_at(t0 + 1s);
+    ASSERT_EQ(io.keeps.size(), 1u);
+    const std::string why = "StorageFull: the disk of the store has 1 MB free";
+    io.keeps[0](&why);
+    EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    bool told = false;
+    for (const auto& e : audit.events) told |= e == "hibernate_failed " + why;
+    EXPECT_TRUE(told);
+}
+
+TEST_F(SleepTest, ASessionClosedWhileItsSnapshotIsSealedStaysClosed) {
+    io.keeps_later = true;
+    sleep_at(t0 + 1s);
+    ASSERT_EQ(io.keeps.size(), 1u);
+    core->close(t0 + 2s, "closed by the manager");
+    io.keeps[0](nullptr);  // the server would not call it; a core must not care
+    EXPECT_TRUE(core->closed());
+    EXPECT_EQ(std::count(audit.states.begin(), audit.states.end(), "hibernated"), 0);
+    EXPECT_TRUE(io.of("wake").empty());
 }
 
 TEST_F(SleepTest, ASessionOnADrainedNodeMovesOnceItsCellEndsAndWakesAtOnce) {

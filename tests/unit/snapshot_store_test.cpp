@@ -9,6 +9,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "../../server/server_key.hpp"
 #include "../../server/session_snapshots.hpp"
@@ -180,6 +181,65 @@ TEST_F(SnapshotStoreTest, TheServerCapCountsEverySessionsSnapshot) {
     store.remove("s1");
     kernel_wrote(std::string(2 << 20, 'b'));
     EXPECT_NO_THROW(store.keep("s2", output, input));
+}
+
+// The server's way (Server::keep_snapshot): begun and finished on the
+// loop's thread, sealed on another.
+TEST_F(SnapshotStoreTest, AKeepSealedOnAnotherThreadIsKeptOnceFinished) {
+    SnapshotStore store(base / "store");
+    kernel_wrote("secret-namespace-bytes");
+    const auto keeping = store.begin_keep("s1", output, input);
+    EXPECT_FALSE(store.holds("s1")) << "held before it is sealed";
+    std::thread([keeping] { keeping->seal(); }).join();
+    EXPECT_EQ(store.finish_keep(*keeping), std::string("secret-namespace-bytes").size());
+    ASSERT_TRUE(store.holds("s1"));
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    const auto placing = store.begin_place("s1", next);
+    std::thread([&placing] { placing->open(); }).join();
+    EXPECT_EQ(read_file(next / kSnapshotFile), "secret-namespace-bytes");
+    EXPECT_EQ(read_file(next / "sub" / "deep.txt"), "secret-deep-file");
+    // A second keep of the same session while one is under way is refused.
+    kernel_wrote("again");
+    const auto first = store.begin_keep("s1", output, input);
+    EXPECT_THROW(store.begin_keep("s1", output, input), SnapshotError);
+    store.abandon(*first);
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+TEST_F(SnapshotStoreTest, ASessionRemovedWhileItsKeepIsSealedLeavesNothing) {
+    SnapshotStore store(base / "store");
+    kernel_wrote("secret-namespace-bytes");
+    const auto keeping = store.begin_keep("s1", output, input);
+    store.remove("s1");  // closed while the seal runs
+    keeping->seal();
+    EXPECT_TRUE(fs::exists(base / "store" / "s1")) << "not removed under the seal";
+    EXPECT_THROW(store.finish_keep(*keeping), SnapshotError);
+    EXPECT_FALSE(store.holds("s1"));
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+    // And the next keep of another session is not counted against it.
+    kernel_wrote("next");
+    EXPECT_NO_THROW(store.keep("s2", output, input));
+}
+
+TEST_F(SnapshotStoreTest, TheServerCapCountsKeepsUnderWay) {
+    SnapshotCaps caps;
+    caps.total = 3 << 20;
+    SnapshotStore store(base / "store", caps);
+    kernel_wrote(std::string(2 << 20, 'a'));
+    const auto first = store.begin_keep("s1", output, input);
+    const fs::path output2 = base / "output2";
+    fs::create_directories(output2);
+    write_file(output2 / kSnapshotFile, std::string(2 << 20, 'b'));
+    EXPECT_THROW(store.begin_keep("s2", output2, input), StorageFull)
+        << "two keeps under way passed the server's cap together";
+    store.abandon(*first);
+    EXPECT_NO_THROW(store.keep("s2", output2, input));
+}
+
+TEST_F(SnapshotStoreTest, APlaceOfASnapshotTheStoreDoesNotHoldIsRefusedAtOnce) {
+    SnapshotStore store(base / "store");
+    EXPECT_THROW(store.begin_place("nobody", base), SnapshotError);
 }
 
 TEST_F(SnapshotStoreTest, TheDisksFreeSpaceIsLeftFree) {
