@@ -153,11 +153,11 @@ void Server::finish_resume(PendingCreate& pending, WarmSandbox warm) {
         return attach_resumed(pending.resume_of, pending.limits, std::move(warm), e.what());
     }
     auto held = std::make_shared<WarmSandbox>(std::move(warm));
-    background_->run([placing] { placing->open(); },
-                     [this, held, id = pending.resume_of,
-                      limits = pending.limits](const std::string& error) {
-                         attach_resumed(id, limits, std::move(*held), error);
-                     });
+    background_->run(
+        [placing] { placing->open(); },
+        [this, held, id = pending.resume_of, limits = pending.limits](const std::string& error) {
+            attach_resumed(id, limits, std::move(*held), error);
+        });
 }
 
 void Server::attach_resumed(const std::string& session_id, const SessionLimits& limits,
