@@ -66,7 +66,7 @@ struct SnapshotKeeping {
 // A place under way (SnapshotStore::begin_place): open() may run on any
 // thread.
 struct SnapshotPlacing {
-    UniqueFd from, input;  // the session's dir in the store, and its input/
+    UniqueFd from, input;      // the session's dir in the store, and its input/
     std::filesystem::path to;  // the new sandbox's input dir
     std::string session_id;
     std::shared_ptr<const SnapshotKey> key;
