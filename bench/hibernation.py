@@ -18,8 +18,11 @@ what the same data costs in a bare kernel.
   PSS measured, then all hibernated and measured again. Target ≤ 1 MB per
   hibernated session. The disk each one's snapshot takes is a row too, and
   the note gives sessions per 24 GiB when 90% sleep.
+- A neighbour's step: another session's `1+1` while the largest session
+  hibernates and wakes, against its quiet steps just before (p99).
 """
 import os
+import threading
 import time
 
 from client import BenchError
@@ -120,6 +123,58 @@ def size_rows(bench, srv, bare_ch, mb, reps):
         srv.close_session(sid)
 
 
+def neighbour_rows(bench, srv, mb, reps):
+    """A neighbour stepping `1+1` while a session of `mb` MB hibernates and
+    wakes, against the same neighbour's quiet steps just before: what one
+    session's snapshot costs the others (sealed and opened off the server's
+    loop since 2026-12-03; before, a 500 MB one held every session up to
+    0.7 s)."""
+    limits = {"memory_mb": max(2048, mb * 6), "output_mb": max(1024, mb * 3),
+              "exec_timeout_s": 600, "max_executions": 100000}
+    big = srv.create({"limits": limits})
+    near = srv.create({"limits": {"max_executions": 100000}})
+    big_ch = srv.open_channels(big["connection"])
+    near_ch = srv.open_channels(near["connection"])
+    try:
+        wait_ready(big_ch, time.monotonic() + 120)
+        wait_ready(near_ch, time.monotonic() + 120)
+        big_ch.execute(MAKE_FRAME.format(rows=frame_rows(mb)), timeout=600, keep_outputs=True)
+        bench.log(f"hibernation: a neighbour's 1+1 while a {mb} MB session hibernates and wakes "
+                  f"{reps} times")
+        for _ in range(10):
+            near_ch.execute("1+1", timeout=60)
+        quiet = [near_ch.execute("1+1", timeout=60).round_trip * 1000 for _ in range(100)]
+        during, stop, failed = [], threading.Event(), []
+
+        def step():
+            try:
+                while not stop.is_set():
+                    during.append(near_ch.execute("1+1", timeout=60).round_trip * 1000)
+            except Exception as error:  # noqa: BLE001 - raised below
+                failed.append(error)
+
+        stepper = threading.Thread(target=step)
+        stepper.start()
+        try:
+            for _ in range(reps):
+                cycle(srv, big_ch, big["session_id"])
+        finally:
+            stop.set()
+            stepper.join()
+        if failed:
+            raise BenchError(f"the neighbour's step failed: {failed[0]}")
+        a, b = summary(during), summary(quiet)
+        return [Row("17", f"A neighbour's `1+1` while a {mb} MB session hibernates and wakes",
+                    "ms", a, b, "the same neighbour just before, quiet", ratio_on="p99",
+                    detail=f"{mb} MB: {a['n']} steps during {reps} hibernate/wake cycles, the "
+                           f"slowest {a['max']:.0f} ms (quiet: {b['max']:.1f} ms)")]
+    finally:
+        big_ch.close()
+        near_ch.close()
+        srv.close_session(big["session_id"])
+        srv.close_session(near["session_id"])
+
+
 def ram_rows(bench, srv, n):
     bench.log(f"hibernation: {n} small sessions awake, then all hibernated")
     pss_before = pss_bytes(srv.pid)
@@ -186,5 +241,6 @@ def hibernation_figure(bench):
                 rows += size_rows(bench, srv, bare_ch, mb, reps)
         finally:
             bare.stop()
+        rows += neighbour_rows(bench, srv, sizes[-1], reps)
         rows += ram_rows(bench, srv, n)
     return rows
