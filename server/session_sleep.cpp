@@ -8,7 +8,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
+
+#include "cellblock/session_policy.hpp"
 
 namespace cellblock {
 using nlohmann::json;
@@ -32,29 +35,59 @@ json snapshot_request(const std::string& call, const std::string& path) {
         {"stop_on_error", false}};
 }
 
+// The kernel's report as the server keeps it. The session's own code writes
+// it (it can replace cellblock_snapshot.report), so only the known fields,
+// of the known types, bounded: a string where a number belonged once ended
+// the server (a json type_error out of the history's event).
 json report_of(const json& content) {
+    json clean = {{"saved", 0}, {"bytes", 0}, {"lost", json::array()}, {"ms", json::object()}};
     const auto expressions = content.find("user_expressions");
-    if (expressions == content.end() || !expressions->is_object()) return json::object();
+    if (expressions == content.end() || !expressions->is_object()) return clean;
     const auto value = expressions->find("cellblock_snapshot");
-    if (value == expressions->end() || !value->is_object()) return json::object();
+    if (value == expressions->end() || !value->is_object()) return clean;
     const auto data = value->find("data");
-    if (data == value->end() || !data->is_object()) return json::object();
-    const auto report = data->find("application/json");
-    return report != data->end() && report->is_object() ? *report : json::object();
+    if (data == value->end() || !data->is_object()) return clean;
+    const auto found = data->find("application/json");
+    if (found == data->end() || !found->is_object()) return clean;
+    const json& report = *found;
+    for (const char* count : {"saved", "bytes"}) {
+        const auto n = report.find(count);
+        if (n != report.end() && n->is_number_unsigned()) clean[count] = n->get<std::uint64_t>();
+    }
+    constexpr std::size_t kLostNames = 1000, kLostText = 300;
+    const auto cut = [](const std::string& text) {
+        return text.substr(0, utf8_safe_prefix(text, kLostText));
+    };
+    const auto lost = report.find("lost");
+    if (lost != report.end() && lost->is_array()) {
+        for (const auto& item : *lost) {
+            if (clean["lost"].size() >= kLostNames) break;
+            if (item.is_array() && item.size() == 2 && item[0].is_string() && item[1].is_string()) {
+                clean["lost"].push_back(
+                    {cut(item[0].get<std::string>()), cut(item[1].get<std::string>())});
+            }
+        }
+    }
+    const auto ms = report.find("ms");
+    if (ms != report.end() && ms->is_object()) {
+        for (const char* step : {"namespace", "write", "files", "imports"}) {
+            const auto v = ms->find(step);
+            if (v == ms->end() || !v->is_number()) continue;
+            const double m = v->get<double>();
+            if (std::isfinite(m)) clean["ms"][step] = std::clamp(m, 0.0, 1e9);
+        }
+    }
+    return clean;
 }
 
-// The kernel's own timing of its save or restore (the report's "ms"), for
-// the history: only the steps it is known to time, only numbers, since the
-// report is the session's code speaking.
+// The kernel's own timing of its save or restore (the report's "ms", as
+// report_of() kept it), for the history.
 std::string kernel_steps(const json& report) {
     const auto ms = report.find("ms");
     if (ms == report.end() || !ms->is_object()) return "";
     std::string text;
-    for (const char* step : {"namespace", "write", "files", "imports"}) {
-        const auto value = ms->find(step);
-        if (value == ms->end() || !value->is_number()) continue;
-        text += fmt::format("{}{} {:.0f} ms", text.empty() ? "" : ", ", step,
-                            std::clamp(value->get<double>(), 0.0, 1e9));
+    for (const auto& [step, value] : ms->items()) {
+        text += fmt::format("{}{} {:.0f} ms", text.empty() ? "" : ", ", step, value.get<double>());
     }
     return text.empty() ? "" : "; in the kernel: " + text;
 }

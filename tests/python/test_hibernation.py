@@ -62,6 +62,31 @@ def test_a_session_sleeps_without_a_sandbox_and_wakes_with_its_state(server_fact
     assert "hibernated" in kinds and "resumed" in kinds, kinds
 
 
+def test_a_session_that_forges_its_snapshot_report_harms_only_its_own_history(
+        server_factory):  # noqa: F811
+    """The kernel's report is the session's code speaking: one that replaces
+    it with wrong types (once, a string where a number belonged ended the
+    server) is taken for what it can be, and every session goes on."""
+    srv = server_factory()
+    sid, kc, _ = srv.open_session()
+    other, okc, _ = srv.open_session()
+    sh.run_ok(kc, "import cellblock_snapshot as cs\n"
+                  "class R(dict):\n    def _repr_json_(self): return dict(self)\n"
+                  "cs.report = lambda: R({'saved': 'x', 'bytes': -1, 'lost': [[1, 2], 'é' * 5000,"
+                  " ['n' * 5000, 'why']], 'ms': {'write': 'z', 'namespace': 1e308, 'evil': 5}})\n"
+                  "x = 41")
+    assert hibernate(srv, sid)["state"] == "hibernated"
+    assert sh.run_ok(kc, "print(x + 1)").strip() == "42"
+    assert sh.run_ok(okc, "print(2 + 2)").strip() == "4"
+    events = srv.ok("session_history_request", {"session_id": sid})["content"]["events"]
+    slept = next(e["detail"] for e in events if e["kind"] == "hibernated")
+    # Only what the report could truthfully say: no count, one bounded lost
+    # name, the known step clamped, the unknown one dropped.
+    assert "0 value(s) kept, 1 lost" in slept and "namespace 1000000000 ms" in slept, slept
+    assert "evil" not in slept and "write" not in slept, slept
+    assert srv.info_of(other)["state"] == "idle"
+
+
 def test_a_busy_session_is_refused_and_keeps_running(server_factory):  # noqa: F811
     srv = server_factory()
     sid, kc, _ = srv.open_session()
