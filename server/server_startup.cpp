@@ -335,6 +335,7 @@ Server::~Server() {
     }
     sessions_.clear();
     background_.reset();  // waits for seals under way; a waking sandbox is destroyed
+    if (snapshots_) snapshots_->abandon_unfinished();
     audit_.flush();
     pool_.reset();  // joins workers, destroys warm sandboxes
     std::error_code ec;

@@ -267,6 +267,13 @@ std::uint64_t SnapshotStore::finish_keep(SnapshotKeeping& keeping) {
     return keeping.bytes;
 }
 
+void SnapshotStore::abandon_unfinished() {
+    std::error_code ec;
+    for (const auto& [id, reserved] : keeping_) fs::remove_all(dir(id), ec);
+    keeping_.clear();
+    removed_while_keeping_.clear();
+}
+
 void SnapshotStore::abandon(SnapshotKeeping& keeping) {
     keeping_.erase(keeping.session_id);
     removed_while_keeping_.erase(keeping.session_id);

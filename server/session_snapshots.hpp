@@ -101,6 +101,9 @@ class SnapshotStore {
                                                 const std::filesystem::path& input_dir);
     std::uint64_t finish_keep(SnapshotKeeping& keeping);
     void abandon(SnapshotKeeping& keeping);
+    // The files of every keep begun and never finished go (a server that
+    // stops waits for its seals, then drops them: their sessions are closed).
+    void abandon_unfinished();
     // keep() from a sandbox the kernel saved in (`report`: what
     // cellblock_snapshot said, for the log), for a relay's put_to_sleep: false
     // with `why` when the sandbox keeps no files here or keeping failed

@@ -226,6 +226,18 @@ TEST_F(SnapshotStoreTest, ASessionRemovedWhileItsKeepIsSealedLeavesNothing) {
     EXPECT_NO_THROW(store.keep("s2", output, input));
 }
 
+TEST_F(SnapshotStoreTest, KeepsNeverFinishedAreDroppedWhenTheServerStops) {
+    SnapshotStore store(base / "store");
+    kernel_wrote("secret-namespace-bytes");
+    const auto keeping = store.begin_keep("s1", output, input);
+    keeping->seal();  // sealed, then the server stopped before finishing it
+    store.abandon_unfinished();
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+    EXPECT_FALSE(store.holds("s1"));
+    kernel_wrote("next");
+    EXPECT_NO_THROW(store.keep("s1", output, input)) << "nothing of it is under way any more";
+}
+
 TEST_F(SnapshotStoreTest, TheServerCapCountsKeepsUnderWay) {
     SnapshotCaps caps;
     caps.total = 3 << 20;
