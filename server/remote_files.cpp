@@ -190,6 +190,24 @@ struct InputsToKernel : std::enable_shared_from_this<InputsToKernel> {
     std::size_t next = 0;
     SessionIo::Moved done;
 
+    // The store opened its files into `input` (or not: `why`): each goes to
+    // the kernel, or `done` says why not.
+    void placed(std::string why) {
+        try {
+            if (why.empty()) {
+                for (const auto& entry : fs::recursive_directory_iterator(input)) {
+                    if (entry.is_regular_file() && !entry.is_symlink()) {
+                        paths.push_back(fs::relative(entry.path(), input).string());
+                    }
+                }
+            }
+        } catch (const std::exception& e) {
+            why = std::string("placing the snapshot: listing its inputs: ") + e.what();
+        }
+        if (!why.empty()) return done(&why);  // the store's errors name their step
+        step();
+    }
+
     void step() {
         if (next == paths.size()) return done(nullptr);
         const std::string path = paths[next++];
@@ -209,26 +227,30 @@ struct InputsToKernel : std::enable_shared_from_this<InputsToKernel> {
 void Server::place_snapshot(const std::string& session_id, SessionIo::Moved done) {
     // The store's sealed copies are what the session had: the front's copy
     // of /data/input is made anew from them, then every file of it goes to
-    // the new kernel, the snapshot with them.
+    // the new kernel, the snapshot with them. Opened off the loop
+    // (background_work.hpp), as a local wake's is.
     auto moving = std::make_shared<InputsToKernel>();
     moving->ask = kernel_asker(session_id);
     moving->input = remote_files_dir(session_id) / "input";
     moving->done = std::move(done);
+    std::shared_ptr<SnapshotPlacing> placing;
     try {
         std::error_code ec;
         fs::remove_all(moving->input, ec);
         fs::create_directories(moving->input);
-        snapshots_->place(session_id, moving->input);
-        for (const auto& entry : fs::recursive_directory_iterator(moving->input)) {
-            if (entry.is_regular_file() && !entry.is_symlink()) {
-                moving->paths.push_back(fs::relative(entry.path(), moving->input).string());
-            }
-        }
+        placing = snapshots_->begin_place(session_id, moving->input);
+    } catch (const SnapshotError& e) {
+        const std::string why = e.what();  // it names its step
+        return moving->done(&why);
     } catch (const std::exception& e) {
         const std::string why = std::string("placing the snapshot: ") + e.what();
         return moving->done(&why);
     }
-    moving->step();
+    background_->run([placing] { placing->open(); },
+                     [this, moving, session_id](const std::string& error) {
+                         const Session* session = sessions_.find(session_id);
+                         if (session && session->live()) moving->placed(error);
+                     });
 }
 
 void Server::remove_remote_files(const std::string& session_id) {
