@@ -85,10 +85,16 @@ class _View(io.RawIOBase):
         return piece
 
 
+_pickler = None
+
+
 def _pickler_class():
     """dill's pickler, with plain NumPy arrays reduced the way protocol 5
     lets them be: their data as an out-of-band buffer. (dill pickles every
-    ndarray in-band itself, copying its data twice on the way.)"""
+    ndarray in-band itself, copying its data twice on the way.) Made once."""
+    global _pickler
+    if _pickler is not None:
+        return _pickler
     import dill
 
     class Pickler(dill.Pickler):
@@ -99,6 +105,7 @@ def _pickler_class():
                 return obj.__reduce_ex__(self.proto)
             return NotImplemented
 
+    _pickler = Pickler
     return Pickler
 
 

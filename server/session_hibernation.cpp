@@ -39,16 +39,6 @@ json Server::session_resume(Request& r, std::vector<std::string>&) {
     return nullptr;  // answered when it is awake
 }
 
-namespace {
-
-// A number the kernel's report gives (the session's code speaking), or 0.
-std::int64_t report_count(const json& report, const char* key) {
-    const auto value = report.find(key);
-    return value != report.end() && value->is_number_integer() ? value->get<std::int64_t>() : 0;
-}
-
-}  // namespace
-
 void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
                            SessionIo::Moved done) {
     // A swarm task's snapshot was fetched into the front's copy of its files,
@@ -59,20 +49,14 @@ void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
     std::shared_ptr<SnapshotKeeping> keeping;
     try {
         keeping = snapshots_->begin_keep(session_id, output, input);
-    } catch (const StorageFull& e) {
-        const std::string why = std::string(ename::StorageFull) + ": " + e.what();
-        return done(&why);
     } catch (const std::exception& e) {
-        const std::string why = e.what();
+        const std::string why = why_not_kept(e);
         return done(&why);
     }
     const auto started = Clock::now();
-    const auto lost = report.find("lost");
-    const std::size_t lost_count = lost != report.end() && lost->is_array() ? lost->size() : 0;
     background_->run(
         [keeping] { keeping->seal(); },
-        [this, keeping, started, saved = report_count(report, "saved"), lost_count,
-         done = std::move(done)](const std::string& error) {
+        [this, keeping, started, report, done = std::move(done)](const std::string& error) {
             const Session* session = sessions_.find(keeping->session_id);
             if (!session || !session->live()) {
                 snapshots_->abandon(*keeping);  // closed meanwhile: nobody waits
@@ -81,11 +65,8 @@ void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
             std::string why = error;
             if (why.empty()) {
                 try {
-                    const std::uint64_t bytes = snapshots_->finish_keep(*keeping);
-                    spdlog::info(
-                        "session {}: snapshot kept ({} bytes, {} value(s), {} lost), sealed in "
-                        "{:.0f} ms",
-                        keeping->session_id, bytes, saved, lost_count,
+                    log_kept(
+                        keeping->session_id, snapshots_->finish_keep(*keeping), report,
                         std::chrono::duration<double, std::milli>(Clock::now() - started).count());
                 } catch (const std::exception& e) {
                     why = e.what();

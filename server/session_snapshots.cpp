@@ -281,19 +281,33 @@ void SnapshotStore::abandon(SnapshotKeeping& keeping) {
     fs::remove_all(keeping.to, ec);
 }
 
+std::string why_not_kept(const std::exception& error) {
+    if (dynamic_cast<const StorageFull*>(&error)) {
+        return std::string(ename::StorageFull) + ": " + error.what();
+    }
+    return error.what();
+}
+
+void log_kept(const std::string& session_id, std::uint64_t bytes, const nlohmann::json& report,
+              double ms) {
+    spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost), sealed in {:.0f} ms",
+                 session_id, bytes, report.value("saved", 0),
+                 report.value("lost", nlohmann::json::array()).size(), ms);
+}
+
 bool SnapshotStore::keep_from(const std::string& session_id, const fs::path& output_dir,
                               const fs::path& input_dir, const nlohmann::json& report,
                               std::string& why) {
     try {
+        const auto started = std::chrono::steady_clock::now();
         const std::uint64_t bytes = keep(session_id, output_dir, input_dir);
-        spdlog::info("session {}: snapshot kept ({} bytes, {} value(s), {} lost)", session_id,
-                     bytes, report.value("saved", 0),
-                     report.value("lost", nlohmann::json::array()).size());
+        log_kept(
+            session_id, bytes, report,
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+                .count());
         return true;
-    } catch (const StorageFull& e) {
-        why = std::string(ename::StorageFull) + ": " + e.what();
     } catch (const std::exception& e) {
-        why = e.what();
+        why = why_not_kept(e);
     }
     return false;
 }

@@ -79,6 +79,14 @@ struct SnapshotInfo {
     double kept_at = 0;       // unix time
 };
 
+// What a keep that threw says to the session's history and its
+// HibernateFailed: StorageFull named as such, else the step that failed.
+std::string why_not_kept(const std::exception& error);
+// The log line of a kept snapshot (`report`: the kernel's, as report_of in
+// session_sleep.cpp cleaned it).
+void log_kept(const std::string& session_id, std::uint64_t bytes, const nlohmann::json& report,
+              double ms);
+
 class SnapshotStore {
   public:
     // Makes `root` (0700) if it is missing.
