@@ -171,6 +171,25 @@ class Server final : public SessionObserver, private SessionService {
     // `done` as ProxyOptions::keep_snapshot says.
     void keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
                        SessionIo::Moved done);
+    // A local sandbox's snapshot is sealed while its kernel writes it
+    // (SnapshotStore::begin_streamed_keep): begun as the save is sent, ended
+    // by keep_snapshot() once the kernel answered, or dropped (the save
+    // failed, the session closed, the server stops).
+    struct StreamedKeep {
+        std::shared_ptr<SnapshotKeeping> keeping;
+        Clock::time_point started;
+        bool ended = false;  // its thread is done: `error`, or sealed
+        std::string error;
+        bool dropped = false;
+        // keep_snapshot() came: what it was given.
+        std::optional<SessionIo::Moved> done;
+        json report;
+    };
+    void begin_streamed_keep(const std::string& session_id, Sandbox& box);
+    void drop_streamed_keep(const std::string& session_id);
+    void streamed_keep_ended(const std::shared_ptr<StreamedKeep>& streamed);
+    void kept_or_not(const std::shared_ptr<SnapshotKeeping>& keeping, Clock::time_point started,
+                     const json& report, const std::string& error, const SessionIo::Moved& done);
     void wake_session(const std::string& session_id);
     // The snapshot is opened into the sandbox's input dir on a thread of
     // background_, then attach_resumed() hands the sandbox to the session.
@@ -335,6 +354,7 @@ class Server final : public SessionObserver, private SessionService {
     SessionStore store_;
     // Hibernated sessions' snapshots (session_snapshots.hpp); made at start-up.
     std::unique_ptr<SnapshotStore> snapshots_;
+    std::map<std::string, std::shared_ptr<StreamedKeep>> streamed_;
     // The observers of the sessions' events: the audit trail, and the
     // metrics when served (metrics_).
     AuditTrail audit_{store_};

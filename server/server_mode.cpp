@@ -190,6 +190,7 @@ void Server::on_closed(const std::string& session_id, const std::string& reason)
     Session* session = sessions_.find(session_id);
     const SessionEnd end = session ? session->end(reason) : SessionEnd{session_id, "", reason};
     for (auto* o : observers_) o->closed(end);
+    drop_streamed_keep(session_id);
     if (snapshots_) snapshots_->remove(session_id);
     forget_asleep(session_id);
     if (session) {

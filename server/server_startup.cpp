@@ -334,6 +334,10 @@ Server::~Server() {
         if (SessionProxy* relay = session.proxy()) relay->close("server_shutdown");
     }
     sessions_.clear();
+    // Seals that wait for a kernel's file stop waiting.
+    for (const auto& [id, streamed] : streamed_) {
+        if (streamed->keeping) streamed->keeping->cancelled = true;
+    }
     background_.reset();  // waits for seals under way; a waking sandbox is destroyed
     if (snapshots_) snapshots_->abandon_unfinished();
     audit_.flush();

@@ -111,6 +111,11 @@ class SessionIo {
     virtual std::string send_to_kernel(Channel channel, const std::string& msg_type,
                                        nlohmann::json content) = 0;
     using Moved = std::function<void(const std::string* why_not)>;
+    // Hibernation: the kernel is about to write its snapshot (the server
+    // may begin keeping it while it is written), or a save begun will not
+    // reach put_to_sleep() (it failed, or timed out).
+    virtual void saving_snapshot() {}
+    virtual void snapshot_unsaved() {}
     // Hibernation, once the kernel saved its snapshot (`report`: what
     // cellblock_snapshot said of it): keep the snapshot and let the sandbox
     // go, the client's channels staying bound. `done` gets null once it is

@@ -81,6 +81,8 @@ ProxyOptions Server::proxy_options(const std::string& session_id, const SessionL
                                                  SessionIo::Moved done) {
         keep_snapshot(id, box, report, std::move(done));
     };
+    opts.saving_snapshot = [this, id = session_id](Sandbox& box) { begin_streamed_keep(id, box); };
+    opts.snapshot_unsaved = [this, id = session_id] { drop_streamed_keep(id); };
     opts.wake = [this, id = session_id] { wake_session(id); };
     opts.fetch_snapshot = [this, id = session_id](SessionIo::Moved done) {
         fetch_snapshot(id, std::move(done));

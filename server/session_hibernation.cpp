@@ -41,6 +41,14 @@ json Server::session_resume(Request& r, std::vector<std::string>&) {
 
 void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const json& report,
                            SessionIo::Moved done) {
+    if (const auto found = streamed_.find(session_id); found != streamed_.end()) {
+        const auto streamed = found->second;
+        streamed->keeping->written = true;  // the kernel answered: its file is whole
+        streamed->done = std::move(done);
+        streamed->report = report;
+        if (streamed->ended) streamed_keep_ended(streamed);
+        return;
+    }
     // A swarm task's snapshot was fetched into the front's copy of its files,
     // beside the inputs put there (fetch_snapshot).
     const SandboxFiles* files = box.files();
@@ -54,31 +62,90 @@ void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
         return done(&why);
     }
     const auto started = Clock::now();
-    background_->run(
-        [keeping] { keeping->seal(); },
-        [this, keeping, started, report, done = std::move(done)](const std::string& error) {
-            const Session* session = sessions_.find(keeping->session_id);
-            if (!session || !session->live()) {
-                snapshots_->abandon(*keeping);  // closed meanwhile: nobody waits
-                return;
-            }
-            std::string why = error;
-            if (why.empty()) {
-                try {
-                    log_kept(
-                        keeping->session_id, snapshots_->finish_keep(*keeping), report,
-                        std::chrono::duration<double, std::milli>(Clock::now() - started).count());
-                } catch (const std::exception& e) {
-                    why = e.what();
-                }
-            } else {
-                snapshots_->abandon(*keeping);
-            }
-            if (!why.empty()) return done(&why);
-            close_egress(keeping->session_id);  // its way out was the old sandbox's
-            trim_due_ = true;
-            done(nullptr);
-        });
+    background_->run([keeping] { keeping->seal(); },
+                     [this, keeping, started, report, done = std::move(done)](
+                         const std::string& error) {
+                         kept_or_not(keeping, started, report, error, done);
+                     });
+}
+
+void Server::kept_or_not(const std::shared_ptr<SnapshotKeeping>& keeping,
+                         Clock::time_point started, const json& report, const std::string& error,
+                         const SessionIo::Moved& done) {
+    const Session* session = sessions_.find(keeping->session_id);
+    if (!session || !session->live()) {
+        snapshots_->abandon(*keeping);  // closed meanwhile: nobody waits
+        return;
+    }
+    std::string why = error;
+    if (why.empty()) {
+        try {
+            log_kept(keeping->session_id, snapshots_->finish_keep(*keeping), report,
+                     std::chrono::duration<double, std::milli>(Clock::now() - started).count());
+        } catch (const std::exception& e) {
+            why = why_not_kept(e);
+        }
+    } else {
+        snapshots_->abandon(*keeping);
+    }
+    if (!why.empty()) return done(&why);
+    close_egress(keeping->session_id);  // its way out was the old sandbox's
+    trim_due_ = true;
+    done(nullptr);
+}
+
+void Server::begin_streamed_keep(const std::string& session_id, Sandbox& box) {
+    const SandboxFiles* files = box.files();
+    if (!files || !snapshots_) return;  // a swarm task's comes through its kernel
+    drop_streamed_keep(session_id);
+    auto streamed = std::make_shared<StreamedKeep>();
+    try {
+        // Its wait is bounded by the session's own: the save's timeout drops it.
+        streamed->keeping = snapshots_->begin_streamed_keep(
+            session_id, files->output_dir(), files->input_dir(), std::chrono::hours(1));
+    } catch (const std::exception& e) {
+        // Ended at once: keep_snapshot() answers with why.
+        streamed->ended = true;
+        streamed->error = why_not_kept(e);
+        streamed_[session_id] = streamed;
+        return;
+    }
+    streamed->started = Clock::now();
+    streamed_[session_id] = streamed;
+    background_->run([keeping = streamed->keeping] { keeping->seal(); },
+                     [this, streamed](const std::string& error) {
+                         streamed->ended = true;
+                         streamed->error = error;
+                         streamed_keep_ended(streamed);
+                     });
+}
+
+void Server::streamed_keep_ended(const std::shared_ptr<StreamedKeep>& streamed) {
+    if (streamed->dropped) {
+        if (streamed->keeping) snapshots_->abandon(*streamed->keeping);
+        return;
+    }
+    if (!streamed->done) return;  // the kernel has not answered yet
+    for (auto it = streamed_.begin(); it != streamed_.end(); ++it) {
+        if (it->second == streamed) {
+            streamed_.erase(it);
+            break;
+        }
+    }
+    if (!streamed->keeping) return (*streamed->done)(&streamed->error);
+    kept_or_not(streamed->keeping, streamed->started, streamed->report, streamed->error,
+                *streamed->done);
+}
+
+void Server::drop_streamed_keep(const std::string& session_id) {
+    const auto found = streamed_.find(session_id);
+    if (found == streamed_.end()) return;
+    const auto streamed = found->second;
+    streamed_.erase(found);
+    streamed->dropped = true;
+    if (!streamed->keeping) return;
+    streamed->keeping->cancelled = true;
+    if (streamed->ended) snapshots_->abandon(*streamed->keeping);
 }
 
 json Server::snapshot_json(const std::string& session_id) const {

@@ -71,6 +71,10 @@ struct ProxyOptions {
     std::function<void(Sandbox& sandbox, const nlohmann::json& report, SessionIo::Moved done)>
         keep_snapshot;
     std::function<void()> wake;
+    // The kernel is about to write its snapshot in `sandbox`
+    // (SessionIo::saving_snapshot), or that save will not be kept after all.
+    std::function<void(Sandbox& sandbox)> saving_snapshot;
+    std::function<void()> snapshot_unsaved;
     // For a sandbox with no directory on this host: the server moves the
     // snapshot through its kernel (SessionIo::fetch_snapshot, place_snapshot).
     std::function<void(SessionIo::Moved)> fetch_snapshot, place_snapshot;

@@ -105,6 +105,13 @@ class SessionProxy::Io final : public SessionIo {
         return msg_id;
     }
 
+    void saving_snapshot() override {
+        if (p_.sandbox_ && p_.options_.saving_snapshot) p_.options_.saving_snapshot(*p_.sandbox_);
+    }
+    void snapshot_unsaved() override {
+        if (p_.options_.snapshot_unsaved) p_.options_.snapshot_unsaved();
+    }
+
     void put_to_sleep(const json& report, Moved done) override {
         std::string why;
         if (!can_sleep(why)) return done(&why);

@@ -189,6 +189,7 @@ void SessionCore::send_own(Clock::time_point now, bool restore) {
     own.restore = restore;
     own.started = now;
     own.deadline = now + options_.snapshot_timeout;
+    if (!restore) io_.saving_snapshot();
     own.msg_id = io_.send_to_kernel(Channel::shell, "execute_request",
                                     snapshot_request(restore ? "restore" : "save", path));
     // Its busy/idle and any output are the relay's own: no client sees them.
@@ -274,6 +275,7 @@ void SessionCore::hibernation_failed(Clock::time_point now, const std::string& w
         retry = fmt::format("; tried again in {} s unless a client comes first",
                             std::chrono::duration_cast<std::chrono::seconds>(wait).count());
     }
+    io_.snapshot_unsaved();
     io_.log("hibernation failed: " + why + retry);
     if (std::exchange(moving_, false)) io_.log("it cannot move off its drained node");
     if (handing_over_) handover_failed_ = true;

@@ -6,10 +6,12 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <system_error>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -23,6 +25,10 @@ namespace {
 
 std::string errno_text(int err) { return std::strerror(err); }
 
+std::string megabytes(std::uint64_t bytes) {
+    return std::to_string((bytes + (1 << 20) - 1) >> 20) + " MB";
+}
+
 // What a copy does to the bytes: seal them into the store, or open them
 // out of it. `label` names the file for the seal (snapshot_cipher.hpp).
 struct Crypt {
@@ -30,6 +36,23 @@ struct Crypt {
     const SnapshotKey* key = nullptr;
     std::string label;  // "<session>/<place in the snapshot>"
 };
+
+// `to`, a new file of `mode`, written by fill(fd) (which returns the plain
+// bytes); on disk before this returns when `sync`. A failure removes it.
+template <typename Fill>
+std::uint64_t write_new(const fs::path& to, mode_t mode, bool sync, Fill&& fill) {
+    UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!out) throw SnapshotError(to.string() + ": " + errno_text(errno));
+    try {
+        if (::fchmod(out.get(), mode) != 0) throw SnapshotError("chmod: " + errno_text(errno));
+        const std::uint64_t bytes = fill(out.get());
+        if (sync && ::fsync(out.get()) != 0) throw SnapshotError("fsync: " + errno_text(errno));
+        return bytes;
+    } catch (...) {
+        ::unlink(to.c_str());
+        throw;
+    }
+}
 
 // A regular file at `name` under `dir` (never through a link, never a FIFO
 // that would block) sealed or opened into `to`, a new file; returns the
@@ -42,24 +65,105 @@ std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
     if (::fstat(in.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
         throw SnapshotError(step + ": " + name + " is not a regular file");
     }
-    UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-    if (!out) throw SnapshotError(step + ": " + to.string() + ": " + errno_text(errno));
     try {
-        if (::fchmod(out.get(), mode) != 0) throw SnapshotError("chmod: " + errno_text(errno));
-        const std::uint64_t bytes =
-            crypt.seal ? seal_stream(in.get(), out.get(), *crypt.key, crypt.label)
-                       : open_sealed_stream(in.get(), out.get(), *crypt.key, crypt.label);
         // Kept: on disk before the sandbox goes. Placed: the new sandbox's
         // input lives no longer than the sandbox; an fsync there would only
         // add to the resume.
-        if (crypt.seal && ::fsync(out.get()) != 0) {
-            throw SnapshotError("fsync: " + errno_text(errno));
-        }
-        return bytes;
+        return write_new(to, mode, crypt.seal, [&](int out) {
+            return crypt.seal ? seal_stream(in.get(), out, *crypt.key, crypt.label)
+                              : open_sealed_stream(in.get(), out, *crypt.key, crypt.label);
+        });
     } catch (const std::exception& e) {
-        ::unlink(to.c_str());
         throw SnapshotError(step + ": " + name + ": " + e.what());
     }
+}
+
+// A streamed keep's pause at the end of what the kernel wrote so far;
+// SnapshotError once nobody waits for it or its time is up.
+void wait_for_kernel(const SnapshotKeeping& keeping) {
+    if (keeping.cancelled.load()) {
+        throw SnapshotError("taking the snapshot: abandoned (the save failed or the session ended)");
+    }
+    if (std::chrono::steady_clock::now() > keeping.deadline) {
+        throw SnapshotError("taking the snapshot: the kernel did not finish writing it in time");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// The kernel's snapshot file, once the kernel made it (a regular file of
+// one name, never through a link): a streamed keep begins before the save
+// does.
+UniqueFd open_when_made(const SnapshotKeeping& keeping) {
+    for (;;) {
+        // Read first: a file the kernel made before it answered is seen by
+        // the try after `written` was read true.
+        const bool written = keeping.written.load();
+        UniqueFd in(::openat(keeping.output.get(), kSnapshotFile,
+                             O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+        struct stat st {};
+        if (in && ::fstat(in.get(), &st) == 0 && S_ISREG(st.st_mode) && st.st_nlink == 1) {
+            return in;
+        }
+        if (written) {
+            throw SnapshotError(in ? std::string("taking the snapshot: ") + kSnapshotFile +
+                                         " is not a regular file of one name"
+                                   : "taking the snapshot: the kernel left no snapshot file");
+        }
+        wait_for_kernel(keeping);
+    }
+}
+
+// Reads the kernel's snapshot as it grows (a SealSource): a short read only
+// once the kernel answered and the file's end is reached.
+class GrowingFile {
+  public:
+    GrowingFile(SnapshotKeeping& keeping, int fd) : keeping_(keeping), fd_(fd) {}
+    std::size_t operator()(unsigned char* data, std::size_t n) {
+        std::size_t got = 0;
+        while (got < n) {
+            const ssize_t r = ::read(fd_, data + got, n - got);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                throw SnapshotError("reading: " + errno_text(errno));
+            }
+            if (r > 0) {
+                got += static_cast<std::size_t>(r);
+                took(static_cast<std::uint64_t>(r));
+                continue;
+            }
+            if (at_end_) break;
+            // One more read once the kernel answered: what it wrote last.
+            if (keeping_.written.load()) {
+                at_end_ = true;
+                continue;
+            }
+            wait_for_kernel(keeping_);
+        }
+        return got;
+    }
+
+  private:
+    void took(std::uint64_t n) {
+        if (keeping_.sealed.fetch_add(n) + n > keeping_.room) {
+            throw StorageFull("the snapshot grew past the " + megabytes(keeping_.room) +
+                              " that the caps (serve --snapshot-max-mb, --snapshots-max-mb) "
+                              "and the disk's free space left it");
+        }
+    }
+
+    SnapshotKeeping& keeping_;
+    int fd_;
+    bool at_end_ = false;
+};
+
+// Whether `fd` is the file at the snapshot's name now, `bytes` long: the
+// one the kernel answered for.
+bool still_the_snapshot(const SnapshotKeeping& keeping, int fd, std::uint64_t bytes) {
+    struct stat ours {}, named {};
+    return ::fstat(fd, &ours) == 0 &&
+           ::fstatat(keeping.output.get(), kSnapshotFile, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
+           ours.st_dev == named.st_dev && ours.st_ino == named.st_ino &&
+           static_cast<std::uint64_t>(ours.st_size) == bytes;
 }
 
 // Every regular file and directory under `dir` into `to` (made), links and
@@ -135,10 +239,6 @@ std::uint64_t tree_bytes(int dir, const std::string& skip, int depth = 0) {
     return bytes;
 }
 
-std::string megabytes(std::uint64_t bytes) {
-    return std::to_string((bytes + (1 << 20) - 1) >> 20) + " MB";
-}
-
 double unix_time_now() {
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
         .count();
@@ -165,35 +265,62 @@ fs::path SnapshotStore::dir(const std::string& session_id) const {
     return root_ / session_id;
 }
 
-void SnapshotStore::check_room(const std::string& session_id, std::uint64_t needed) const {
+std::uint64_t SnapshotStore::others_bytes(const std::string& session_id) const {
+    std::uint64_t others = 0;
+    for (const auto& [id, kept] : kept_) {
+        if (id != session_id) others += kept.info.bytes;
+    }
+    for (const auto& [id, keeping] : keeping_) {
+        if (id != session_id) {
+            others += keeping->reserved + keeping->sealed.load();
+        }
+    }
+    return others;
+}
+
+namespace {
+
+std::uint64_t disk_free(const fs::path& root) {
+    struct statvfs vfs {};
+    if (::statvfs(root.c_str(), &vfs) != 0) return UINT64_MAX;
+    return static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
+}
+
+}  // namespace
+
+void SnapshotStore::check_caps(const std::string& session_id, std::uint64_t needed) const {
     if (needed > caps_.per_session) {
         throw StorageFull("the snapshot would take " + megabytes(needed) +
                           ", over the per-session cap of " + megabytes(caps_.per_session) +
                           " (serve --snapshot-max-mb)");
     }
-    std::uint64_t others = 0;
-    for (const auto& [id, kept] : kept_) {
-        if (id != session_id) others += kept.info.bytes;
-    }
-    for (const auto& [id, reserved] : keeping_) {
-        if (id != session_id) others += reserved;
-    }
+    const std::uint64_t others = others_bytes(session_id);
     if (others + needed > caps_.total) {
         throw StorageFull("the snapshot would take " + megabytes(needed) +
                           " and the server's snapshots already hold " + megabytes(others) +
                           " of their cap of " + megabytes(caps_.total) +
                           " (serve --snapshots-max-mb)");
     }
-    struct statvfs vfs {};
-    if (::statvfs(root_.c_str(), &vfs) == 0) {
-        const std::uint64_t free_bytes =
-            static_cast<std::uint64_t>(vfs.f_bavail) * static_cast<std::uint64_t>(vfs.f_frsize);
-        if (needed + caps_.keep_free > free_bytes) {
-            throw StorageFull("the snapshot would take " + megabytes(needed) + " and the disk of " +
-                              root_.string() + " has " + megabytes(free_bytes) + " free, " +
-                              megabytes(caps_.keep_free) + " of which stay free");
-        }
+}
+
+void SnapshotStore::check_room(const std::string& session_id, std::uint64_t needed) const {
+    check_caps(session_id, needed);
+    const std::uint64_t free_bytes = disk_free(root_);
+    if (free_bytes != UINT64_MAX && needed + caps_.keep_free > free_bytes) {
+        throw StorageFull("the snapshot would take " + megabytes(needed) + " and the disk of " +
+                          root_.string() + " has " + megabytes(free_bytes) + " free, " +
+                          megabytes(caps_.keep_free) + " of which stay free");
     }
+}
+
+std::uint64_t SnapshotStore::room_for(const std::string& session_id) const {
+    const std::uint64_t others = others_bytes(session_id);
+    std::uint64_t room = std::min(caps_.per_session, caps_.total - std::min(others, caps_.total));
+    const std::uint64_t free_bytes = disk_free(root_);
+    if (free_bytes != UINT64_MAX) {
+        room = std::min(room, free_bytes - std::min(free_bytes, caps_.keep_free));
+    }
+    return room;
 }
 
 std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path& output_dir,
@@ -208,9 +335,9 @@ std::uint64_t SnapshotStore::keep(const std::string& session_id, const fs::path&
     return finish_keep(*keeping);
 }
 
-std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& session_id,
-                                                           const fs::path& output_dir,
-                                                           const fs::path& input_dir) {
+std::shared_ptr<SnapshotKeeping> SnapshotStore::start_keeping(const std::string& session_id,
+                                                              const fs::path& output_dir,
+                                                              const fs::path& input_dir) {
     if (keeping_.count(session_id)) {
         throw SnapshotError("taking the snapshot: a snapshot of this session is being kept");
     }
@@ -219,6 +346,13 @@ std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& se
     keeping->to = dir(session_id);
     keeping->output = open_dir(output_dir, "taking the snapshot");
     keeping->input = open_dir(input_dir, "keeping /data/input");
+    return keeping;
+}
+
+std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& session_id,
+                                                           const fs::path& output_dir,
+                                                           const fs::path& input_dir) {
+    auto keeping = start_keeping(session_id, output_dir, input_dir);
     struct stat st {};
     if (::fstatat(keeping->output.get(), kSnapshotFile, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
         !S_ISREG(st.st_mode)) {
@@ -229,19 +363,71 @@ std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& se
     check_room(session_id, needed);
     remove(session_id);
     keeping->key = std::make_shared<const SnapshotKey>();
-    keeping_[session_id] = needed;
+    keeping->reserved = needed;
+    keeping_[session_id] = keeping;
     return keeping;
 }
+
+std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_streamed_keep(
+    const std::string& session_id, const fs::path& output_dir, const fs::path& input_dir,
+    std::chrono::steady_clock::duration wait) {
+    auto keeping = start_keeping(session_id, output_dir, input_dir);
+    // What is there is a failed save's, or the session's own: never this one.
+    ::unlinkat(keeping->output.get(), kSnapshotFile, 0);
+    const std::uint64_t inputs = tree_bytes(keeping->input.get(), kSnapshotFile);
+    check_room(session_id, inputs + kSealOverhead);
+    remove(session_id);
+    keeping->key = std::make_shared<const SnapshotKey>();
+    keeping->reserved = inputs + kSealOverhead;
+    keeping->streamed = true;
+    const std::uint64_t room = room_for(session_id);
+    keeping->room = room - std::min(room, inputs + kSealOverhead);
+    keeping->deadline = std::chrono::steady_clock::now() + wait;
+    keeping_[session_id] = keeping;
+    return keeping;
+}
+
+namespace {
+
+// A streamed keep's snapshot, sealed as the kernel writes it.
+void seal_as_written(SnapshotKeeping& keeping, const Crypt& crypt) {
+    const UniqueFd in = open_when_made(keeping);
+    try {
+        keeping.bytes = write_new(keeping.to / "snapshot", kKept.file, true, [&](int out) {
+            return seal_from(GrowingFile(keeping, in.get()), out, *crypt.key, crypt.label);
+        });
+    } catch (const SnapshotError&) {
+        throw;
+    } catch (const std::exception& e) {
+        throw SnapshotError(std::string("taking the snapshot: ") + e.what());
+    }
+    if (!still_the_snapshot(keeping, in.get(), keeping.bytes)) {
+        // Replaced or resized by the session's own processes meanwhile: what
+        // was read may not be what the kernel answered for. Not kept; the
+        // session stays awake with everything.
+        throw SnapshotError("taking the snapshot: " + std::string(kSnapshotFile) +
+                            " was replaced or changed while it was read");
+    }
+}
+
+}  // namespace
 
 void SnapshotKeeping::seal() {
     try {
         fs::create_directories(to);
         fs::permissions(to, fs::perms::owner_all, fs::perm_options::replace);
-        bytes = copy_regular(output.get(), kSnapshotFile, to / "snapshot", "taking the snapshot",
-                             kKept.file, {true, key.get(), session_id + "/snapshot"});
+        const Crypt crypt{true, key.get(), session_id + "/snapshot"};
+        if (streamed) {
+            seal_as_written(*this, crypt);
+        } else {
+            bytes = copy_regular(output.get(), kSnapshotFile, to / "snapshot",
+                                 "taking the snapshot", kKept.file, crypt);
+        }
         copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input", kKept,
                   {true, key.get(), session_id + "/input"});
-        ::unlinkat(output.get(), kSnapshotFile, 0);
+        // A streamed keep's file goes with its sandbox, off the way (seal()
+        // is timed); a copy fetched from a Swarm task's goes now.
+        if (!streamed) ::unlinkat(output.get(), kSnapshotFile, 0);
     } catch (const SnapshotError&) {
         throw;
     } catch (const std::exception& e) {
@@ -263,18 +449,29 @@ std::uint64_t SnapshotStore::finish_keep(SnapshotKeeping& keeping) {
     for (const auto& entry : fs::recursive_directory_iterator(keeping.to, ec)) {
         if (entry.is_regular_file(ec)) kept.info.bytes += entry.file_size(ec);
     }
+    if (keeping.streamed) {
+        // Its room was what the others left at its start; they kept since.
+        try {
+            check_caps(keeping.session_id, kept.info.bytes);
+        } catch (const StorageFull&) {
+            fs::remove_all(keeping.to, ec);
+            throw;
+        }
+    }
     kept_[keeping.session_id] = std::move(kept);
     return keeping.bytes;
 }
 
 void SnapshotStore::abandon_unfinished() {
     std::error_code ec;
-    for (const auto& [id, reserved] : keeping_) fs::remove_all(dir(id), ec);
+    for (const auto& [id, keeping] : keeping_) fs::remove_all(dir(id), ec);
     keeping_.clear();
     removed_while_keeping_.clear();
 }
 
 void SnapshotStore::abandon(SnapshotKeeping& keeping) {
+    // The session stays awake: no snapshot of its own left in its files.
+    if (keeping.streamed) ::unlinkat(keeping.output.get(), kSnapshotFile, 0);
     keeping_.erase(keeping.session_id);
     removed_while_keeping_.erase(keeping.session_id);
     std::error_code ec;

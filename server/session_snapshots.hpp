@@ -8,6 +8,8 @@
 // links and taken only if regular.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -51,14 +53,28 @@ struct SnapshotCaps {
     std::uint64_t keep_free = std::uint64_t{512} << 20;
 };
 
-// A keep under way (SnapshotStore::begin_keep): its sealing, seal(), may
-// run on any thread; it touches only what it holds.
+// A keep under way (SnapshotStore::begin_keep, begin_streamed_keep): its
+// sealing, seal(), may run on any thread; it touches only what it holds,
+// and the loop's thread only its atomics.
 struct SnapshotKeeping {
     std::string session_id;
     std::filesystem::path to;  // the session's dir in the store
     UniqueFd output, input;    // the sandbox's output and input dirs
     std::shared_ptr<const SnapshotKey> key;
-    std::uint64_t bytes = 0;  // the snapshot's own, once sealed
+    std::uint64_t bytes = 0;     // the snapshot's own, once sealed
+    std::uint64_t reserved = 0;  // of the store's caps, while it is kept
+    // Begun before the kernel writes its snapshot (begin_streamed_keep):
+    // seal() takes the file as it grows, so that sealing and writing to disk
+    // go on while the kernel still writes. It reads until `written` says the
+    // kernel answered (the file is whole); `cancelled` says nobody waits.
+    // The kernel's file is left to go with its sandbox (unlinking 500 MB of
+    // fresh page cache took 75 ms of the hibernation).
+    // At most `room` plain bytes (StorageFull past them), not past `deadline`.
+    bool streamed = false;
+    std::uint64_t room = 0;
+    std::chrono::steady_clock::time_point deadline{};
+    std::atomic<bool> written{false}, cancelled{false};
+    std::atomic<std::uint64_t> sealed{0};  // plain bytes so far
     // Seals the snapshot and the input files into `to`; SnapshotError.
     void seal();
 };
@@ -107,6 +123,15 @@ class SnapshotStore {
     std::shared_ptr<SnapshotKeeping> begin_keep(const std::string& session_id,
                                                 const std::filesystem::path& output_dir,
                                                 const std::filesystem::path& input_dir);
+    // begin_keep() before the kernel writes anything (what is at the
+    // snapshot's name in `output_dir` goes first): the keeping's seal() reads
+    // the file as the kernel writes it (SnapshotKeeping). It may take what the caps and the disk leave free at its start;
+    // finish_keep checks the caps again with the bytes it took. `wait`
+    // bounds its wait for the kernel.
+    std::shared_ptr<SnapshotKeeping> begin_streamed_keep(const std::string& session_id,
+                                                         const std::filesystem::path& output_dir,
+                                                         const std::filesystem::path& input_dir,
+                                                         std::chrono::steady_clock::duration wait);
     std::uint64_t finish_keep(SnapshotKeeping& keeping);
     void abandon(SnapshotKeeping& keeping);
     // The files of every keep begun and never finished go (a server that
@@ -147,6 +172,13 @@ class SnapshotStore {
   private:
     std::filesystem::path dir(const std::string& session_id) const;
     void check_room(const std::string& session_id, std::uint64_t needed) const;
+    void check_caps(const std::string& session_id, std::uint64_t needed) const;
+    // What the caps and the disk leave free for a session's snapshot.
+    std::uint64_t room_for(const std::string& session_id) const;
+    std::uint64_t others_bytes(const std::string& session_id) const;
+    std::shared_ptr<SnapshotKeeping> start_keeping(const std::string& session_id,
+                                                   const std::filesystem::path& output_dir,
+                                                   const std::filesystem::path& input_dir);
 
     std::filesystem::path root_;
     SnapshotCaps caps_;
@@ -155,9 +187,10 @@ class SnapshotStore {
         SnapshotInfo info;
     };
     std::map<std::string, Kept> kept_;
-    // Keeps under way: the room each reserved; and those whose session was
-    // removed meanwhile (their files go when they end).
-    std::map<std::string, std::uint64_t> keeping_;
+    // Keeps under way (what each holds of the caps: reserved, or sealed so
+    // far); and those whose session was removed meanwhile (their files go
+    // when they end).
+    std::map<std::string, std::shared_ptr<SnapshotKeeping>> keeping_;
     std::set<std::string> removed_while_keeping_;
 };
 

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -38,6 +39,15 @@ inline constexpr std::uint64_t kSealOverhead = 8 + 12 + 16;
 // Reads `in` to its end and writes it sealed to `out`; returns the plain
 // bytes read. Throws std::runtime_error naming what failed.
 std::uint64_t seal_stream(int in, int out, const SnapshotKey& key, const std::string& label);
+
+// Where seal_from() reads: up to `n` bytes into `data`, fewer only at the
+// end (a file still being written waits for more; session_snapshots.cpp).
+using SealSource = std::function<std::size_t(unsigned char* data, std::size_t n)>;
+// seal_stream() from `read`. Either starts the disk writing what it wrote
+// every 32 MiB (sync_file_range), so that the keeper's fsync at the end
+// finds little left to write.
+std::uint64_t seal_from(const SealSource& read, int out, const SnapshotKey& key,
+                        const std::string& label);
 
 // Reads a sealed `in` and writes its content to `out`; returns the bytes
 // written. Throws std::runtime_error when the file is not sealed, is cut

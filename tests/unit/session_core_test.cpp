@@ -85,6 +85,15 @@ class RecordingIo final : public SessionIo {
         actions.push_back(a);
         return a.parent_id;
     }
+    void saving_snapshot() override { actions.emplace_back("saving"); }
+    void snapshot_unsaved() override { actions.emplace_back("unsaved"); }
+    // Index of the first action of a kind, or -1.
+    int first(const std::string& kind) const {
+        for (std::size_t i = 0; i < actions.size(); ++i) {
+            if (actions[i].kind == kind) return static_cast<int>(i);
+        }
+        return -1;
+    }
     // Kept at once, or when the test says (`keeps`) when `keeps_later`.
     bool keeps_later = false;
     std::vector<Moved> keeps;
@@ -930,6 +939,11 @@ TEST_F(SleepTest, TheKernelSavesSilentlyThenTheSandboxGoes) {
     EXPECT_EQ(own[0].content["silent"], true);
     EXPECT_EQ(own[0].content["store_history"], false);
     EXPECT_NE(json_string(own[0].content, "code").find("save"), std::string::npos);
+    // The server may keep the snapshot as it is written: told before the save.
+    ASSERT_GE(io.first("saving"), 0);
+    EXPECT_LT(io.first("saving"), io.first("own"));
+    EXPECT_EQ(io.of("saving").size(), 1u);
+    EXPECT_TRUE(io.of("unsaved").empty());
     // Its statuses are the relay's own: the client sees none of them.
     for (const auto& a : io.to_client("status")) EXPECT_NE(a.parent_id, own[0].parent_id);
     ASSERT_EQ(io.of("sleep").size(), 1u);
@@ -1179,6 +1193,7 @@ TEST_F(SleepTest, ASnapshotThatCannotBeKeptLeavesTheSessionAwake) {
     core->on_kernel_reply(t0, Channel::shell, own_reply(io.of("own")[0].parent_id, json::object()));
     EXPECT_EQ(core->lifecycle_state(), SessionState::busy);  // awake, and the waiting cell runs
     EXPECT_EQ(io.of("kernel").size(), 1u);
+    EXPECT_EQ(io.of("unsaved").size(), 1u);
     bool told = false;
     for (const auto& e : audit.events) told |= e == "hibernate_failed the disk is full";
     EXPECT_TRUE(told);
@@ -1192,6 +1207,7 @@ TEST_F(SleepTest, AKernelThatCannotSaveLeavesTheSessionAwake) {
     EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
     EXPECT_TRUE(io.of("sleep").empty());
     EXPECT_NE(audit.events.back().find("No space left on device"), std::string::npos);
+    EXPECT_EQ(io.of("unsaved").size(), 1u) << "a keep begun as the save was sent would wait on";
 }
 
 TEST_F(SleepTest, ASaveThatTakesTooLongIsGivenUp) {
@@ -1202,6 +1218,7 @@ TEST_F(SleepTest, ASaveThatTakesTooLongIsGivenUp) {
     EXPECT_LE(*deadline, t0 + 300s);
     core->on_tick(t0 + 301s);
     EXPECT_EQ(core->lifecycle_state(), SessionState::idle);
+    EXPECT_EQ(io.of("unsaved").size(), 1u);
     // Its late reply is not taken for anything.
     core->on_kernel_reply(t0 + 302s, Channel::shell,
                           own_reply(io.of("own")[0].parent_id, json::object()));

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -251,6 +253,142 @@ TEST_F(SnapshotStoreTest, TheServerCapCountsKeepsUnderWay) {
         << "two keeps under way passed the server's cap together";
     store.abandon(*first);
     EXPECT_NO_THROW(store.keep("s2", output2, input));
+}
+
+// A kernel writing its snapshot in pieces, as a streamed keep reads it.
+void write_in_pieces(const fs::path& file, const std::string& content, std::size_t piece) {
+    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+    ASSERT_GE(fd, 0);
+    for (std::size_t at = 0; at < content.size(); at += piece) {
+        const std::size_t n = std::min(piece, content.size() - at);
+        ASSERT_EQ(::write(fd, content.data() + at, n), static_cast<ssize_t>(n));
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    ::close(fd);
+}
+
+constexpr auto kWait = std::chrono::seconds(60);
+
+TEST_F(SnapshotStoreTest, AStreamedKeepSealsTheSnapshotWhileTheKernelWritesIt) {
+    SnapshotStore store(base / "store");
+    write_file(input / "data.csv", "secret-input-row");
+    write_file(output / kSnapshotFile, "a failed save's leftovers");
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    EXPECT_FALSE(fs::exists(output / kSnapshotFile)) << "the old file would be read as this one";
+    std::string snapshot;
+    for (int i = 0; i < 400000; ++i) snapshot += std::to_string(i);  // a few 1 MiB chunks
+    std::thread sealing([keeping] { keeping->seal(); });
+    write_in_pieces(output / kSnapshotFile, snapshot, 100000);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_GT(keeping->sealed.load(), 0u) << "nothing was sealed before the kernel answered";
+    keeping->written = true;  // the kernel answered
+    sealing.join();
+    EXPECT_EQ(store.finish_keep(*keeping), snapshot.size());
+    EXPECT_EQ(all_bytes_under(base / "store").find("secret-input-row"), std::string::npos);
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    store.place("s1", next);
+    EXPECT_EQ(read_file(next / kSnapshotFile), snapshot);
+    EXPECT_EQ(read_file(next / "data.csv"), "secret-input-row");
+}
+
+TEST_F(SnapshotStoreTest, AStreamedKeepWhoseKernelWroteNothingSaysSo) {
+    SnapshotStore store(base / "store");
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    std::thread sealing([keeping] {
+        try {
+            keeping->seal();
+            ADD_FAILURE() << "sealed a snapshot that was never written";
+        } catch (const SnapshotError& e) {
+            EXPECT_NE(std::string(e.what()).find("left no snapshot file"), std::string::npos)
+                << e.what();
+        }
+    });
+    keeping->written = true;
+    sealing.join();
+    store.abandon(*keeping);
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+TEST_F(SnapshotStoreTest, AStreamedKeepNobodyWaitsForStopsAndLeavesNothing) {
+    SnapshotStore store(base / "store");
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    std::thread sealing([keeping] { EXPECT_THROW(keeping->seal(), SnapshotError); });
+    write_file(output / kSnapshotFile, "half a snapshot");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    keeping->cancelled = true;  // the save failed, or the session ended
+    sealing.join();
+    store.abandon(*keeping);
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+    EXPECT_FALSE(fs::exists(output / kSnapshotFile)) << "the session stays awake: no snapshot left "
+                                                        "in its files";
+}
+
+TEST_F(SnapshotStoreTest, AStreamedKeepThatOutgrowsItsCapIsRefusedWithTheNumbers) {
+    SnapshotCaps caps;
+    caps.per_session = 1 << 20;
+    SnapshotStore store(base / "store", caps);
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    write_file(output / kSnapshotFile, std::string(3 << 20, 'x'));  // a kernel that never stops
+    try {
+        keeping->seal();
+        ADD_FAILURE() << "sealed past the cap";
+    } catch (const StorageFull& e) {
+        EXPECT_NE(std::string(e.what()).find("1 MB"), std::string::npos) << e.what();
+    }
+    EXPECT_LE(keeping->sealed.load(), std::uint64_t{3} << 20);
+    store.abandon(*keeping);
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+TEST_F(SnapshotStoreTest, AStreamedKeepOfAFileReplacedWhileReadIsNotKept) {
+    SnapshotStore store(base / "store");
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    write_file(output / kSnapshotFile, "what was read first");
+    std::thread sealing([keeping] {
+        try {
+            keeping->seal();
+            ADD_FAILURE() << "kept bytes of a file the kernel did not answer for";
+        } catch (const SnapshotError& e) {
+            EXPECT_NE(std::string(e.what()).find("replaced or changed"), std::string::npos)
+                << e.what();
+        }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    fs::remove(output / kSnapshotFile);  // the session's own process, meanwhile
+    write_file(output / kSnapshotFile, "another file");
+    keeping->written = true;
+    sealing.join();
+    store.abandon(*keeping);
+    EXPECT_FALSE(store.holds("s1"));
+}
+
+TEST_F(SnapshotStoreTest, AStreamedKeepDoesNotFollowALinkToAHostFile) {
+    SnapshotStore store(base / "store");
+    write_file(base / "host-secret", "host-secret-bytes");
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    fs::create_symlink(base / "host-secret", output / kSnapshotFile);
+    keeping->written = true;
+    EXPECT_THROW(keeping->seal(), SnapshotError);
+    store.abandon(*keeping);
+    EXPECT_EQ(read_file(base / "host-secret"), "host-secret-bytes");
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+TEST_F(SnapshotStoreTest, TheServerCapCountsWhatAStreamedKeepSealedSoFar) {
+    SnapshotCaps caps;
+    caps.total = 3 << 20;
+    SnapshotStore store(base / "store", caps);
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    write_file(output / kSnapshotFile, std::string(2 << 20, 'a'));
+    keeping->written = true;
+    keeping->seal();
+    const fs::path output2 = base / "output2";
+    fs::create_directories(output2);
+    write_file(output2 / kSnapshotFile, std::string(2 << 20, 'b'));
+    EXPECT_THROW(store.begin_keep("s2", output2, input), StorageFull)
+        << "a streamed keep's bytes were not counted while it was under way";
+    EXPECT_NO_THROW(store.finish_keep(*keeping));
 }
 
 TEST_F(SnapshotStoreTest, APlaceOfASnapshotTheStoreDoesNotHoldIsRefusedAtOnce) {
