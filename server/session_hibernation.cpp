@@ -62,15 +62,15 @@ void Server::keep_snapshot(const std::string& session_id, Sandbox& box, const js
         return done(&why);
     }
     const auto started = Clock::now();
-    background_->run([keeping] { keeping->seal(); },
-                     [this, keeping, started, report, done = std::move(done)](
-                         const std::string& error) {
-                         kept_or_not(keeping, started, report, error, done);
-                     });
+    background_->run(
+        [keeping] { keeping->seal(); },
+        [this, keeping, started, report, done = std::move(done)](const std::string& error) {
+            kept_or_not(keeping, started, report, error, done);
+        });
 }
 
-void Server::kept_or_not(const std::shared_ptr<SnapshotKeeping>& keeping,
-                         Clock::time_point started, const json& report, const std::string& error,
+void Server::kept_or_not(const std::shared_ptr<SnapshotKeeping>& keeping, Clock::time_point started,
+                         const json& report, const std::string& error,
                          const SessionIo::Moved& done) {
     const Session* session = sessions_.find(keeping->session_id);
     if (!session || !session->live()) {
@@ -112,12 +112,19 @@ void Server::begin_streamed_keep(const std::string& session_id, Sandbox& box) {
     }
     streamed->started = Clock::now();
     streamed_[session_id] = streamed;
-    background_->run([keeping = streamed->keeping] { keeping->seal(); },
-                     [this, streamed](const std::string& error) {
-                         streamed->ended = true;
-                         streamed->error = error;
-                         streamed_keep_ended(streamed);
-                     });
+    background_->run(
+        [keeping = streamed->keeping] {
+            try {
+                keeping->seal();
+            } catch (const std::exception& e) {
+                throw std::runtime_error(why_not_kept(e));  // StorageFull named as such
+            }
+        },
+        [this, streamed](const std::string& error) {
+            streamed->ended = true;
+            streamed->error = error;
+            streamed_keep_ended(streamed);
+        });
 }
 
 void Server::streamed_keep_ended(const std::shared_ptr<StreamedKeep>& streamed) {

@@ -82,7 +82,8 @@ std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
 // SnapshotError once nobody waits for it or its time is up.
 void wait_for_kernel(const SnapshotKeeping& keeping) {
     if (keeping.cancelled.load()) {
-        throw SnapshotError("taking the snapshot: abandoned (the save failed or the session ended)");
+        throw SnapshotError(
+            "taking the snapshot: abandoned (the save failed or the session ended)");
     }
     if (std::chrono::steady_clock::now() > keeping.deadline) {
         throw SnapshotError("taking the snapshot: the kernel did not finish writing it in time");
@@ -145,9 +146,8 @@ class GrowingFile {
   private:
     void took(std::uint64_t n) {
         if (keeping_.sealed.fetch_add(n) + n > keeping_.room) {
-            throw StorageFull("the snapshot grew past the " + megabytes(keeping_.room) +
-                              " that the caps (serve --snapshot-max-mb, --snapshots-max-mb) "
-                              "and the disk's free space left it");
+            throw StorageFull("the snapshot would take more than " + megabytes(keeping_.room + 1) +
+                              ", " + keeping_.room_bound);
         }
     }
 
@@ -159,7 +159,8 @@ class GrowingFile {
 // Whether `fd` is the file at the snapshot's name now, `bytes` long: the
 // one the kernel answered for.
 bool still_the_snapshot(const SnapshotKeeping& keeping, int fd, std::uint64_t bytes) {
-    struct stat ours {}, named {};
+    struct stat ours {
+    }, named{};
     return ::fstat(fd, &ours) == 0 &&
            ::fstatat(keeping.output.get(), kSnapshotFile, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
            ours.st_dev == named.st_dev && ours.st_ino == named.st_ino &&
@@ -313,12 +314,22 @@ void SnapshotStore::check_room(const std::string& session_id, std::uint64_t need
     }
 }
 
-std::uint64_t SnapshotStore::room_for(const std::string& session_id) const {
+std::uint64_t SnapshotStore::room_for(const std::string& session_id, std::string& bound) const {
+    std::uint64_t room = caps_.per_session;
+    bound = "over the per-session cap of " + megabytes(caps_.per_session) +
+            " (serve --snapshot-max-mb)";
     const std::uint64_t others = others_bytes(session_id);
-    std::uint64_t room = std::min(caps_.per_session, caps_.total - std::min(others, caps_.total));
+    const std::uint64_t left = caps_.total - std::min(others, caps_.total);
+    if (left < room) {
+        room = left;
+        bound = "and the server's snapshots already hold " + megabytes(others) +
+                " of their cap of " + megabytes(caps_.total) + " (serve --snapshots-max-mb)";
+    }
     const std::uint64_t free_bytes = disk_free(root_);
-    if (free_bytes != UINT64_MAX) {
-        room = std::min(room, free_bytes - std::min(free_bytes, caps_.keep_free));
+    if (free_bytes != UINT64_MAX && free_bytes - std::min(free_bytes, caps_.keep_free) < room) {
+        room = free_bytes - std::min(free_bytes, caps_.keep_free);
+        bound = "and the disk of " + root_.string() + " had " + megabytes(free_bytes) + " free, " +
+                megabytes(caps_.keep_free) + " of which stay free";
     }
     return room;
 }
@@ -380,7 +391,7 @@ std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_streamed_keep(
     keeping->key = std::make_shared<const SnapshotKey>();
     keeping->reserved = inputs + kSealOverhead;
     keeping->streamed = true;
-    const std::uint64_t room = room_for(session_id);
+    const std::uint64_t room = room_for(session_id, keeping->room_bound);
     keeping->room = room - std::min(room, inputs + kSealOverhead);
     keeping->deadline = std::chrono::steady_clock::now() + wait;
     keeping_[session_id] = keeping;

@@ -72,6 +72,7 @@ struct SnapshotKeeping {
     // At most `room` plain bytes (StorageFull past them), not past `deadline`.
     bool streamed = false;
     std::uint64_t room = 0;
+    std::string room_bound;  // what set `room`, for StorageFull's text
     std::chrono::steady_clock::time_point deadline{};
     std::atomic<bool> written{false}, cancelled{false};
     std::atomic<std::uint64_t> sealed{0};  // plain bytes so far
@@ -125,8 +126,8 @@ class SnapshotStore {
                                                 const std::filesystem::path& input_dir);
     // begin_keep() before the kernel writes anything (what is at the
     // snapshot's name in `output_dir` goes first): the keeping's seal() reads
-    // the file as the kernel writes it (SnapshotKeeping). It may take what the caps and the disk leave free at its start;
-    // finish_keep checks the caps again with the bytes it took. `wait`
+    // the file as the kernel writes it (SnapshotKeeping). It may take what the caps and the disk
+    // leave free at its start; finish_keep checks the caps again with the bytes it took. `wait`
     // bounds its wait for the kernel.
     std::shared_ptr<SnapshotKeeping> begin_streamed_keep(const std::string& session_id,
                                                          const std::filesystem::path& output_dir,
@@ -174,7 +175,7 @@ class SnapshotStore {
     void check_room(const std::string& session_id, std::uint64_t needed) const;
     void check_caps(const std::string& session_id, std::uint64_t needed) const;
     // What the caps and the disk leave free for a session's snapshot.
-    std::uint64_t room_for(const std::string& session_id) const;
+    std::uint64_t room_for(const std::string& session_id, std::string& bound) const;
     std::uint64_t others_bytes(const std::string& session_id) const;
     std::shared_ptr<SnapshotKeeping> start_keeping(const std::string& session_id,
                                                    const std::filesystem::path& output_dir,
