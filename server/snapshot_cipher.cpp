@@ -1,8 +1,8 @@
 #include "snapshot_cipher.hpp"
 
+#include <fcntl.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <fcntl.h>
 #include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
