@@ -565,6 +565,23 @@ void SnapshotStore::remove(const std::string& session_id) {
     fs::remove_all(dir(session_id), ec);
 }
 
+std::optional<fs::path> SnapshotStore::remove_later(const std::string& session_id) {
+    kept_.erase(session_id);
+    if (keeping_.count(session_id)) {
+        removed_while_keeping_.insert(session_id);
+        return std::nullopt;
+    }
+    const fs::path from = dir(session_id);
+    const fs::path gone = root_ / (".removed-" + session_id + "-" + std::to_string(++removed_));
+    std::error_code ec;
+    fs::rename(from, gone, ec);
+    if (ec) {
+        fs::remove_all(from, ec);  // gone already, or not renamable: here and now
+        return std::nullopt;
+    }
+    return gone;
+}
+
 void SnapshotStore::clear(const std::set<std::string>& except) {
     std::error_code ec;
     for (const auto& left : fs::directory_iterator(root_, ec)) {

@@ -155,6 +155,11 @@ class SnapshotStore {
                                                  const std::filesystem::path& input_dir) const;
     // The snapshot leaves the store (resumed, or the session closed).
     void remove(const std::string& session_id);
+    // remove() for a caller that deletes the files off its thread: the
+    // session's dir is renamed out of the way at once (a name no session
+    // has, cleared at the next start) and returned, to be removed by the
+    // caller; nullopt when there is nothing, or a keep under way removes it.
+    std::optional<std::filesystem::path> remove_later(const std::string& session_id);
     // The remove() of everything in the store; `root` stays. With `except`,
     // those sessions' dirs stay (handed over by the last server, adopted next).
     void clear(const std::set<std::string>& except = {});
@@ -193,6 +198,7 @@ class SnapshotStore {
     // when they end).
     std::map<std::string, std::shared_ptr<SnapshotKeeping>> keeping_;
     std::set<std::string> removed_while_keeping_;
+    std::uint64_t removed_ = 0;  // names remove_later's dirs
 };
 
 }  // namespace cellblock

@@ -53,9 +53,10 @@ def test_a_session_sleeps_without_a_sandbox_and_wakes_with_its_state(server_fact
     assert [name for name, why in cb["lost"]] == ["gen"], cb
     assert "gen" in sh.stream_text(msgs, "stderr"), msgs
     assert srv.info_of(sid)["state"] == "idle"
-    # The snapshot leaves the store and the new sandbox's /data/input.
-    assert not os.listdir(os.path.join(srv.state_dir, "snapshots"))
+    # The snapshot leaves the new sandbox's /data/input before the first
+    # reply, and the store (its files deleted off the server's loop) just after.
     assert sh.run_ok(kc, "import os; print(sorted(os.listdir('/data/input')))").strip() == "[]"
+    sh.wait_for(lambda: not os.listdir(os.path.join(srv.state_dir, "snapshots")), timeout=30)
     # The history has both, with their figures.
     kinds = [e["kind"] for e in srv.ok("session_history_request",
                                        {"session_id": sid})["content"]["events"]]

@@ -391,6 +391,32 @@ TEST_F(SnapshotStoreTest, TheServerCapCountsWhatAStreamedKeepSealedSoFar) {
     EXPECT_NO_THROW(store.finish_keep(*keeping));
 }
 
+TEST_F(SnapshotStoreTest, ASnapshotRemovedLaterLeavesTheStoresNamesAtOnce) {
+    SnapshotStore store(base / "store");
+    kernel_wrote("secret-namespace-bytes");
+    store.keep("s1", output, input);
+    const auto gone = store.remove_later("s1");
+    ASSERT_TRUE(gone.has_value());
+    EXPECT_FALSE(store.holds("s1"));
+    EXPECT_FALSE(fs::exists(base / "store" / "s1")) << "a new keep of s1 would meet it";
+    EXPECT_TRUE(fs::exists(*gone / "snapshot")) << "left for the caller to delete";
+    EXPECT_EQ(gone->parent_path(), base / "store");
+    EXPECT_EQ(gone->filename().string()[0], '.') << "a name no session can have";
+    kernel_wrote("again");
+    EXPECT_NO_THROW(store.keep("s1", output, input));
+    fs::remove_all(*gone);
+    EXPECT_TRUE(store.holds("s1"));
+    EXPECT_FALSE(store.remove_later("nobody").has_value());
+    // A keep under way: removed when it ends, as remove() does.
+    kernel_wrote("third");
+    store.remove("s1");
+    const auto keeping = store.begin_keep("s1", output, input);
+    EXPECT_FALSE(store.remove_later("s1").has_value());
+    keeping->seal();
+    EXPECT_THROW(store.finish_keep(*keeping), SnapshotError);
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
 TEST_F(SnapshotStoreTest, APlaceOfASnapshotTheStoreDoesNotHoldIsRefusedAtOnce) {
     SnapshotStore store(base / "store");
     EXPECT_THROW(store.begin_place("nobody", base), SnapshotError);
