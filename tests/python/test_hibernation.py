@@ -308,3 +308,57 @@ def test_a_file_request_to_a_hibernated_session_is_refused_with_the_way_out(
     srv.ok("session_resume_request", {"session_id": sid}, timeout=180)
     srv.ok("file_put_request", {"session_id": sid, "path": "a.txt"}, buffers=[b"two"])
     assert sh.run_ok(kc, "print(open('/data/input/a.txt').read(), z)").strip() == "two 2"
+
+
+def test_links_raced_at_the_snapshots_name_never_bring_a_host_file_in(server_factory,  # noqa: F811
+                                                                      tmp_path):
+    """The server reads the kernel's snapshot from the session's /data/output
+    while it is written (docs/hibernation.md, "Storage"). A process of the
+    session that swaps a link to a host file in for the kernel's file, mid
+    write, makes the hibernation fail, and never gets the host file sealed,
+    placed or restored: the session stays awake with its own state. (The
+    link's target exists in the sandbox too, so the kernel's own save
+    finishes and the server's checks are what refuse it.)"""
+    secret = tmp_path / "host-secret"
+    secret.write_text("host-secret-bytes")
+    srv = server_factory()
+    sid, kc, _ = srv.open_session()
+    flip = ("import os, threading\n"
+            f"target = {str(secret)!r}\n"
+            "os.makedirs(os.path.dirname(target), exist_ok=True)\n"
+            "open(target, 'w').write('a decoy in the sandbox')\n"
+            "name = '/data/output/.cellblock-snapshot'\n"
+            "def flip():\n"
+            "    while True:\n"
+            "        try:\n"
+            "            if os.path.isfile(name) and not os.path.islink(name):\n"
+            "                os.symlink(target, name + '.link')\n"
+            "                os.replace(name + '.link', name)\n"
+            "        except OSError:\n"
+            "            pass\n"
+            "threading.Thread(target=flip, daemon=True).start()\n")
+    sh.run_ok(kc, "import os\nx = 41\nblob = os.urandom(40 << 20)\n" + flip)
+    refusals = []
+    for _ in range(6):
+        reply = srv.call("session_hibernate_request", {"session_id": sid}, timeout=120)["content"]
+        if reply["status"] == "ok":
+            # The swap came after the server's checks: what it kept is the kernel's.
+            assert sh.run_ok(kc, "print(x + 1, len(blob))", timeout=120).strip() == \
+                f"42 {40 << 20}"
+            sh.run_ok(kc, flip)  # its thread was not carried: raced again
+            continue
+        assert reply["ename"] == "HibernateFailed", reply
+        assert "stays awake" in reply["evalue"], reply
+        refusals.append(reply["evalue"])
+        assert srv.info_of(sid)["state"] == "idle"
+        assert sh.run_ok(kc, "print(x + 1, len(blob))").strip() == f"42 {40 << 20}"
+        if len(refusals) >= 2:
+            break
+    assert refusals, "the swap never came while the server read the snapshot"
+    for why in refusals:
+        assert "replaced or changed" in why or "not a regular file" in why, refusals
+    assert secret.read_text() == "host-secret-bytes"
+    assert sh.run_ok(kc, "print(sorted(os.listdir('/data/input')))").strip() == "[]"
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid})["content"]["events"]]
+    assert "resume_failed" not in kinds and "closed" not in kinds, kinds
