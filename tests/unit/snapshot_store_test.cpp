@@ -375,6 +375,23 @@ TEST_F(SnapshotStoreTest, AStreamedKeepDoesNotFollowALinkToAHostFile) {
     EXPECT_FALSE(fs::exists(base / "store" / "s1"));
 }
 
+TEST_F(SnapshotStoreTest, AStreamedKeepDoesNotTakeASecondNameOfAHostFile) {
+    SnapshotStore store(base / "store");
+    write_file(base / "host-secret", "host-secret-bytes");
+    const auto keeping = store.begin_streamed_keep("s1", output, input, kWait);
+    fs::create_hard_link(base / "host-secret", output / kSnapshotFile);
+    keeping->written = true;
+    try {
+        keeping->seal();
+        ADD_FAILURE() << "sealed a file with a second name";
+    } catch (const SnapshotError& e) {
+        EXPECT_NE(std::string(e.what()).find("one name"), std::string::npos) << e.what();
+    }
+    store.abandon(*keeping);
+    EXPECT_EQ(read_file(base / "host-secret"), "host-secret-bytes");
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
 TEST_F(SnapshotStoreTest, TheServerCapCountsWhatAStreamedKeepSealedSoFar) {
     SnapshotCaps caps;
     caps.total = 3 << 20;
