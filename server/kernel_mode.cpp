@@ -150,7 +150,8 @@ int run_kernel_mode(const KernelModeOptions& options) {
     KernelSleep sleep(loop, context, session_id, image, limits.sandbox, settings,
                       options.kernel_transport, options.paths.state_dir / "kernel-snapshots");
     proxy_options.observer = &sleep;
-    // One session per process: sealed here, on the loop's thread.
+    // One session per process: sealed as the kernel writes it, and what is
+    // left once it answered, here, on the loop's thread.
     proxy_options.keep_snapshot = [&](Sandbox& box, const nlohmann::json& report,
                                       SessionIo::Moved done) {
         std::string why;
@@ -158,6 +159,8 @@ int run_kernel_mode(const KernelModeOptions& options) {
         if (egress) egress->remove_session(session_id);  // its listener was in the old ipc dir
         done(nullptr);
     };
+    proxy_options.saving_snapshot = [&](Sandbox& box) { sleep.saving(box); };
+    proxy_options.snapshot_unsaved = [&] { sleep.unsaved(); };
     proxy_options.wake = [&] { sleep.wake(); };
     auto proxy = std::make_unique<SessionProxy>(context, loop, session_id, outer, proxy_options);
     sleep.on_woken(

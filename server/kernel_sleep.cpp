@@ -5,6 +5,7 @@
 
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
@@ -76,6 +77,7 @@ KernelSleep::~KernelSleep() {
     loop_.unwatch(watch_);
     abandoned_ = true;
     if (waking_.valid()) waking_.wait();  // its sandbox goes with the future's value
+    stop_sealing();
     store_.remove(session_id_);
     std::error_code ec;
     fs::remove_all(root_, ec);
@@ -93,7 +95,59 @@ bool KernelSleep::keep(Sandbox& box, const nlohmann::json& report, std::string& 
               " backend's sandboxes keep no files on this host: no snapshot can be kept";
         return false;
     }
-    return store_.keep_from(session_id_, files->output_dir(), files->input_dir(), report, why);
+    if (!streamed_) {
+        return store_.keep_from(session_id_, files->output_dir(), files->input_dir(), report, why);
+    }
+    streamed_->written = true;  // the kernel answered: its file is whole
+    sealing_.join();
+    const auto keeping = std::move(streamed_);
+    streamed_.reset();
+    if (!sealing_error_.empty()) {
+        why = std::exchange(sealing_error_, "");
+        store_.abandon(*keeping);
+        return false;
+    }
+    try {
+        log_kept(session_id_, store_.finish_keep(*keeping), report,
+                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                           streamed_at_)
+                     .count());
+        return true;
+    } catch (const std::exception& e) {
+        why = why_not_kept(e);
+    }
+    return false;
+}
+
+void KernelSleep::saving(Sandbox& box) {
+    const SandboxFiles* files = box.files();
+    if (!files) return;
+    stop_sealing();
+    try {
+        streamed_ = store_.begin_streamed_keep(session_id_, files->output_dir(), files->input_dir(),
+                                               std::chrono::hours(1));
+    } catch (const std::exception&) {
+        return;  // keep() checks again after the save, and says why
+    }
+    streamed_at_ = std::chrono::steady_clock::now();
+    sealing_ = std::thread([this, keeping = streamed_] {
+        try {
+            keeping->seal();
+        } catch (const std::exception& e) {
+            sealing_error_ = why_not_kept(e);
+        }
+    });
+}
+
+void KernelSleep::unsaved() { stop_sealing(); }
+
+void KernelSleep::stop_sealing() {
+    if (!streamed_) return;
+    streamed_->cancelled = true;
+    if (sealing_.joinable()) sealing_.join();
+    store_.abandon(*streamed_);
+    streamed_.reset();
+    sealing_error_.clear();
 }
 
 void KernelSleep::wake() {

@@ -8,10 +8,12 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 #include <zmq.hpp>
@@ -46,6 +48,11 @@ class KernelSleep : public SessionObserver {
     // ProxyOptions::keep_snapshot and ::wake.
     bool keep(Sandbox& box, const nlohmann::json& report, std::string& why);
     void wake();
+    // ProxyOptions::saving_snapshot and ::snapshot_unsaved: the snapshot is
+    // sealed on a thread while the kernel writes it; keep() then waits, on
+    // the loop, for what is left (one session per process: nobody else waits).
+    void saving(Sandbox& box);
+    void unsaved();
 
     void on_execution(const ExecutionRecord&) override {}
     void on_state(const std::string&, const std::string&) override {}
@@ -61,6 +68,7 @@ class KernelSleep : public SessionObserver {
     };
     Awake start_sandbox();
     void finish();
+    void stop_sealing();  // a streamed keep nobody waits for: stopped, dropped
 
     EventLoop& loop_;
     zmq::context_t& context_;
@@ -77,6 +85,12 @@ class KernelSleep : public SessionObserver {
     std::atomic<bool> abandoned_{false};
     int wakes_ = 0;
     std::filesystem::path placed_in_;  // the new sandbox's input dir, until the restore read it
+    // A keep begun as the save was sent (saving()), its thread, and what the
+    // thread threw (read once it is joined).
+    std::shared_ptr<SnapshotKeeping> streamed_;
+    std::chrono::steady_clock::time_point streamed_at_;
+    std::thread sealing_;
+    std::string sealing_error_;
     Woken woken_;
     Failed failed_;
 };
