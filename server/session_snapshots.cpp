@@ -159,8 +159,8 @@ class GrowingFile {
 // Whether `fd` is the file at the snapshot's name now, `bytes` long: the
 // one the kernel answered for.
 bool still_the_snapshot(const SnapshotKeeping& keeping, int fd, std::uint64_t bytes) {
-    struct stat ours {
-    }, named{};
+    struct stat ours {};
+    struct stat named {};
     return ::fstat(fd, &ours) == 0 &&
            ::fstatat(keeping.output.get(), kSnapshotFile, &named, AT_SYMLINK_NOFOLLOW) == 0 &&
            ours.st_dev == named.st_dev && ours.st_ino == named.st_ino &&
