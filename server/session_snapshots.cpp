@@ -106,9 +106,13 @@ UniqueFd open_when_made(const SnapshotKeeping& keeping) {
             return in;
         }
         if (written) {
-            throw SnapshotError(in ? std::string("taking the snapshot: ") + kSnapshotFile +
-                                         " is not a regular file of one name"
-                                   : "taking the snapshot: the kernel left no snapshot file");
+            if (!in && errno == ENOENT) {
+                throw SnapshotError("taking the snapshot: the kernel left no snapshot file");
+            }
+            // A link (ELOOP), a directory, a second name of another file.
+            throw SnapshotError(std::string("taking the snapshot: ") + kSnapshotFile +
+                                " is not a regular file of one name" +
+                                (in ? "" : " (" + errno_text(errno) + ")"));
         }
         wait_for_kernel(keeping);
     }
