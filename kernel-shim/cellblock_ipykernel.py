@@ -110,6 +110,7 @@ from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 from traitlets import DottedObjectName  # noqa: E402
 
 import cellblock_egress_tunnel  # noqa: E402
+from cellblock_dedup import BootMemory  # noqa: E402
 from cellblock_files import FileTransfers  # noqa: E402
 from cellblock_unrelayed import UNHEARD, count_unheard, keep_replies  # noqa: E402
 
@@ -420,6 +421,9 @@ class CgroupUsage:
 
 
 USAGE = CgroupUsage()
+# A Swarm kernel booted with a fixed layout (serve --swarm-share-boot-memory):
+# its boot pages, marked for the node's KSM. Off anywhere else.
+BOOT_MEMORY = BootMemory()
 
 
 class SandboxKernel(IPythonKernel):
@@ -457,6 +461,13 @@ class SandboxKernel(IPythonKernel):
         if usage is not None:
             metadata["cellblock_source"]["usage"] = usage
         return metadata
+
+    async def do_execute(self, code, silent, store_history=True, *args, **kwargs):
+        BOOT_MEMORY.before_execute(store_history)
+        try:
+            return await super().do_execute(code, silent, store_history, *args, **kwargs)
+        finally:
+            BOOT_MEMORY.mark()  # the warm-up's imports, before any session code
 
     async def kernel_info_request(self, stream, ident, parent):
         # An adopting server's fence (docs/restarts.md): the replies sent
@@ -584,6 +595,10 @@ class SandboxKernelApp(IPKernelApp):
                                          (self.transport, self.ip, self.hb_port))
         self.hb_port = self.heartbeat.port
         self.heartbeat.start()
+
+    def start(self):
+        BOOT_MEMORY.mark()
+        super().start()
 
     def _prepared(self):
         # The fork's home is where the zygote's was (HOME, IPYTHONDIR).

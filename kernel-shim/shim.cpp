@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/personality.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -278,6 +279,10 @@ int main(int argc, char** argv) {
 
     std::vector<std::string> env_storage;
     std::vector<char*> env = kernel_environment(env_storage);
+    // serve --swarm-share-boot-memory (kShareBootMemoryEnv): the kernel
+    // starts at the addresses every kernel of its image on this node starts
+    // at, so their boot pages are alike for the node's KSM.
+    const bool fixed_layout = engine && getenv(protocol::kShareBootMemoryEnv) != nullptr;
 
     // A signal that came before the mask above is lost to the signalfd: an
     // adopted kernel that ended meanwhile is found by the first waitpid.
@@ -297,6 +302,17 @@ int main(int argc, char** argv) {
         }
         // The kernel inherits nothing but stdio: not the lifeline, not the pipe ends.
         close_inherited(3);
+        if (fixed_layout && personality(ADDR_NO_RANDOMIZE) == -1) {
+            // The node's engine profile refuses it (Docker's default does):
+            // the kernel runs as ever, its boot memory shared with no one.
+            static constexpr char kRefused[] =
+                "cannot fix the kernel's address layout (personality refused by the node's "
+                "engine profile): its boot memory is not shared (docs/scale-out.md, "
+                "\"Density\")\n";
+            [[maybe_unused]] ssize_t n =
+                write(STDERR_FILENO, protocol::kShimLogPrefix, strlen(protocol::kShimLogPrefix));
+            n = write(STDERR_FILENO, kRefused, sizeof kRefused - 1);
+        }
         execve(argv[first], argv + first, env.data());
         const char* why = strerror(errno);
         [[maybe_unused]] ssize_t n =

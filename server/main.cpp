@@ -15,6 +15,7 @@
 
 #include "cellblock/connection_info.hpp"
 #include "cellblock/error_names.hpp"
+#include "cellblock/oci_bundle.hpp"
 #include "client_commands.hpp"
 #include "eval_command.hpp"
 #include "image_cli.hpp"
@@ -298,6 +299,11 @@ int main(int argc, char** argv) {
                      "docs/restarts.md)")
         ->capture_default_str()
         ->check(CLI::Range(1.0, 3600.0));
+    serve_cmd->add_flag(
+        "--swarm-share-boot-memory", serve.swarm.share_boot_memory,
+        "boot every Swarm kernel with a fixed address layout and hash seed and mark its boot "
+        "memory mergeable, so a node's KSM keeps one copy of what kernels of one image hold "
+        "(the node's engine profile must allow it; docs/scale-out.md, \"Density\")");
     serve_cmd
         ->add_option("--swarm-docker-host", serve.swarm.docker_host,
                      "the engine API of a Swarm manager (unix:///path)")
@@ -350,6 +356,13 @@ int main(int argc, char** argv) {
         app.add_subcommand("errors", "the enames the server sends, and what each means");
     errors_cmd->add_flag("--json", as_json, "print JSON");
 
+    // The profile every session's sandbox gets, for a Swarm node's engine
+    // (deploy/swarm/node-setup.sh --engine-profile, docs/scale-out.md).
+    auto* profile_cmd = app.add_subcommand(
+        "seccomp-profile",
+        "print the seccomp profile every session gets (OCI/Docker JSON), e.g. for a Swarm "
+        "node's dockerd --seccomp-profile");
+
     // image build | ls | rm | import
     cellblock::ImageCommands image_cli(app);
 
@@ -365,6 +378,10 @@ int main(int argc, char** argv) {
     ::umask(022);
 
     if (image_cli.parsed()) return image_cli.run();
+    if (profile_cmd->parsed()) {
+        std::cout << cellblock::make_seccomp_profile(cellblock::RuntimeKind::runc).dump(2) << "\n";
+        return 0;
+    }
     if (errors_cmd->parsed()) {
         json names = json::array();
         for (const auto& e : cellblock::kErrorNames) {

@@ -479,6 +479,12 @@ json swarm_service_spec(const SwarmSettings& settings, const std::string& server
     for (auto& var : sandbox_environment(image)) env.push_back(var);
     // The shim keeps it from the kernel's environment (it drops CELLBLOCK_*).
     env.push_back(std::string(sandbox_protocol::kSeccompBpfEnv) + "=" + task.seccomp_hex);
+    if (settings.share_boot_memory) {
+        env.push_back(std::string(sandbox_protocol::kShareBootMemoryEnv) + "=1");
+        // str and bytes hashes seeded alike in every kernel: the same dicts,
+        // the same pages (a seed only the session's own interpreter uses).
+        env.push_back("PYTHONHASHSEED=0");
+    }
     json mounts = json::array();
     if (image.rootfs == "host") {
         // The node's /usr, as a host image on runc binds the host's.

@@ -132,6 +132,13 @@ inline constexpr char kShimArgvEnd[] = "--";
 // service), so the shim installs it on top of the engine's own before the
 // kernel starts. Required: a shim without it refuses to start.
 inline constexpr char kSeccompBpfEnv[] = "CELLBLOCK_SECCOMP_BPF";
+// Under `--engine`, set (to 1) by `serve --swarm-share-boot-memory`: the shim
+// starts the kernel with a fixed address layout (personality
+// ADDR_NO_RANDOMIZE, which the node's engine profile must allow), so the
+// kernels of one image on a node build the same boot pages at the same
+// addresses and the kernel marks them for the node's KSM
+// (kernel-shim/cellblock_dedup.py, docs/scale-out.md "Density").
+inline constexpr char kShareBootMemoryEnv[] = "CELLBLOCK_SHARE_BOOT_MEMORY";
 
 // Where the sandbox sees its session's ipc directory, and the zygote's
 // control socket in it.

@@ -55,6 +55,11 @@ struct SwarmSettings {
     // used by the sessions the gateway serves. Sandboxes are pooled before
     // their session's network is known, as runc's all have the forwarder.
     bool egress_tunnel = false;
+    // serve --swarm-share-boot-memory: every task's kernel boots with a fixed
+    // layout and a fixed hash seed and marks its boot memory mergeable, so
+    // a node's KSM keeps one copy of what identical kernels hold
+    // (sandbox_protocol::kShareBootMemoryEnv; docs/scale-out.md, "Density").
+    bool share_boot_memory = false;
 };
 
 // The engine image reference of an image (SwarmSettings::images, or the

@@ -62,11 +62,20 @@ def error_of(reply):
     return content.get("ename"), content.get("evalue", "")
 
 
+def up_with_cellblocks_engine_profile(directory):
+    """testbed.up with `cellblock seccomp-profile` as the nodes' engine
+    profile, as deploy/swarm/README.md has an operator set it."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as profile:
+        subprocess.run([CELLBLOCK_BIN, "seccomp-profile"], stdout=profile, check=True, timeout=60)
+        profile.flush()
+        return testbed.up(directory, engine_profile=profile.name)
+
+
 @pytest.fixture(scope="module")
 def bed():
     directory = tempfile.mkdtemp(prefix="cellblock-swarm-", dir="/var/tmp")
     try:
-        instance = testbed.up(directory)
+        instance = up_with_cellblocks_engine_profile(directory)
     except testbed.DaemonStartFailed as e:
         pytest.skip(f"dockerd cannot start on this host: {e}")
     try:
@@ -513,6 +522,54 @@ def test_a_swarm_sessions_cpu_and_memory_are_its_tasks_own(swarm):
     usage = swarm.info_of(sid)["usage"]
     assert usage["memory_bytes"] >= 96 << 20 and usage["cpu_ms"] >= 600, usage
     swarm.ok("session_close_request", {"session_id": sid})
+
+
+# What a kernel says of its own memory: its personality, a str hash, the bytes
+# of its mappings marked for KSM (VmFlags mg), and whether the mapping holding
+# a 32 MB array the cell makes is one of them.
+MEMORY_FACTS = (
+    "import ctypes, json\n"
+    "data = bytearray(32 << 20)\n"
+    "where = ctypes.addressof((ctypes.c_char * 1).from_buffer(data))\n"
+    "marked, data_marked, start, end = 0, False, 0, 0\n"
+    "for line in open('/proc/self/smaps'):\n"
+    "    head = line.split()[0]\n"
+    "    if '-' in head and not head.endswith(':'):\n"
+    "        start, end = (int(x, 16) for x in head.split('-'))\n"
+    "    elif head == 'VmFlags:' and 'mg' in line.split()[1:]:\n"
+    "        marked += end - start\n"
+    "        data_marked = data_marked or start <= where < end\n"
+    "print(json.dumps({'personality': open('/proc/self/personality').read().strip(),\n"
+    "                  'hash': hash('cellblock'), 'marked': marked,\n"
+    "                  'data_marked': data_marked}))\n")
+
+
+def test_kernels_share_their_boot_memory_only_when_the_server_asks(bed, swarm):
+    """serve --swarm-share-boot-memory (docs/scale-out.md, "Density"): on nodes
+    whose engine profile is cellblock's, each kernel boots with a fixed layout
+    and hash seed and marks its boot memory for KSM, never the session's own
+    data; the default server's kernels keep a random layout and mark nothing."""
+    srv = ServerProcess(new_state_dir(),
+                        swarm_args(bed, pool=1) + ["--swarm-share-boot-memory"]).start()
+    try:
+        facts = []
+        for _ in range(2):
+            sid, kc, _ = srv.open_session()
+            facts.append(json.loads(run_ok(kc, MEMORY_FACTS)))
+            srv.ok("session_close_request", {"session_id": sid})
+        for seen in facts:
+            assert int(seen["personality"], 16) & 0x0040000, seen  # ADDR_NO_RANDOMIZE
+            assert seen["marked"] > 8 << 20, seen  # the interpreter's and ipykernel's pages
+            assert not seen["data_marked"], f"the session's own array was marked: {seen}"
+        assert facts[0]["hash"] == facts[1]["hash"]
+    finally:
+        srv.close_clients()
+        problems = srv.shutdown()
+        assert not problems, "\n".join(problems)
+    _, kc, _ = swarm.open_session()
+    plain = json.loads(run_ok(kc, MEMORY_FACTS))
+    assert not int(plain["personality"], 16) & 0x0040000, plain
+    assert plain["marked"] == 0, plain
 
 
 def test_a_swarm_session_killed_at_its_memory_limit_says_so(swarm):

@@ -41,6 +41,9 @@ SESSION_CONFIG_NETWORK = "cellblock-sessions-config"
 SESSION_SUBNET = "10.215.0.0/24"
 SESSION_BRIDGE = "cbsess0"
 WORKER_SOCKET = "unix:///run/docker.sock"
+# up(engine_profile=...): the instance's copy (outer/), and where a worker binds it.
+ENGINE_PROFILE_NAME = "engine-seccomp.json"
+WORKER_ENGINE_PROFILE = "/etc/cellblock-engine-seccomp.json"
 CONNECT_HOST = "127.0.0.1"
 PORTS_PER_WORKER = 40
 # Host ports handed to workers: below the host's ephemeral range, so that no
@@ -223,6 +226,7 @@ class Testbed:
             "session_bridge": SESSION_BRIDGE,
             "node_image": NODE_IMAGE,
             "node_image_id": self.state.get("node_image_id"),
+            "engine_profile": WORKER_ENGINE_PROFILE if self.state.get("engine_profile") else None,
             "workers": [{"name": w["name"], "container": w["container"], "addr": w.get("addr"),
                          "node_id": w.get("node_id"), "ports": w["ports"],
                          "docker_host_inside": WORKER_SOCKET} for w in self.state["workers"]],
@@ -247,8 +251,12 @@ class Testbed:
 
 # --- bring-up ---------------------------------------------------------------
 
-def up(directory: str, workers: int = 2, ports_per_worker: int = PORTS_PER_WORKER) -> Testbed:
+def up(directory: str, workers: int = 2, ports_per_worker: int = PORTS_PER_WORKER,
+       engine_profile: str = None) -> Testbed:
     """Creates and starts an instance in `directory` (created; must not hold one already).
+    `engine_profile`: a seccomp profile file every worker's dockerd makes its
+    containers' default (`dockerd --seccomp-profile`, as deploy/swarm/README.md
+    has a node do with `cellblock seccomp-profile`); None keeps Docker's own.
     On failure the partial instance is left for `down` (which the CLI runs itself)."""
     started = time.monotonic()
     directory = os.path.realpath(directory)
@@ -266,9 +274,14 @@ def up(directory: str, workers: int = 2, ports_per_worker: int = PORTS_PER_WORKE
         if not os.access(tool, os.X_OK):
             raise DaemonStartFailed(f"{tool} is not installed (apt-get install docker.io)")
     os.makedirs(outer, exist_ok=True)
+    if engine_profile:
+        # The workers bind the instance's own copy (read-only).
+        shutil.copyfile(engine_profile, os.path.join(outer, ENGINE_PROFILE_NAME))
+        os.chmod(os.path.join(outer, ENGINE_PROFILE_NAME), 0o644)
 
     with _allocation_lock():
         bed = Testbed(directory, _allocate(directory, workers, ports_per_worker))
+        bed.state["engine_profile"] = bool(engine_profile)
         bed.save()
         _create_bridge(bed)
         _start_manager_daemon(bed)
@@ -467,6 +480,11 @@ def _create_worker(bed: Testbed, w: dict) -> None:
 
 def _run_worker(bed: Testbed, w: dict, caps: list, var_lib: str) -> None:
     lo, hi = w["ports"]
+    profile_binds, profile_args = [], []
+    if bed.state.get("engine_profile"):
+        profile_binds = ["-v", f"{os.path.join(bed.dir, 'outer', ENGINE_PROFILE_NAME)}:"
+                               f"{WORKER_ENGINE_PROFILE}:ro"]
+        profile_args = ["--seccomp-profile", WORKER_ENGINE_PROFILE]
     bed.docker(
         "run", "-d", "--name", w["container"], "--hostname", w["container"],
         *[arg for cap in caps for arg in ("--cap-add", cap)],
@@ -477,6 +495,7 @@ def _run_worker(bed: Testbed, w: dict, caps: list, var_lib: str) -> None:
           for arg in ("-v", f"{path}:{path}:ro")],
         "-v", "/lib/modules:/lib/modules:ro", "-v", "/sys/fs/cgroup:/sys/fs/cgroup",
         "-v", f"{var_lib}:/var/lib/docker", "--tmpfs", "/run", "--tmpfs", "/tmp",
+        *profile_binds,
         # The worker's dockerd picks dynamic host ports from this range, all of which
         # the manager's daemon publishes on the host's loopback under the same numbers.
         "--sysctl", f"net.ipv4.ip_local_port_range={lo} {hi}",
@@ -485,7 +504,7 @@ def _run_worker(bed: Testbed, w: dict, caps: list, var_lib: str) -> None:
         # Docker's init as PID 1: dockerd there would not reap the shims' orphans (zombies).
         # (`--init` cannot bind it: /sbin is a link into the read-only /usr.)
         NODE_IMAGE, DOCKER_INIT, "--", DOCKERD, "--cgroup-parent", f"{bed.tag}-{w['name']}",
-        "-H", WORKER_SOCKET)
+        "-H", WORKER_SOCKET, *profile_args)
 
 
 def _join_worker(bed: Testbed, w: dict, token: str) -> None:
@@ -647,13 +666,15 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ports-per-worker", type=int, default=PORTS_PER_WORKER,
                         help="host ports each worker may publish (a cellblock session takes 5)")
+    parser.add_argument("--engine-profile", help="a seccomp profile the workers' dockerd make "
+                        "their default (e.g. the output of `cellblock seccomp-profile`)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("testbed: needs root (bridges, dockerd, cgroups)", file=sys.stderr)
         return 2
     if args.command == "up":
         try:
-            bed = up(args.dir, args.workers, args.ports_per_worker)
+            bed = up(args.dir, args.workers, args.ports_per_worker, args.engine_profile)
         except AlreadyUp as e:
             print(f"testbed up: {e}", file=sys.stderr)
             return 1
