@@ -17,11 +17,18 @@ docker-in-docker workers), in the same run as its baselines.
   host's (the workers are docker-in-docker containers, no user namespace)
   and each session's kernel has a uid of its own (docs/scale-out.md): the
   session's processes are those running with its uid.
+- PSS per session with `serve --swarm-share-boot-memory` (docs/scale-out.md,
+  "Density"): the same idle sessions, their kernels booted with a fixed
+  layout and their boot memory marked for KSM, measured once this host's
+  ksmd has scanned everything twice (ksmd runs for this row only: its
+  settings are put back after). The nodes' engine profile is cellblock's
+  (`cellblock seccomp-profile`), as deploy/swarm/README.md sets it.
 - egress: one small GET and a 20 MB download through the egress gateway
   from a swarm session (the kernel's egress tunnel to the front, then the
   gateway) against a runc session of this host (the forwarder hands its
   socket to the gateway), same upstream on 127.0.0.1, same run.
 """
+import contextlib
 import os
 import subprocess
 import sys
@@ -76,8 +83,44 @@ def uid_pids(uid):
     return host_pids("status", lambda status: real_uid(status) == uid)
 
 
-def idle_pss(srv, count, swarm):
-    """PSS (bytes) of `count` idle sessions of `srv`, each after one 1+1."""
+KSM = "/sys/kernel/mm/ksm"
+
+
+def ksm_value(name):
+    with open(os.path.join(KSM, name)) as f:
+        return f.read().strip()
+
+
+@contextlib.contextmanager
+def ksm_running():
+    """This host's ksmd on and quick, for one row; its settings back after
+    (run=0 stops it and leaves what it merged as it is)."""
+    names = ("run", "pages_to_scan", "sleep_millisecs")
+    before = {name: ksm_value(name) for name in names}
+    try:
+        for name, value in (("pages_to_scan", "10000"), ("sleep_millisecs", "20"), ("run", "1")):
+            with open(os.path.join(KSM, name), "w") as f:
+                f.write(value)
+        yield
+    finally:
+        for name in reversed(names):
+            with open(os.path.join(KSM, name), "w") as f:
+                f.write(before[name])
+
+
+def ksm_scanned_twice(timeout=180):
+    """Waits until ksmd has gone twice over all the memory marked now."""
+    start = int(ksm_value("full_scans"))
+    deadline = time.monotonic() + timeout
+    while int(ksm_value("full_scans")) < start + 2:
+        if time.monotonic() > deadline:
+            raise BenchError(f"ksmd made no two full scans in {timeout} s")
+        time.sleep(0.5)
+
+
+def idle_pss(srv, count, swarm, settle=None):
+    """PSS (bytes) of `count` idle sessions of `srv`, each after one 1+1
+    (and after `settle()`, when given)."""
     opened, values = [], []
     try:
         for _ in range(count):
@@ -91,6 +134,8 @@ def idle_pss(srv, count, swarm):
                 raise BenchError(f"a session failed to say its uid: {ex.reply}")
             opened[-1] += (int(ex.stream_text().strip()),)
         time.sleep(1)  # the last reply's buffers settle
+        if settle:
+            settle()
         for sid, _, uid in opened:
             pids = uid_pids(uid) if swarm else srv.session_pids(sid)
             sizes = [v for v in (pss_bytes(p) for p in pids) if v]
@@ -175,7 +220,14 @@ def egress_rows(bench, bed):
 def swarm_figure(bench):
     work = tempfile.mkdtemp(prefix="cellblock-bench-swarm-", dir="/var/tmp")
     try:
-        bed = testbed.up(work)
+        profile = os.path.join(work + ".seccomp.json")
+        with open(profile, "w") as f:
+            subprocess.run([servers.CELLBLOCK, "seccomp-profile"], stdout=f, check=True,
+                           timeout=60)
+        try:
+            bed = testbed.up(work, engine_profile=profile)
+        finally:
+            os.unlink(profile)
     except testbed.DaemonStartFailed as e:
         raise BenchError(f"dockerd cannot start here: {e}")
     rows = []
@@ -245,6 +297,22 @@ def swarm_figure(bench):
                              f"{24 * 1024 / sp['median']:.0f} swarm sessions per 24 GiB node "
                              f"by PSS alone"))
         bench.raw["swarm_pss"] = {"swarm_bytes": swarm_pss, "runc_bytes": runc_pss}
+        if os.path.exists(os.path.join(KSM, "run")):
+            shared_args = swarm_args(bed) + ["--swarm-share-boot-memory"]
+            with ksm_running(), \
+                    CellblockServer("swarm-pss-shared", {"host": 1}, extra_args=shared_args) as dsrv:
+                bench.log(f"swarm: PSS of {count} idle sessions sharing their boot memory")
+                shared_pss = idle_pss(dsrv, count, swarm=True, settle=ksm_scanned_twice)
+            dp = summary(mb(shared_pss))
+            rows.append(Row("13", "Swarm --swarm-share-boot-memory: PSS per idle session "
+                            "(after 1+1; ksmd on)", "MB", dp, rp,
+                            "a runc session on this host (forked from the zygote)",
+                            note=f"{dp['median'] / rp['median']:.1f}× at the median, against "
+                                 f"{sp['median']:.1f} MB without; "
+                                 f"{24 * 1024 / dp['median']:.0f} per 24 GiB node by PSS alone"))
+            bench.raw["swarm_pss"]["shared_bytes"] = shared_pss
+        else:
+            bench.log("swarm: this kernel has no KSM: no row for --swarm-share-boot-memory")
 
         rows += egress_rows(bench, bed)
     finally:

@@ -17,6 +17,10 @@
 #     only from those sources, the hosts of cellblock's front.
 #  4. Inbound connections enter a session from the node's own address on its
 #     bridge (masquerade into the bridge), since a session has no default route.
+#  5. With --ksm: the kernel's same-page merging running, for the kernels of
+#     `serve --swarm-share-boot-memory` (docs/scale-out.md, "Density"); their
+#     fixed address layout also needs the node's dockerd started with
+#     `--seccomp-profile` holding `cellblock seccomp-profile` (README.md).
 set -euo pipefail
 
 DOCKER=${DOCKER:-docker}
@@ -26,6 +30,8 @@ CONFIG_NETWORK=cellblock-sessions-config
 BRIDGE=cbsess0
 SUBNET=10.215.0.0/24
 ALLOW_FROM=""
+KSM=0
+KSM_PAGES_TO_SCAN=${KSM_PAGES_TO_SCAN:-1000}
 INBOUND_CHAIN=CELLBLOCK-SESSIONS-IN
 
 usage() {
@@ -37,6 +43,9 @@ usage: $0 [-H DOCKER_HOST] [--subnet CIDR] [--bridge NAME] [--allow-from CIDR,..
   --bridge NAME     sessions' bridge device (default $BRIDGE)
   --allow-from LIST IPv4 sources (comma-separated CIDRs) that may open connections
                     to sessions; default: any (then firewall the node's ports yourself)
+  --ksm             run the kernel's same-page merging (ksmd), for
+                    serve --swarm-share-boot-memory; scans \$KSM_PAGES_TO_SCAN
+                    pages (default $KSM_PAGES_TO_SCAN) every 20 ms
   --check           change nothing; exit 1 unless everything is in place
 The docker CLI used is \$DOCKER (default: docker on PATH).
 EOF
@@ -49,6 +58,7 @@ while [ $# -gt 0 ]; do
         --bridge) BRIDGE=$2; shift 2 ;;
         --allow-from) ALLOW_FROM=$2; shift 2 ;;
         --check) CHECK=1; shift ;;
+        --ksm) KSM=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "node-setup: unknown argument $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -154,6 +164,25 @@ elif [ "$CHECK" = 1 ]; then
 else
     iptables -w -t nat -I POSTROUTING "${nat_rule[@]}"
     report added "iptables nat POSTROUTING ${nat_rule[*]}"
+fi
+
+# --- 5. same-page merging -----------------------------------------------------
+# Only memory a process marks (MADV_MERGEABLE) is ever merged: turning ksmd on
+# changes nothing for the node's other processes but the CPU it scans with.
+if [ "$KSM" = 1 ]; then
+    ksm=/sys/kernel/mm/ksm
+    if [ ! -w "$ksm/run" ] && [ "$CHECK" = 0 ]; then
+        report missing "$ksm/run (this kernel has no KSM, or /sys is read-only here)"
+    elif [ "$(cat "$ksm/run" 2>/dev/null)" = 1 ]; then
+        report present "ksmd running ($ksm/run = 1)"
+    elif [ "$CHECK" = 1 ]; then
+        report missing "ksmd running ($ksm/run = 1)"
+    else
+        echo "$KSM_PAGES_TO_SCAN" > "$ksm/pages_to_scan"
+        echo 20 > "$ksm/sleep_millisecs"
+        echo 1 > "$ksm/run"
+        report set "ksmd running ($ksm/run = 1, pages_to_scan $KSM_PAGES_TO_SCAN)"
+    fi
 fi
 
 if [ "$CHECK" = 1 ] && [ "$missing" = 1 ]; then

@@ -27,16 +27,17 @@ BODY = textwrap.dedent("""
                     total += end - start
         return total
 
+    PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # as malloc's (mmap's default is shared)
     memory = cellblock_dedup.BootMemory()
     before = mergeable_bytes()
-    memory.mark()                                   # the kernel's start
+    memory.mark()  # the kernel's start
     at_start = mergeable_bytes()
-    warm = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)                  # the warm-up's imports
+    warm = mmap.mmap(-1, 8 << 20, flags=PRIVATE)  # the warm-up's imports
     memory.before_execute(store_history=False)
     memory.mark()
     warm_marked = mergeable_bytes(inside=id_of(warm)) > 0
-    memory.before_execute(store_history=True)       # the session's first cell
-    late = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)                  # the session's data
+    memory.before_execute(store_history=True)  # the session's first cell
+    late = mmap.mmap(-1, 8 << 20, flags=PRIVATE)  # the session's data
     memory.mark()
     late_marked = mergeable_bytes(inside=id_of(late)) > 0
     print(json.dumps(dict(enabled=memory.enabled, before=before, at_start=at_start,

@@ -129,6 +129,30 @@ TEST(SwarmServiceSpec, AServerWithAGatewayPublishesTheEgressTunnelAndAnIpcDir) {
     EXPECT_EQ(std::count(tmpfs.begin(), tmpfs.end(), "/run/cellblock"), 1);
 }
 
+TEST(SwarmServiceSpec, OnlyAServerThatAsksSharesItsKernelsBootMemory) {
+    const auto env_of = [](bool share) {
+        SwarmSettings settings;
+        settings.share_boot_memory = share;
+        const json spec =
+            swarm_service_spec(settings, "server-1", "abcdef0123456789", host_image(), {},
+                               {"secret-id", "secret-name", kTestUid, "0123abcd"});
+        std::vector<std::string> env;
+        for (const auto& var : spec["TaskTemplate"]["ContainerSpec"]["Env"]) env.push_back(var);
+        return env;
+    };
+    const auto has = [](const std::vector<std::string>& env, const std::string& prefix) {
+        return std::any_of(env.begin(), env.end(),
+                           [&](const std::string& var) { return var.rfind(prefix, 0) == 0; });
+    };
+    const auto plain = env_of(false);
+    EXPECT_FALSE(has(plain, "CELLBLOCK_SHARE_BOOT_MEMORY="));
+    EXPECT_FALSE(has(plain, "PYTHONHASHSEED=")) << "a session's hashes stay randomized by default";
+    const auto shared = env_of(true);
+    EXPECT_TRUE(has(shared, "CELLBLOCK_SHARE_BOOT_MEMORY=1"));
+    EXPECT_TRUE(has(shared, "PYTHONHASHSEED=0"));
+    EXPECT_TRUE(has(shared, "CELLBLOCK_SECCOMP_BPF=0123abcd"));
+}
+
 TEST(SwarmServiceSpec, CarriesTheSessionsLimits) {
     SandboxLimits limits;
     limits.memory_mb = 768;
