@@ -450,6 +450,11 @@ int main(int argc, char** argv) {
                 serve.swarm.images[item.substr(0, eq)] = item.substr(eq + 1);
             }
             serve.swarm.egress_tunnel = !serve.egress.allow.empty();
+            if (serve.swarm.share_boot_memory && serve.backend != "swarm") {
+                throw std::runtime_error(
+                    "--swarm-share-boot-memory is for --backend swarm (a runc session shares "
+                    "its zygote's memory already)");
+            }
             for (const auto& item : pool_items) {
                 const auto eq = item.find('=');
                 if (eq == std::string::npos)

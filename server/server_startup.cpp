@@ -163,8 +163,9 @@ Server::Server(const ServeOptions& options)
         swarm_ = std::make_shared<SwarmBackend>(swarm);
         spdlog::info(
             "backend swarm: manager {}, server id {}, network {}, images tagged "
-            "for shim {}",
-            swarm.docker_host, swarm_->server_id(), swarm.network, swarm_->settings().libexec_tag);
+            "for shim {}{}",
+            swarm.docker_host, swarm_->server_id(), swarm.network, swarm_->settings().libexec_tag,
+            swarm.share_boot_memory ? ", kernels sharing their boot memory (KSM)" : "");
     }
     // Sandboxes a crashed server left running within their grace are taken
     // back first (their locks held, the reaper passes them by).

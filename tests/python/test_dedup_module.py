@@ -97,3 +97,39 @@ def test_only_private_writable_mappings_are_chosen():
     assert module.mergeable_ranges(maps) == [
         (0x55d0a0100000, 0x55d0a0102000), (0x55d0a1000000, 0x55d0a2000000),
         (0x7f0000200000, 0x7f0000300000)]
+
+
+def test_the_flag_is_refused_without_the_swarm_backend():
+    from conftest import CELLBLOCK_BIN
+    import shutil
+    import tempfile
+    state_dir = tempfile.mkdtemp(prefix="cellblock-dedup-")
+    try:
+        run = subprocess.run([CELLBLOCK_BIN, "serve", "--state-dir", state_dir,
+                              "--swarm-share-boot-memory"],
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    assert run.returncode != 0
+    assert "--swarm-share-boot-memory is for --backend swarm" in run.stderr + run.stdout
+
+
+def test_the_engine_profile_is_the_sessions_own_and_lets_the_layout_be_fixed():
+    """`cellblock seccomp-profile`: what a node's dockerd is given
+    (deploy/swarm/README.md). An allowlist, the denied calls EPERM, and
+    `personality` with any argument (Docker's default allows five values,
+    not ADDR_NO_RANDOMIZE)."""
+    from conftest import CELLBLOCK_BIN
+    run = subprocess.run([CELLBLOCK_BIN, "seccomp-profile"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
+    profile = json.loads(run.stdout)
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+    allowed = [r for r in profile["syscalls"]
+               if r["action"] == "SCMP_ACT_ALLOW" and not r.get("args")]
+    denied = [r for r in profile["syscalls"] if r["action"] == "SCMP_ACT_ERRNO"
+              and r.get("errnoRet") == 1]
+    assert any("personality" in r["names"] for r in allowed)
+    for call in ("ptrace", "unshare", "mount", "bpf", "keyctl"):
+        assert any(call in r["names"] for r in denied), call
+        assert not any(call in r["names"] for r in allowed), call
