@@ -379,7 +379,13 @@ int main(int argc, char** argv) {
 
     if (image_cli.parsed()) return image_cli.run();
     if (profile_cmd->parsed()) {
-        std::cout << cellblock::make_seccomp_profile(cellblock::RuntimeKind::runc).dump(2) << "\n";
+        // The engine's layer lets a kernel join same-page merging; the
+        // program the shim installs over it decides per server.
+        std::cout << cellblock::make_seccomp_profile(cellblock::RuntimeKind::runc,
+                                                     cellblock::SandboxRole::session,
+                                                     /*allow_memory_merge=*/true)
+                         .dump(2)
+                  << "\n";
         return 0;
     }
     if (errors_cmd->parsed()) {

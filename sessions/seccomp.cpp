@@ -27,7 +27,10 @@
 namespace cellblock {
 using nlohmann::json;
 
-json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
+// Linux 6.4's; newer than some build hosts' headers.
+constexpr std::uint64_t kPrSetMemoryMerge = 67;
+
+json make_seccomp_profile(RuntimeKind kind, SandboxRole role, bool allow_memory_merge) {
     // Docker's default profile denies these to an unprivileged container; so do
     // we, plus the calls that let same-uid code hijack another process, and
     // inotify: the kernel charges a sandbox's inotify instances to the user
@@ -65,6 +68,7 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
         if (denied_set.count(name) || name == "clone" || name == "clone3" || name == "socket") {
             continue;
         }
+        if (!allow_memory_merge && (name == "madvise" || name == "prctl")) continue;
         allowed.push_back(name);
     }
     json syscalls = json::array();
@@ -81,6 +85,26 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role) {
     syscalls.push_back({{"names", {"socket"}},
                         {"action", "SCMP_ACT_ALLOW"},
                         {"args", {{{"index", 0}, {"value", AF_VSOCK}, {"op", "SCMP_CMP_NE"}}}}});
+    if (!allow_memory_merge) {
+        // Everything but joining same-page merging (see the header).
+        const auto arg_is = [](int index, std::uint64_t value, const char* op) {
+            return json::array({{{"index", index}, {"value", value}, {"op", op}}});
+        };
+        syscalls.push_back({{"names", {"madvise"}},
+                            {"action", "SCMP_ACT_ALLOW"},
+                            {"args", arg_is(2, MADV_MERGEABLE, "SCMP_CMP_NE")}});
+        syscalls.push_back({{"names", {"madvise"}},
+                            {"action", "SCMP_ACT_ERRNO"},
+                            {"errnoRet", EPERM},
+                            {"args", arg_is(2, MADV_MERGEABLE, "SCMP_CMP_EQ")}});
+        syscalls.push_back({{"names", {"prctl"}},
+                            {"action", "SCMP_ACT_ALLOW"},
+                            {"args", arg_is(0, kPrSetMemoryMerge, "SCMP_CMP_NE")}});
+        syscalls.push_back({{"names", {"prctl"}},
+                            {"action", "SCMP_ACT_ERRNO"},
+                            {"errnoRet", EPERM},
+                            {"args", arg_is(0, kPrSetMemoryMerge, "SCMP_CMP_EQ")}});
+    }
     // The denied calls say EPERM, as under Docker's profile.
     syscalls.push_back({{"names", std::vector<std::string>(denied_set.begin(), denied_set.end())},
                         {"action", "SCMP_ACT_ERRNO"},

@@ -569,8 +569,10 @@ SwarmBackend::SwarmBackend(SwarmSettings settings)
                            " is not a Swarm manager (docker swarm init, or a manager's socket)");
     }
     server_id_ = read_or_create_server_id(settings_.state_dir);
-    // The profile a runc session gets, compiled once: the same for every session.
-    seccomp_hex_ = to_lower_hex(compile_seccomp_bpf(make_seccomp_profile(RuntimeKind::runc)));
+    // The profile a runc session gets, compiled once: the same for every session
+    // (with same-page merging allowed where the server shares boot memory).
+    seccomp_hex_ = to_lower_hex(compile_seccomp_bpf(make_seccomp_profile(
+        RuntimeKind::runc, SandboxRole::session, settings_.share_boot_memory)));
     state_->nodes = state_->api.expect("GET", "/nodes");
     watcher_ = std::thread([this] { watch(); });
 }

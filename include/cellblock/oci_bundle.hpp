@@ -127,7 +127,15 @@ void prepare_host_rootfs(const SandboxSpec& spec, const nlohmann::json& oci_conf
 // (it answers ENOSYS itself).
 // The zygote's profile also allows unshare, mount, umount2, move_mount and
 // sethostname (what a forked session needs to contain itself).
+// Joining the kernel's same-page merging is refused (madvise MADV_MERGEABLE,
+// prctl PR_SET_MEMORY_MERGE: EPERM) unless `allow_memory_merge`: a page
+// merged with another process's tells, by the time a write to it takes,
+// that the other holds the same bytes (a host's VMs, a neighbour). Allowed
+// only to Swarm kernels that share their boot memory, and in the profile a
+// node's engine gets (`cellblock seccomp-profile`), over which the shim
+// installs the server's own.
 nlohmann::json make_seccomp_profile(RuntimeKind kind = RuntimeKind::runc,
-                                    SandboxRole role = SandboxRole::session);
+                                    SandboxRole role = SandboxRole::session,
+                                    bool allow_memory_merge = false);
 
 }  // namespace cellblock

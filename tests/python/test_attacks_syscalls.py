@@ -196,3 +196,34 @@ result = {'open_tree_attr': sc(467, -1, 0, 0, 0, 0), 'open_tree': sc(428, -1, 0,
     found = gaps(inside)
     assert found == {}, "a newer variant of a denied call reached the kernel (GAP: deny-list " \
         f"with default allow): {found}"
+
+
+def test_no_session_can_join_same_page_merging(box):
+    """The kernel's same-page merging (KSM) merges identical pages of the
+    processes that ask for it; a session that could ask would learn, by the
+    time a write to its own page takes, whether anything else on the host
+    that asked (a VM, a neighbour) holds a page it guessed. Refused on both
+    ABIs: madvise MADV_MERGEABLE and prctl PR_SET_MEMORY_MERGE (EPERM); any
+    other advice or option still works (sessions/seccomp.cpp)."""
+    inside = run_ok(box["kc"], cell(SYSCALL_HELPER + """
+anon = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+buf = _libc.mmap(None, 1 << 16, 3, anon, -1, 0)
+low = _libc.mmap(None, 1 << 16, 3, anon | 0x40, -1, 0)  # MAP_32BIT: an i386 argument
+result = {'madvise_mergeable': sc(28, buf, 1 << 16, 12),
+          'madvise_dontneed': sc(28, buf, 1 << 16, 4),
+          'prctl_memory_merge': sc(157, 67, 1, 0, 0, 0),
+          'prctl_get_dumpable': sc(157, 3, 0, 0, 0, 0),
+          'i386_madvise_mergeable': sc32(219, low, 1 << 16, 12),
+          'i386_prctl_memory_merge': sc32(172, 67, 1, 0, 0),
+          'i386_madvise_dontneed': sc32(219, low, 1 << 16, 4),
+          'mg': any('mg' in l.split()[1:] for l in open('/proc/self/smaps')
+                    if l.startswith('VmFlags:'))}
+"""))
+    refused = {name: inside[name] for name in ("madvise_mergeable", "prctl_memory_merge",
+                                               "i386_madvise_mergeable",
+                                               "i386_prctl_memory_merge")}
+    assert refused == {name: -errno.EPERM for name in refused}, \
+        f"a session joined same-page merging (GAP): {inside}"
+    assert not inside["mg"], f"a mapping of the session's is mergeable: {inside}"
+    assert inside["madvise_dontneed"] == 0 and inside["i386_madvise_dontneed"] == 0, inside
+    assert inside["prctl_get_dumpable"] >= 0, inside
