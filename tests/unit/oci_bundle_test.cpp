@@ -1,14 +1,17 @@
 // The sandbox policy is a value: these tests read it without running anything.
 #include "cellblock/oci_bundle.hpp"
 #include "cellblock/session_policy.hpp"
+#include "cellblock/zygote.hpp"
 
 #include <stdlib.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -277,6 +280,49 @@ TEST(Seccomp, IsAnAllowlistOfKnownCallsWithoutTheDeniedOnes) {
           "open_tree_attr", "listmount", "umount", "stime", "clock_settime64"}) {
         EXPECT_FALSE(allowed_unconditionally.count(refused)) << refused;
     }
+}
+
+TEST(Seccomp, JoiningSamePageMergingIsRefusedUnlessAllowed) {
+    // (action, errnoRet, op) of each rule naming `call` alone, and whether
+    // any unconditional rule allows it.
+    const auto rules_for = [](const json& profile, const std::string& call) {
+        std::vector<std::tuple<std::string, int, std::string, std::uint64_t>> rules;
+        bool unconditional = false;
+        for (const auto& rule : profile["syscalls"]) {
+            const auto& names = rule["names"];
+            if (std::find(names.begin(), names.end(), call) == names.end()) continue;
+            if (!rule.contains("args")) {
+                unconditional = unconditional || rule["action"] == "SCMP_ACT_ALLOW";
+                continue;
+            }
+            rules.emplace_back(rule["action"], rule.value("errnoRet", 0), rule["args"][0]["op"],
+                               rule["args"][0]["value"]);
+        }
+        return std::pair{rules, unconditional};
+    };
+    const json plain = make_seccomp_profile();
+    const auto [madvise, madvise_free] = rules_for(plain, "madvise");
+    EXPECT_FALSE(madvise_free);
+    using Rule = std::tuple<std::string, int, std::string, std::uint64_t>;
+    EXPECT_EQ(madvise, (std::vector<Rule>{{"SCMP_ACT_ALLOW", 0, "SCMP_CMP_NE", 12},
+                                          {"SCMP_ACT_ERRNO", EPERM, "SCMP_CMP_EQ", 12}}));
+    const auto [prctl, prctl_free] = rules_for(plain, "prctl");
+    EXPECT_FALSE(prctl_free);
+    EXPECT_EQ(prctl, (std::vector<Rule>{{"SCMP_ACT_ALLOW", 0, "SCMP_CMP_NE", 67},
+                                        {"SCMP_ACT_ERRNO", EPERM, "SCMP_CMP_EQ", 67}}));
+    // The zygote's profile refuses it as well.
+    EXPECT_FALSE(
+        rules_for(make_seccomp_profile(RuntimeKind::runc, SandboxRole::zygote), "madvise").second);
+    // Allowed: both calls unconditionally, no rule about them otherwise.
+    const json merging = make_seccomp_profile(RuntimeKind::runc, SandboxRole::session, true);
+    for (const char* call : {"madvise", "prctl"}) {
+        const auto [rules, free] = rules_for(merging, call);
+        EXPECT_TRUE(free) << call;
+        EXPECT_TRUE(rules.empty()) << call;
+    }
+    // Both compile.
+    EXPECT_FALSE(compile_seccomp_bpf(plain).empty());
+    EXPECT_FALSE(compile_seccomp_bpf(merging).empty());
 }
 
 TEST(Seccomp, SocketIsAllowedForEveryFamilyButVsock) {
