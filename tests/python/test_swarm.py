@@ -27,6 +27,7 @@ import uuid
 
 import pytest
 
+import test_attacks_syscalls as attacks
 import test_egress as egress
 import test_egress_secrets as egress_secrets
 import test_kernel_conformance as conformance
@@ -203,7 +204,8 @@ def test_a_swarm_session_is_contained(bed, swarm):
         "  'seccomp': status['Seccomp'].strip(), 'filters': int(status['Seccomp_filters']),\n"
         # Docker's profile alone lets these two through (checked on the
         # testbed: inotify_init1 gives a descriptor, PTRACE_TRACEME succeeds);
-        # cellblock's says EPERM.
+        # cellblock's says EPERM (the shim's program; here the nodes' engine
+        # profile is cellblock's too, as deploy/swarm/README.md suggests).
         "  'inotify_init1': errno_of(294, 0), 'ptrace': errno_of(101, 0, 0, 0, 0),\n"
         "  'default_v4': [r for r in routes if r[1] == '00000000'],\n"
         "  'default_v6': [r for r in v6 if r[0] == '0' * 32 and r[1] == '00' and r[9] != 'lo'],\n"
@@ -217,8 +219,8 @@ def test_a_swarm_session_is_contained(bed, swarm):
     assert SWARM_FIRST_UID <= facts["uid"] < SWARM_FIRST_UID + SWARM_UID_SPAN, facts
     assert int(facts["cap_eff"], 16) == 0, facts
     assert facts["no_new_privs"] == "1", facts
-    # cellblock's seccomp program on top of Docker's profile: two filters, and
-    # calls Docker's default allows refused with EPERM.
+    # cellblock's seccomp program on top of the engine's profile: two filters,
+    # and calls Docker's default allows refused with EPERM.
     assert facts["seccomp"] == "2" and facts["filters"] >= 2, facts
     assert facts["inotify_init1"] == errno.EPERM, facts
     assert facts["ptrace"] == errno.EPERM, facts
@@ -542,6 +544,19 @@ MEMORY_FACTS = (
     "print(json.dumps({'personality': open('/proc/self/personality').read().strip(),\n"
     "                  'hash': hash('cellblock'), 'marked': marked,\n"
     "                  'data_marked': data_marked}))\n")
+
+
+def test_the_attack_suites_system_call_cases_hold_in_a_swarm_session(swarm):
+    """test_attacks_syscalls.py's cases against a swarm-placed session: every
+    call of the policy with arguments the kernel would reject on its own is
+    stopped by the filters, and the session cannot join same-page merging."""
+    sid, kc, _ = swarm.open_session()
+    try:
+        attacks.test_raw_syscalls_with_invalid_arguments_are_stopped_by_the_policy({"kc": kc})
+        attacks.test_no_session_can_join_same_page_merging({"kc": kc})
+    finally:
+        kc.stop_channels()
+        swarm.ok("session_close_request", {"session_id": sid})
 
 
 def test_kernels_share_their_boot_memory_only_when_the_server_asks(bed, swarm):
