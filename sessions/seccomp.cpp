@@ -86,24 +86,25 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role, bool allow_memory_
                         {"action", "SCMP_ACT_ALLOW"},
                         {"args", {{{"index", 0}, {"value", AF_VSOCK}, {"op", "SCMP_CMP_NE"}}}}});
     if (!allow_memory_merge) {
-        // Everything but joining same-page merging (see the header).
-        const auto arg_is = [](int index, std::uint64_t value, const char* op) {
-            return json::array({{{"index", index}, {"value", value}, {"op", op}}});
+        // Everything but joining same-page merging (see the header): the
+        // call passes unless its argument asks for that, which gets EPERM.
+        struct Merging {
+            const char* call;
+            int index;
+            std::uint64_t value;
         };
-        syscalls.push_back({{"names", {"madvise"}},
-                            {"action", "SCMP_ACT_ALLOW"},
-                            {"args", arg_is(2, MADV_MERGEABLE, "SCMP_CMP_NE")}});
-        syscalls.push_back({{"names", {"madvise"}},
-                            {"action", "SCMP_ACT_ERRNO"},
-                            {"errnoRet", EPERM},
-                            {"args", arg_is(2, MADV_MERGEABLE, "SCMP_CMP_EQ")}});
-        syscalls.push_back({{"names", {"prctl"}},
-                            {"action", "SCMP_ACT_ALLOW"},
-                            {"args", arg_is(0, kPrSetMemoryMerge, "SCMP_CMP_NE")}});
-        syscalls.push_back({{"names", {"prctl"}},
-                            {"action", "SCMP_ACT_ERRNO"},
-                            {"errnoRet", EPERM},
-                            {"args", arg_is(0, kPrSetMemoryMerge, "SCMP_CMP_EQ")}});
+        for (const Merging& m :
+             {Merging{"madvise", 2, MADV_MERGEABLE}, Merging{"prctl", 0, kPrSetMemoryMerge}}) {
+            const auto arg = [&](const char* op) {
+                return json::array({{{"index", m.index}, {"value", m.value}, {"op", op}}});
+            };
+            syscalls.push_back(
+                {{"names", {m.call}}, {"action", "SCMP_ACT_ALLOW"}, {"args", arg("SCMP_CMP_NE")}});
+            syscalls.push_back({{"names", {m.call}},
+                                {"action", "SCMP_ACT_ERRNO"},
+                                {"errnoRet", EPERM},
+                                {"args", arg("SCMP_CMP_EQ")}});
+        }
     }
     // The denied calls say EPERM, as under Docker's profile.
     syscalls.push_back({{"names", std::vector<std::string>(denied_set.begin(), denied_set.end())},
