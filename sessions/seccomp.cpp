@@ -29,6 +29,9 @@ using nlohmann::json;
 
 // Linux 6.4's; newer than some build hosts' headers.
 constexpr std::uint64_t kPrSetMemoryMerge = 67;
+// prctl's two options outside its small numbers ("Yama", "SVMA").
+constexpr std::uint64_t kPrSetPtracer = 0x59616d61;
+constexpr std::uint64_t kPrSetVma = 0x53564d41;
 
 json make_seccomp_profile(RuntimeKind kind, SandboxRole role, bool allow_memory_merge) {
     // Docker's default profile denies these to an unprivileged container; so do
@@ -81,30 +84,44 @@ json make_seccomp_profile(RuntimeKind kind, SandboxRole role, bool allow_memory_
                            {"value", namespace_flags},
                            {"valueTwo", 0},
                            {"op", "SCMP_CMP_MASKED_EQ"}}}}});
-    // socket of any family but AF_VSOCK, which reaches the hypervisor's host side.
-    syscalls.push_back({{"names", {"socket"}},
-                        {"action", "SCMP_ACT_ALLOW"},
-                        {"args", {{{"index", 0}, {"value", AF_VSOCK}, {"op", "SCMP_CMP_NE"}}}}});
+    // The kernel reads the arguments compared below as a C int, their low 32
+    // bits only: a rule like `!= AF_VSOCK` on the whole register let
+    // `AF_VSOCK | 1 << 32` through as AF_VSOCK (a vsock socket was made so).
+    // So each such call is allowed only for an enumerated set of whole values
+    // (SCMP_CMP_EQ: the high word 0, as every caller passing an int leaves
+    // it), refused with EPERM for the one it must not have, and anything else
+    // (any high word) gets the default ENOSYS. Not socket's refusal: on i386
+    // libseccomp also writes socket's rules as socketcall(SYS_SOCKET) ones,
+    // where a refusal after the allowances collides with them (EEXIST: runc
+    // then refuses the whole profile), so AF_VSOCK gets the default ENOSYS.
+    const auto int_argument = [&](const char* call, int index, std::uint64_t refused,
+                                  std::uint64_t below, std::vector<std::uint64_t> also,
+                                  bool refusal_rule) {
+        const auto argument_is = [&](std::uint64_t value) {
+            return json::array({{{"index", index}, {"value", value}, {"op", "SCMP_CMP_EQ"}}});
+        };
+        for (std::uint64_t value = 0; value < below; ++value) {
+            if (value != refused) also.push_back(value);
+        }
+        for (std::uint64_t value : also) {
+            syscalls.push_back(
+                {{"names", {call}}, {"action", "SCMP_ACT_ALLOW"}, {"args", argument_is(value)}});
+        }
+        if (!refusal_rule) return;
+        syscalls.push_back({{"names", {call}},
+                            {"action", "SCMP_ACT_ERRNO"},
+                            {"errnoRet", EPERM},
+                            {"args", argument_is(refused)}});
+    };
+    // socket of any family the headers know but AF_VSOCK, which reaches the
+    // hypervisor's host side.
+    int_argument("socket", 0, AF_VSOCK, AF_MAX, {}, /*refusal_rule=*/false);
     if (!allow_memory_merge) {
         // Everything but joining same-page merging (see the header): the
-        // call passes unless its argument asks for that, which gets EPERM.
-        struct Merging {
-            const char* call;
-            int index;
-            std::uint64_t value;
-        };
-        for (const Merging& m :
-             {Merging{"madvise", 2, MADV_MERGEABLE}, Merging{"prctl", 0, kPrSetMemoryMerge}}) {
-            const auto arg = [&](const char* op) {
-                return json::array({{{"index", m.index}, {"value", m.value}, {"op", op}}});
-            };
-            syscalls.push_back(
-                {{"names", {m.call}}, {"action", "SCMP_ACT_ALLOW"}, {"args", arg("SCMP_CMP_NE")}});
-            syscalls.push_back({{"names", {m.call}},
-                                {"action", "SCMP_ACT_ERRNO"},
-                                {"errnoRet", EPERM},
-                                {"args", arg("SCMP_CMP_EQ")}});
-        }
+        // advice and options there are and room for newer ones (MADV_GUARD_*
+        // are 102 and 103), PR_SET_PTRACER and PR_SET_VMA.
+        int_argument("madvise", 2, MADV_MERGEABLE, 128, {}, true);
+        int_argument("prctl", 0, kPrSetMemoryMerge, 128, {kPrSetPtracer, kPrSetVma}, true);
     }
     // The denied calls say EPERM, as under Docker's profile.
     syscalls.push_back({{"names", std::vector<std::string>(denied_set.begin(), denied_set.end())},

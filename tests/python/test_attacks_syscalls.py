@@ -227,3 +227,36 @@ result = {'madvise_mergeable': sc(28, buf, 1 << 16, 12),
     assert not inside["mg"], f"a mapping of the session's is mergeable: {inside}"
     assert inside["madvise_dontneed"] == 0 and inside["i386_madvise_dontneed"] == 0, inside
     assert inside["prctl_get_dumpable"] >= 0, inside
+
+
+def test_an_int_argument_is_judged_by_the_word_the_kernel_reads(box):
+    """The kernel reads socket's family, madvise's advice and prctl's option
+    as a C int, the register's low 32 bits: a rule that compared the whole
+    register let `value | 1 << 32` through as `value` (an AF_VSOCK socket was
+    made this way under the old `family != AF_VSOCK` rule). Now only whole
+    values are allowed: a high word is refused whatever the low one holds
+    (no caller passing an int sets it), and the values pass without one."""
+    inside = run_ok(box["kc"], cell(SYSCALL_HELPER + """
+import os
+buf = _libc.mmap(None, 1 << 16, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+high = 1 << 32
+result = {'socket_vsock': sc(41, 40 | high, 1, 0),
+          'socket_vsock_top': sc(41, 40 | (0xffffffff << 32), 1, 0),
+          'madvise_mergeable': sc(28, buf, 1 << 16, 12 | high),
+          'prctl_memory_merge': sc(157, 67 | high, 1, 0, 0, 0),
+          'socket_unix_high': sc(41, 1 | high, 1, 0),
+          'madvise_dontneed_high': sc(28, buf, 1 << 16, 4 | high),
+          'socket_unix': sc(41, 1, 1, 0),
+          'madvise_dontneed': sc(28, buf, 1 << 16, 4),
+          'prctl_get_dumpable': sc(157, 3, 0, 0, 0, 0)}
+if result['socket_unix'] >= 0:
+    os.close(result['socket_unix'])
+    result['socket_unix'] = 'fd'
+"""))
+    refused = {name: inside[name] for name in ("socket_vsock", "socket_vsock_top",
+                                               "madvise_mergeable", "prctl_memory_merge",
+                                               "socket_unix_high", "madvise_dontneed_high")}
+    found = gaps(refused)
+    assert found == {}, f"a high word got a value through (GAP): {found}; all: {inside}"
+    assert inside["socket_unix"] == "fd" and inside["madvise_dontneed"] == 0, inside
+    assert inside["prctl_get_dumpable"] >= 0, inside
