@@ -316,21 +316,22 @@ ArgumentRules argument_rules(const json& profile, const std::string& call) {
 
 TEST(Seccomp, JoiningSamePageMergingIsRefusedUnlessAllowed) {
     const json plain = make_seccomp_profile();
-    const auto madvise = argument_rules(plain, "madvise");
-    EXPECT_FALSE(madvise.unconditional);
-    EXPECT_TRUE(madvise.equalities_only);
-    EXPECT_EQ(madvise.refused, (std::set<std::uint64_t>{12}));  // MADV_MERGEABLE
-    EXPECT_FALSE(madvise.allowed.count(12));
-    for (std::uint64_t advice : {0, 4, 8, 13, 14, 21, 102, 103}) {
-        EXPECT_TRUE(madvise.allowed.count(advice)) << advice;
-    }
-    const auto prctl = argument_rules(plain, "prctl");
-    EXPECT_FALSE(prctl.unconditional);
-    EXPECT_TRUE(prctl.equalities_only);
-    EXPECT_EQ(prctl.refused, (std::set<std::uint64_t>{67}));  // PR_SET_MEMORY_MERGE
-    EXPECT_FALSE(prctl.allowed.count(67));
-    for (std::uint64_t option : {1, 3, 4, 15, 22, 38, 0x59616d61, 0x53564d41}) {
-        EXPECT_TRUE(prctl.allowed.count(option)) << option;
+    struct Expected {
+        const char* call;
+        std::uint64_t refused;  // MADV_MERGEABLE, PR_SET_MEMORY_MERGE
+        std::vector<std::uint64_t> still_allowed;
+    };
+    for (const Expected& want :
+         {Expected{"madvise", 12, {0, 4, 8, 13, 14, 21, 102, 103}},
+          Expected{"prctl", 67, {1, 3, 4, 15, 22, 38, 0x59616d61, 0x53564d41}}}) {
+        const auto rules = argument_rules(plain, want.call);
+        EXPECT_FALSE(rules.unconditional) << want.call;
+        EXPECT_TRUE(rules.equalities_only) << want.call;
+        EXPECT_EQ(rules.refused, (std::set<std::uint64_t>{want.refused})) << want.call;
+        EXPECT_FALSE(rules.allowed.count(want.refused)) << want.call;
+        for (std::uint64_t value : want.still_allowed) {
+            EXPECT_TRUE(rules.allowed.count(value)) << want.call << " " << value;
+        }
     }
     // The zygote's profile refuses it as well.
     EXPECT_EQ(
