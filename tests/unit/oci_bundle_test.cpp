@@ -12,6 +12,7 @@
 #include <fstream>
 #include <set>
 #include <tuple>
+#include <vector>
 
 #include <gtest/gtest.h>
 
