@@ -220,11 +220,11 @@ def egress_rows(bench, bed):
 def swarm_figure(bench):
     work = tempfile.mkdtemp(prefix="cellblock-bench-swarm-", dir="/var/tmp")
     try:
-        profile = os.path.join(work + ".seccomp.json")
-        with open(profile, "w") as f:
-            subprocess.run([servers.CELLBLOCK, "seccomp-profile"], stdout=f, check=True,
-                           timeout=60)
+        profile = work + ".seccomp.json"
         try:
+            with open(profile, "w") as f:
+                subprocess.run([servers.CELLBLOCK, "seccomp-profile"], stdout=f, check=True,
+                               timeout=60)
             bed = testbed.up(work, engine_profile=profile)
         finally:
             os.unlink(profile)

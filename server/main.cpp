@@ -357,7 +357,7 @@ int main(int argc, char** argv) {
     errors_cmd->add_flag("--json", as_json, "print JSON");
 
     // The profile every session's sandbox gets, for a Swarm node's engine
-    // (deploy/swarm/node-setup.sh --engine-profile, docs/scale-out.md).
+    // (dockerd --seccomp-profile: deploy/swarm/README.md, docs/scale-out.md).
     auto* profile_cmd = app.add_subcommand(
         "seccomp-profile",
         "print the seccomp profile every session gets (OCI/Docker JSON), e.g. for a Swarm "
