@@ -227,7 +227,8 @@ def swarm_figure(bench):
                                timeout=60)
             bed = testbed.up(work, engine_profile=profile)
         finally:
-            os.unlink(profile)
+            if os.path.exists(profile):
+                os.unlink(profile)
     except testbed.DaemonStartFailed as e:
         raise BenchError(f"dockerd cannot start here: {e}")
     rows = []
