@@ -8,10 +8,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <exception>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 namespace cellblock {
@@ -57,6 +63,122 @@ std::size_t read_some(int fd, unsigned char* data, std::size_t n) {
     }
     return got;
 }
+
+// Writes a seal's (or an opening's) chunks on a thread of its own, so that
+// reading and the cipher's work on the next chunk overlap writing this one:
+// here the read, the cipher and the write into the page cache each took
+// about a third of a seal (docs/hibernation.md). A file of one chunk is
+// written on the caller's thread; no thread is started for it. A failed
+// write is thrown by the next take(), queue() or finish().
+class WriteBehind {
+  public:
+    // `start_disk`: ask the disk to start writing every kWriteBehind bytes.
+    WriteBehind(int out, bool start_disk)
+        : out_(out), start_disk_(start_disk), at_(::lseek(out, 0, SEEK_CUR)) {
+        for (std::size_t i = 0; i < buffers_.size(); ++i) {
+            buffers_[i].resize(kChunk + kTag);
+            free_.push_back(i);
+        }
+    }
+    ~WriteBehind() {
+        {
+            const std::lock_guard lock(mutex_);
+            abandoned_ = true;
+        }
+        changed_.notify_all();
+        if (thread_.joinable()) thread_.join();
+        // An opening's buffers held plain content.
+        for (auto& b : buffers_) OPENSSL_cleanse(b.data(), b.size());
+    }
+    WriteBehind(const WriteBehind&) = delete;
+    WriteBehind& operator=(const WriteBehind&) = delete;
+
+    // A free buffer of kChunk + kTag bytes (waits while every one is queued).
+    unsigned char* take() {
+        std::unique_lock lock(mutex_);
+        changed_.wait(lock, [this] { return !free_.empty() || failed_; });
+        if (failed_) std::rethrow_exception(failed_);
+        taken_ = free_.back();
+        free_.pop_back();
+        return buffers_[taken_].data();
+    }
+    // The first `n` bytes of what take() gave, written after all before.
+    void queue(std::size_t n) {
+        {
+            const std::lock_guard lock(mutex_);
+            if (failed_) std::rethrow_exception(failed_);
+            queued_.emplace_back(taken_, n);
+        }
+        if (!thread_.joinable() && queued_.size() > 1) thread_ = std::thread([this] { run(); });
+        changed_.notify_all();
+    }
+    // Everything queued written; throws what failed.
+    void finish() {
+        if (thread_.joinable()) {
+            {
+                const std::lock_guard lock(mutex_);
+                closing_ = true;
+            }
+            changed_.notify_all();
+            thread_.join();
+        } else {
+            for (const auto& [i, n] : queued_) write_chunk(buffers_[i].data(), n);
+            queued_.clear();
+        }
+        if (failed_) std::rethrow_exception(failed_);
+    }
+
+  private:
+    void run() {
+        for (;;) {
+            std::pair<std::size_t, std::size_t> next;
+            {
+                std::unique_lock lock(mutex_);
+                changed_.wait(lock, [this] { return !queued_.empty() || closing_ || abandoned_; });
+                if (abandoned_ || queued_.empty()) return;
+                next = queued_.front();
+            }
+            try {
+                write_chunk(buffers_[next.first].data(), next.second);
+            } catch (const std::exception&) {
+                const std::lock_guard lock(mutex_);
+                failed_ = std::current_exception();
+                changed_.notify_all();
+                return;
+            }
+            {
+                const std::lock_guard lock(mutex_);
+                queued_.pop_front();
+                free_.push_back(next.first);
+            }
+            changed_.notify_all();
+        }
+    }
+    void write_chunk(const unsigned char* data, std::size_t n) {
+        write_all(out_, data, n);
+        written_ += n;
+        if (start_disk_ && at_ >= 0 && written_ - on_its_way_ >= kWriteBehind) {
+            // Not every file system has it (then the fsync does it all).
+            ::sync_file_range(out_, at_ + static_cast<off_t>(on_its_way_),
+                              static_cast<off_t>(written_ - on_its_way_), SYNC_FILE_RANGE_WRITE);
+            on_its_way_ = written_;
+        }
+    }
+
+    const int out_;
+    const bool start_disk_;
+    const off_t at_;                              // where the first chunk goes in `out_`
+    std::uint64_t written_ = 0, on_its_way_ = 0;  // the writer's alone
+    std::array<std::vector<unsigned char>, 4> buffers_;
+    std::vector<std::size_t> free_;
+    std::deque<std::pair<std::size_t, std::size_t>> queued_;  // buffer, bytes
+    std::size_t taken_ = 0;
+    std::mutex mutex_;
+    std::condition_variable changed_;
+    bool closing_ = false, abandoned_ = false;
+    std::exception_ptr failed_;
+    std::thread thread_;
+};
 
 Cipher start(bool encrypt, const SnapshotKey& key, const unsigned char* nonce,
              const std::string& label) {
@@ -107,35 +229,30 @@ std::uint64_t seal_from(const SealSource& read, int out, const SnapshotKey& key,
     write_all(out, reinterpret_cast<const unsigned char*>(kMagic), sizeof kMagic);
     write_all(out, nonce, sizeof nonce);
     Cipher ctx = start(true, key, nonce, label);
-    std::vector<unsigned char> plain(kChunk), sealed(kChunk + 16);
-    std::uint64_t total = 0, on_its_way = 0;
+    std::vector<unsigned char> plain(kChunk);
+    WriteBehind writer(out, true);
+    std::uint64_t total = 0;
     for (;;) {
         const std::size_t n = read(plain.data(), plain.size());
         if (n == 0) break;
         int len = 0;
-        if (EVP_EncryptUpdate(ctx.get(), sealed.data(), &len, plain.data(), static_cast<int>(n)) !=
+        if (EVP_EncryptUpdate(ctx.get(), writer.take(), &len, plain.data(), static_cast<int>(n)) !=
             1) {
             fail("sealing failed");
         }
-        write_all(out, sealed.data(), static_cast<std::size_t>(len));
+        writer.queue(static_cast<std::size_t>(len));
         total += n;
-        if (total - on_its_way >= kWriteBehind) {
-            // Not every file system has it (then the fsync does it all).
-            ::sync_file_range(out, static_cast<off_t>(sizeof kMagic + kNonce + on_its_way),
-                              static_cast<off_t>(total - on_its_way), SYNC_FILE_RANGE_WRITE);
-            on_its_way = total;
-        }
         if (n < plain.size()) break;
     }
+    OPENSSL_cleanse(plain.data(), plain.size());
     int len = 0;
-    unsigned char tag[kTag];
-    if (EVP_EncryptFinal_ex(ctx.get(), sealed.data(), &len) != 1 ||
-        EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_GET_TAG, kTag, tag) != 1) {
+    unsigned char* last = writer.take();
+    if (EVP_EncryptFinal_ex(ctx.get(), last, &len) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_GET_TAG, kTag, last + len) != 1) {
         fail("sealing failed at the end");
     }
-    write_all(out, sealed.data(), static_cast<std::size_t>(len));
-    write_all(out, tag, sizeof tag);
-    OPENSSL_cleanse(plain.data(), plain.size());
+    writer.queue(static_cast<std::size_t>(len) + kTag);
+    writer.finish();
     return total;
 }
 
@@ -151,18 +268,19 @@ std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
         fail("it is not a sealed snapshot");
     }
     Cipher ctx = start(false, key, head + sizeof kMagic, label);
-    std::vector<unsigned char> sealed(kChunk), plain(kChunk + 16);
+    std::vector<unsigned char> sealed(kChunk);
+    WriteBehind writer(out, false);
     std::uint64_t left = size - kSealOverhead, total = 0;
     while (left > 0) {
         const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(left, kChunk));
         const std::size_t n = read_some(in, sealed.data(), want);
         if (n != want) fail("it was cut short while it was read");
         int len = 0;
-        if (EVP_DecryptUpdate(ctx.get(), plain.data(), &len, sealed.data(), static_cast<int>(n)) !=
+        if (EVP_DecryptUpdate(ctx.get(), writer.take(), &len, sealed.data(), static_cast<int>(n)) !=
             1) {
             fail("opening failed");
         }
-        write_all(out, plain.data(), static_cast<std::size_t>(len));
+        writer.queue(static_cast<std::size_t>(len));
         total += static_cast<std::uint64_t>(len);
         left -= n;
     }
@@ -170,10 +288,10 @@ std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
     if (read_some(in, tag, sizeof tag) != sizeof tag) fail("its tag is missing");
     int len = 0;
     if (EVP_CIPHER_CTX_ctrl(ctx.get(), EVP_CTRL_GCM_SET_TAG, kTag, tag) != 1 ||
-        EVP_DecryptFinal_ex(ctx.get(), plain.data(), &len) != 1) {
+        EVP_DecryptFinal_ex(ctx.get(), writer.take(), &len) != 1) {
         fail("it failed its integrity check (changed on disk, or not this session's)");
     }
-    OPENSSL_cleanse(plain.data(), plain.size());
+    writer.finish();
     return total;
 }
 

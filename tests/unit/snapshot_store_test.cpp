@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -28,6 +29,17 @@ std::string read_file(const fs::path& p) {
 void write_file(const fs::path& p, const std::string& text) {
     fs::create_directories(p.parent_path());
     std::ofstream(p, std::ios::binary) << text;
+}
+
+// What `f` threw, or "" when it returned.
+template <typename F>
+std::string error_of(F&& f) {
+    try {
+        f();
+    } catch (const std::exception& e) {
+        return e.what();
+    }
+    return "";
 }
 
 // Every byte of every file under `dir`.
@@ -519,14 +531,6 @@ TEST(ServerKey, IsMadeOnceOwnerOnlyAndRefusedWhenOthersCouldReadIt) {
         fs::temp_directory_path() / ("cellblock-server-key-" + std::to_string(::getpid()));
     fs::remove_all(dir);
     const fs::path path = dir / "keys" / "server.key";
-    const auto error_of = [](auto&& f) -> std::string {
-        try {
-            f();
-        } catch (const std::exception& e) {
-            return e.what();
-        }
-        return "";
-    };
     EXPECT_NE(error_of([&] { load_server_key(path, false); }).find("No such file"),
               std::string::npos);
     const auto made = load_server_key(path, true);
@@ -586,6 +590,40 @@ TEST(SnapshotCipher, SealedStreamsRoundTripAndCarryNoPlainText) {
     EXPECT_THROW(open_with(other, "s/label"), std::runtime_error);
     fs::resize_file(dir / "sealed", plain.size());  // cut short
     EXPECT_THROW(open_with(key, "s/label"), std::runtime_error);
+    fs::remove_all(dir);
+}
+
+// The chunks are written on a thread of their own (snapshot_cipher.cpp,
+// WriteBehind): a write that fails there is the seal's or the opening's
+// error, for a file of one chunk (written on the caller's thread) as for one
+// of many, never a seal that returns as if whole.
+TEST(SnapshotCipher, AWriteThatFailsIsThrownWhateverTheFilesSize) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-seal-full-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const SnapshotKey key;
+    for (const std::size_t size : {std::size_t{100}, std::size_t{(5 << 20) + 3}}) {
+        write_file(dir / "plain", std::string(size, 'p'));
+        const int in = ::open((dir / "plain").c_str(), O_RDONLY);
+        const int full = ::open("/dev/full", O_WRONLY);
+        ASSERT_GE(full, 0);
+        const std::string error = error_of([&] { seal_stream(in, full, key, "s/label"); });
+        EXPECT_NE(error.find(std::strerror(ENOSPC)), std::string::npos) << size << ": " << error;
+        ::close(in);
+
+        const int plain = ::open((dir / "plain").c_str(), O_RDONLY);
+        const int sealed = ::open((dir / "sealed").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        EXPECT_EQ(seal_stream(plain, sealed, key, "s/label"), size);
+        ::close(plain);
+        ::close(sealed);
+        const int back = ::open((dir / "sealed").c_str(), O_RDONLY);
+        const std::string opening =
+            error_of([&] { open_sealed_stream(back, full, key, "s/label"); });
+        EXPECT_NE(opening.find(std::strerror(ENOSPC)), std::string::npos)
+            << size << ": " << opening;
+        ::close(back);
+        ::close(full);
+    }
     fs::remove_all(dir);
 }
 
