@@ -10,6 +10,7 @@ CONNECTION_FILE = "/run/cellblock/kernel.json"
 # The zygote's command line (after the interpreter and the script).
 SOCKET_OPTION = "--socket"
 PRELOAD_OPTION = "--preload"
+WARM_IMPORTS_OPTION = "--warm-imports"
 
 # Server -> zygote on its control socket: "seccomp <BPF program>" once, then
 # fork requests (JSON, with FORK_FDS attached). Replies are JSON objects with
@@ -18,6 +19,7 @@ SECCOMP = "seccomp"
 MAX_REQUEST = 65536
 REPLY_PID = "pid"
 REPLY_REFUSED = "refused"
+REPLY_SKIPPED = "skipped"
 REPLY_ERROR = "error"
 
 # A fork's reports on its report socket, and the server's answers, in order:

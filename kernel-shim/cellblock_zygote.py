@@ -214,7 +214,7 @@ def receive(sock):
     return data, fds
 
 
-def serve(path, bpf_holder, refused=None):
+def serve(path, bpf_holder, refused=None, skipped=()):
     seccomp = f"{protocol.SECCOMP} ".encode()
     spare = None
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -239,6 +239,8 @@ def serve(path, bpf_holder, refused=None):
                         reply = {"ok": True, protocol.REPLY_PID: os.getpid()}
                         if refused:
                             reply[protocol.REPLY_REFUSED] = refused
+                        if skipped:
+                            reply[protocol.REPLY_SKIPPED] = list(skipped)
                     elif refused:
                         reply = {protocol.REPLY_ERROR:
                                  f"this host does not let a fork contain itself: {refused}"}
@@ -277,24 +279,37 @@ def main(argv):
     if os.getppid() != parent:
         sys.exit("cellblock-zygote: the container's init is gone")
     socket_path = argv[argv.index(protocol.SOCKET_OPTION) + 1]
-    preload = (argv[argv.index(protocol.PRELOAD_OPTION) + 1].split(",")
-               if protocol.PRELOAD_OPTION in argv else [])
+
+    def modules(option):
+        return list(filter(None, argv[argv.index(option) + 1].split(","))) if option in argv else []
+
+    preload = modules(protocol.PRELOAD_OPTION)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     # What a kernel imports to start, and the image's preload, once.
     import cellblock_ipykernel
     import ipykernel.ipkernel  # noqa: F401
     import ipykernel.zmqshell  # noqa: F401
-    for module in filter(None, preload):
+    for module in preload:
         try:
             importlib.import_module(module)
         except BaseException as e:  # noqa: B902 - the server reports this line
             sys.exit(f"cellblock-zygote: the image's preload (warm-up) failed: import {module}: "
                      f"{type(e).__name__}: {e}")
+    # The image's warm imports: in every fork's sys.modules, bound in no
+    # namespace; a speed-up, so one this root cannot import is skipped, and
+    # named to the server (its log) and in the zygote's.
+    skipped = []
+    for module in modules(protocol.WARM_IMPORTS_OPTION):
+        try:
+            importlib.import_module(module)
+        except BaseException as e:  # noqa: B902 - any failure only costs the speed-up
+            skipped.append(f"{module} ({type(e).__name__}: {e})")
+            print(f"cellblock-zygote: warm import {skipped[-1]} skipped", file=sys.stderr)
     # Half of a kernel's own start, done once: its command line parsed and its
     # IPython shell built (cellblock_ipykernel.prewarm), for every fork to adopt.
     # Without it (an image whose ipykernel lacks what it uses) each fork's
     # kernel builds its own, as a booted one does: slower, not broken.
-    cellblock_ipykernel.SandboxKernelApp.preloaded = tuple(filter(None, preload))
+    cellblock_ipykernel.SandboxKernelApp.preloaded = tuple(preload)
     try:
         cellblock_ipykernel.prewarm(["-f", protocol.CONNECTION_FILE])
     except Exception as e:  # noqa: B902 - reported, then done without
@@ -316,7 +331,7 @@ def main(argv):
         collapsed, why_not = collapse_into_huge_pages()
         print(f"cellblock-zygote: {collapsed} MiB in huge pages"
               + (f" (refused elsewhere: {why_not})" if why_not else ""), file=sys.stderr)
-    serve(socket_path, [b""], refused)
+    serve(socket_path, [b""], refused, skipped)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ json Server::server_info(Request&, std::vector<std::string>&) {
         json entry = {{"rootfs", image.rootfs == "store" ? "store" : image.rootfs},
                       {"runtime", image.runtime},
                       {"preload", image.preload},
+                      {"warm_imports", image.warm_imports},
                       {"pool", pools.contains(name) ? pools[name] : json(nullptr)}};
         if (image.rootfs == "store") {
             const auto current = image_store_.current(name);

@@ -83,6 +83,13 @@ Complaint check_preload(const Image& image) {
     return std::nullopt;
 }
 
+Complaint check_warm_imports(const Image& image) {
+    for (const auto& module : image.warm_imports) {
+        if (!is_module_name(module)) return "warm_imports '" + module + "' is not a module name";
+    }
+    return std::nullopt;
+}
+
 Complaint check_zygote(const Image& image) {
     if (!image.zygote) return std::nullopt;
     if (image.runtime != "runc") {
@@ -104,7 +111,8 @@ const std::vector<ImageCheck>& image_checks() {
     static const std::vector<ImageCheck> checks = {
         {"kernel_argv", check_kernel_argv}, {"rootfs", check_rootfs},
         {"host_binds", check_host_binds},   {"build", check_build},
-        {"preload", check_preload},         {"zygote", check_zygote},
+        {"preload", check_preload},         {"warm_imports", check_warm_imports},
+        {"zygote", check_zygote},
     };
     return checks;
 }
@@ -128,6 +136,7 @@ Image Image::from_json(const json& j) {
     read_field(j, "kernel_argv", image.kernel_argv, where);
     read_field(j, "env", image.env, where);
     read_field(j, "preload", image.preload, where);
+    read_field(j, "warm_imports", image.warm_imports, where);
     read_field(j, "zygote", image.zygote, where);
     image.definition = j;
     if (j.contains("build")) {

@@ -160,12 +160,13 @@ json make_oci_config(const SandboxSpec& spec) {
         args.push_back(std::string(kSandboxLibexec) + "/cellblock_zygote.py");
         args.push_back(sandbox_protocol::kZygoteSocketOption);
         args.push_back(kSandboxZygoteSocket);
-        std::string preload;
-        for (const auto& module : spec.image.preload)
-            preload += (preload.empty() ? "" : ",") + module;
-        if (!preload.empty()) {
-            args.insert(args.end(), {sandbox_protocol::kZygotePreloadOption, preload});
-        }
+        const auto option = [&args](const char* name, const std::vector<std::string>& modules) {
+            std::string list;
+            for (const auto& module : modules) list += (list.empty() ? "" : ",") + module;
+            if (!list.empty()) args.insert(args.end(), {name, list});
+        };
+        option(sandbox_protocol::kZygotePreloadOption, spec.image.preload);
+        option(sandbox_protocol::kZygoteWarmImportsOption, spec.image.warm_imports);
     } else {
         for (auto& arg : kernel_command(spec.image)) args.push_back(arg);
     }

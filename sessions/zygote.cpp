@@ -149,6 +149,15 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
         const std::string why = refused.is_string() ? refused.get<std::string>() : refused.dump();
         throw ForkingRefused("this host does not let a zygote's fork contain itself: " + why);
     }
+    // Warm imports this root could not import: its sessions import them
+    // themselves, at their own cost.
+    if (reply.contains(protocol::kReplySkipped) && reply[protocol::kReplySkipped].is_array()) {
+        for (const auto& skipped : reply[protocol::kReplySkipped]) {
+            spdlog::warn("zygote of image {}: warm import {} skipped; its sessions import it "
+                         "themselves (docs/images.md)",
+                         image.name, skipped.is_string() ? skipped.get<std::string>() : "?");
+        }
+    }
     // A pool worker that started it may run at a low priority; its forks take
     // the priority of the thread that asks for each (see fork), which they
     // can lower but not raise: the zygote itself runs at 0.

@@ -45,6 +45,14 @@ struct Image {
     // Modules a pooled kernel imports before it is handed out (names only,
     // checked to be dotted identifiers), so a session's first import is free.
     std::vector<std::string> preload;
+    // Modules the zygote imports once and does not bind in a session's
+    // namespace: every fork finds them in sys.modules, so a cell's `import
+    // pandas`, and a hibernated session's wake (which imports by name what
+    // its snapshot held), costs nothing. One that fails to import is skipped
+    // with a line in the zygote's log (a host without pandas still serves).
+    // A booted kernel (no zygote, or one the host refused) does not import
+    // them: that would cost each session their memory, not share it.
+    std::vector<std::string> warm_imports;
     // Sessions are forked from a zygote that imported the kernel and the
     // preload once (docs/zygote.md), instead of booting an interpreter each.
     // runc only; the kernel must be cellblock's ipykernel launcher.

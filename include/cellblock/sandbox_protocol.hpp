@@ -28,6 +28,7 @@ namespace cellblock::sandbox_protocol {
     /* The zygote's command line (after the interpreter and the script). */                  \
     W(kZygoteSocketOption, "SOCKET_OPTION", "--socket")                                      \
     W(kZygotePreloadOption, "PRELOAD_OPTION", "--preload")                                   \
+    W(kZygoteWarmImportsOption, "WARM_IMPORTS_OPTION", "--warm-imports")                     \
     /* Server -> zygote on its control socket: "seccomp <BPF program>" once, then fork */    \
     /* requests (JSON, with CELLBLOCK_FORK_FDS attached). Replies are JSON objects with */   \
     /* these keys. */                                                                        \
@@ -35,6 +36,7 @@ namespace cellblock::sandbox_protocol {
     N(kMaxRequestBytes, "MAX_REQUEST", 65536)                                                \
     W(kReplyPid, "REPLY_PID", "pid")                                                         \
     W(kReplyRefused, "REPLY_REFUSED", "refused")                                             \
+    W(kReplySkipped, "REPLY_SKIPPED", "skipped")                                             \
     W(kReplyError, "REPLY_ERROR", "error")                                                   \
     /* A fork's reports on its report socket, and the server's answers, in order: */         \
     /* "userns", "mapped", "init PID", "cgrouped", "ready"; "error WHY" at any step. */      \

@@ -563,7 +563,7 @@ TEST(Image, DefinitionsAreCheckedByNamedChecks) {
     std::set<std::string_view> names;
     for (const auto& check : image_checks()) names.insert(check.name);
     EXPECT_EQ(names, (std::set<std::string_view>{"kernel_argv", "rootfs", "host_binds", "build",
-                                                 "preload", "zygote"}));
+                                                 "preload", "warm_imports", "zygote"}));
     const json base = {{"name", "x"}, {"kernel_argv", {"k"}}};
     auto refusal = [&](json patch) -> std::string {
         json j = base;
@@ -592,6 +592,11 @@ TEST(Image, DefinitionsAreCheckedByNamedChecks) {
     EXPECT_EQ(refusal({{"zygote", true}}),
               "image x: zygote sessions fork cellblock's ipykernel launcher: kernel_argv must be "
               "[python, /opt/cellblock/cellblock_ipykernel.py, ...] (check zygote)");
+    EXPECT_EQ(refusal({{"zygote", true}, {"kernel_argv", launcher}, {"warm_imports", {"pandas"}}}),
+              "");
+    EXPECT_EQ(refusal({{"warm_imports", {"pandas"}}}), "");  // a booted kernel skips them
+    EXPECT_EQ(refusal({{"zygote", true}, {"kernel_argv", launcher}, {"warm_imports", {"a;b"}}}),
+              "image x: warm_imports 'a;b' is not a module name (check warm_imports)");
 }
 
 // A zygote's container: no user or PID namespace (its forks make their own),
@@ -618,6 +623,14 @@ TEST(OciConfig, ZygoteRole) {
     EXPECT_EQ(args[2], "/usr/bin/python3");
     EXPECT_EQ(args[3], "/opt/cellblock/cellblock_zygote.py");
     EXPECT_EQ(args.back(), "numpy,pandas");
+    // Warm imports on their own option, after the preload; none, no option.
+    spec.image.warm_imports = {"scipy", "matplotlib.pyplot"};
+    const auto warm_args = make_oci_config(spec)["process"]["args"];
+    ASSERT_GE(warm_args.size(), 4u);
+    EXPECT_EQ(warm_args[warm_args.size() - 3], "numpy,pandas");
+    EXPECT_EQ(warm_args[warm_args.size() - 2], "--warm-imports");
+    EXPECT_EQ(warm_args.back(), "scipy,matplotlib.pyplot");
+    spec.image.warm_imports.clear();
     auto denied = [](const json& profile) {
         std::set<std::string> names;
         for (const auto& rule : profile["syscalls"])
