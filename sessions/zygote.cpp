@@ -153,9 +153,10 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
     // themselves, at their own cost.
     if (reply.contains(protocol::kReplySkipped) && reply[protocol::kReplySkipped].is_array()) {
         for (const auto& skipped : reply[protocol::kReplySkipped]) {
-            spdlog::warn("zygote of image {}: warm import {} skipped; its sessions import it "
-                         "themselves (docs/images.md)",
-                         image.name, skipped.is_string() ? skipped.get<std::string>() : "?");
+            spdlog::warn(
+                "zygote of image {}: warm import {} skipped; its sessions import it "
+                "themselves (docs/images.md)",
+                image.name, skipped.is_string() ? skipped.get<std::string>() : "?");
         }
     }
     // A pool worker that started it may run at a low priority; its forks take
