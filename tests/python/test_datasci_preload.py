@@ -11,7 +11,9 @@ test's, forked from a zygote as python-datasci is.
 Checked: such a cell, and `import seaborn, scipy.stats` (the image ships
 them), import nothing of the data stack in a forked session
 (everything came from the zygote), and preloading pyplot in the zygote keeps
-the inline backend's integration: a figure still shows as image/png.
+the inline backend's integration: a figure still shows as image/png. And
+the shipped `host` image, whose zygote warms the same stack without binding
+it (`warm_imports`), keeps figures inline too.
 """
 import json
 import os
@@ -68,3 +70,24 @@ def test_a_figure_still_shows_inline_after_pyplot_was_preloaded(dserver):
     assert len(pngs) == 1, [m["msg_type"] for m in msgs]
     import base64
     assert base64.b64decode(pngs[0]).startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_the_host_images_warm_imports_leave_figures_inline(dserver):
+    """The shipped `host` image's zygote warms numpy, pandas, matplotlib and
+    pyplot (`warm_imports`, docs/images.md): a session finds them in
+    sys.modules, bound in no namespace, without the inline backend (which
+    must be imported after the kernel's shell exists), and its plot still
+    shows as image/png at the end of the cell."""
+    with open(os.path.join(sh.SOURCE_DIR, "images", "host", "image.json")) as f:
+        warm = json.load(f)["warm_imports"]
+    assert {"numpy", "pandas", "matplotlib.pyplot"} <= set(warm), warm
+    sid, kc, _ = dserver.open_session(image="host")
+    assert sh.is_forked(dserver.state_dir, sid)
+    seen = json.loads(sh.run_ok(kc, "import sys, json\nprint(json.dumps({m: [m in sys.modules, "
+                                    f"m.split('.')[0] in dir()] for m in {warm + ['matplotlib_inline.backend_inline']!r}}}))"))
+    assert seen == dict({m: [True, False] for m in warm},
+                        **{"matplotlib_inline.backend_inline": [False, False]}), seen
+    reply, msgs = sh.execute(kc, "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])")
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert [m for m in msgs if m["msg_type"] == "display_data"
+            and "image/png" in m["content"]["data"]], [m["msg_type"] for m in msgs]
