@@ -239,8 +239,9 @@ def serve(path, bpf_holder, refused=None, skipped=()):
                         reply = {"ok": True, protocol.REPLY_PID: os.getpid()}
                         if refused:
                             reply[protocol.REPLY_REFUSED] = refused
-                        if skipped:
-                            reply[protocol.REPLY_SKIPPED] = list(skipped)
+                        if skipped:  # at most 20 named: the reply has a size limit
+                            reply[protocol.REPLY_SKIPPED] = list(skipped[:20]) + (
+                                [f"and {len(skipped) - 20} more"] if len(skipped) > 20 else [])
                     elif refused:
                         reply = {protocol.REPLY_ERROR:
                                  f"this host does not let a fork contain itself: {refused}"}
@@ -303,7 +304,7 @@ def main(argv):
         try:
             importlib.import_module(module)
         except BaseException as e:  # noqa: B902 - any failure only costs the speed-up
-            skipped.append(f"{module} ({type(e).__name__}: {e})")
+            skipped.append(f"{module} ({type(e).__name__}: {str(e)[:200]})")
             print(f"cellblock-zygote: warm import {skipped[-1]} skipped", file=sys.stderr)
     # Half of a kernel's own start, done once: its command line parsed and its
     # IPython shell built (cellblock_ipykernel.prewarm), for every fork to adopt.

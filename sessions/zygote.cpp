@@ -150,13 +150,18 @@ std::shared_ptr<Zygote> Zygote::start(const Image& image, const RuntimeSettings&
         throw ForkingRefused("this host does not let a zygote's fork contain itself: " + why);
     }
     // Warm imports this root could not import: its sessions import them
-    // themselves, at their own cost.
+    // themselves, at their own cost. Each named on one line of at most 300
+    // characters (the text comes from the image's code).
     if (reply.contains(protocol::kReplySkipped) && reply[protocol::kReplySkipped].is_array()) {
         for (const auto& skipped : reply[protocol::kReplySkipped]) {
+            std::string line = skipped.is_string() ? skipped.get<std::string>() : "?";
+            if (line.size() > 300) line = line.substr(0, 300) + "...";
+            for (char& c : line)
+                if (static_cast<unsigned char>(c) < 0x20) c = ' ';
             spdlog::warn(
-                "zygote of image {}: warm import {} skipped; its sessions import it "
-                "themselves (docs/images.md)",
-                image.name, skipped.is_string() ? skipped.get<std::string>() : "?");
+                "zygote of image {}: warm import {} skipped; its sessions import it themselves "
+                "(docs/images.md)",
+                image.name, line);
         }
     }
     // A pool worker that started it may run at a low priority; its forks take
