@@ -362,3 +362,52 @@ def test_links_raced_at_the_snapshots_name_never_bring_a_host_file_in(server_fac
     kinds = [e["kind"] for e in srv.ok("session_history_request",
                                        {"session_id": sid})["content"]["events"]]
     assert "resume_failed" not in kinds and "closed" not in kinds, kinds
+
+
+def runsc_processes_of(container_id):
+    """Pids of the runsc-sandbox / runsc-gofer processes of container `container_id`."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].startswith(b"runsc") and any(container_id.encode() in a for a in argv):
+            found.append(pid)
+    return found
+
+
+@pytest.mark.skipif(shutil.which("runsc") is None,
+                    reason="runsc (Debian package runsc) is not installed")
+def test_a_gvisor_session_sleeps_and_wakes_in_a_new_gvisor_sandbox(server_factory):  # noqa: F811
+    """The portable level on runsc (docs/hibernation.md, "Levels"): a session
+    of the `host-gvisor` image hibernates with its namespace and files, its
+    runsc sandbox goes, and its next request wakes it in a new runsc sandbox
+    (not a runc one from the pool) with everything back and nothing lost."""
+    srv = server_factory(["--pool", "host=0", "--pool", "host-gvisor=0"])
+    sid, kc, _ = srv.open_session(image="host-gvisor")
+    sh.run_ok(kc, "blob = bytes(range(256)) * 40000\n"
+                  "def triple(x):\n    return 3 * x\n"
+                  "class Box:\n    def __init__(self, v): self.v = v\n"
+                  "box = Box('kept')\n"
+                  f"open('/tmp/mark', 'w').write('{sid}')\n"
+                  "open('/data/output/o.txt', 'w').write('out')\n")
+
+    def container():
+        listed = srv.ok("session_list_request", {})["content"]["sessions"]
+        return next(s for s in listed if s["session_id"] == sid).get("container_id")
+
+    first = container()
+    assert first and runsc_processes_of(first), "the session runs in a runsc sandbox"
+    assert hibernate(srv, sid)["state"] == "hibernated"
+    assert container() is None
+    assert sh.wait_for(lambda: not runsc_processes_of(first), timeout=30)
+    reply, msgs = sh.execute(kc, "print(len(blob), blob[-1], triple(14), box.v, "
+                                 "open('/tmp/mark').read(), open('/data/output/o.txt').read())",
+                             timeout=180)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert sh.stream_text(msgs).split() == ["10240000", "255", "42", "kept", sid, "out"]
+    assert reply["metadata"]["cellblock"]["lost"] == [], reply["metadata"]["cellblock"]
+    woken = container()
+    assert woken and woken != first and runsc_processes_of(woken), (first, woken)
