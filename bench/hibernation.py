@@ -23,6 +23,9 @@ what the same data costs in a bare kernel.
 - The 100 MB rows again on an image whose zygote preloads what the shipped
   python-datasci preloads (on the host's root): the restoring kernel finds
   pandas imported, as a data-science image's does.
+- The 100 MB rows again on gVisor (the shipped `host-gvisor` image, runsc,
+  when runsc is installed): the portable level on the second runtime; no
+  zygote there, so the wake imports pandas under gVisor.
 """
 import json
 import os
@@ -46,6 +49,8 @@ GIB = float(1 << 30)
 # snapshot finds pandas imported instead of importing it (170-260 ms here).
 PRELOAD_IMAGES_DIR = "/run/cellblock-bench-hibernation-images"
 PRELOADED = "bench-hibernate-preloaded"
+# The gVisor tier's shipped image (images/host-gvisor): the portable level on runsc.
+GVISOR = "host-gvisor"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -91,7 +96,7 @@ def bare_cycle(ch, path):
     return dump.round_trip, load.round_trip
 
 
-def size_rows(bench, srv, bare_ch, mb, reps, image=None):
+def size_rows(bench, srv, bare_ch, mb, reps, image=None, label=""):
     limits = {"memory_mb": max(2048, mb * 6), "exec_timeout_s": 600, "max_executions": 100000}
     # The kernel writes its snapshot in /data/output: past the default
     # output_mb (256) it must be raised, and a sandbox whose output_mb is not
@@ -137,7 +142,7 @@ def size_rows(bench, srv, bare_ch, mb, reps, image=None):
                   f"{summary(snap)['median'] / (1 << 20):.0f} MB sealed on disk; the relay's own "
                   f"resumed_ms (wake request → restored) median "
                   f"{summary(res_ms)['median'] if res_ms else float('nan'):.0f} ms")
-        on = f", image preloading pandas ({PRELOADED})" if image else ""
+        on = label
         rows = [Row("17", f"Hibernate a session holding {mb} MB (s per GiB of data){on}",
                     "s/GiB", a, b, "bare kernel: dill.dump to /dev/shm",
                     target="≤ 1 s/GiB (E2B ~4)", met=a["median"] <= 1.0, detail=detail)]
@@ -281,9 +286,23 @@ def hibernation_figure(bench):
             try:
                 [bare_ch], _ = bare.start(1)
                 bare_ch.execute("x = 1")
-                rows += size_rows(bench, srv, bare_ch, 100, reps, image=PRELOADED)
+                rows += size_rows(bench, srv, bare_ch, 100, reps, image=PRELOADED,
+                                  label=f", image preloading pandas ({PRELOADED})")
             finally:
                 bare.stop()
     finally:
         shutil.rmtree(PRELOAD_IMAGES_DIR, ignore_errors=True)
+    if shutil.which("runsc"):
+        # The portable level on gVisor: host-gvisor has no zygote (runsc
+        # cannot take a fork made outside it), so the wake imports pandas.
+        with CellblockServer("hibernation-gvisor", {"host": 0, GVISOR: 2}) as srv:
+            srv.wait_pool(GVISOR)
+            bare = BareKernels(bench.zmq)
+            try:
+                [bare_ch], _ = bare.start(1)
+                bare_ch.execute("x = 1")
+                rows += size_rows(bench, srv, bare_ch, 100, reps, image=GVISOR,
+                                  label=f", gVisor ({GVISOR}: runsc, the wake imports pandas)")
+            finally:
+                bare.stop()
     return rows
