@@ -144,6 +144,9 @@ class GrowingFile {
             }
             wait_for_kernel(keeping_);
         }
+        // A whole chunk: the seal adds its tag, and one more chunk follows
+        // (the reserve holds the header and the last chunk's tag).
+        if (got == n && n == kSealChunk) took(kSealTag);
         return got;
     }
 
@@ -234,7 +237,7 @@ std::uint64_t tree_bytes(int dir, const std::string& skip, int depth = 0) {
     if (depth > 64) return bytes;
     for_each_entry(dir, depth == 0 ? skip : "", [&](const std::string& name, const auto& st) {
         if (S_ISREG(st.st_mode)) {
-            bytes += static_cast<std::uint64_t>(st.st_size) + kSealOverhead;
+            bytes += sealed_size(static_cast<std::uint64_t>(st.st_size));
         } else if (S_ISDIR(st.st_mode)) {
             if (UniqueFd child = open_child_dir(dir, name)) {
                 bytes += tree_bytes(child.get(), skip, depth + 1);
@@ -373,7 +376,7 @@ std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& se
         !S_ISREG(st.st_mode)) {
         throw SnapshotError("taking the snapshot: the kernel left no snapshot file");
     }
-    const std::uint64_t needed = static_cast<std::uint64_t>(st.st_size) + kSealOverhead +
+    const std::uint64_t needed = sealed_size(static_cast<std::uint64_t>(st.st_size)) +
                                  tree_bytes(keeping->input.get(), kSnapshotFile);
     check_room(session_id, needed);
     remove(session_id);
@@ -547,10 +550,17 @@ std::unique_ptr<SnapshotPlacing> SnapshotStore::begin_place(const std::string& s
 
 void SnapshotPlacing::open() const {
     try {
+        const auto started = std::chrono::steady_clock::now();
         copy_tree(input.get(), to, "", "placing /data/input", kPlaced,
                   {false, key.get(), session_id + "/input"});
-        copy_regular(from.get(), "snapshot", to / kSnapshotFile, "placing the snapshot",
-                     kPlaced.file, {false, key.get(), session_id + "/snapshot"});
+        const std::uint64_t bytes =
+            copy_regular(from.get(), "snapshot", to / kSnapshotFile, "placing the snapshot",
+                         kPlaced.file, {false, key.get(), session_id + "/snapshot"});
+        spdlog::info(
+            "session {}: snapshot opened into its new sandbox ({} bytes) in {:.0f} ms", session_id,
+            bytes,
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started)
+                .count());
     } catch (const SnapshotError&) {
         throw;
     } catch (const std::exception& e) {

@@ -569,7 +569,7 @@ TEST(SnapshotCipher, SealedStreamsRoundTripAndCarryNoPlainText) {
         ::close(in);
         ::close(out);
     }
-    EXPECT_EQ(fs::file_size(dir / "sealed"), plain.size() + kSealOverhead);
+    EXPECT_EQ(fs::file_size(dir / "sealed"), sealed_size(plain.size()));
     const auto open_with = [&](const SnapshotKey& k, const std::string& label) {
         const int in = ::open((dir / "sealed").c_str(), O_RDONLY);
         const int out = ::open((dir / "opened").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
@@ -590,6 +590,118 @@ TEST(SnapshotCipher, SealedStreamsRoundTripAndCarryNoPlainText) {
     EXPECT_THROW(open_with(other, "s/label"), std::runtime_error);
     fs::resize_file(dir / "sealed", plain.size());  // cut short
     EXPECT_THROW(open_with(key, "s/label"), std::runtime_error);
+    fs::remove_all(dir);
+}
+
+// Format 2 (snapshot_cipher.hpp): chunks sealed one by one and opened on
+// several threads, each at its place; every size comes back exact, and a
+// file cut at a chunk's end, chunks swapped or a changed byte in any chunk
+// are refused. Into a pipe (no place to write at) the chunks go in order.
+TEST(SnapshotCipher, ChunksOpenOnlyWholeInTheirOrderAndAtTheirPlace) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-seal-chunks-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const SnapshotKey key;
+    const auto seal_file = [&](const std::string& plain) {
+        write_file(dir / "plain", plain);
+        const int in = ::open((dir / "plain").c_str(), O_RDONLY);
+        const int out = ::open((dir / "sealed").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        EXPECT_EQ(seal_stream(in, out, key, "s/label"), plain.size());
+        ::close(in);
+        ::close(out);
+    };
+    const auto open_file = [&] {
+        const int in = ::open((dir / "sealed").c_str(), O_RDONLY);
+        const int out = ::open((dir / "opened").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        const std::string error = error_of([&] {
+            const std::uint64_t opened = open_sealed_stream(in, out, key, "s/label");
+            // The descriptor is left where a sequential write would leave it.
+            EXPECT_EQ(opened, static_cast<std::uint64_t>(::lseek(out, 0, SEEK_CUR)));
+        });
+        ::close(in);
+        ::close(out);
+        return error;
+    };
+    std::mt19937 rng(11);
+    const std::size_t chunk = kSealChunk;
+    for (const std::size_t size :
+         {std::size_t{0}, std::size_t{1}, chunk - 1, chunk, chunk + 1, 3 * chunk, 5 * chunk + 7}) {
+        std::string plain(size, '\0');
+        for (auto& c : plain) c = static_cast<char>(rng() & 0xff);
+        seal_file(plain);
+        EXPECT_EQ(fs::file_size(dir / "sealed"), sealed_size(size)) << size;
+        EXPECT_EQ(open_file(), "") << size;
+        EXPECT_EQ(read_file(dir / "opened"), plain) << size;
+    }
+    // 5 chunks and 7 bytes: six chunks, the last of 7 bytes.
+    const std::string whole = read_file(dir / "sealed");
+    const std::size_t header = kSealHeader, piece = chunk + kSealTag;
+    const auto refused = [&](const std::string& sealed) {
+        write_file(dir / "sealed", sealed);
+        return open_file();
+    };
+    EXPECT_NE(refused(whole.substr(0, header + 5 * piece)).find("last chunk is missing"),
+              std::string::npos);
+    EXPECT_NE(refused(whole.substr(0, header + 3 * piece)).find("last chunk is missing"),
+              std::string::npos);
+    EXPECT_NE(refused(whole.substr(0, whole.size() - 20)).find("cut short"), std::string::npos);
+    std::string swapped = whole;
+    std::copy_n(whole.begin() + header, piece, swapped.begin() + header + piece);
+    std::copy_n(whole.begin() + header + piece, piece, swapped.begin() + header);
+    EXPECT_NE(refused(swapped).find("integrity check"), std::string::npos);
+    for (const std::size_t at : {header + 1, header + 2 * piece + 100, whole.size() - 1}) {
+        std::string changed = whole;
+        changed[at] = static_cast<char>(changed[at] ^ 1);
+        EXPECT_NE(refused(changed).find("integrity check"), std::string::npos) << at;
+    }
+    // Into a pipe: in order, on one thread.
+    write_file(dir / "sealed", whole);
+    int pipe_fds[2];
+    ASSERT_EQ(::pipe(pipe_fds), 0);
+    std::string through;
+    std::thread reader([&] {
+        char buf[65536];
+        for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) through.append(buf, n);
+    });
+    const int in = ::open((dir / "sealed").c_str(), O_RDONLY);
+    EXPECT_EQ(open_sealed_stream(in, pipe_fds[1], key, "s/label"), 5 * chunk + 7);
+    ::close(in);
+    ::close(pipe_fds[1]);
+    reader.join();
+    ::close(pipe_fds[0]);
+    EXPECT_EQ(through, read_file(dir / "plain"));
+    fs::remove_all(dir);
+}
+
+// A file sealed in format 1 (one GCM stream, as servers before 2026-12-04
+// sealed snapshots; seal() in memory still writes it) opens as before, and
+// a changed byte in it is refused: a session hibernated by an earlier
+// server wakes under this one.
+TEST(SnapshotCipher, AFormatOneFileStillOpens) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-seal-v1-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const SnapshotKey key;
+    std::string plain((2 << 20) + 5, '\0');
+    std::mt19937 rng(3);
+    for (auto& c : plain) c = static_cast<char>(rng() & 0xff);
+    const std::string v1 = seal(plain, key, "s/label");
+    ASSERT_EQ(v1.substr(0, 8), "CBSEAL1\n");
+    const auto open_v1 = [&](const std::string& sealed) {
+        write_file(dir / "sealed", sealed);
+        const int in = ::open((dir / "sealed").c_str(), O_RDONLY);
+        const int out = ::open((dir / "opened").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        const std::string error =
+            error_of([&] { EXPECT_EQ(open_sealed_stream(in, out, key, "s/label"), plain.size()); });
+        ::close(in);
+        ::close(out);
+        return error;
+    };
+    EXPECT_EQ(open_v1(v1), "");
+    EXPECT_EQ(read_file(dir / "opened"), plain);
+    std::string changed = v1;
+    changed[100] = static_cast<char>(changed[100] ^ 1);
+    EXPECT_NE(open_v1(changed).find("integrity check"), std::string::npos);
     fs::remove_all(dir);
 }
 
