@@ -260,6 +260,18 @@ def ram_rows(bench, srv, n):
             srv.close_session(sid)
 
 
+def image_rows(bench, srv, image, reps, label):
+    """The 100 MB rows on `image` (its pool filled first), beside a bare kernel."""
+    srv.wait_pool(image)
+    bare = BareKernels(bench.zmq)
+    try:
+        [bare_ch], _ = bare.start(1)
+        bare_ch.execute("x = 1")
+        return size_rows(bench, srv, bare_ch, 100, reps, image=image, label=label)
+    finally:
+        bare.stop()
+
+
 def hibernation_figure(bench):
     reps = bench.n(5, 2)
     sizes = [100] if bench.quick else [100, 500]
@@ -281,28 +293,14 @@ def hibernation_figure(bench):
     try:
         with CellblockServer("hibernation-preloaded", {PRELOADED: 2},
                              images_dir=PRELOAD_IMAGES_DIR) as srv:
-            srv.wait_pool(PRELOADED)
-            bare = BareKernels(bench.zmq)
-            try:
-                [bare_ch], _ = bare.start(1)
-                bare_ch.execute("x = 1")
-                rows += size_rows(bench, srv, bare_ch, 100, reps, image=PRELOADED,
-                                  label=f", image preloading pandas ({PRELOADED})")
-            finally:
-                bare.stop()
+            rows += image_rows(bench, srv, PRELOADED, reps,
+                               f", image preloading pandas ({PRELOADED})")
     finally:
         shutil.rmtree(PRELOAD_IMAGES_DIR, ignore_errors=True)
     if shutil.which("runsc"):
         # The portable level on gVisor: host-gvisor has no zygote (runsc
         # cannot take a fork made outside it), so the wake imports pandas.
         with CellblockServer("hibernation-gvisor", {"host": 0, GVISOR: 2}) as srv:
-            srv.wait_pool(GVISOR)
-            bare = BareKernels(bench.zmq)
-            try:
-                [bare_ch], _ = bare.start(1)
-                bare_ch.execute("x = 1")
-                rows += size_rows(bench, srv, bare_ch, 100, reps, image=GVISOR,
-                                  label=f", gVisor ({GVISOR}: runsc, the wake imports pandas)")
-            finally:
-                bare.stop()
+            rows += image_rows(bench, srv, GVISOR, reps,
+                               f", gVisor ({GVISOR}: runsc, the wake imports pandas)")
     return rows

@@ -366,16 +366,7 @@ def test_links_raced_at_the_snapshots_name_never_bring_a_host_file_in(server_fac
 
 def runsc_processes_of(container_id):
     """Pids of the runsc-sandbox / runsc-gofer processes of container `container_id`."""
-    found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].startswith(b"runsc") and any(container_id.encode() in a for a in argv):
-            found.append(pid)
-    return found
+    return [pid for pid in sh.pgrep_full(container_id) if sh.cmdline(pid).startswith("runsc")]
 
 
 @pytest.mark.skipif(shutil.which("runsc") is None,
