@@ -333,8 +333,9 @@ std::uint64_t open_format1(int in, int out, std::uint64_t size, const SnapshotKe
     return total;
 }
 
-// Format 2: its chunks, `threads` at a time, each written at its place in
-// `out` (from `out_at`), or in order when `out` cannot seek (out_at < 0).
+// Format 2: its chunks opened on up to one thread per core (at most 4), each
+// written at its place in `out` (from where `out` stands), or in order on
+// one thread when `out` cannot seek (a pipe).
 std::uint64_t open_format2(int in, int out, std::uint64_t size, const SnapshotKey& key,
                            const std::string& label) {
     unsigned char nonce[kNonce];
