@@ -29,10 +29,13 @@ constexpr char kMagic[8] = {'C', 'B', 'S', 'E', 'A', 'L', '1', '\n'};   // forma
 constexpr char kMagic2[8] = {'C', 'B', 'S', 'E', 'A', 'L', '2', '\n'};  // format 2
 constexpr std::size_t kNonce = 12, kTag = kSealTag, kChunk = kSealChunk;
 static_assert(kSealHeader == sizeof kMagic2 + kNonce);
-// How much a seal writes before it asks the disk to start on it: 8 MiB
-// stalled the writer on a full request queue here, 32 did not (a 500 MB
-// seal and its fsync: 0.31 s against 0.40-1.38 s without).
-constexpr std::uint64_t kWriteBehind = std::uint64_t{32} << 20;
+// How much a seal writes between two fdatasync()s of its flusher. Here a
+// sync_file_range every 32 MiB still left the keeper's fsync 40-65 ms for
+// 100 MB (the disk's own cache flushed then, whatever was written back
+// before); flushing as it goes left 4 ms (a 100 MB seal 137 -> 100 ms, a
+// 500 MB one 750 -> 460 ms in a probe; docs/hibernation.md). Every 32 MiB
+// left 16 ms at 500 MB, every 8 no less than 16.
+constexpr std::uint64_t kFlushEvery = std::uint64_t{16} << 20;
 
 struct CipherDeleter {
     void operator()(EVP_CIPHER_CTX* ctx) const { EVP_CIPHER_CTX_free(ctx); }
@@ -76,9 +79,9 @@ std::size_t read_some(int fd, unsigned char* data, std::size_t n) {
 // write is thrown by the next take(), queue() or finish().
 class WriteBehind {
   public:
-    // `start_disk`: ask the disk to start writing every kWriteBehind bytes.
-    WriteBehind(int out, bool start_disk)
-        : out_(out), start_disk_(start_disk), at_(::lseek(out, 0, SEEK_CUR)) {
+    // `flush`: have the disk keep what was written every kFlushEvery bytes,
+    // on a thread of its own (the writer never waits for the disk).
+    WriteBehind(int out, bool flush) : out_(out), flush_(flush) {
         for (std::size_t i = 0; i < buffers_.size(); ++i) {
             buffers_[i].resize(kChunk + kTag);
             free_.push_back(i);
@@ -91,6 +94,7 @@ class WriteBehind {
         }
         changed_.notify_all();
         if (thread_.joinable()) thread_.join();
+        stop_flusher();
         // An opening's buffers held plain content.
         for (auto& b : buffers_) OPENSSL_cleanse(b.data(), b.size());
     }
@@ -129,6 +133,7 @@ class WriteBehind {
             for (const auto& [i, n] : queued_) write_chunk(buffers_[i].data(), n);
             queued_.clear();
         }
+        stop_flusher();
         if (failed_) std::rethrow_exception(failed_);
     }
 
@@ -161,18 +166,54 @@ class WriteBehind {
     void write_chunk(const unsigned char* data, std::size_t n) {
         write_all(out_, data, n);
         written_ += n;
-        if (start_disk_ && at_ >= 0 && written_ - on_its_way_ >= kWriteBehind) {
-            // Not every file system has it (then the fsync does it all).
-            ::sync_file_range(out_, at_ + static_cast<off_t>(on_its_way_),
-                              static_cast<off_t>(written_ - on_its_way_), SYNC_FILE_RANGE_WRITE);
-            on_its_way_ = written_;
+        if (flush_ && written_ - flush_asked_ >= kFlushEvery) {
+            flush_asked_ = written_;
+            {
+                const std::lock_guard lock(mutex_);
+                flush_wanted_ = true;
+            }
+            if (!flusher_.joinable()) flusher_ = std::thread([this] { flush_as_asked(); });
+            changed_.notify_all();
         }
+    }
+    // The flusher: one fdatasync() at a time, as long as more is wanted. Its
+    // failure is the seal's (an error fdatasync reported is not reported
+    // again to the keeper's fsync).
+    void flush_as_asked() {
+        for (;;) {
+            {
+                std::unique_lock lock(mutex_);
+                changed_.wait(lock, [this] { return flush_wanted_ || flusher_done_; });
+                if (!flush_wanted_) return;
+                flush_wanted_ = false;
+            }
+            const int err = ::fdatasync(out_) == 0 ? 0 : errno;
+            // A file that cannot be synced (a pipe): the keeper's fsync says.
+            if (err != 0 && err != EINVAL && err != EROFS) {
+                const std::lock_guard lock(mutex_);
+                if (!failed_) {
+                    failed_ = std::make_exception_ptr(
+                        std::runtime_error(std::string("flushing: ") + std::strerror(err)));
+                }
+                changed_.notify_all();
+                return;
+            }
+        }
+    }
+    void stop_flusher() {
+        if (!flusher_.joinable()) return;
+        {
+            const std::lock_guard lock(mutex_);
+            flusher_done_ = true;
+            flush_wanted_ = false;
+        }
+        changed_.notify_all();
+        flusher_.join();
     }
 
     const int out_;
-    const bool start_disk_;
-    const off_t at_;                              // where the first chunk goes in `out_`
-    std::uint64_t written_ = 0, on_its_way_ = 0;  // the writer's alone
+    const bool flush_;
+    std::uint64_t written_ = 0, flush_asked_ = 0;  // the writer's alone
     std::array<std::vector<unsigned char>, 4> buffers_;
     std::vector<std::size_t> free_;
     std::deque<std::pair<std::size_t, std::size_t>> queued_;  // buffer, bytes
@@ -180,8 +221,9 @@ class WriteBehind {
     std::mutex mutex_;
     std::condition_variable changed_;
     bool closing_ = false, abandoned_ = false;
+    bool flush_wanted_ = false, flusher_done_ = false;
     std::exception_ptr failed_;
-    std::thread thread_;
+    std::thread thread_, flusher_;
 };
 
 Cipher start(bool encrypt, const SnapshotKey& key, const unsigned char* nonce,

@@ -59,9 +59,9 @@ std::uint64_t seal_stream(int in, int out, const SnapshotKey& key, const std::st
 // Where seal_from() reads: up to `n` bytes into `data`, fewer only at the
 // end (a file still being written waits for more; session_snapshots.cpp).
 using SealSource = std::function<std::size_t(unsigned char* data, std::size_t n)>;
-// seal_stream() from `read`. Either starts the disk writing what it wrote
-// every 32 MiB (sync_file_range), so that the keeper's fsync at the end
-// finds little left to write.
+// seal_stream() from `read`. Either has the disk keep what it wrote every
+// 16 MiB (fdatasync on a thread of its own), so that the keeper's fsync at
+// the end finds little left to write or flush.
 std::uint64_t seal_from(const SealSource& read, int out, const SnapshotKey& key,
                         const std::string& label);
 

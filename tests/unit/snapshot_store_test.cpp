@@ -739,5 +739,60 @@ TEST(SnapshotCipher, AWriteThatFailsIsThrownWhateverTheFilesSize) {
     fs::remove_all(dir);
 }
 
+// A seal longer than the flusher's step (snapshot_cipher.cpp, kFlushEvery)
+// has the disk keep it as it goes: into a file it comes back whole, and into
+// a pipe (which cannot be synced) the flusher stands aside and the seal is
+// whole too.
+TEST(SnapshotCipher, ASealFlushedAsItGoesComesBackWholeFromAFileOrAPipe) {
+    const fs::path dir =
+        fs::temp_directory_path() / ("cellblock-seal-flush-" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    const SnapshotKey key;
+    std::string plain((40 << 20) + 11, '\0');
+    std::mt19937_64 rng(11);
+    for (std::size_t i = 0; i + 8 <= plain.size(); i += 8) {
+        const std::uint64_t r = rng();
+        std::memcpy(plain.data() + i, &r, 8);
+    }
+    write_file(dir / "plain", plain);
+    const auto opened_from = [&](const fs::path& sealed) {
+        const int in = ::open(sealed.c_str(), O_RDONLY);
+        const int out = ::open((dir / "opened").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        const std::string error = error_of([&] { open_sealed_stream(in, out, key, "s/label"); });
+        ::close(in);
+        ::close(out);
+        EXPECT_EQ(error, "");
+        return read_file(dir / "opened");
+    };
+    {
+        const int in = ::open((dir / "plain").c_str(), O_RDONLY);
+        const int out = ::open((dir / "sealed").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        EXPECT_EQ(seal_stream(in, out, key, "s/label"), plain.size());
+        ::close(in);
+        ::close(out);
+    }
+    EXPECT_EQ(fs::file_size(dir / "sealed"), sealed_size(plain.size()));
+    EXPECT_TRUE(opened_from(dir / "sealed") == plain);
+
+    int pipe_fds[2];
+    ASSERT_EQ(::pipe(pipe_fds), 0);
+    std::string through;
+    std::thread reader([&] {
+        char buf[1 << 16];
+        for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) through.append(buf, n);
+    });
+    const int in = ::open((dir / "plain").c_str(), O_RDONLY);
+    const std::string error =
+        error_of([&] { EXPECT_EQ(seal_stream(in, pipe_fds[1], key, "s/label"), plain.size()); });
+    ::close(in);
+    ::close(pipe_fds[1]);
+    reader.join();
+    ::close(pipe_fds[0]);
+    EXPECT_EQ(error, "");
+    write_file(dir / "piped", through);
+    EXPECT_TRUE(opened_from(dir / "piped") == plain);
+    fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace cellblock
