@@ -89,16 +89,24 @@ def container_of(srv, sid):
     return None
 
 
+def wait_cgroups_gone(containers, controllers, what, poll=0.05):
+    """Waits until no controller holds a cgroup of `containers` (hibernated
+    sandboxes' ends); BenchError naming `what` after 120 s."""
+    deadline = time.monotonic() + 120
+    while any(os.path.isdir(f"/sys/fs/cgroup/{c}/cellblock/{container}")
+              for container in containers for c in controllers):
+        if time.monotonic() > deadline:
+            raise BenchError(f"{what} still there after 120 s")
+        time.sleep(poll)
+
+
 def settle(srv, container, image):
     """Waits (outside the timed regions) until the hibernated session's old
     sandbox is gone and the pool of `image` is full: what a session that
     slept a while finds when it wakes."""
-    deadline = time.monotonic() + 120
-    while container and any(os.path.isdir(f"/sys/fs/cgroup/{c}/cellblock/{container}")
-                            for c in ("memory", "cpu", "pids")):
-        if time.monotonic() > deadline:
-            raise BenchError(f"the hibernated sandbox {container} still there after 120 s")
-        time.sleep(0.05)
+    if container:
+        wait_cgroups_gone([container], ("memory", "cpu", "pids"),
+                          f"the hibernated sandbox {container}")
     srv.wait_pool(image)
     time.sleep(0.5)
 
@@ -296,11 +304,8 @@ def ram_rows(bench, srv, n):
             reply = srv.manager.call("session_hibernate_request", {"session_id": sid},
                                      timeout=600)
             snaps.append(reply["snapshot_bytes"])
-        deadline = time.monotonic() + 120
-        while any(os.path.isdir(f"/sys/fs/cgroup/memory/cellblock/cb-{s}") for s in sids):
-            if time.monotonic() > deadline:
-                raise BenchError("hibernated sessions' cgroups still there after 120 s")
-            time.sleep(0.2)
+        wait_cgroups_gone([f"cb-{s}" for s in sids], ("memory",),
+                          "hibernated sessions' cgroups", poll=0.2)
         pss_asleep = pss_bytes(srv.pid)
         # What the host holds for each: the server's growth over its idle self, shared.
         asleep_each = max(0, pss_asleep - pss_before) / n

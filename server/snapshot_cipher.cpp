@@ -33,9 +33,10 @@ static_assert(kSealHeader == sizeof kMagic2 + kNonce);
 // How much a seal writes between two fdatasync()s of its flusher. Here a
 // sync_file_range every 32 MiB still left the keeper's fsync 40-65 ms for
 // 100 MB (the disk's own cache flushed then, whatever was written back
-// before); flushing as it goes left 4 ms (a 100 MB seal 137 -> 100 ms, a
-// 500 MB one 750 -> 460 ms in a probe; docs/hibernation.md). Every 32 MiB
-// left 16 ms at 500 MB, every 8 no less than 16.
+// before); flushing as it goes left 4 ms (in a toy writing at the seal's
+// pace: 100 MB 137 -> 100 ms, 500 MB 750 -> 460 ms; a 500 MB hibernation's
+// median 589 -> 469 ms; docs/hibernation.md). Every 32 MiB left 16 ms at
+// 500 MB, every 8 no less than 16.
 constexpr std::uint64_t kFlushEvery = std::uint64_t{16} << 20;
 
 struct CipherDeleter {
