@@ -96,13 +96,6 @@ std::vector<std::string> sandbox_environment(const Image& image) {
     for (const char* name : {"SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT"}) {
         env[name] = std::string(kSandboxIpcDir) + "/ca-certificates.crt";
     }
-    // glibc's malloc asks for transparent huge pages (madvise, the host's
-    // THP mode here) for what it maps: a page's first touch costs ~12 us in
-    // this host's guest, so 512 MB of Python bytes took 3 s of a cell, 2 of
-    // them CPU; in 2 MiB pages 0.12 s. An idle kernel holds 0.3 MB more
-    // (docs/performance.md, "Huge pages for the sandbox's malloc"). An image
-    // may set it otherwise, or to "" for none.
-    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1";
     for (const auto& [name, value] : image.env) env[name] = value;
     std::vector<std::string> out;
     for (const auto& [name, value] : env) out.push_back(name + "=" + value);

@@ -50,9 +50,7 @@ BASE_ENV = {"PATH", "HOME", "USER", "LANG", "TMPDIR", "IPYTHONDIR", "MPLCONFIGDI
             "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy",
             "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "PIP_CERT",
             # a session's own packages (pip --target into its home, on the import path)
-            "PIP_TARGET", "PYTHONPATH", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK",
-            # malloc's memory in transparent huge pages (docs/performance.md)
-            "GLIBC_TUNABLES"}
+            "PIP_TARGET", "PYTHONPATH", "PIP_NO_CACHE_DIR", "PIP_DISABLE_PIP_VERSION_CHECK"}
 IPYKERNEL_ENV = {"TERM", "CLICOLOR", "PAGER", "GIT_PAGER", "PYDEVD_USE_FRAME_EVAL",
                  "JPY_PARENT_PID", "MPLBACKEND"}
 # Only the init, only under runsc: where its lifeline socket is (not a secret).

@@ -215,35 +215,6 @@ def test_the_memory_limit_holds_for_what_the_session_allocates(zserver):
     assert reply["content"]["ename"] == "MemoryLimitExceeded", reply["content"]
 
 
-HUGE_ALLOCATION = """
-import os
-def anon_huge_kb():
-    with open('/proc/self/smaps_rollup') as f:
-        return next(int(line.split()[1]) for line in f if line.startswith('AnonHugePages:'))
-before = anon_huge_kb()
-block = b'\\x01' * (64 << 20)
-print(os.environ.get('GLIBC_TUNABLES'), (anon_huge_kb() - before) >> 10)
-del block
-"""
-
-
-@pytest.mark.parametrize("image", [IMAGE, BOOTED])
-def test_what_a_session_allocates_comes_in_huge_pages(zserver, image):
-    """glibc's malloc asks for transparent huge pages for what it maps
-    (GLIBC_TUNABLES in every sandbox's environment, docs/performance.md):
-    64 MB of Python bytes, one malloc, lands in 2 MiB pages, in a kernel
-    forked from the zygote (which was started with the setting) as in a
-    booted one. Plain 4 KiB pages cost a fault each, ~12 us on this host."""
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-        if "[never]" in f.read():
-            pytest.skip("transparent huge pages are off on this host")
-    sid, kc, _ = zserver.open_session(image=image)
-    tunables, huge_mb = run(kc, HUGE_ALLOCATION).split()
-    assert int(huge_mb) >= 32, f"{huge_mb} MB of the 64 MB in huge pages ({tunables})"
-    assert tunables == "glibc.malloc.hugetlb=1"
-    zserver.ok("session_close_request", {"session_id": sid})
-
-
 def test_killing_the_zygote_leaves_its_sessions_working(zserver):
     sid, kc, _ = zserver.open_session()
     run(kc, "x = 41")
