@@ -12,6 +12,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "error_of.hpp"
+
 namespace cellblock {
 namespace {
 
@@ -47,16 +49,7 @@ unsigned mode_of(const fs::path& p) {
     return st.st_mode & 07777;
 }
 
-// The message of the runtime_error that `f` throws, or "" if it does not.
-template <typename F>
-std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const std::runtime_error& e) {
-        return e.what();
-    }
-    return "";
-}
+using cellblock::testing::error_of;
 
 json valid_json() {
     return json{

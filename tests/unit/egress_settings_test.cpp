@@ -8,21 +8,12 @@
 
 #include "cellblock/session_policy.hpp"
 #include "egress_gateway.hpp"
+#include "error_of.hpp"
 
 namespace cellblock {
 namespace {
 
-// The message of the std::runtime_error `f` throws (fails the test if none).
-template <typename F>
-std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const std::runtime_error& e) {
-        return e.what();
-    }
-    ADD_FAILURE() << "nothing was thrown";
-    return {};
-}
+using cellblock::testing::error_of;
 
 TEST(EgressSettings, NoAllowListLeavesTheServerWithoutNetwork) {
     EgressSettings settings;

@@ -12,6 +12,8 @@
 #include <SQLiteCpp/SQLiteCpp.h>
 #include <gtest/gtest.h>
 
+#include "error_of.hpp"
+
 namespace cellblock {
 namespace {
 namespace fs = std::filesystem;
@@ -61,16 +63,7 @@ std::vector<std::string> ids_of(const std::vector<SessionRecord>& records) {
     return ids;
 }
 
-// Runs `body` and returns the std::runtime_error message it throws, or "" if none.
-template <typename Body>
-std::string error_of(Body&& body) {
-    try {
-        body();
-    } catch (const std::runtime_error& e) {
-        return e.what();
-    }
-    return "";
-}
+using cellblock::testing::error_of;
 
 TEST_F(SessionStoreTest, SessionRoundtripsEveryField) {
     SessionStore store(db_path_);

@@ -16,6 +16,7 @@
 
 #include "../../server/server_key.hpp"
 #include "../../server/session_snapshots.hpp"
+#include "error_of.hpp"
 
 namespace cellblock {
 namespace {
@@ -31,16 +32,7 @@ void write_file(const fs::path& p, const std::string& text) {
     std::ofstream(p, std::ios::binary) << text;
 }
 
-// What `f` threw, or "" when it returned.
-template <typename F>
-std::string error_of(F&& f) {
-    try {
-        f();
-    } catch (const std::exception& e) {
-        return e.what();
-    }
-    return "";
-}
+using cellblock::testing::error_of;
 
 // Every byte of every file under `dir`.
 std::string all_bytes_under(const fs::path& dir) {
