@@ -20,7 +20,6 @@ import ssl
 import subprocess
 import tempfile
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from client import BenchError
