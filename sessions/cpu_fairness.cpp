@@ -108,14 +108,17 @@ bool CpuFairness::calm() const {
     const auto w = window(policy_.calm_after);
     if (!w || creeping()) return false;
     double cpu = 0, span = 0, wanting = 0;
+    std::int64_t grown = 0;
     for (const Interval* i : *w) {
         if (i->storm(policy_)) return false;
+        grown += i->added;
         if (i->executed) continue;  // an execution's CPU is its own business
         const double dt = seconds(i->end - i->start);
         cpu += i->cpu_s;
         span += dt;
         if (i->runnable > 0) wanting += dt;
     }
+    if (grown > policy_.calm_tasks) return false;  // still adding tasks, however slowly
     return span <= 0 ||
            (cpu <= policy_.calm_share * span && wanting <= policy_.calm_runnable * span);
 }

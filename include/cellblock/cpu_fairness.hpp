@@ -25,8 +25,10 @@
 // that still makes progress, never the starvation of cgroup cpu.idle. It is
 // restored once it has been calm for `calm_after`: no storm, and without an
 // execution at most `calm_share` of a core used and a runnable task in at
-// most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU,
-// so it stays demoted rather than flapping. A long execution is legitimate
+// most `calm_runnable` of the samples, and the task count grown by at most
+// `calm_tasks`. A demoted spinner keeps wanting CPU, and a demoted fork bomb
+// keeps adding tasks however slowly, so either stays demoted rather than
+// flapping. A long execution is legitimate
 // and is never demoted: once it has been
 // CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
@@ -83,7 +85,12 @@ struct CpuFairnessPolicy {
     Seconds creep_after{2.0};
     double creep_rising = 0.75;    // of the samples in creep_after, at least
     std::int64_t creep_tasks = 8;  // added over creep_after, at least
-    int normal_weight = 1024;      // cgroup v1 cpu.shares
+    // Calm needs the task count grown by at most this over calm_after: a
+    // bomb at its cap forks a few tasks a second, too slowly to creep, and
+    // was restored after 5 s, to be demoted again 2 s later (a tenth of a
+    // core's worth of forks each, over and over: bench figure 6).
+    std::int64_t calm_tasks = 2;
+    int normal_weight = 1024;  // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
     double storm_cpus = 0.01;    // the same, demoted for creeping growth

@@ -238,6 +238,28 @@ TEST(CpuFairness, AForkBombCreepingUpAFewTasksASecondIsAStormCappedTighterThanBa
     EXPECT_EQ(x.events(), (std::vector<std::string>{"cpu_demoted", "cpu_restored"}));
 }
 
+TEST(CpuFairness, AForkBombAtItsCapStillAddingTasksSlowlyStaysDemotedUntilItsCountStandsStill) {
+    // Seen with six bombs (/work/flap4.py in the note of 2026-12-04): at a
+    // hundredth of a core each still forked ~3 tasks a second, too slowly
+    // to creep, was restored after 5 s and demoted again 2 s later.
+    Feeder x;
+    x.cell(1.0, 0.3);
+    x.running_since.reset();
+    creep(x, 2.25, {2, 2, 0, 3});
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    creep(x, 20.0, {1, 1, 0, 1});  // 3 a second, its cell still running
+    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"})
+        << (x.changes.size() > 1 ? x.changes[1].detail : "");
+    EXPECT_LT(x.tasks, CpuFairnessPolicy{}.storm_tasks) << "a creep, not a storm, all along";
+    // Its count stands still, the cell still running (a pool that was
+    // started one worker at a time and now works): restored after calm_after.
+    x.run(4.0, 0.4, true);  // the last second of its creeping still in view
+    EXPECT_EQ(x.changes.size(), 1u);
+    x.run(1.25, 0.4, true);
+    ASSERT_EQ(x.changes.size(), 2u);
+    EXPECT_EQ(x.changes[1].setting.level, Level::yielding) << x.changes[1].detail;
+}
+
 TEST(CpuFairness, PoolsGrowingLazilyAndSubprocessesComingAndGoingAreNoStorm) {
     Feeder x;
     // A thread pool started a worker per task submitted: six, one a sample.
