@@ -90,6 +90,12 @@ struct CpuFairnessPolicy {
     // was restored after 5 s, to be demoted again 2 s later (a tenth of a
     // core's worth of forks each, over and over: bench figure 6).
     std::int64_t calm_tasks = 2;
+    // A session demoted for creeping growth, its cell still running, is calm
+    // only if it also stopped wanting CPU: a bomb frozen at its cap adds no
+    // task at all, yet every one of its processes waits to fork. Up to
+    // storm_hold; then (a pool started one worker at a time that computes
+    // at its cap) it is restored, and demoted again if it creeps again.
+    Seconds storm_hold{30.0};
     int normal_weight = 1024;  // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
@@ -191,7 +197,8 @@ class CpuFairness {
     std::optional<Abuse> abuse() const;
     // The task count creeping up over creep_after: what, if so.
     std::optional<std::string> creeping() const;
-    bool calm() const;
+    // `executions`: an execution's samples count too (see storm_hold).
+    bool calm(bool executions = false) const;
     CpuSetting yielding_setting(const CpuSample& sample) const;
     CpuChange change_to(CpuSetting next, std::string event, std::string why);
 
@@ -200,6 +207,7 @@ class CpuFairness {
     std::deque<Interval> history_;
     CpuSetting setting_;
     std::string demoted_why_;
+    bool demoted_creeping_ = false;
     Clock::time_point since_{};  // when the current setting was applied
 };
 
