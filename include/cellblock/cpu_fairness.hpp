@@ -26,10 +26,13 @@
 // restored once it has been calm for `calm_after`: no storm, and without an
 // execution at most `calm_share` of a core used and a runnable task in at
 // most `calm_runnable` of the samples, and the task count grown by at most
-// `calm_tasks`. A demoted spinner keeps wanting CPU, and a demoted fork bomb
-// keeps adding tasks however slowly, so either stays demoted rather than
-// flapping. A long execution is legitimate
-// and is never demoted: once it has been
+// `calm_tasks`; one demoted for creeping up, its cell still running, must
+// also have stopped wanting CPU, for up to `storm_hold`. A demoted spinner
+// keeps wanting CPU, and a demoted fork bomb keeps adding tasks however
+// slowly or, frozen at its cap, keeps every process waiting to fork, so
+// each stays demoted rather than flapping (ten bombs were restored after 5 s
+// and demoted again 2 s later, over and over). A long execution is
+// legitimate and is never demoted: once it has been
 // CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
 // session next to ten spinning cells still answers at once and work begun
