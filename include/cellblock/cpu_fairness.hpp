@@ -90,8 +90,8 @@ struct CpuFairnessPolicy {
     std::int64_t creep_tasks = 8;  // added over creep_after, at least
     // Calm needs the task count grown by at most this over calm_after: a
     // bomb at its cap forks a few tasks a second, too slowly to creep, and
-    // was restored after 5 s, to be demoted again 2 s later (a tenth of a
-    // core's worth of forks each, over and over: bench figure 6).
+    // was restored after 5 s, to be demoted again 2 s later, over and over
+    // (docs/performance.md, "Fork bombs flapping").
     std::int64_t calm_tasks = 2;
     // A session demoted for creeping growth, its cell still running, is calm
     // only if it also stopped wanting CPU: a bomb frozen at its cap adds no
