@@ -104,21 +104,18 @@ std::optional<std::string> CpuFairness::creeping() const {
         history_.back().tasks, added, policy_.creep_after.count(), rising, w->size());
 }
 
-bool CpuFairness::calm(bool executions) const {
+bool CpuFairness::calm() const {
     const auto w = window(policy_.calm_after);
     if (!w || creeping()) return false;
     double cpu = 0, span = 0, wanting = 0;
-    std::int64_t grown = 0;
     for (const Interval* i : *w) {
         if (i->storm(policy_)) return false;
-        grown += i->added;
-        if (i->executed && !executions) continue;  // an execution's CPU is its own business
+        if (i->executed) continue;  // an execution's CPU is its own business
         const double dt = seconds(i->end - i->start);
         cpu += i->cpu_s;
         span += dt;
         if (i->runnable > 0) wanting += dt;
     }
-    if (grown > policy_.calm_tasks) return false;  // still adding tasks, however slowly
     return span <= 0 ||
            (cpu <= policy_.calm_share * span && wanting <= policy_.calm_runnable * span);
 }
@@ -208,21 +205,15 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
         history_.pop_front();
 
     if (setting_.level == CpuSetting::Level::demoted) {
-        const Seconds held = sample.at - since_;
-        const bool holding = demoted_creeping_ && sample.running_for && held < policy_.storm_hold;
-        if (held < policy_.calm_after || !calm(holding)) return std::nullopt;
+        if (Seconds(sample.at - since_) < policy_.calm_after || !calm()) return std::nullopt;
         CpuSetting next = yielding_setting(sample);
-        const std::string why = demoted_creeping_ && sample.running_for && !holding
-                                    ? fmt::format("held {:.0f} s (its cell still running) after {}",
-                                                  held.count(), demoted_why_)
-                                    : fmt::format("calm for {:.1f} s after {}",
-                                                  policy_.calm_after.count(), demoted_why_);
+        const std::string why =
+            fmt::format("calm for {:.1f} s after {}", policy_.calm_after.count(), demoted_why_);
         return change_to(
             next, next.level == CpuSetting::Level::yielding ? "cpu_yielding" : "cpu_restored", why);
     }
     if (auto abusing = abuse()) {
         demoted_why_ = abusing->why;
-        demoted_creeping_ = abusing->creeping;
         const double cpus = abusing->creeping ? policy_.storm_cpus : policy_.demoted_cpus;
         return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
                          abusing->why);

@@ -25,14 +25,9 @@
 // that still makes progress, never the starvation of cgroup cpu.idle. It is
 // restored once it has been calm for `calm_after`: no storm, and without an
 // execution at most `calm_share` of a core used and a runnable task in at
-// most `calm_runnable` of the samples, and the task count grown by at most
-// `calm_tasks`; one demoted for creeping up, its cell still running, must
-// also have stopped wanting CPU, for up to `storm_hold`. A demoted spinner
-// keeps wanting CPU, and a demoted fork bomb keeps adding tasks however
-// slowly or, frozen at its cap, keeps every process waiting to fork, so
-// each stays demoted rather than flapping (ten bombs were restored after 5 s
-// and demoted again 2 s later, over and over). A long execution is
-// legitimate and is never demoted: once it has been
+// most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU,
+// so it stays demoted rather than flapping. A long execution is legitimate
+// and is never demoted: once it has been
 // CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
 // session next to ten spinning cells still answers at once and work begun
@@ -88,18 +83,7 @@ struct CpuFairnessPolicy {
     Seconds creep_after{2.0};
     double creep_rising = 0.75;    // of the samples in creep_after, at least
     std::int64_t creep_tasks = 8;  // added over creep_after, at least
-    // Calm needs the task count grown by at most this over calm_after: a
-    // bomb at its cap forks a few tasks a second, too slowly to creep, and
-    // was restored after 5 s, to be demoted again 2 s later, over and over
-    // (docs/performance.md, "Fork bombs flapping").
-    std::int64_t calm_tasks = 2;
-    // A session demoted for creeping growth, its cell still running, is calm
-    // only if it also stopped wanting CPU: a bomb frozen at its cap adds no
-    // task at all, yet every one of its processes waits to fork. Up to
-    // storm_hold; then (a pool started one worker at a time that computes
-    // at its cap) it is restored, and demoted again if it creeps again.
-    Seconds storm_hold{30.0};
-    int normal_weight = 1024;  // cgroup v1 cpu.shares
+    int normal_weight = 1024;      // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
     double storm_cpus = 0.01;    // the same, demoted for creeping growth
@@ -200,8 +184,7 @@ class CpuFairness {
     std::optional<Abuse> abuse() const;
     // The task count creeping up over creep_after: what, if so.
     std::optional<std::string> creeping() const;
-    // `executions`: an execution's samples count too (see storm_hold).
-    bool calm(bool executions = false) const;
+    bool calm() const;
     CpuSetting yielding_setting(const CpuSample& sample) const;
     CpuChange change_to(CpuSetting next, std::string event, std::string why);
 
@@ -210,7 +193,6 @@ class CpuFairness {
     std::deque<Interval> history_;
     CpuSetting setting_;
     std::string demoted_why_;
-    bool demoted_creeping_ = false;
     Clock::time_point since_{};  // when the current setting was applied
 };
 

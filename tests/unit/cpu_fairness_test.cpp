@@ -238,51 +238,6 @@ TEST(CpuFairness, AForkBombCreepingUpAFewTasksASecondIsAStormCappedTighterThanBa
     EXPECT_EQ(x.events(), (std::vector<std::string>{"cpu_demoted", "cpu_restored"}));
 }
 
-// Ten bombs at a hundredth of a core each, their cells still running, were
-// restored after 5 s and demoted again 2 s later, over and over (six bombs
-// seen flapping by /work/flap4.py in the note of 2026-12-04): some still
-// forked ~3 tasks a second, too slowly to creep; others, frozen at the cap,
-// added none at all, while every process waited to fork.
-Feeder demoted_creeping() {
-    Feeder x;
-    x.cell(1.0, 0.3);
-    x.running_since.reset();
-    creep(x, 2.25, {2, 2, 0, 3});
-    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
-    return x;
-}
-
-TEST(CpuFairness, AForkBombAtItsCapStillAddingTasksSlowlyOrFrozenWantingCpuStaysDemoted) {
-    Feeder x = demoted_creeping();
-    creep(x, 20.0, {1, 1, 0, 1});  // 3 a second, its cell still running
-    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"})
-        << (x.changes.size() > 1 ? x.changes[1].detail : "");
-    EXPECT_LT(x.tasks, CpuFairnessPolicy{}.storm_tasks) << "a creep, not a storm, all along";
-    // Frozen at its cap: no task added, every one runnable.
-    x.runnable = 6;
-    x.run(9.0, 0.01, true);  // 29 s after its demotion
-    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"})
-        << (x.changes.size() > 1 ? x.changes[1].detail : "");
-    // storm_hold (30 s) after its demotion it has its core back, in case it
-    // was a pool started one worker at a time that now computes.
-    x.run(1.25, 0.01, true);
-    ASSERT_EQ(x.changes.size(), 2u);
-    EXPECT_EQ(x.changes[1].setting.cpus, 0) << x.changes[1].detail;  // its own quota
-    EXPECT_NE(x.changes[1].detail.find("held 30 s"), std::string::npos) << x.changes[1].detail;
-}
-
-TEST(CpuFairness, APoolStartedOneWorkerAtATimeThatThenWaitsIsRestoredAfterSecondsOfCalm) {
-    Feeder x = demoted_creeping();
-    // Its count stands still and its workers wait (for I/O, for work), the
-    // cell still running: restored calm_after later, as before.
-    x.runnable = 0;
-    x.run(4.0, 0.01, true);  // the last second of its creeping still in view
-    EXPECT_EQ(x.changes.size(), 1u);
-    x.run(1.25, 0.01, true);
-    ASSERT_EQ(x.changes.size(), 2u);
-    EXPECT_NE(x.changes[1].detail.find("calm for 5.0 s"), std::string::npos) << x.changes[1].detail;
-}
-
 TEST(CpuFairness, PoolsGrowingLazilyAndSubprocessesComingAndGoingAreNoStorm) {
     Feeder x;
     // A thread pool started a worker per task submitted: six, one a sample.
