@@ -69,8 +69,9 @@ void Server::balance_cpu(Clock::time_point now) {
         sample.at = now;
         sample.cpu_ns = box->usage().cpu_ns;
         sample.tasks = cpu->task_count();
-        // Only a demoted session needs it (to tell calm from starved): /proc reads per task.
-        if (fairness.demoted()) sample.runnable = cpu->any_task_runnable();
+        // Only a demoted session needs it (to tell calm from starved): /proc
+        // reads per task, up to the second runnable one (CpuSample::runnable).
+        if (fairness.demoted()) sample.runnable = cpu->runnable_tasks(2);
         if (const auto running = relay.running_since()) sample.running_for = now - *running;
         sample.executed = sample.running_for || relay.idle_since() > fairness.last_sample();
         const auto change = fairness.observe(sample);

@@ -104,20 +104,32 @@ std::optional<std::string> CpuFairness::creeping() const {
         history_.back().tasks, added, policy_.creep_after.count(), rising, w->size());
 }
 
-bool CpuFairness::calm() const {
+bool CpuFairness::calm(bool held) const {
     const auto w = window(policy_.calm_after);
     if (!w || creeping()) return false;
-    double cpu = 0, span = 0, wanting = 0;
+    double cpu = 0, span = 0, wanting = 0, held_span = 0, held_wanting = 0;
     for (const Interval* i : *w) {
         if (i->storm(policy_)) return false;
-        if (i->executed) continue;  // an execution's CPU is its own business
         const double dt = seconds(i->end - i->start);
+        if (i->executed) {
+            // An execution's CPU is its own business, but while held one task
+            // wanting CPU is its loop, more a storm's processes waiting to fork.
+            held_span += held ? dt : 0;
+            held_wanting += held && i->runnable > 1 ? dt : 0;
+            continue;
+        }
         cpu += i->cpu_s;
         span += dt;
         if (i->runnable > 0) wanting += dt;
     }
+    if (held_wanting > policy_.calm_runnable * held_span) return false;
     return span <= 0 ||
            (cpu <= policy_.calm_share * span && wanting <= policy_.calm_runnable * span);
+}
+
+bool CpuFairness::storm_execution_running(const CpuSample& sample) const {
+    return storm_execution_ && sample.running_for &&
+           sample.at - *sample.running_for == *storm_execution_;
 }
 
 bool CpuFairness::active() const {
@@ -205,15 +217,24 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
         history_.pop_front();
 
     if (setting_.level == CpuSetting::Level::demoted) {
-        if (Seconds(sample.at - since_) < policy_.calm_after || !calm()) return std::nullopt;
+        const Seconds held = sample.at - since_;
+        const bool storm_running = storm_execution_running(sample);
+        const bool holding = storm_running && held < policy_.storm_hold;
+        if (held < policy_.calm_after || !calm(holding)) return std::nullopt;
         CpuSetting next = yielding_setting(sample);
-        const std::string why =
-            fmt::format("calm for {:.1f} s after {}", policy_.calm_after.count(), demoted_why_);
+        const std::string why = storm_running && !holding
+                                    ? fmt::format("held {:.0f} s (its cell still running) after {}",
+                                                  held.count(), demoted_why_)
+                                    : fmt::format("calm for {:.1f} s after {}",
+                                                  policy_.calm_after.count(), demoted_why_);
         return change_to(
             next, next.level == CpuSetting::Level::yielding ? "cpu_yielding" : "cpu_restored", why);
     }
     if (auto abusing = abuse()) {
         demoted_why_ = abusing->why;
+        storm_execution_.reset();
+        if (abusing->creeping && sample.running_for)
+            storm_execution_ = sample.at - *sample.running_for;
         const double cpus = abusing->creeping ? policy_.storm_cpus : policy_.demoted_cpus;
         return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
                          abusing->why);

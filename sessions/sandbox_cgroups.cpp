@@ -227,8 +227,9 @@ std::int64_t RuncSandbox::task_count() const {
     return text.empty() ? -1 : static_cast<std::int64_t>(parse_u64(text));
 }
 
-int RuncSandbox::any_task_runnable() const {
+int RuncSandbox::runnable_tasks(int at_most) const {
     if (destroyed_) return -1;
+    int runnable = 0;
     for (const auto& dir : cgroup_dirs_) {
         std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
         if (!tasks) continue;
@@ -238,10 +239,11 @@ int RuncSandbox::any_task_runnable() const {
             if (!std::getline(stat, line)) continue;  // exited meanwhile
             // "pid (comm) S ...": the comm may hold spaces and parentheses.
             const auto close = line.rfind(')');
-            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R')
-                return 1;
+            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R' &&
+                ++runnable >= at_most)
+                break;
         }
-        return 0;
+        return runnable;
     }
     return -1;
 }

@@ -26,7 +26,11 @@
 // restored once it has been calm for `calm_after`: no storm, and without an
 // execution at most `calm_share` of a core used and a runnable task in at
 // most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU,
-// so it stays demoted rather than flapping. A long execution is legitimate
+// so it stays demoted rather than flapping. One demoted for creeping growth
+// while the execution that grew it still runs is held for up to
+// `storm_hold`: it is calm only once at most one of its tasks wants CPU (a
+// bomb at its cap adds few tasks or none, yet all of them wait to fork; a
+// loop forking sleeping children has one). A long execution is legitimate
 // and is never demoted: once it has been
 // CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
@@ -83,7 +87,17 @@ struct CpuFairnessPolicy {
     Seconds creep_after{2.0};
     double creep_rising = 0.75;    // of the samples in creep_after, at least
     std::int64_t creep_tasks = 8;  // added over creep_after, at least
-    int normal_weight = 1024;      // cgroup v1 cpu.shares
+    // A session demoted for creeping growth while an execution ran: until
+    // that execution ends, for up to storm_hold, it is calm only if at most
+    // one task wanted CPU in at most calm_runnable of the samples. Calm
+    // meant only "no longer creeping", and the cap itself stops the creeping:
+    // six fork bombs were restored after 5 s, demoted again 2 s later, and
+    // each had its whole core a third of the time (docs/performance.md,
+    // "Fork bombs flapping"). A pool started one worker at a time that then
+    // computes has its core back after storm_hold; a loop forking sleeping
+    // children (one task wanting CPU) after calm_after, as before.
+    Seconds storm_hold{30.0};
+    int normal_weight = 1024;  // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
     double storm_cpus = 0.01;    // the same, demoted for creeping growth
@@ -131,9 +145,10 @@ struct CpuSample {
     std::chrono::steady_clock::time_point at;
     std::uint64_t cpu_ns = 0;  // cumulative (cpuacct.usage)
     std::int64_t tasks = 0;    // pids.current; < 0 unknown
-    // Runnable tasks seen at the sample (> 0: it wants CPU, whether it got
-    // it or not); < 0 unknown. A demoted spinner on a crowded host gets almost no CPU, so
-    // what it used cannot tell whether it has calmed down; what it wants can.
+    // Runnable tasks seen at the sample, counted up to 2 (> 0: it wants
+    // CPU, whether it got it or not; 2: more than one task does); < 0 unknown. A demoted spinner on
+    // a crowded host gets almost no CPU, so what it used cannot tell whether it has calmed down;
+    // what it wants can.
     std::int64_t runnable = -1;
     // An execution ran at some point since the previous sample.
     bool executed = false;
@@ -184,7 +199,12 @@ class CpuFairness {
     std::optional<Abuse> abuse() const;
     // The task count creeping up over creep_after: what, if so.
     std::optional<std::string> creeping() const;
-    bool calm() const;
+    // `held`: the execution's samples count too, and wanting CPU is more
+    // than one task wanting it (see storm_hold).
+    bool calm(bool held = false) const;
+    // The execution that was running at a demotion for creeping growth
+    // still runs at this sample.
+    bool storm_execution_running(const CpuSample& sample) const;
     CpuSetting yielding_setting(const CpuSample& sample) const;
     CpuChange change_to(CpuSetting next, std::string event, std::string why);
 
@@ -193,6 +213,8 @@ class CpuFairness {
     std::deque<Interval> history_;
     CpuSetting setting_;
     std::string demoted_why_;
+    // When the execution running at a demotion for creeping growth started.
+    std::optional<Clock::time_point> storm_execution_;
     Clock::time_point since_{};  // when the current setting was applied
 };
 

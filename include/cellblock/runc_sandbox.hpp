@@ -165,7 +165,7 @@ class RuncSandbox final : public Sandbox,
     std::int64_t task_count() const override;
     // Reads /proc per task, up to the first runnable one (state R): the
     // sandbox wants CPU, whether it gets it or not.
-    int any_task_runnable() const override;
+    int runnable_tasks(int at_most) const override;
     void renice(int nice) override;
 
   private:

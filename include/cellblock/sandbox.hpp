@@ -67,8 +67,9 @@ class SandboxCpu {
     virtual bool set_cpu_idle(bool idle) = 0;
     // Processes and threads (pids.current); -1 unknown.
     virtual std::int64_t task_count() const = 0;
-    // 1 if one of its tasks is runnable now, 0 none, -1 unknown.
-    virtual int any_task_runnable() const = 0;
+    // How many of its tasks are runnable now, counting up to `at_most`
+    // (reading stops there); -1 unknown.
+    virtual int runnable_tasks(int at_most) const = 0;
     // Nice value of every thread (pool refills boot at 19).
     virtual void renice(int nice) = 0;
 

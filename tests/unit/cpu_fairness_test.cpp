@@ -238,6 +238,64 @@ TEST(CpuFairness, AForkBombCreepingUpAFewTasksASecondIsAStormCappedTighterThanBa
     EXPECT_EQ(x.events(), (std::vector<std::string>{"cpu_demoted", "cpu_restored"}));
 }
 
+// Six bombs at a hundredth of a core each, their cells still running, were
+// restored after 5 s and demoted again 2 s later, over and over (/work/flap4.py
+// in the note of 2026-12-04): some still forked ~3 tasks a second, too
+// slowly to creep; others, frozen at the cap, added none, while every one of
+// their processes waited to fork.
+Feeder demoted_creeping() {
+    Feeder x;
+    x.cell(1.0, 0.3);
+    x.running_since.reset();
+    creep(x, 2.25, {2, 2, 0, 3});
+    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    return x;
+}
+
+TEST(CpuFairness, AForkBombAtItsCapIsHeldWhileItsCellRunsAndManyOfItsTasksWantCpu) {
+    Feeder x = demoted_creeping();
+    x.runnable = 2;                // more than one task wants CPU (counted up to 2)
+    creep(x, 15.0, {1, 1, 0, 1});  // 3 a second: too slowly to creep
+    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"})
+        << (x.changes.size() > 1 ? x.changes[1].detail : "");
+    EXPECT_LT(x.tasks, CpuFairnessPolicy{}.storm_tasks) << "a creep, not a storm, all along";
+    x.run(14.0, 0.01, true);  // frozen: no task added; 29.25 s after its demotion
+    EXPECT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"})
+        << (x.changes.size() > 1 ? x.changes[1].detail : "");
+    // storm_hold (30 s) after its demotion it has its core back, in case it
+    // was a pool started one worker at a time that now computes.
+    x.run(1.0, 0.01, true);
+    ASSERT_EQ(x.changes.size(), 2u);
+    EXPECT_EQ(x.changes[1].setting.cpus, 0) << x.changes[1].detail;  // its own quota
+    EXPECT_NE(x.changes[1].detail.find("held 30 s (its cell still running)"), std::string::npos)
+        << x.changes[1].detail;
+}
+
+TEST(CpuFairness, ALoopForkingSleepingChildrenHasOneTaskWantingCpuAndIsRestoredAfterCalm) {
+    // notebooks/adversarial.ipynb forks sleeping children up to its pids
+    // limit; on a loaded host that loop creeps and is demoted, and at a
+    // hundredth of a core it must still reach its limit within its timeout.
+    Feeder x = demoted_creeping();
+    x.runnable = 1;  // the loop; its children sleep
+    creep(x, 4.5, {1, 1, 0, 1});
+    EXPECT_EQ(x.changes.size(), 1u) << "calm_after (5 s) not yet over";
+    creep(x, 0.5, {1, 1, 0, 1});
+    ASSERT_EQ(x.changes.size(), 2u);
+    EXPECT_NE(x.changes[1].detail.find("calm for 5.0 s"), std::string::npos) << x.changes[1].detail;
+}
+
+TEST(CpuFairness, TheHoldEndsWithTheExecutionThatCrept) {
+    // The demoted loop's cell ended (its children killed); the next cell is a
+    // computation with several threads wanting CPU at the cap. It is judged
+    // as any cell is: restored once the creeping is calm_after behind it.
+    Feeder x = demoted_creeping();
+    x.runnable = 2;
+    x.cell(0.5, 0.01);
+    x.cell(5.0, 0.01);
+    ASSERT_EQ(x.changes.size(), 2u);
+    EXPECT_NE(x.changes[1].detail.find("calm for 5.0 s"), std::string::npos) << x.changes[1].detail;
+}
+
 TEST(CpuFairness, PoolsGrowingLazilyAndSubprocessesComingAndGoingAreNoStorm) {
     Feeder x;
     // A thread pool started a worker per task submitted: six, one a sample.
