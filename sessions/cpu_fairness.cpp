@@ -57,13 +57,13 @@ std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
         const bool storm =
             std::all_of(w->begin(), w->end(), [&](const Interval* i) { return i->storm(policy_); });
         if (storm) {
-            return Abuse{
-                fmt::format("a fork or thread storm: {} tasks in the cgroup "
-                            "(pids.current) for {:.1f} s",
-                            history_.back().tasks, policy_.storm_after.count())};
+            return Abuse{fmt::format("a fork or thread storm: {} tasks in the cgroup "
+                                     "(pids.current) for {:.1f} s",
+                                     history_.back().tasks, policy_.storm_after.count()),
+                         true};
         }
     }
-    if (auto creep = creeping()) return Abuse{std::move(*creep), true};
+    if (auto creep = creeping()) return Abuse{std::move(*creep), true, true};
     if (const auto w = window(policy_.background_after)) {
         // Loud through (nearly) the whole window, not on average: the tail of
         // a cell that just ended (threads winding down) is no abuse.
@@ -219,7 +219,8 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     if (setting_.level == CpuSetting::Level::demoted) {
         const Seconds held = sample.at - since_;
         const bool storm_running = storm_execution_running(sample);
-        const bool holding = storm_running && held < policy_.storm_hold;
+        const Seconds hold = policy_.storm_hold * (1 << std::min(storm_holds_ - 1, 10));
+        const bool holding = storm_running && held < hold;
         if (held < policy_.calm_after || !calm(holding)) return std::nullopt;
         CpuSetting next = yielding_setting(sample);
         const std::string why = storm_running && !holding
@@ -232,9 +233,11 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     }
     if (auto abusing = abuse()) {
         demoted_why_ = abusing->why;
+        const bool again = abusing->storm && storm_execution_running(sample);
         storm_execution_.reset();
-        if (abusing->creeping && sample.running_for)
+        if (abusing->storm && sample.running_for)
             storm_execution_ = sample.at - *sample.running_for;
+        storm_holds_ = again ? storm_holds_ + 1 : 1;
         const double cpus = abusing->creeping ? policy_.storm_cpus : policy_.demoted_cpus;
         return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
                          abusing->why);

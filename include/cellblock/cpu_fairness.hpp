@@ -26,11 +26,10 @@
 // restored once it has been calm for `calm_after`: no storm, and without an
 // execution at most `calm_share` of a core used and a runnable task in at
 // most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU,
-// so it stays demoted rather than flapping. One demoted for creeping growth
-// while the execution that grew it still runs is held for up to
-// `storm_hold`: it is calm only once at most one of its tasks wants CPU (a
-// bomb at its cap adds few tasks or none, yet all of them wait to fork; a
-// loop forking sleeping children has one). A long execution is legitimate
+// so it stays demoted rather than flapping. One demoted for a storm while
+// the execution that grew it still runs is held (`storm_hold`): it is
+// calm only once at most one of its tasks wants CPU, since at its cap a bomb
+// adds few tasks or none, yet all of them wait to fork. A long execution is legitimate
 // and is never demoted: once it has been
 // CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
@@ -87,16 +86,21 @@ struct CpuFairnessPolicy {
     Seconds creep_after{2.0};
     double creep_rising = 0.75;    // of the samples in creep_after, at least
     std::int64_t creep_tasks = 8;  // added over creep_after, at least
-    // A session demoted for creeping growth while an execution ran: until
-    // that execution ends, for up to storm_hold, it is calm only if at most
-    // one task wanted CPU in at most calm_runnable of the samples. Calm
-    // meant only "no longer creeping", and the cap itself stops the creeping:
-    // six fork bombs were restored after 5 s, demoted again 2 s later, and
-    // each had its whole core a third of the time (docs/performance.md,
-    // "Fork bombs flapping"). A pool started one worker at a time that then
-    // computes has its core back after storm_hold; a loop forking sleeping
-    // children (one task wanting CPU) after calm_after, as before.
-    Seconds storm_hold{30.0};
+    // A session demoted for a storm while an execution ran: until
+    // that execution ends it is calm only if at most one task wanted CPU in
+    // at most calm_runnable of the samples. Calm meant only "no longer
+    // creeping", and the cap itself stops the creeping: six fork bombs were
+    // restored after 5 s, demoted again 2 s later, and each had its whole
+    // core a third of the time (docs/performance.md, "Fork bombs flapping").
+    // The first hold lasts storm_hold at most: at a hundredth of a core the
+    // children a loop has just forked queue for CPU as a bomb's do (5-13 of
+    // 30 tasks runnable, against 30-47 of 55 in a bomb), so a loop forking
+    // up to its pids limit, or a pool started one worker at a time, goes on
+    // at its own quota after it. Demoted for a storm again in the same
+    // execution (at its own quota a bomb is one again within seconds), it is
+    // held twice as long each time: a bomb gets its core for 2 s in 17, then
+    // in 32, 62..., where it had it for 2 s in 7; a loop still moves on.
+    Seconds storm_hold{15.0};
     int normal_weight = 1024;  // cgroup v1 cpu.shares
     int demoted_weight = 64;
     double demoted_cpus = 0.05;  // CFS quota cap of a demoted session, in cores
@@ -194,6 +198,7 @@ class CpuFairness {
     std::optional<std::vector<const Interval*>> window(CpuFairnessPolicy::Seconds span) const;
     struct Abuse {
         std::string why;
+        bool storm = false;     // a fork or thread storm (held while its execution runs)
         bool creeping = false;  // capped at storm_cpus
     };
     std::optional<Abuse> abuse() const;
@@ -202,8 +207,8 @@ class CpuFairness {
     // `held`: the execution's samples count too, and wanting CPU is more
     // than one task wanting it (see storm_hold).
     bool calm(bool held = false) const;
-    // The execution that was running at a demotion for creeping growth
-    // still runs at this sample.
+    // The execution that was running at a demotion for a storm still runs
+    // at this sample.
     bool storm_execution_running(const CpuSample& sample) const;
     CpuSetting yielding_setting(const CpuSample& sample) const;
     CpuChange change_to(CpuSetting next, std::string event, std::string why);
@@ -213,8 +218,10 @@ class CpuFairness {
     std::deque<Interval> history_;
     CpuSetting setting_;
     std::string demoted_why_;
-    // When the execution running at a demotion for creeping growth started.
+    // When the execution running at a demotion for a storm started, and how
+    // many times it was demoted so (each hold twice as long as the one before).
     std::optional<Clock::time_point> storm_execution_;
+    int storm_holds_ = 0;
     Clock::time_point since_{};  // when the current setting was applied
 };
 
