@@ -104,6 +104,14 @@ std::optional<std::string> CpuFairness::creeping() const {
         history_.back().tasks, added, policy_.creep_after.count(), rising, w->size());
 }
 
+bool CpuFairness::shrinking() const {
+    const auto w = window(policy_.creep_after);
+    if (!w) return false;
+    std::int64_t added = 0;
+    for (const Interval* i : *w) added += i->added;
+    return added <= -policy_.creep_tasks;
+}
+
 bool CpuFairness::calm(bool held) const {
     const auto w = window(policy_.calm_after);
     if (!w || creeping()) return false;
@@ -220,10 +228,10 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
         const Seconds held = sample.at - since_;
         const bool storm_running = storm_execution_running(sample);
         const Seconds hold = policy_.storm_hold * (1 << std::min(storm_holds_ - 1, 10));
-        const bool holding = storm_running && held < hold;
+        const bool holding = storm_running && held < hold && !shrinking();
         if (held < policy_.calm_after || !calm(holding)) return std::nullopt;
         CpuSetting next = yielding_setting(sample);
-        const std::string why = storm_running && !holding
+        const std::string why = storm_running && held >= hold
                                     ? fmt::format("held {:.0f} s (its cell still running) after {}",
                                                   held.count(), demoted_why_)
                                     : fmt::format("calm for {:.1f} s after {}",

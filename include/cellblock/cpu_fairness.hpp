@@ -99,7 +99,11 @@ struct CpuFairnessPolicy {
     // at its own quota after it. Demoted for a storm again in the same
     // execution (at its own quota a bomb is one again within seconds), it is
     // held twice as long each time: a bomb gets its core for 2 s in 17, then
-    // in 32, 62..., where it had it for 2 s in 7; a loop still moves on.
+    // in 32, 62..., where it had it for 2 s in 7; a loop still moves on. A
+    // hold ends as soon as the task count fell by creep_tasks over
+    // creep_after: the loop reached its limit and reaps its children (35
+    // exits at a hundredth of a core, every one runnable, took 15 s more).
+    // A bomb at its limit keeps its count.
     Seconds storm_hold{15.0};
     int normal_weight = 1024;  // cgroup v1 cpu.shares
     int demoted_weight = 64;
@@ -204,6 +208,8 @@ class CpuFairness {
     std::optional<Abuse> abuse() const;
     // The task count creeping up over creep_after: what, if so.
     std::optional<std::string> creeping() const;
+    // The task count fell by creep_tasks or more over creep_after.
+    bool shrinking() const;
     // `held`: the execution's samples count too, and wanting CPU is more
     // than one task wanting it (see storm_hold).
     bool calm(bool held = false) const;

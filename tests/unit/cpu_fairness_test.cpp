@@ -309,6 +309,18 @@ TEST(CpuFairness, ALoopForkingToItsLimitAtTheCapGoesOnAtItsOwnQuotaAfterTheFirst
         EXPECT_NE(x.changes[i].event, "cpu_demoted") << x.changes[i].detail;
 }
 
+TEST(CpuFairness, ALoopThatReachedItsLimitAndReapsItsChildrenIsNotHeld) {
+    // Demoted near its limit of 48; at the limit it kills its 35 children
+    // and waits for each, at a hundredth of a core: every dying child is
+    // runnable, but the count falls. Seen held the whole 15 s.
+    Feeder x = demoted_creeping();
+    x.runnable = 2;
+    creep(x, 1.0, {1});
+    creep(x, 4.0, {-2, -2, -1, -2});
+    ASSERT_EQ(x.changes.size(), 2u) << "restored calm_after (5 s) after its demotion";
+    EXPECT_NE(x.changes[1].detail.find("calm for 5.0 s"), std::string::npos) << x.changes[1].detail;
+}
+
 TEST(CpuFairness, APoolWhoseWorkersWaitHasOneTaskWantingCpuAndIsRestoredAfterCalm) {
     // A pool started one worker at a time, then its workers wait (for I/O,
     // for work), the cell still running: restored calm_after later.
