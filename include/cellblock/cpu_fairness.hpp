@@ -27,11 +27,11 @@
 // execution at most `calm_share` of a core used and a runnable task in at
 // most `calm_runnable` of the samples. A demoted spinner keeps wanting CPU,
 // so it stays demoted rather than flapping. One demoted for a storm while
-// the execution that grew it still runs is held (`storm_hold`): it is
-// calm only once at most one of its tasks wants CPU, since at its cap a bomb
-// adds few tasks or none, yet all of them wait to fork. A long execution is legitimate
-// and is never demoted: once it has been
-// CPU-bound for `long_after` it yields a step of weight (`long_steps`; its
+// the execution that grew it still runs is held (`storm_hold`): it is calm
+// only once at most one of its tasks wants CPU, since at its cap a bomb adds
+// few tasks or none, yet all of them wait to fork. A long execution is
+// legitimate and is never demoted: once it has been CPU-bound for
+// `long_after` it yields a step of weight (`long_steps`; its
 // quota stays, and a weight matters only when CPU is contended), so a quiet
 // session next to ten spinning cells still answers at once and work begun
 // later is not held back by a spin begun earlier; the default weight returns
@@ -86,9 +86,9 @@ struct CpuFairnessPolicy {
     Seconds creep_after{2.0};
     double creep_rising = 0.75;    // of the samples in creep_after, at least
     std::int64_t creep_tasks = 8;  // added over creep_after, at least
-    // A session demoted for a storm while an execution ran: until
-    // that execution ends it is calm only if at most one task wanted CPU in
-    // at most calm_runnable of the samples. Calm meant only "no longer
+    // A session demoted for a storm while an execution ran: until that
+    // execution ends it is calm only if at most one task wanted CPU in at
+    // most calm_runnable of the samples. Calm meant only "no longer
     // creeping", and the cap itself stops the creeping: six fork bombs were
     // restored after 5 s, demoted again 2 s later, and each had its whole
     // core a third of the time (docs/performance.md, "Fork bombs flapping").
