@@ -467,13 +467,17 @@ def execute(kc, code, metadata=None, timeout=60):
     return reply, iopub
 
 
-def run_ok(kc, code, timeout=60):
-    """Executes code that must succeed (the error's content in the assertion);
-    returns its stdout."""
-    reply, msgs = execute(kc, code, timeout=timeout)
+def ok_text(reply, msgs):
+    """The stdout of an execution that must have succeeded (its reply and its
+    IOPub messages; the error's content in the assertion)."""
     errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
     assert reply["content"]["status"] == "ok", (reply["content"], errors)
     return stream_text(msgs)
+
+
+def run_ok(kc, code, timeout=60):
+    """Executes code that must succeed; returns its stdout."""
+    return ok_text(*execute(kc, code, timeout=timeout))
 
 
 def drain(channel_get, timeout=0.3):
@@ -487,6 +491,31 @@ def drain(channel_get, timeout=0.3):
 
 # ---------------------------------------------------------------- the server
 
+class _ReadyAsk:
+    """One client's latest kernel_info_request in connect_many, and what of
+    it has come back: its reply on shell, its status on IOPub."""
+
+    def __init__(self):
+        self.msg_id, self.sent_at = None, 0.0
+        self.replied = self.status = False
+
+    @property
+    def ready(self):
+        return self.replied and self.status
+
+    def send(self, kc):
+        self.msg_id, self.sent_at = kc.kernel_info(), time.monotonic()
+        self.replied = self.status = False
+
+    def see(self, msg, expected):
+        if msg["parent_header"].get("msg_id") != self.msg_id or msg["msg_type"] != expected:
+            return
+        if expected == "status":
+            self.status = True
+        else:
+            self.replied = True
+
+
 class ServerProcess:
     """A `cellblock serve` subprocess with its own state dir and a manager client."""
 
@@ -496,6 +525,7 @@ class ServerProcess:
         self.proc = None
         self.clients = []
         self.session_ids = set()   # every session this object saw created
+        self._answered_many = set()  # the requests call_many got one reply to
         self.ctx = MANAGER_CONTEXT
         self.socket = None
         self.session = None
@@ -606,6 +636,8 @@ class ServerProcess:
 
         Returns the replies in request order; asserts each request got exactly
         one reply (extra replies are looked for during a drain of drain_s).
+        A second reply to a request of an earlier call_many, arriving during
+        this one, fails it too; with drain_s=0 call extra_replies() at the end.
         """
         ids = [self.send(t, c) for t, c in requests]
         replies = {}
@@ -615,19 +647,31 @@ class ServerProcess:
             left = deadline - time.monotonic()
             assert left > 0 and self.socket.poll(int(left * 1000) + 1), \
                 f"{len(ids) - len(replies)} of {len(ids)} requests unanswered after {timeout} s"
-            _, msg = self.session.feed_identities(self.socket.recv_multipart())
-            reply = self.session.deserialize(msg)
+            reply = self._receive_many_reply(counts)
             parent = reply["parent_header"].get("msg_id")
             if parent in counts:
-                counts[parent] += 1
                 replies[parent] = reply
         while self.socket.poll(int(drain_s * 1000)):
-            _, msg = self.session.feed_identities(self.socket.recv_multipart())
-            parent = self.session.deserialize(msg)["parent_header"].get("msg_id")
-            if parent in counts:
-                counts[parent] += 1
+            self._receive_many_reply(counts)
         assert all(n == 1 for n in counts.values()), f"replies per request: {sorted(counts.values())}"
+        self._answered_many.update(ids)
         return [replies[i] for i in ids]
+
+    def _receive_many_reply(self, counts):
+        _, msg = self.session.feed_identities(self.socket.recv_multipart())
+        reply = self.session.deserialize(msg)
+        parent = reply["parent_header"].get("msg_id")
+        if parent in counts:
+            counts[parent] += 1
+        assert parent not in self._answered_many, \
+            f"a second reply to {parent}, answered in an earlier call_many: {reply['content']}"
+        return reply
+
+    def extra_replies(self, drain_s=0.3):
+        """Asserts no request of any call_many got a second reply (drains
+        the manager socket for drain_s)."""
+        while self.socket.poll(int(drain_s * 1000)):
+            self._receive_many_reply({})
 
     def ok(self, msg_type, content, buffers=None, timeout=60):
         reply = self.call(msg_type, content, buffers, timeout)
@@ -674,26 +718,22 @@ class ServerProcess:
             kc.start_channels()
             self.clients.append(kc)
             kcs.append(kc)
-        # Per client: [msg_id of its latest kernel_info_request, sent at,
-        # its reply came, its status came on IOPub].
-        asks = [[None, 0.0, False, False] for _ in kcs]
+        asks = [_ReadyAsk() for _ in kcs]
         deadline = time.monotonic() + ready_timeout
-        while not all(replied and status for _, _, replied, status in asks):
+        while not all(ask.ready for ask in asks):
             assert time.monotonic() < deadline, \
-                f"{sum(not (a[2] and a[3]) for a in asks)} of {len(kcs)} sessions not ready " \
+                f"{sum(not ask.ready for ask in asks)} of {len(kcs)} sessions not ready " \
                 f"in {ready_timeout} s"
             for kc, ask in zip(kcs, asks):
-                if ask[2] and ask[3]:
+                if ask.ready:
                     continue
-                if ask[0] is None or time.monotonic() - ask[1] > 1.0:
-                    ask[:] = [kc.kernel_info(), time.monotonic(), False, False]
-                for get, kind in ((kc.get_shell_msg, 2), (kc.get_iopub_msg, 3)):
+                if ask.msg_id is None or time.monotonic() - ask.sent_at > 1.0:
+                    ask.send(kc)
+                for get, expected in ((kc.get_shell_msg, "kernel_info_reply"),
+                                      (kc.get_iopub_msg, "status")):
                     try:
                         while True:
-                            msg = get(timeout=0.01)
-                            if msg["parent_header"].get("msg_id") == ask[0]:
-                                ask[kind] = ask[kind] or msg["msg_type"] in (
-                                    "kernel_info_reply", "status")
+                            ask.see(get(timeout=0.01), expected)
                     except queue.Empty:
                         pass
         return kcs

@@ -31,13 +31,8 @@ def run_side_by_side(kcs, codes, timeout=120):
     """Runs codes[i] on kcs[i], all sent before any is awaited; returns each
     one's stdout (asserting each succeeded)."""
     sent = [sh.send_execute(kc, code) for kc, code in zip(kcs, codes)]
-    outs = []
-    for kc, msg_id in zip(kcs, sent):
-        reply, msgs, _ = sh.collect_execution(kc, msg_id, timeout=timeout)
-        errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
-        assert reply["content"]["status"] == "ok", (reply["content"], errors)
-        outs.append(sh.stream_text(msgs))
-    return outs
+    return [sh.ok_text(*sh.collect_execution(kc, msg_id, timeout=timeout)[:2])
+            for kc, msg_id in zip(kcs, sent)]
 
 
 def let_go(srv, kcs):
@@ -113,6 +108,8 @@ def test_a_thousand_sessions_sleep_on_one_host_and_each_wakes_with_its_own_state
                                     for _, sid, _ in group], timeout=60, drain_s=0)
             assert all(r["content"]["status"] == "ok" for r in closed), closed
         print(f"all {SESSIONS} woke and answered in {time.monotonic() - started:.0f} s")
+        # The batches' manager calls skipped their drains: no request got two replies.
+        srv.extra_replies()
         # Closing a session deletes its snapshot (off the server's loop).
         store = os.path.join(srv.state_dir, "snapshots")
         assert sh.wait_for(lambda: not [n for n in os.listdir(store)
