@@ -227,7 +227,7 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     if (setting_.level == CpuSetting::Level::demoted) {
         const Seconds held = sample.at - since_;
         const bool storm_running = storm_execution_running(sample);
-        const Seconds hold = policy_.storm_hold * (1 << std::min(storm_holds_ - 1, 10));
+        const Seconds hold = policy_.storm_hold * (1 << std::clamp(storm_holds_ - 1, 0, 10));
         const bool holding = storm_running && held < hold && !shrinking();
         if (held < policy_.calm_after || !calm(holding)) return std::nullopt;
         CpuSetting next = yielding_setting(sample);
