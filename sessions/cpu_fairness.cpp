@@ -86,30 +86,32 @@ std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
     return std::nullopt;
 }
 
-std::optional<std::string> CpuFairness::creeping() const {
+std::optional<CpuFairness::Growth> CpuFairness::growth() const {
     const auto w = window(policy_.creep_after);
     if (!w) return std::nullopt;
-    std::int64_t added = 0;
-    std::size_t rising = 0;
+    Growth g;
+    g.samples = w->size();
     for (const Interval* i : *w) {
-        added += i->added;
-        rising += i->added > 0 ? 1 : 0;
+        g.added += i->added;
+        g.rising += i->added > 0 ? 1 : 0;
     }
-    if (added < policy_.creep_tasks ||
-        static_cast<double>(rising) < policy_.creep_rising * static_cast<double>(w->size()))
+    return g;
+}
+
+std::optional<std::string> CpuFairness::creeping() const {
+    const auto g = growth();
+    if (!g || g->added < policy_.creep_tasks ||
+        static_cast<double>(g->rising) < policy_.creep_rising * static_cast<double>(g->samples))
         return std::nullopt;
     return fmt::format(
         "a fork or thread storm: {} tasks in the cgroup (pids.current), {} more than "
         "{:.1f} s before, rising in {} of {} samples",
-        history_.back().tasks, added, policy_.creep_after.count(), rising, w->size());
+        history_.back().tasks, g->added, policy_.creep_after.count(), g->rising, g->samples);
 }
 
 bool CpuFairness::shrinking() const {
-    const auto w = window(policy_.creep_after);
-    if (!w) return false;
-    std::int64_t added = 0;
-    for (const Interval* i : *w) added += i->added;
-    return added <= -policy_.creep_tasks;
+    const auto g = growth();
+    return g && g->added <= -policy_.creep_tasks;
 }
 
 bool CpuFairness::calm(bool held) const {
@@ -225,15 +227,15 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
         history_.pop_front();
 
     if (setting_.level == CpuSetting::Level::demoted) {
-        const Seconds held = sample.at - since_;
+        const Seconds demoted_for = sample.at - since_;
         const bool storm_running = storm_execution_running(sample);
         const Seconds hold = policy_.storm_hold * (1 << std::clamp(storm_holds_ - 1, 0, 10));
-        const bool holding = storm_running && held < hold && !shrinking();
-        if (held < policy_.calm_after || !calm(holding)) return std::nullopt;
+        const bool holding = storm_running && demoted_for < hold && !shrinking();
+        if (demoted_for < policy_.calm_after || !calm(holding)) return std::nullopt;
         CpuSetting next = yielding_setting(sample);
-        const std::string why = storm_running && held >= hold
+        const std::string why = storm_running && demoted_for >= hold
                                     ? fmt::format("held {:.0f} s (its cell still running) after {}",
-                                                  held.count(), demoted_why_)
+                                                  demoted_for.count(), demoted_why_)
                                     : fmt::format("calm for {:.1f} s after {}",
                                                   policy_.calm_after.count(), demoted_why_);
         return change_to(
@@ -241,11 +243,10 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     }
     if (auto abusing = abuse()) {
         demoted_why_ = abusing->why;
-        const bool again = abusing->storm && storm_execution_running(sample);
+        storm_holds_ = abusing->storm && storm_execution_running(sample) ? storm_holds_ + 1 : 1;
         storm_execution_.reset();
         if (abusing->storm && sample.running_for)
             storm_execution_ = sample.at - *sample.running_for;
-        storm_holds_ = again ? storm_holds_ + 1 : 1;
         const double cpus = abusing->creeping ? policy_.storm_cpus : policy_.demoted_cpus;
         return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
                          abusing->why);

@@ -154,9 +154,9 @@ struct CpuSample {
     std::uint64_t cpu_ns = 0;  // cumulative (cpuacct.usage)
     std::int64_t tasks = 0;    // pids.current; < 0 unknown
     // Runnable tasks seen at the sample, counted up to 2 (> 0: it wants
-    // CPU, whether it got it or not; 2: more than one task does); < 0 unknown. A demoted spinner on
-    // a crowded host gets almost no CPU, so what it used cannot tell whether it has calmed down;
-    // what it wants can.
+    // CPU, whether it got it or not; 2: more than one task does); < 0
+    // unknown. A demoted spinner on a crowded host gets almost no CPU, so
+    // what it used cannot tell whether it has calmed down; what it wants can.
     std::int64_t runnable = -1;
     // An execution ran at some point since the previous sample.
     bool executed = false;
@@ -206,6 +206,13 @@ class CpuFairness {
         bool creeping = false;  // capped at storm_cpus
     };
     std::optional<Abuse> abuse() const;
+    // How the task count moved over creep_after (none: not yet that long).
+    struct Growth {
+        std::int64_t added = 0;   // net, over the window
+        std::size_t rising = 0;   // samples in which it rose
+        std::size_t samples = 0;  // in the window
+    };
+    std::optional<Growth> growth() const;
     // The task count creeping up over creep_after: what, if so.
     std::optional<std::string> creeping() const;
     // The task count fell by creep_tasks or more over creep_after.

@@ -163,8 +163,8 @@ class RuncSandbox final : public Sandbox,
     bool set_cpu_idle(bool idle) override;
     // pids.current of the sandbox's cgroup; -1 unknown.
     std::int64_t task_count() const override;
-    // Reads /proc per task, up to the first runnable one (state R): the
-    // sandbox wants CPU, whether it gets it or not.
+    // Reads /proc per task, up to the at_most-th runnable one (state R):
+    // the sandbox wants CPU, whether it gets it or not.
     int runnable_tasks(int at_most) const override;
     void renice(int nice) override;
 
