@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <iostream>
@@ -231,6 +232,18 @@ int main(int argc, char** argv) {
         "sessions holding the CPU run as idle cgroups, and the sandboxes' parent too while "
         "they hold it and the host's processes do not contend: a waking quiet session or "
         "host process then never waits for a tick behind them (docs/performance.md)");
+    serve_cmd
+        ->add_option("--interactive-slice-us", serve.interactive_slice_us,
+                     "EEVDF slice of the server's threads and of interactive sessions' tasks, "
+                     "in microseconds (100-100000; sessions holding the CPU get the kernel's "
+                     "default; 0: the default for all; docs/performance.md)")
+        ->capture_default_str()
+        ->check([](const std::string& v) -> std::string {
+            const long us = std::strtol(v.c_str(), nullptr, 10);
+            return us == 0 || (us >= 100 && us <= 100000)
+                       ? ""
+                       : "the kernel takes a slice of 100 to 100000 us (0: its default)";
+        });
     serve_cmd
         ->add_option("--cpu-demand-dir", serve.cpu_demand_dir,
                      "where the host's servers publish what their sessions ask of the "

@@ -8,7 +8,15 @@
 // context starts after this call) shortens the wait. The sandboxes never
 // inherit it: run_process() puts a child back to nice 0 at least, and the
 // pool's workers set their own nice per job.
+//
+// The server's threads also run with EEVDF's shortest slice, so that a
+// message waking one of them may preempt a sandbox's long-running task at
+// once rather than wait out its slice (sched_slice.hpp). Unlike the nice
+// value the sandboxes do inherit this: a session starts interactive, and
+// serve's CPU fairness puts a session holding the CPU back to the default.
 #pragma once
+
+#include <cstdint>
 
 namespace cellblock {
 
@@ -16,5 +24,10 @@ namespace cellblock {
 // 0 leaves it alone. A refusal (no CAP_SYS_NICE) is logged and ignored: the
 // server still works, only without the priority.
 void give_relay_priority(int nice);
+
+// Sets the calling thread's slice to `us` microseconds (0 leaves it alone),
+// inherited by every thread and process started after; call before any. A
+// refusal is logged and ignored.
+void give_interactive_slice(std::uint32_t us);
 
 }  // namespace cellblock

@@ -91,6 +91,12 @@ void Server::balance_cpu(Clock::time_point now) {
         const bool capped = cpu->set_cpu_quota(cpus);
         if (!weighted && !capped) continue;  // no CPU controller for this sandbox
         const bool idled = idle && cpu->set_cpu_idle(true);
+        // The short slice is the interactive path's: a session holding the
+        // CPU waits out its default slice, so a waking quiet one preempts it.
+        if (options_.interactive_slice_us)
+            cpu->set_slice(change->setting.level == CpuSetting::Level::normal
+                               ? options_.interactive_slice_us
+                               : 0);
         const std::string detail = change->detail + (idled ? "; an idle cgroup" : "");
         spdlog::info("session {}: {}: {}", id, change->event, detail);
         on_event(id, change->event, detail);
@@ -369,6 +375,7 @@ int run_server(const ServeOptions& options) {
     pthread_sigmask(SIG_BLOCK, &set, nullptr);
     ::signal(SIGPIPE, SIG_IGN);
     give_relay_priority(options.relay_nice);
+    give_interactive_slice(options.interactive_slice_us);
     bool again = false;
     int code = 0;
     {

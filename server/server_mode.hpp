@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cellblock/cpu_demand.hpp"
+#include "cellblock/sched_slice.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/swarm_backend.hpp"
 #include "kernel_mode.hpp"
@@ -32,6 +33,10 @@ struct ServeOptions {
     // own processes do not contend (cpu_fairness.hpp; docs/performance.md,
     // "cpu.idle"). Off by default: measured, not yet the default.
     bool cpu_idle = false;
+    // EEVDF's slice, in microseconds, of the server's threads and of an
+    // interactive session's tasks; a session holding the CPU gets the
+    // kernel's default back (sched_slice.hpp). 0: the kernel's default for all.
+    std::uint32_t interactive_slice_us = kInteractiveSliceUs;
     // Where the host's servers publish what their sessions ask of that
     // parent (cpu_demand.hpp): servers sharing a host share this too.
     std::filesystem::path cpu_demand_dir = kCpuDemandDir;

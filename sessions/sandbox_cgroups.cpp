@@ -31,6 +31,7 @@
 #include "cellblock/cpu_fairness.hpp"
 #include "cellblock/image_builder.hpp"
 #include "cellblock/sandbox_tuning.hpp"
+#include "cellblock/sched_slice.hpp"
 #include "cellblock/signer.hpp"
 #include "process.hpp"
 
@@ -197,6 +198,20 @@ std::uint64_t keyed_u64(std::string_view text, std::string_view key) {
     return 0;
 }
 
+// Calls fn with every thread of the sandbox (the first of its cgroups that
+// lists them) until fn returns false; false when no cgroup could be read.
+template <typename Fn>
+bool each_task(const std::vector<fs::path>& dirs, Fn fn) {
+    for (const auto& dir : dirs) {
+        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
+        if (!tasks) continue;
+        for (long tid = 0; tasks >> tid;)
+            if (!fn(static_cast<pid_t>(tid))) break;
+        return true;
+    }
+    return false;
+}
+
 }  // namespace
 
 SandboxUsage RuncSandbox::usage() const {
@@ -212,12 +227,26 @@ SandboxUsage RuncSandbox::usage() const {
 
 void RuncSandbox::renice(int nice) {
     if (destroyed_) return;
-    for (const auto& dir : cgroup_dirs_) {
-        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
-        if (!tasks) continue;
-        for (long tid = 0; tasks >> tid;) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
-        return;
-    }
+    each_task(cgroup_dirs_, [&](pid_t tid) {
+        ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+        return true;
+    });
+}
+
+void RuncSandbox::set_slice(std::uint32_t us) {
+    if (destroyed_) return;
+    // A task that exited meanwhile is no failure; one refused is logged once.
+    int refused = 0, error = 0;
+    each_task(cgroup_dirs_, [&](pid_t tid) {
+        if (!set_sched_slice(tid, us) && errno != ESRCH) {
+            ++refused;
+            error = errno;
+        }
+        return true;
+    });
+    if (refused)
+        spdlog::debug("session {}: slice {} us refused for {} tasks: {}", session_id(), us, refused,
+                      std::strerror(error));
 }
 
 std::int64_t RuncSandbox::task_count() const {
@@ -230,22 +259,16 @@ std::int64_t RuncSandbox::task_count() const {
 int RuncSandbox::runnable_tasks(int at_most) const {
     if (destroyed_) return -1;
     int runnable = 0;
-    for (const auto& dir : cgroup_dirs_) {
-        std::ifstream tasks(dir / (fs::exists(dir / "tasks") ? "tasks" : "cgroup.threads"));
-        if (!tasks) continue;
-        for (long tid = 0; tasks >> tid;) {
-            std::ifstream stat("/proc/" + std::to_string(tid) + "/stat");
-            std::string line;
-            if (!std::getline(stat, line)) continue;  // exited meanwhile
-            // "pid (comm) S ...": the comm may hold spaces and parentheses.
-            const auto close = line.rfind(')');
-            if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R' &&
-                ++runnable >= at_most)
-                break;
-        }
-        return runnable;
-    }
-    return -1;
+    const bool listed = each_task(cgroup_dirs_, [&](pid_t tid) {
+        std::ifstream stat("/proc/" + std::to_string(tid) + "/stat");
+        std::string line;
+        if (!std::getline(stat, line)) return true;  // exited meanwhile
+        // "pid (comm) S ...": the comm may hold spaces and parentheses.
+        const auto close = line.rfind(')');
+        return !(close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R' &&
+                 ++runnable >= at_most);
+    });
+    return listed ? runnable : -1;
 }
 
 bool RuncSandbox::set_cpu_quota(double cpus) {

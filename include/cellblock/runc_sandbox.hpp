@@ -167,6 +167,7 @@ class RuncSandbox final : public Sandbox,
     // the sandbox wants CPU, whether it gets it or not.
     int runnable_tasks(int at_most) const override;
     void renice(int nice) override;
+    void set_slice(std::uint32_t us) override;
 
   private:
     friend class Zygote;

@@ -72,6 +72,9 @@ class SandboxCpu {
     virtual int runnable_tasks(int at_most) const = 0;
     // Nice value of every thread (pool refills boot at 19).
     virtual void renice(int nice) = 0;
+    // Every thread's EEVDF slice in microseconds, 0 the kernel's default
+    // (sched_slice.hpp): short while the session is interactive.
+    virtual void set_slice(std::uint32_t us) = 0;
 
   protected:
     ~SandboxCpu() = default;

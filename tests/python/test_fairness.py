@@ -65,17 +65,35 @@ def cpu_seconds(sid):
     return cgroup_value(sid, "cpuacct.usage") / 1e9
 
 
-def nice_values(sid):
-    """The nice values of the threads in the sandbox's cpu cgroup."""
+def task_values(sid, read):
+    """read(tid) of the threads in the sandbox's cpu cgroup, but those gone meanwhile."""
     values = set()
     for tasks in glob.glob(f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}/tasks"):
         for tid in open(tasks).read().split():
             try:
-                with open(f"/proc/{tid}/stat") as f:
-                    values.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+                values.add(read(tid))
             except OSError:
                 pass
-    return values
+    return values - {None}
+
+
+def nice_of(tid):
+    with open(f"/proc/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def nice_values(sid):
+    """The nice values of the threads in the sandbox's cpu cgroup."""
+    return task_values(sid, nice_of)
+
+
+def slice_of(tid):
+    """EEVDF's slice of a task in microseconds (/proc/<tid>/sched), or None."""
+    with open(f"/proc/{tid}/sched") as f:
+        for line in f:
+            if line.startswith("se.slice "):
+                return int(line.split(":")[1]) // 1000
+    return None
 
 
 def history(server, sid):  # noqa: F811
@@ -143,6 +161,42 @@ def test_a_long_computation_only_yields_and_bursts_change_nothing(server):  # no
     assert run_until_reply(neighbour, busy)["content"]["status"] == "ok"
     for s in (sid, nid):
         server.ok("session_close_request", {"session_id": s})
+
+
+def test_the_server_and_interactive_sessions_have_the_short_slice_one_holding_the_cpu_the_default(server):  # noqa: F811,E501
+    """serve's threads and an interactive session's tasks run with EEVDF's
+    shortest slice (0.1 ms), so that a waking quiet session or relay preempts
+    the noise instead of waiting out its slice; a session whose cell holds
+    the CPU (yielding) gets the kernel's default back, and the short slice
+    again when its cell ends."""
+    default = slice_of(os.getpid())
+    if default is None:
+        pytest.skip("this kernel reports no EEVDF slice (/proc/<pid>/sched se.slice)")
+    if default == 100:
+        pytest.skip("this test runs with a custom slice: the default cannot be told apart")
+    server_tids = os.listdir(f"/proc/{server.proc.pid}/task")
+    assert {slice_of(t) for t in server_tids} == {100}
+    sid, kc, _ = server.open_session()
+    need_cpu_controller(sid)
+    assert task_values(sid, slice_of) == {100}
+    # A thread started in a cell inherits the slice of its process.
+    reply, _ = execute(kc, "import threading, time\n"
+                           "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()")
+    assert reply["content"]["status"] == "ok"
+    assert task_values(sid, slice_of) == {100}
+    busy = kc.execute(SPIN.format(s=8))
+    yielded = wait_for(lambda: cpu_shares(sid) == 128, timeout=7)
+    if yielded:
+        assert wait_for(lambda: task_values(sid, slice_of) == {default}, timeout=2), \
+            task_values(sid, slice_of)
+    assert run_until_reply(kc, busy)["content"]["status"] == "ok"
+    assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=10), cpu_shares(sid)
+    assert wait_for(lambda: task_values(sid, slice_of) == {100}, timeout=2), \
+        task_values(sid, slice_of)
+    # (It yields only if it got 5% of a core over 2 s: a starved host may not give it that.)
+    kinds = [e["kind"] for e in cpu_events(server, sid)]
+    assert kinds == (["cpu_yielding", "cpu_restored"] if yielded else []), cpu_events(server, sid)
+    server.ok("session_close_request", {"session_id": sid})
 
 
 BACKGROUND_SPIN = """
