@@ -803,10 +803,16 @@ def noisy_neighbours(bench):
                 raise BenchError(f"{name}: the quiet session failed in the noise's first "
                                  f"{NOISE_SETTLE_S:.0f} s: {failed}")
             s2 = sched()
+            log_seen = len(srv.log_tail(10 ** 8))
             noisy_ids = [r["session_id"] for r in replies]
             cost0, vm0, t0 = noise_cost(noisy_ids), vmstat(), time.monotonic()
             loud_rt, failed = round_trips(quiet, reps, min_seconds=loud_seconds, max_seconds=25)
             s3 = sched()
+            # The server's verdicts on the host's own processes in the loud
+            # window (logged when the hogs are counted a process each): a
+            # client starved beside the noise is then told apart.
+            contention = [line for line in srv.log_tail(10 ** 8)[log_seen:].splitlines()
+                          if "the host's processes" in line]
             cost = describe_cost(cost0, noise_cost(noisy_ids), vm0, vmstat(),
                                  time.monotonic() - t0)
             outcome, pids_at_end, memory_at_end = neighbour_outcome(noisy, runs, replies)
@@ -837,7 +843,9 @@ def noisy_neighbours(bench):
                       f"{per_rt(s2, s3, 2, nl)} / {per_rt(s2, s3, 3, nl)}, this client "
                       f"{per_rt(s0, s1, 4, nq)} / {per_rt(s0, s1, 5, nq)} → "
                       f"{per_rt(s2, s3, 4, nl)} / {per_rt(s2, s3, 5, nl)}; over the "
-                      f"measured window, {cost}")
+                      f"measured window, {cost}; the server's verdicts on the host's "
+                      "processes in it: " +
+                      ("; ".join(line.split("] ", 1)[-1] for line in contention) or "none"))
             for ch, r in zip(noisy, replies):
                 ch.close()
                 srv.close_session(r["session_id"])
@@ -849,7 +857,7 @@ def noisy_neighbours(bench):
                          "quiet_session": quiet_state, "neighbours_at_end": outcome,
                          "neighbour_pids_at_end": pids_at_end,
                          "neighbour_memory_mb_at_end": memory_at_end,
-                         "loud_window_s": loud_seconds}
+                         "loud_window_s": loud_seconds, "host_contention_log": contention}
             if failed:
                 why = (f"; the session is {quiet_state['state']} "
                        f"({quiet_state['close_reason'] or 'no reason recorded'})")
