@@ -7,8 +7,9 @@
 // tasks) runs with the shortest slice the kernel takes, so that a message
 // waking the quiet session's kernel or the relay does not wait out the
 // noise's slice (1.4 ms by default here): beside ten spinning sessions a
-// quiet session's p99 fell from 1.9-2.4x its quiet p99 to 1.3x
-// (docs/performance.md, "A shorter EEVDF slice"). Only the difference counts:
+// quiet session's p99 was 1.4-1.9x its quiet p99 in eleven runs, against
+// 1.6-2.2x without (docs/performance.md, "A shorter EEVDF slice"). Only the
+// difference counts:
 // with every task at the short slice nothing changed, so a session holding
 // the CPU (yielding or demoted) is put back to the default.
 #pragma once

@@ -65,16 +65,21 @@ def cpu_seconds(sid):
     return cgroup_value(sid, "cpuacct.usage") / 1e9
 
 
+def values_of(tids, read):
+    """read(tid) of each task, but those gone meanwhile."""
+    values = set()
+    for tid in tids:
+        try:
+            values.add(read(tid))
+        except OSError:
+            pass
+    return values - {None}
+
+
 def task_values(sid, read):
     """read(tid) of the threads in the sandbox's cpu cgroup, but those gone meanwhile."""
-    values = set()
-    for tasks in glob.glob(f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}/tasks"):
-        for tid in open(tasks).read().split():
-            try:
-                values.add(read(tid))
-            except OSError:
-                pass
-    return values - {None}
+    return values_of([tid for tasks in glob.glob(f"/sys/fs/cgroup/cpu/cellblock/cb-{sid}/tasks")
+                      for tid in open(tasks).read().split()], read)
 
 
 def nice_of(tid):
@@ -175,7 +180,7 @@ def test_the_server_and_interactive_sessions_have_the_short_slice_one_holding_th
     if default == 100:
         pytest.skip("this test runs with a custom slice: the default cannot be told apart")
     server_tids = os.listdir(f"/proc/{server.proc.pid}/task")
-    assert {slice_of(t) for t in server_tids} == {100}
+    assert values_of(server_tids, slice_of) == {100}
     sid, kc, _ = server.open_session()
     need_cpu_controller(sid)
     assert task_values(sid, slice_of) == {100}
@@ -193,9 +198,11 @@ def test_the_server_and_interactive_sessions_have_the_short_slice_one_holding_th
     assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=10), cpu_shares(sid)
     assert wait_for(lambda: task_values(sid, slice_of) == {100}, timeout=2), \
         task_values(sid, slice_of)
-    # (It yields only if it got 5% of a core over 2 s: a starved host may not give it that.)
+    # (It yields only if it got 5% of a core over 2 s: a starved host may not
+    # give it that, or only after the 7 s waited for above.)
     kinds = [e["kind"] for e in cpu_events(server, sid)]
-    assert kinds == (["cpu_yielding", "cpu_restored"] if yielded else []), cpu_events(server, sid)
+    assert kinds in ([], ["cpu_yielding", "cpu_restored"]), cpu_events(server, sid)
+    assert not yielded or kinds, cpu_events(server, sid)
     server.ok("session_close_request", {"session_id": sid})
 
 
