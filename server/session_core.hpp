@@ -233,6 +233,14 @@ class SessionCore {
     // The kernel is up: `probe_ids` are the readiness probe's requests, whose
     // late output no client asked for.
     void on_kernel_attached(Clock::time_point now, const std::vector<std::string>& probe_ids);
+    // A wake whose snapshot is still being opened into the new sandbox
+    // while its kernel reads it (SnapshotPlacing::follow): told before the
+    // kernel is attached, with the snapshot's final size (the kernel reads
+    // up to it). The session is awake once the kernel's restore answered and
+    // snapshot_placed() said the opening ended well; a failed one closes it
+    // (resume_failed).
+    void placing_snapshot(std::uint64_t bytes);
+    void snapshot_placed(Clock::time_point now, const std::string* failed);
     // A verified request on shell or control.
     void on_client_request(Clock::time_point now, Channel channel, InboundMessage msg);
     // A verified message on the client's stdin (input_reply).
@@ -403,6 +411,9 @@ class SessionCore {
     // Hibernation's steps (session_sleep.cpp).
     void send_own(Clock::time_point now, bool restore);
     void on_own_reply(Clock::time_point now, InboundMessage& msg);
+    // The kernel's restore answered (`content`: its reply's, if it parsed),
+    // and the snapshot's opening ended well.
+    void restored(Clock::time_point now, const std::optional<nlohmann::json>& content);
     // The saved snapshot is where put_to_sleep() keeps it from (or not: `failed`).
     void snapshot_fetched(Clock::time_point now, const nlohmann::json& report,
                           const std::string* failed);
@@ -519,6 +530,12 @@ class SessionCore {
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;
     Clock::time_point sleep_started_{};  // hibernating, then resuming, began
+    // A followed opening (placing_snapshot): the snapshot's size, whether
+    // the opening still goes on, and the kernel's restore reply if it came
+    // first (it waits for the opening's end).
+    std::optional<std::uint64_t> placing_bytes_;
+    bool placing_ = false;
+    std::optional<std::optional<nlohmann::json>> restore_waiting_;
     // What the first reply after a resume, of any kind, says
     // (metadata.cellblock): resumed_ms and what was lost.
     std::optional<nlohmann::json> resumed_;

@@ -104,6 +104,13 @@ class SessionProxy {
     // Hibernation: see SessionCore::hibernate and resume.
     bool hibernate(std::string& why) { return core_->hibernate(Clock::now(), why); }
     bool resume(std::string& why) { return core_->resume(Clock::now(), why); }
+    // A wake's snapshot opened while its kernel reads it: see
+    // SessionCore::placing_snapshot (before attach) and snapshot_placed
+    // (`failed`: empty when it ended well).
+    void placing_snapshot(std::uint64_t bytes) { core_->placing_snapshot(bytes); }
+    void snapshot_placed(const std::string& failed) {
+        core_->snapshot_placed(Clock::now(), failed.empty() ? nullptr : &failed);
+    }
     SessionState lifecycle_state() const { return core_->lifecycle_state(); }
     // Handing over to the next server (docs/restarts.md, SessionCore::hand_over).
     void hand_over(bool hibernate = true) { core_->hand_over(Clock::now(), hibernate); }

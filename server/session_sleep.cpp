@@ -24,10 +24,13 @@ constexpr std::chrono::milliseconds kAdoptLook{20};
 // The snapshot module's calls, run by the kernel as a silent execute
 // (kernel-shim/cellblock_snapshot.py); its report comes back as a user
 // expression with a JSON form.
-json snapshot_request(const std::string& call, const std::string& path) {
+// A restore given `size` reads a snapshot still being written, up to it.
+json snapshot_request(const std::string& call, const std::string& path,
+                      std::optional<std::uint64_t> size = std::nullopt) {
+    const std::string more = size ? ", size=" + std::to_string(*size) : "";
     return {
-        {"code",
-         "__import__('cellblock_snapshot')." + call + "(get_ipython(), " + json(path).dump() + ")"},
+        {"code", "__import__('cellblock_snapshot')." + call + "(get_ipython(), " +
+                     json(path).dump() + more + ")"},
         {"silent", true},
         {"store_history", false},
         {"user_expressions", {{"cellblock_snapshot", "__import__('cellblock_snapshot').report()"}}},
@@ -70,7 +73,7 @@ json report_of(const json& content) {
     }
     const auto ms = report.find("ms");
     if (ms != report.end() && ms->is_object()) {
-        for (const char* step : {"namespace", "write", "files", "imports"}) {
+        for (const char* step : {"namespace", "write", "read", "files", "imports"}) {
             const auto v = ms->find(step);
             if (v == ms->end() || !v->is_number()) continue;
             const double m = v->get<double>();
@@ -191,7 +194,8 @@ void SessionCore::send_own(Clock::time_point now, bool restore) {
     own.deadline = now + options_.snapshot_timeout;
     if (!restore) io_.saving_snapshot();
     own.msg_id = io_.send_to_kernel(Channel::shell, "execute_request",
-                                    snapshot_request(restore ? "restore" : "save", path));
+                                    restore ? snapshot_request("restore", path, placing_bytes_)
+                                            : snapshot_request("save", path));
     // Its busy/idle and any output are the relay's own: no client sees them.
     probe_ids_.insert(own.msg_id);
     own_ = std::move(own);
@@ -217,6 +221,37 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
         *at_once = false;
         return;
     }
+    if (placing_) {
+        restore_waiting_ = content;  // awake once the opening ended well
+        return;
+    }
+    restored(now, content);
+}
+
+void SessionCore::placing_snapshot(std::uint64_t bytes) {
+    placing_bytes_ = bytes;
+    placing_ = true;
+    restore_waiting_.reset();
+}
+
+void SessionCore::snapshot_placed(Clock::time_point now, const std::string* failed) {
+    if (!placing_) return;
+    placing_ = false;
+    placing_bytes_.reset();
+    if (lifecycle_.state() != SessionState::resuming) return;  // closed meanwhile
+    if (failed) {
+        restore_waiting_.reset();
+        close(now, "resume_failed: " + *failed);
+        return;
+    }
+    if (!restore_waiting_) return;  // the kernel's reply comes later
+    const auto content = std::move(*restore_waiting_);
+    restore_waiting_.reset();
+    restored(now, content);
+}
+
+void SessionCore::restored(Clock::time_point now, const std::optional<json>& content) {
+    const bool ok = content && json_string(*content, "status") == "ok";
     if (!ok) {
         close(now, "resume_failed: " + (content ? error_of(*content) : "no reply content"));
         return;
@@ -287,6 +322,9 @@ void SessionCore::hibernation_failed(Clock::time_point now, const std::string& w
 void SessionCore::wake(Clock::time_point now) {
     move_to(SessionState::resuming);
     sleep_started_ = now;
+    placing_ = false;
+    placing_bytes_.reset();
+    restore_waiting_.reset();
     io_.wake();
 }
 

@@ -548,14 +548,54 @@ std::unique_ptr<SnapshotPlacing> SnapshotStore::begin_place(const std::string& s
     return placing;
 }
 
+std::optional<std::uint64_t> SnapshotPlacing::follow() {
+    const std::string step = "placing the snapshot";
+    UniqueFd in(::openat(from.get(), "snapshot", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (!in) throw SnapshotError(step + ": snapshot: " + errno_text(errno));
+    struct stat st {};
+    if (::fstat(in.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        throw SnapshotError(step + ": snapshot is not a regular file");
+    }
+    std::optional<std::uint64_t> size;
+    try {
+        size = followable_plain_size(in.get());
+    } catch (const std::exception& e) {
+        throw SnapshotError(step + ": snapshot: " + e.what());
+    }
+    if (!size) return std::nullopt;
+    const fs::path out_path = to / kSnapshotFile;
+    UniqueFd out(
+        ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!out) throw SnapshotError(step + ": " + out_path.string() + ": " + errno_text(errno));
+    if (::fchmod(out.get(), kPlaced.file) != 0) {
+        const int err = errno;
+        ::unlink(out_path.c_str());
+        throw SnapshotError(step + ": chmod: " + errno_text(err));
+    }
+    sealed = std::move(in);
+    placed = std::move(out);
+    return size;
+}
+
 void SnapshotPlacing::open() const {
     try {
         const auto started = std::chrono::steady_clock::now();
+        std::uint64_t bytes = 0;
+        if (placed) {
+            // Followed: the kernel waits on these bytes, the input files after.
+            try {
+                bytes =
+                    open_sealed_stream(sealed.get(), placed.get(), *key, session_id + "/snapshot");
+            } catch (const std::exception& e) {
+                throw SnapshotError(std::string("placing the snapshot: snapshot: ") + e.what());
+            }
+        }
         copy_tree(input.get(), to, "", "placing /data/input", kPlaced,
                   {false, key.get(), session_id + "/input"});
-        const std::uint64_t bytes =
-            copy_regular(from.get(), "snapshot", to / kSnapshotFile, "placing the snapshot",
-                         kPlaced.file, {false, key.get(), session_id + "/snapshot"});
+        if (!placed) {
+            bytes = copy_regular(from.get(), "snapshot", to / kSnapshotFile, "placing the snapshot",
+                                 kPlaced.file, {false, key.get(), session_id + "/snapshot"});
+        }
         spdlog::info(
             "session {}: snapshot opened into its new sandbox ({} bytes) in {:.0f} ms", session_id,
             bytes,

@@ -87,7 +87,16 @@ struct SnapshotPlacing {
     std::filesystem::path to;  // the new sandbox's input dir
     std::string session_id;
     std::shared_ptr<const SnapshotKey> key;
-    // Opens every file into `to`; SnapshotError when one fails its check.
+    UniqueFd sealed, placed;  // follow()'s: the kept snapshot, and its new file in `to`
+    // Makes the snapshot's file in `to` (empty, of its final mode) and
+    // returns the size it will have, so that the new kernel may read it
+    // while open() writes it, each chunk checked before it is written
+    // (snapshot_cipher.hpp); std::nullopt, and nothing made, for a snapshot
+    // sealed in format 1 (checked only at its end: opened whole before the
+    // kernel is told). SnapshotError.
+    std::optional<std::uint64_t> follow();
+    // Opens every file into `to` (the snapshot first when followed);
+    // SnapshotError when one fails its check.
     void open() const;
 };
 

@@ -18,6 +18,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -404,13 +405,11 @@ std::uint64_t open_format1(int in, int out, std::uint64_t size, const SnapshotKe
     return total;
 }
 
-// Format 2: its chunks opened on up to one thread per core (at most 4), each
-// written at its place in `out` (from where `out` stands), or in order on
-// one thread when `out` cannot seek (a pipe).
-std::uint64_t open_format2(int in, int out, std::uint64_t size, const SnapshotKey& key,
-                           const std::string& label) {
-    unsigned char nonce[kNonce];
-    read_at(in, nonce, kNonce, sizeof kMagic2);
+// A format 2 file of `size` bytes: its chunks and its plain bytes.
+struct Format2Shape {
+    std::uint64_t chunks = 0, plain = 0, last = 0;  // `last`: the last chunk's plain bytes
+};
+Format2Shape format2_shape(std::uint64_t size) {
     const std::uint64_t body = size - kSealHeader, piece = kChunk + kTag;
     const std::uint64_t rest = body % piece;
     // The last chunk is shorter than a whole one: a file that ends at a
@@ -419,12 +418,29 @@ std::uint64_t open_format2(int in, int out, std::uint64_t size, const SnapshotKe
         fail(rest == 0 ? "it failed its integrity check (its last chunk is missing)"
                        : "it was cut short inside a chunk");
     }
-    const std::uint64_t chunks = body / piece + 1, total = (chunks - 1) * kChunk + rest - kTag;
+    const std::uint64_t chunks = body / piece + 1;
+    return {chunks, (chunks - 1) * kChunk + rest - kTag, rest - kTag};
+}
+
+// Format 2: its chunks opened on up to one thread per core (at most 4), and
+// written in order, each at its place in `out` (from where `out` stands):
+// what stands in `out` is always a whole prefix of the content, which a
+// reader may take while the rest is still being opened (a wake's kernel
+// does). One thread when `out` cannot seek (a pipe).
+std::uint64_t open_format2(int in, int out, std::uint64_t size, const SnapshotKey& key,
+                           const std::string& label) {
+    unsigned char nonce[kNonce];
+    read_at(in, nonce, kNonce, sizeof kMagic2);
+    const std::uint64_t piece = kChunk + kTag;
+    const Format2Shape shape = format2_shape(size);
+    const std::uint64_t chunks = shape.chunks, total = shape.plain;
     const off_t out_at = ::lseek(out, 0, SEEK_CUR);
     const unsigned cores = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
     const unsigned threads =
         out_at < 0 ? 1u : static_cast<unsigned>(std::min<std::uint64_t>(cores, chunks));
     std::mutex mutex;
+    std::condition_variable turn;  // chunk `written` may be written
+    std::uint64_t written = 0;
     std::exception_ptr failed;
     std::atomic<bool> stop{false};
     const auto work = [&](unsigned first) {
@@ -433,7 +449,7 @@ std::uint64_t open_format2(int in, int out, std::uint64_t size, const SnapshotKe
             Pages sealed(piece), plain(kChunk);
             for (std::uint64_t i = first; i < chunks && !stop.load(); i += threads) {
                 const bool last = i == chunks - 1;
-                const std::size_t n = last ? static_cast<std::size_t>(rest - kTag) : kChunk;
+                const std::size_t n = last ? static_cast<std::size_t>(shape.last) : kChunk;
                 read_at(in, sealed.data(), n + kTag, static_cast<off_t>(kSealHeader + i * piece));
                 if (!cipher.open(i, last, sealed.data(), n, plain.data())) {
                     fail(
@@ -442,14 +458,27 @@ std::uint64_t open_format2(int in, int out, std::uint64_t size, const SnapshotKe
                 }
                 if (out_at < 0) {
                     write_all(out, plain.data(), n);
-                } else {
-                    write_at(out, plain.data(), n, out_at + static_cast<off_t>(i * kChunk));
+                    continue;
                 }
+                {
+                    std::unique_lock lock(mutex);
+                    turn.wait(lock, [&] { return written == i || stop.load(); });
+                }
+                if (stop.load()) break;
+                write_at(out, plain.data(), n, out_at + static_cast<off_t>(i * kChunk));
+                {
+                    const std::lock_guard lock(mutex);
+                    written = i + 1;
+                }
+                turn.notify_all();
             }
         } catch (const std::exception&) {
             stop = true;
-            const std::lock_guard lock(mutex);
-            if (!failed) failed = std::current_exception();
+            {
+                const std::lock_guard lock(mutex);
+                if (!failed) failed = std::current_exception();
+            }
+            turn.notify_all();
         }
     };
     std::vector<std::thread> helpers;
@@ -522,6 +551,18 @@ std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
     if (std::memcmp(magic, kMagic, sizeof magic) == 0) {
         return open_format1(in, out, size, key, label);
     }
+    fail("it is not a sealed snapshot");
+}
+
+std::optional<std::uint64_t> followable_plain_size(int in) {
+    struct stat st {};
+    if (::fstat(in, &st) != 0) fail(std::string("stat: ") + std::strerror(errno));
+    const auto size = static_cast<std::uint64_t>(st.st_size);
+    if (size < kSealOverhead) fail("it is too short to be a sealed snapshot");
+    unsigned char magic[sizeof kMagic2];
+    read_at(in, magic, sizeof magic, 0);
+    if (std::memcmp(magic, kMagic2, sizeof magic) == 0) return format2_shape(size).plain;
+    if (std::memcmp(magic, kMagic, sizeof magic) == 0) return std::nullopt;
     fail("it is not a sealed snapshot");
 }
 

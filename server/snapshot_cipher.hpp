@@ -21,6 +21,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -68,11 +69,20 @@ std::uint64_t seal_from(const SealSource& read, int out, const SnapshotKey& key,
 // Reads a sealed `in` (the whole file, formats 1 and 2) and writes its
 // content to `out`; returns the bytes written. A format 2 file into a
 // seekable `out` is opened by as many threads as the host has cores (at
-// most 4), each writing its chunks at their place. Throws std::runtime_error when the file is not
+// most 4), each writing its chunks at their place, in order: `out` holds a
+// whole prefix of the content at any time, each chunk checked before it is
+// written (a reader may follow it). Throws std::runtime_error when the file is not
 // sealed, is cut short, or fails its check (changed on disk, another key or
 // label); what was written to `out` by then must be thrown away by the
 // caller.
 std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key, const std::string& label);
+
+// The content's size of the sealed file `in` when it is of format 2, whose
+// opening a reader may follow (above); std::nullopt for format 1, whose one
+// tag is checked only at its end. Reads the header where it stands (pread:
+// `in` does not move). Throws as open_sealed_stream does when `in` is no
+// sealed file or was cut inside a chunk.
+std::optional<std::uint64_t> followable_plain_size(int in);
 
 // The same format in memory: `plain` sealed, and opened again (the
 // handover's rows, docs/restarts.md). open_sealed throws as

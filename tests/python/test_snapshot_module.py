@@ -158,7 +158,7 @@ def test_big_arrays_leave_the_pickle_as_buffers_and_come_back_exact(dirs):
     failed = [k for k, ok in restored["checks"].items() if not ok]
     assert not failed, restored
     assert restored["report"]["lost"] == []
-    assert set(restored["report"]["ms"]) == {"files", "imports", "namespace"}
+    assert set(restored["report"]["ms"]) == {"read", "files", "imports", "namespace"}
 
 
 def test_a_format_2_snapshot_still_restores(dirs):
@@ -263,3 +263,91 @@ def test_paths_outside_the_directories_are_refused(dirs, tmp_path):
     assert ["files/tmp/../escaped.txt", "refused: a path outside its directory"] in out["lost"]
     assert not (tmp2.parent / "escaped.txt").exists()
     assert out["saved"] >= 1
+
+
+# Copies the saved snapshot into the restore's path in 256 KiB pieces, 5 ms
+# apart, on a thread, as a wake's server opens it while the kernel reads.
+GROWING = """
+    import threading, time
+    whole = open(%(saved)r, "rb").read()
+    progress = {"written": 0, "first_read_at": None}
+    out = open(%(target)r, "wb", buffering=0)
+    def write_slowly(stop_at):
+        for at in range(0, stop_at, 256 << 10):
+            out.write(whole[at:min(at + (256 << 10), stop_at)])
+            progress["written"] = min(at + (256 << 10), stop_at)
+            time.sleep(0.005)
+    original = cellblock_snapshot._Growing.readinto
+    def watched(self, buffer):
+        if progress["first_read_at"] is None:
+            progress["first_read_at"] = progress["written"]
+        return original(self, buffer)
+    cellblock_snapshot._Growing.readinto = watched
+"""
+
+
+def growing(saved, target, body):
+    """A restoring process's code: GROWING, then `body`."""
+    return textwrap.dedent(GROWING % {"saved": saved, "target": target}) + textwrap.dedent(body)
+
+
+def test_a_snapshot_is_restored_while_it_is_still_being_written(dirs):
+    """A wake's server opens the snapshot into /data/input while the kernel
+    already reads it (docs/hibernation.md, "The wake"): given the final
+    size, the restore reads in the archive's order and waits for each byte
+    it needs, and ends with everything the snapshot holds."""
+    home, tmp = dirs["before"]
+    saved = run("""
+        cell("import numpy as np")
+        cell("big = np.arange(1_000_000, dtype=np.float64)\\nword = 'kept'\\ndef f(x):\\n    return x + 1")
+        import os
+        open(os.path.join(os.environ["TMPDIR"], "note.txt"), "w").write("in tmp")
+        print(json.dumps(cellblock_snapshot.save(shell, %r)))
+    """ % str(dirs["snapshot"]), home, tmp)
+    assert saved["lost"] == [], saved
+    total = os.path.getsize(dirs["snapshot"])
+    home2, tmp2 = dirs["after"]
+    target = str(dirs["snapshot"]) + ".placed"
+    out = run(growing(str(dirs["snapshot"]), target, """
+        writer = threading.Thread(target=write_slowly, args=(len(whole),))
+        writer.start()
+        r = cellblock_snapshot.restore(shell, %(target)r, size=len(whole))
+        writer.join()
+        ns = shell.user_ns
+        import os
+        print(json.dumps({"report": r, "first_read_at": progress["first_read_at"],
+                          "total": len(whole),
+                          "big": float(ns["big"].sum()), "word": ns["word"], "f": ns["f"](1),
+                          "note": open(os.path.join(os.environ["TMPDIR"], "note.txt")).read()}))
+    """ % {"target": target}), home2, tmp2)
+    assert out["total"] == total
+    # It began reading long before the file was whole, and got all of it.
+    assert out["first_read_at"] < total // 2, out
+    assert out["report"]["lost"] == [], out
+    assert out["big"] == 499999500000.0 and out["word"] == "kept" and out["f"] == 2
+    assert out["note"] == "in tmp"
+
+
+def test_a_snapshot_that_stops_growing_is_refused_with_where_it_stopped(dirs):
+    """A server that stopped writing (its opening failed, and it closes the
+    session) never leaves the restore waiting for ever, nor restoring half."""
+    home, tmp = dirs["before"]
+    run("""
+        cell("x = list(range(200_000))")
+        print(json.dumps(cellblock_snapshot.save(shell, %r)))
+    """ % str(dirs["snapshot"]), home, tmp)
+    home2, tmp2 = dirs["after"]
+    target = str(dirs["snapshot"]) + ".placed"
+    out = run(growing(str(dirs["snapshot"]), target, """
+        cellblock_snapshot._PATIENCE_S = 0.5
+        half = (len(whole) // 2) & ~511
+        write_slowly(half)
+        try:
+            cellblock_snapshot.restore(shell, %(target)r, size=len(whole))
+            print(json.dumps({"refused": None}))
+        except cellblock_snapshot.SnapshotRefused as e:
+            print(json.dumps({"refused": str(e), "half": half, "total": len(whole),
+                              "x": "x" in shell.user_ns}))
+    """ % {"target": target}), home2, tmp2)
+    assert out["refused"] == f"the snapshot stopped at {out['half']} of {out['total']} bytes", out
+    assert out["x"] is False

@@ -1278,6 +1278,69 @@ TEST_F(SleepTest, AFailedRestoreClosesTheSessionAndAnswersWhatWaited) {
     EXPECT_EQ(replies[0].content["ename"], ename::SessionClosed);
 }
 
+// A followed opening (SessionCore::placing_snapshot): the restore tells the
+// kernel the snapshot's final size, and the session is awake only once both
+// the kernel answered and the opening ended well, whichever comes first.
+TEST_F(SleepTest, AFollowedOpeningTellsTheKernelTheSizeAndWakesOnlyOnceBothEnded) {
+    for (const bool opening_first : {false, true}) {
+        start();
+        io.actions.clear();
+        sleep_at(t0);
+        core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
+        core->placing_snapshot(123456789);
+        core->on_kernel_attached(t0 + 2s, {});
+        const auto own = io.of("own");
+        ASSERT_FALSE(own.empty());
+        EXPECT_NE(json_string(own.back().content, "code").find("size=123456789)"),
+                  std::string::npos)
+            << own.back().content.dump();
+        const auto reply = [&] {
+            core->on_kernel_reply(t0 + 2s, Channel::shell,
+                                  own_reply(own.back().parent_id,
+                                            {{"saved", 3}, {"bytes", 9}, {"lost", json::array()}}));
+        };
+        if (opening_first) {
+            core->snapshot_placed(t0 + 2s, nullptr);
+            EXPECT_EQ(core->lifecycle_state(), SessionState::resuming)
+                << "the kernel is still reading";
+            reply();
+        } else {
+            reply();
+            EXPECT_EQ(core->lifecycle_state(), SessionState::resuming)
+                << "awake before the opening ended (the input files come after)";
+            EXPECT_TRUE(io.of("kernel", "execute_request").empty())
+                << "c2 went to the kernel early";
+            core->snapshot_placed(t0 + 2s, nullptr);
+        }
+        EXPECT_EQ(core->lifecycle_state(), SessionState::busy) << opening_first;
+        EXPECT_EQ(io.of("kernel", "execute_request").size(), 1u) << "c2 replayed once awake";
+    }
+}
+
+TEST_F(SleepTest, AFollowedOpeningThatFailsClosesTheSessionWhateverTheKernelSaid) {
+    for (const bool kernel_answered : {false, true}) {
+        start();
+        io.actions.clear();
+        sleep_at(t0);
+        core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
+        core->placing_snapshot(4096);
+        core->on_kernel_attached(t0 + 2s, {});
+        if (kernel_answered) {
+            core->on_kernel_reply(t0 + 2s, Channel::shell,
+                                  own_reply(io.of("own").back().parent_id,
+                                            {{"saved", 3}, {"bytes", 9}, {"lost", json::array()}}));
+        }
+        const std::string failed = "placing the snapshot: snapshot: it failed its integrity check";
+        core->snapshot_placed(t0 + 3s, &failed);
+        EXPECT_TRUE(core->closed());
+        ASSERT_FALSE(audit.closed.empty());
+        EXPECT_EQ(audit.closed.back(), "resume_failed: " + failed);
+        const auto replies = io.to_client("execute_reply");
+        ASSERT_FALSE(replies.empty());
+        EXPECT_EQ(replies.back().content["ename"], ename::SessionClosed);
+    }
+}
+
 TEST_F(SleepTest, HeartbeatsAndTimeDoNotWakeItButTheIdleTimeoutStillCloses) {
     SessionLimits limits;
     limits.idle_timeout_s = 60;

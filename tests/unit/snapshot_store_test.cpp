@@ -2,14 +2,17 @@
 // snapshot_cipher.hpp), on real files in a temporary directory.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -215,6 +218,32 @@ TEST_F(SnapshotStoreTest, AKeepSealedOnAnotherThreadIsKeptOnceFinished) {
     EXPECT_THROW(store.begin_keep("s1", output, input), SnapshotError);
     store.abandon(*first);
     EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+// A followed place (SnapshotPlacing::follow): the snapshot's file stands in
+// the new input dir, empty and of its final mode, before open() writes it,
+// and follow() names its final size; open() fills it and places the input
+// files after it.
+TEST_F(SnapshotStoreTest, AFollowedPlaceMakesTheSnapshotsFileFirstAndNamesItsSize) {
+    SnapshotStore store(base / "store");
+    const std::string snapshot = "secret-namespace-bytes, many of them";
+    kernel_wrote(snapshot);
+    const auto keeping = store.begin_keep("s1", output, input);
+    keeping->seal();
+    store.finish_keep(*keeping);
+    const fs::path next = base / "next-input";
+    fs::create_directories(next);
+    const auto placing = store.begin_place("s1", next);
+    EXPECT_EQ(placing->follow(), snapshot.size());
+    ASSERT_TRUE(fs::exists(next / kSnapshotFile));
+    EXPECT_EQ(fs::file_size(next / kSnapshotFile), 0u);
+    EXPECT_EQ(fs::status(next / kSnapshotFile).permissions(),
+              fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
+                  fs::perms::others_read);
+    EXPECT_FALSE(fs::exists(next / "data.csv")) << "the input files come after";
+    placing->open();
+    EXPECT_EQ(read_file(next / kSnapshotFile), snapshot);
+    EXPECT_EQ(read_file(next / "sub" / "deep.txt"), "secret-deep-file");
 }
 
 TEST_F(SnapshotStoreTest, ASessionRemovedWhileItsKeepIsSealedLeavesNothing) {
@@ -763,6 +792,77 @@ TEST(SnapshotCipher, ASealFlushedAsItGoesComesBackWholeFromAFileOrAPipe) {
     EXPECT_EQ(error, "");
     EXPECT_EQ(open_file(dir / "piped", dir / "opened", key), "");
     EXPECT_TRUE(read_file(dir / "opened") == plain);
+    fs::remove_all(dir);
+}
+
+// A wake's kernel reads the snapshot while it is opened (docs/hibernation.md,
+// "The wake"): the opening writes its chunks in order, each checked first,
+// so a reader looking at the file at any moment finds a whole prefix of the
+// content, never a hole (which would read as zeros) nor an unchecked byte.
+// followable_plain_size() names the size the reader waits for.
+TEST(SnapshotCipher, AReaderFollowingAnOpeningOnlyEverSeesAPrefixOfTheContent) {
+    const fs::path dir = scratch_dir("seal-follow");
+    const SnapshotKey key;
+    const std::string plain = random_bytes((24 << 20) + 5, 17);
+    write_file(dir / "plain", plain);
+    seal_file(dir / "plain", dir / "sealed", key);
+    const int in = ::open((dir / "sealed").c_str(), O_RDONLY);
+    ASSERT_GE(in, 0);
+    EXPECT_EQ(followable_plain_size(in), plain.size());
+    EXPECT_EQ(::lseek(in, 0, SEEK_CUR), 0) << "the header is read where it stands";
+    // Looks taken while an opening is under way; rounds until enough came
+    // (one round is over in milliseconds; a busy host may give few looks).
+    std::size_t looks = 0, partial = 0, bad = 0;
+    std::string seen(plain.size(), '\0');
+    for (int round = 0; round < 50 && partial < 20; ++round) {
+        const int out = ::open((dir / "opened").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        const int look = ::open((dir / "opened").c_str(), O_RDONLY);
+        ASSERT_EQ(::lseek(in, 0, SEEK_SET), 0);
+        std::atomic<bool> done{false};
+        std::string error;
+        std::thread opening([&] {
+            error = error_of([&] { open_sealed_stream(in, out, key, "s/label"); });
+            done = true;
+        });
+        for (bool last = false; !last;) {
+            last = done.load();
+            struct stat st {};
+            ASSERT_EQ(::fstat(look, &st), 0);
+            const auto size = static_cast<std::size_t>(st.st_size);
+            ASSERT_LE(size, plain.size());
+            const ssize_t n = ::pread(look, seen.data(), size, 0);
+            ASSERT_GE(n, 0);
+            if (std::memcmp(seen.data(), plain.data(), static_cast<std::size_t>(n)) != 0) ++bad;
+            ++looks;
+            if (size > 0 && size < plain.size()) ++partial;
+        }
+        opening.join();
+        EXPECT_EQ(error, "");
+        EXPECT_TRUE(read_file(dir / "opened") == plain);
+        ::close(out);
+        ::close(look);
+    }
+    EXPECT_EQ(bad, 0u) << "of " << looks << " looks, some saw bytes that were not the content's";
+    EXPECT_GT(partial, 0u) << "no look came while an opening was under way (" << looks << ")";
+    ::close(in);
+
+    // Format 1 is checked only at its end: not followed. What is not sealed,
+    // or cut inside a chunk, is refused.
+    const auto size_of = [&](const std::string& bytes) {
+        write_file(dir / "other", bytes);
+        const int fd = ::open((dir / "other").c_str(), O_RDONLY);
+        std::optional<std::uint64_t> size;
+        const std::string why = error_of([&] { size = followable_plain_size(fd); });
+        ::close(fd);
+        return std::make_pair(size, why);
+    };
+    EXPECT_EQ(size_of(seal("v1 content", key, "s/label")),
+              std::make_pair(std::optional<std::uint64_t>{}, std::string()));
+    EXPECT_NE(size_of(std::string(64, 'x')).second.find("not a sealed snapshot"),
+              std::string::npos);
+    const std::string whole = read_file(dir / "sealed");
+    EXPECT_NE(size_of(whole.substr(0, whole.size() - 20)).second.find("cut short"),
+              std::string::npos);
     fs::remove_all(dir);
 }
 
