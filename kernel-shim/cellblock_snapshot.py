@@ -279,6 +279,7 @@ class _Growing(io.RawIOBase):
         patience = _PATIENCE_S if patience is None else patience
         self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         self._size, self._at, self._patience = size, 0, patience
+        self.waited = 0.0  # seconds spent waiting for the writer
 
     def readable(self):
         return True
@@ -310,6 +311,7 @@ class _Growing(io.RawIOBase):
                 raise SnapshotRefused(f"the snapshot stopped at {os.fstat(self._fd).st_size}"
                                       f" of {self._size} bytes")
             time.sleep(0.0005)
+            self.waited += time.monotonic() - now
         self._at += done
         return done
 
@@ -384,6 +386,7 @@ def restore(shell, path, size=None):
             if files_started is None:
                 files_started = time.perf_counter()
                 ms["read"] = _ms(started)
+                ms["waited"] = round(source.waited * 1000, 1)
             rel = "/".join(parts[2:])
             if rel.startswith("/") or ".." in rel.split("/"):
                 lost.append([name, "refused: a path outside its directory"])
@@ -395,9 +398,10 @@ def restore(shell, path, size=None):
                 lost.append([name, _why(error)])
         for target, mode in reversed(modes):
             os.chmod(target, mode)
-    if files_started is None:
-        files_started = time.perf_counter()
-        ms["read"] = _ms(started)
+        if files_started is None:
+            files_started = time.perf_counter()
+            ms["read"] = _ms(started)
+            ms["waited"] = round(source.waited * 1000, 1)
     ms["files"] = _ms(files_started)
     started = time.perf_counter()
     for name, module in manifest.get("modules", {}).items():

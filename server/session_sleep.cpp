@@ -73,7 +73,7 @@ json report_of(const json& content) {
     }
     const auto ms = report.find("ms");
     if (ms != report.end() && ms->is_object()) {
-        for (const char* step : {"namespace", "write", "read", "files", "imports"}) {
+        for (const char* step : {"namespace", "write", "read", "waited", "files", "imports"}) {
             const auto v = ms->find(step);
             if (v == ms->end() || !v->is_number()) continue;
             const double m = v->get<double>();

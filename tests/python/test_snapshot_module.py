@@ -158,7 +158,7 @@ def test_big_arrays_leave_the_pickle_as_buffers_and_come_back_exact(dirs):
     failed = [k for k, ok in restored["checks"].items() if not ok]
     assert not failed, restored
     assert restored["report"]["lost"] == []
-    assert set(restored["report"]["ms"]) == {"read", "files", "imports", "namespace"}
+    assert set(restored["report"]["ms"]) == {"read", "waited", "files", "imports", "namespace"}
 
 
 def test_a_format_2_snapshot_still_restores(dirs):
