@@ -293,9 +293,10 @@ def growing(saved, target, body):
 
 def test_a_snapshot_is_restored_while_it_is_still_being_written(dirs):
     """A wake's server opens the snapshot into /data/input while the kernel
-    already reads it (docs/hibernation.md, "The wake"): given the final
-    size, the restore reads in the archive's order and waits for each byte
-    it needs, and ends with everything the snapshot holds."""
+    already reads it (docs/hibernation.md, "The wake's kernel reads while
+    the server opens"): given the final size, the restore reads in the
+    archive's order and waits for each byte it needs (a big array's two
+    halves on two threads), and ends with everything the snapshot holds."""
     home, tmp = dirs["before"]
     saved = run("""
         cell("import numpy as np")
@@ -309,6 +310,15 @@ def test_a_snapshot_is_restored_while_it_is_still_being_written(dirs):
     home2, tmp2 = dirs["after"]
     target = str(dirs["snapshot"]) + ".placed"
     out = run(growing(str(dirs["snapshot"]), target, """
+        # The 8 MB array is read by two threads, as one of 32 MB or more is.
+        cellblock_snapshot._SPLIT_READ_MIN = 1 << 20
+        import types
+        started = []
+        class Recorded(threading.Thread):
+            def start(self):
+                started.append(self.name)
+                super().start()
+        cellblock_snapshot.threading = types.SimpleNamespace(Thread=Recorded)
         writer = threading.Thread(target=write_slowly, args=(len(whole),))
         writer.start()
         r = cellblock_snapshot.restore(shell, %(target)r, size=len(whole))
@@ -316,15 +326,18 @@ def test_a_snapshot_is_restored_while_it_is_still_being_written(dirs):
         ns = shell.user_ns
         import os
         print(json.dumps({"report": r, "first_read_at": progress["first_read_at"],
-                          "total": len(whole),
+                          "total": len(whole), "threads": started,
                           "big": float(ns["big"].sum()), "word": ns["word"], "f": ns["f"](1),
+                          "exact": bool((ns["big"] == ns["np"].arange(1_000_000, dtype="float64")).all()),
                           "note": open(os.path.join(os.environ["TMPDIR"], "note.txt")).read()}))
     """ % {"target": target}), home2, tmp2)
     assert out["total"] == total
     # It began reading long before the file was whole, and got all of it.
     assert out["first_read_at"] < total // 2, out
     assert out["report"]["lost"] == [], out
-    assert out["big"] == 499999500000.0 and out["word"] == "kept" and out["f"] == 2
+    assert out["big"] == 499999500000.0 and out["exact"], out
+    assert out["threads"] == ["cellblock-restore"], out
+    assert out["word"] == "kept" and out["f"] == 2
     assert out["note"] == "in tmp"
 
 
