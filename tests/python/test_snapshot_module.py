@@ -5,7 +5,6 @@ another, with what could not be carried named. Each side runs in its own
 import json
 import os
 import subprocess
-import sys
 import tarfile
 import textwrap
 

@@ -920,6 +920,17 @@ class SleepTest : public CoreTest {
         audit.states.clear();
         core = std::make_unique<SessionCore>(options, io, t0);
     }
+    // A fresh session asleep, woken by execute c2 at t0 + 1s into a sandbox
+    // whose snapshot of `bytes` is still being opened (placing_snapshot),
+    // attached at t0 + 2s.
+    void wake_while_opening(std::uint64_t bytes) {
+        start();
+        io.actions.clear();
+        sleep_at(t0);
+        core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
+        core->placing_snapshot(bytes);
+        core->on_kernel_attached(t0 + 2s, {});
+    }
     void attach_and_restore(Clock::time_point at, json lost = json::array()) {
         core->on_kernel_attached(at, {"probe-2"});
         const auto own = io.of("own");
@@ -1283,12 +1294,7 @@ TEST_F(SleepTest, AFailedRestoreClosesTheSessionAndAnswersWhatWaited) {
 // the kernel answered and the opening ended well, whichever comes first.
 TEST_F(SleepTest, AFollowedOpeningTellsTheKernelTheSizeAndWakesOnlyOnceBothEnded) {
     for (const bool opening_first : {false, true}) {
-        start();
-        io.actions.clear();
-        sleep_at(t0);
-        core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
-        core->placing_snapshot(123456789);
-        core->on_kernel_attached(t0 + 2s, {});
+        wake_while_opening(123456789);
         const auto own = io.of("own");
         ASSERT_FALSE(own.empty());
         EXPECT_NE(json_string(own.back().content, "code").find("size=123456789)"),
@@ -1319,12 +1325,7 @@ TEST_F(SleepTest, AFollowedOpeningTellsTheKernelTheSizeAndWakesOnlyOnceBothEnded
 
 TEST_F(SleepTest, AFollowedOpeningThatFailsClosesTheSessionWhateverTheKernelSaid) {
     for (const bool kernel_answered : {false, true}) {
-        start();
-        io.actions.clear();
-        sleep_at(t0);
-        core->on_client_request(t0 + 1s, Channel::shell, execute("c2"));
-        core->placing_snapshot(4096);
-        core->on_kernel_attached(t0 + 2s, {});
+        wake_while_opening(4096);
         if (kernel_answered) {
             core->on_kernel_reply(t0 + 2s, Channel::shell,
                                   own_reply(io.of("own").back().parent_id,
