@@ -394,6 +394,11 @@ class Server final : public SessionObserver, private SessionService {
     FileTransfers transfers_;
     // CPU weights of sessions that burn CPU without pause (cpu_fairness.hpp).
     void balance_cpu(Clock::time_point now);
+    // Puts `setting` on a sandbox's CPU controls: its weight, its cap (never
+    // past the sandbox's own quota), the idle cgroup (--cpu-idle) and its
+    // tasks' slice. False when the sandbox has no CPU controller; `idled`:
+    // whether its cgroup became idle.
+    bool apply_cpu_setting(Sandbox& box, SandboxCpu& cpu, const CpuSetting& setting, bool& idled);
     // Publishes this server's interactive and hogging sessions, and gives the
     // sandboxes' parent cgroup the weight of every server's on the host.
     void weigh_sandboxes(std::size_t interactive, std::size_t hogging);

@@ -78,25 +78,8 @@ void Server::balance_cpu(Clock::time_point now) {
         if (fairness.interactive()) ++active;
         if (fairness.hogging()) ++hogging;
         if (!change) continue;
-        // A cap of 0 is the session's own quota (its limits, as the pool applied them).
-        const double own = box->limits().cpus;
-        const double cpus = change->setting.cpus <= 0 ? own
-                            : own > 0                 ? std::min(change->setting.cpus, own)
-                                                      : change->setting.cpus;
-        // --cpu-idle: what holds the CPU runs only when nothing else wants
-        // it. The weight cannot be written while idle: leave first, enter last.
-        const bool idle = options_.cpu_idle && change->setting.level != CpuSetting::Level::normal;
-        if (options_.cpu_idle && !idle) cpu->set_cpu_idle(false);
-        const bool weighted = cpu->set_cpu_weight(change->setting.weight);
-        const bool capped = cpu->set_cpu_quota(cpus);
-        if (!weighted && !capped) continue;  // no CPU controller for this sandbox
-        const bool idled = idle && cpu->set_cpu_idle(true);
-        // The short slice is the interactive path's: a session holding the
-        // CPU waits out its default slice, so a waking quiet one preempts it.
-        if (options_.interactive_slice_us)
-            cpu->set_slice(change->setting.level == CpuSetting::Level::normal
-                               ? options_.interactive_slice_us
-                               : 0);
+        bool idled = false;
+        if (!apply_cpu_setting(*box, *cpu, change->setting, idled)) continue;
         const std::string detail = change->detail + (idled ? "; an idle cgroup" : "");
         spdlog::info("session {}: {}: {}", id, change->event, detail);
         on_event(id, change->event, detail);
@@ -105,6 +88,29 @@ void Server::balance_cpu(Clock::time_point now) {
     hogging_sessions_ = hogging;
     if (options_.weigh_sandboxes) weigh_sandboxes(active, hogging);
     next_balance_ = now + CpuFairnessPolicy{}.interval;
+}
+
+bool Server::apply_cpu_setting(Sandbox& box, SandboxCpu& cpu, const CpuSetting& setting,
+                               bool& idled) {
+    // A cap of 0 is the session's own quota (its limits, as the pool applied them).
+    const double own = box.limits().cpus;
+    const double cpus = setting.cpus <= 0 ? own
+                        : own > 0         ? std::min(setting.cpus, own)
+                                          : setting.cpus;
+    // --cpu-idle: what holds the CPU runs only when nothing else wants
+    // it. The weight cannot be written while idle: leave first, enter last.
+    const bool idle = options_.cpu_idle && setting.level != CpuSetting::Level::normal;
+    if (options_.cpu_idle && !idle) cpu.set_cpu_idle(false);
+    const bool weighted = cpu.set_cpu_weight(setting.weight);
+    const bool capped = cpu.set_cpu_quota(cpus);
+    if (!weighted && !capped) return false;  // no CPU controller for this sandbox
+    idled = idle && cpu.set_cpu_idle(true);
+    // The short slice is the interactive path's: a session holding the
+    // CPU waits out its default slice, so a waking quiet one preempts it.
+    if (options_.interactive_slice_us)
+        cpu.set_slice(setting.level == CpuSetting::Level::normal ? options_.interactive_slice_us
+                                                                 : 0);
+    return true;
 }
 
 void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {

@@ -333,6 +333,14 @@ void Server::take_over_adopted() {
                         id, egress_lost);
                 }
             }
+            // The balancer starts over with the session (CpuFairness{}): its
+            // sandbox starts over too, at the interactive level. A weight, cap
+            // or slice the crashed server had set (a demoted session's) would
+            // otherwise stay for good, no level change left to undo it.
+            if (SandboxCpu* cpu = adopted.sandbox->cpu()) {
+                bool idled = false;
+                apply_cpu_setting(*adopted.sandbox, *cpu, CpuSetting{}, idled);
+            }
             relay.attach(std::move(adopted.sandbox), std::move(*probed[i].channels));
             relay.replay(state.requests);  // verified again; they wait for the settle
             store_.add_event(

@@ -582,3 +582,51 @@ def test_an_adopted_gateway_session_has_its_way_out_again(server_factory, tmp_pa
     finally:
         upstream.shutdown()
         upstream.server_close()
+
+
+# A thread that spins until state["until"] (a time), left by a cell.
+SPIN_UNTIL = """
+import threading, time
+state = {"until": float("inf")}
+def _spin():
+    while time.time() < state["until"]:
+        pass
+threading.Thread(target=_spin, daemon=True).start()
+"""
+
+
+def test_an_adopted_session_starts_over_at_the_interactive_cpu_level(
+        server_factory, tmp_path):  # noqa: F811
+    """The next server's balancer starts over with an adopted session, and so
+    does its sandbox: a session the crashed server had demoted (a thread
+    left spinning) comes back with the interactive weight, quota and slice,
+    not with the demotion for good (docs/restarts.md)."""
+    import test_fairness as fair
+    srv = server_factory(["--key-file", str(tmp_path / "server.key"), "--adopt-grace", "120",
+                          "--pool", "host=0"])
+    sid, kc, _ = srv.open_session()
+    fair.need_cpu_controller(sid)
+    interactive = (fair.cpu_shares(sid), fair.cpu_quota(sid))
+    default_slice = fair.slice_of(os.getpid())
+    slices = fair.task_values(sid, fair.slice_of)
+    sh.run_ok(kc, SPIN_UNTIL)
+    assert sh.wait_for(lambda: fair.cpu_shares(sid) < interactive[0], timeout=60), \
+        fair.cpu_shares(sid)
+    demoted = (fair.cpu_shares(sid), fair.cpu_quota(sid))
+    # The spinning ends 3 s from now, while no server runs: the crashed
+    # server cannot have put the session back first.
+    sh.run_ok(kc, "state['until'] = time.time() + 3", timeout=120)
+    watch = sh.ShellWatch(kc)
+    srv.kill9()
+    assert sh.wait_for(lambda: "waits 120000 ms" in shim_log(srv, sid), timeout=30), \
+        shim_log(srv, sid)[-500:]
+    assert watch.wait_closed(timeout=60)
+    time.sleep(4)
+    assert (fair.cpu_shares(sid), fair.cpu_quota(sid)) == demoted, "the demotion outlives its server"
+    srv.start()
+    assert f"session {sid}: adopted" in srv.log(), srv.log()[-3000:]
+    assert (fair.cpu_shares(sid), fair.cpu_quota(sid)) == interactive, \
+        (fair.cpu_shares(sid), fair.cpu_quota(sid), demoted)
+    if default_slice not in (None, 100) and slices == {100}:
+        assert fair.task_values(sid, fair.slice_of) == {100}
+    sh.run_ok(kc, "print(1 + 1)", timeout=60)
