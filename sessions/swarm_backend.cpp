@@ -44,6 +44,8 @@ constexpr const char* kSecretPath = "/run/secrets/cellblock-connection.json";
 // A gateway session's ipc dir in its task: a trust store and a socket.
 constexpr int kIpcDirMb = 4;
 constexpr std::int64_t kNanoPerCore = 1000000000;
+// New tasks a start gives a service whose task's container did not start.
+constexpr std::size_t kStartRetries = 2;
 // The connection file's ports, in the order of the container's ports from kFirstKernelPort.
 constexpr int ConnectionInfo::*kKernelPorts[] = {
     &ConnectionInfo::shell_port, &ConnectionInfo::iopub_port, &ConnectionInfo::stdin_port,
@@ -91,6 +93,18 @@ json tmpfs(const std::string& target, int size_mb, int mode) {
 
 json bind_ro(const std::string& path) {
     return {{"Type", "bind"}, {"Source", path}, {"Target", path}, {"ReadOnly", true}};
+}
+
+// A new task for `service_id` (its spec's ForceUpdate counter raised): what
+// the engine does for a task whose container it failed to start.
+void force_new_task(const DockerApi& api, const std::string& service_id) {
+    const json service = api.expect("GET", "/services/" + service_id);
+    json spec = service.value("Spec", json::object());
+    json& task = spec["TaskTemplate"];
+    task["ForceUpdate"] = task.value("ForceUpdate", 0) + 1;
+    const auto version = service.value("Version", json::object()).value("Index", std::uint64_t{0});
+    api.expect("POST", "/services/" + service_id + "/update?version=" + std::to_string(version),
+               &spec);
 }
 
 // The end of a service's stdout and stderr, from the engine's log stream
@@ -706,6 +720,9 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
         const std::string query = "/tasks?filters=" + docker_filters({{"service", {service_id}}});
         const auto deadline = Clock::now() + settings_.start_timeout;
         json task;
+        // Tasks whose container the engine failed to start, each followed by
+        // a new one (kStartRetries at most): no kernel ever ran in them.
+        std::set<std::string> not_started;
         for (;;) {
             task = nullptr;  // the newest task as the engine sees it now
             for (const auto& t : api.expect("GET", query)) {
@@ -719,6 +736,27 @@ std::unique_ptr<Sandbox> SwarmBackend::start(const std::string& session_id, cons
                 status.value("PortStatus", json::object()).value("Ports", json::array()).size() ==
                     published) {
                 break;
+            }
+            const std::string task_id = task.is_null() ? "" : task.value("ID", "");
+            if (not_started.count(task_id)) {  // its successor is not listed yet
+                ::usleep(50000);
+                continue;
+            }
+            // Seen under load on this host's docker-in-docker nodes: "starting
+            // container failed: unable to remount dir as readonly: mount
+            // tmpfs:…/secrets …: device or resource busy". The service's own
+            // restart policy is none (a task that ran stays ended), so a task
+            // that never started is replaced here, and only that one.
+            const std::string err = status.value("Err", "");
+            if (state == "failed" && err.starts_with("starting container failed") &&
+                not_started.size() < kStartRetries) {
+                not_started.insert(task_id);
+                spdlog::warn(
+                    "swarm service cb-{}: its task's container did not start ({}); a "
+                    "new task ({} of {})",
+                    session_id, err, not_started.size(), kStartRetries);
+                force_new_task(api, service_id);
+                continue;
             }
             if (state == "failed" || state == "rejected" || state == "shutdown" ||
                 state == "complete" || state == "orphaned" || state == "remove") {

@@ -699,3 +699,81 @@ TEST_F(LeftService, EachLiveServiceHasAUidOfItsOwnAndCellblocksSeccompProgram) {
     const std::uint32_t uid_c = uid_of(2);
     EXPECT_EQ(seen.count(uid_c), 0u) << uid_c;
 }
+
+// A task whose container the engine failed to start (seen on this host's
+// docker-in-docker nodes: the secrets' tmpfs "device or resource busy") is
+// followed by a new task of the same service, twice at most; a task that
+// ended otherwise is not (its restart policy is none: a kernel that ran is
+// never replaced by a fresh one).
+TEST_F(LeftService, ATaskWhoseContainerDidNotStartIsFollowedByANewOneTwiceAtMost) {
+    const std::string busy =
+        "starting container failed: unable to remount dir as readonly: mount "
+        "tmpfs:/var/lib/docker/containers/x/mounts/secrets: device or resource busy";
+    const std::string body = running_task().substr(running_task().find("\r\n\r\n") + 4);
+    for (const auto& [err, starts_after] : std::vector<std::pair<std::string, int>>{
+             {busy, 1}, {busy, 2}, {busy, 3}, {busy, 4}, {"task: non-zero exit (1)", 2}}) {
+        std::mutex mutex;
+        std::vector<std::string> updates;  // each update's request line and ForceUpdate
+        FakeEngine engine([&](const std::string& request) {
+            const std::string line = request.substr(0, request.find("\r\n"));
+            std::lock_guard lock(mutex);
+            if (line.find(" /secrets/create ") != std::string::npos) return ok({{"ID", "sec"}});
+            if (line.find(" /services/create ") != std::string::npos) return ok({{"ID", "svc-1"}});
+            if (line.find("GET /services/svc-1 ") != std::string::npos) {
+                return ok(
+                    {{"ID", "svc-1"},
+                     {"Version", {{"Index", 7 + updates.size()}}},
+                     {"Spec",
+                      {{"Name", "cb-s1"}, {"TaskTemplate", {{"ForceUpdate", updates.size()}}}}}});
+            }
+            if (line.find(" /services/svc-1/update?") != std::string::npos) {
+                const json spec = json::parse(request.substr(request.find("\r\n\r\n") + 4));
+                updates.push_back(line.substr(0, line.find(" HTTP")) + " ForceUpdate " +
+                                  std::to_string(spec["TaskTemplate"].value("ForceUpdate", 0)));
+                return ok(json::object());
+            }
+            if (line.find(" /tasks?") != std::string::npos) {
+                // Task n (from 1) fails until task `starts_after`, which runs.
+                json tasks = json::array();
+                for (int n = 1; n <= static_cast<int>(updates.size()) + 1; ++n) {
+                    json task = json::parse(body)[0];
+                    task["ID"] = "task-" + std::to_string(n);
+                    task["CreatedAt"] = "2026-11-29T00:00:0" + std::to_string(n) + "Z";
+                    if (n < starts_after) task["Status"] = {{"State", "failed"}, {"Err", err}};
+                    tasks.push_back(task);
+                }
+                return ok(tasks);
+            }
+            return answer(request);
+        });
+        settings_.docker_host = engine.host();
+        settings_.connect_host = "127.0.0.1";
+        SwarmBackend backend(settings_);
+        std::string why, task_id;
+        try {
+            task_id = backend.start("s1", host_image(), SandboxLimits{}, false)
+                          ->adoption_record()
+                          ->at("task_id");
+        } catch (const SandboxError& e) {
+            why = e.what();
+        }
+        std::lock_guard lock(mutex);
+        if (err != busy) {
+            EXPECT_NE(why.find("task failed: task: non-zero exit (1)"), std::string::npos) << why;
+            EXPECT_TRUE(updates.empty()) << "a task that ran is not replaced";
+            continue;
+        }
+        const std::size_t expected = std::min(starts_after - 1, 2);
+        ASSERT_EQ(updates.size(), expected) << starts_after;
+        for (std::size_t i = 0; i < updates.size(); ++i) {
+            EXPECT_EQ(updates[i], "POST /services/svc-1/update?version=" + std::to_string(7 + i) +
+                                      " ForceUpdate " + std::to_string(i + 1));
+        }
+        if (starts_after <= 3) {
+            EXPECT_EQ(why, "") << starts_after;
+            EXPECT_EQ(task_id, "task-" + std::to_string(starts_after));
+        } else {
+            EXPECT_NE(why.find("task failed: starting container failed"), std::string::npos) << why;
+        }
+    }
+}
