@@ -1106,15 +1106,20 @@ TEST_P(ClientPub, ASubscriberThatDoesNotReadDoesNotHoldUpTheOthers) {
         }
     });
     EXPECT_GT(got, 0);
-    // And what is published after reaches it again.
+    // And what is published after reaches it again, once the backlog queued
+    // for it before it stalled has gone out (under ASan on a busy host that
+    // took longer than kDeadline: a bound on a hang, not a speed).
     bool after = false;
-    EXPECT_TRUE(drive([&] {
-        pub.send({"after"});
-        while (auto m = try_recv(stalled)) after = after || (*m)[0] == "after";
-        while (try_recv(reader)) {
-        }
-        return after;
-    })) << "the stalled subscriber, reading again, never got a new message";
+    EXPECT_TRUE(drive(
+        [&] {
+            pub.send({"after"});
+            while (auto m = try_recv(stalled)) after = after || (*m)[0] == "after";
+            while (try_recv(reader)) {
+            }
+            return after;
+        },
+        std::chrono::seconds(60)))
+        << "the stalled subscriber, reading again, never got a new message";
 }
 
 // A PUB has nothing to receive; its handler is never called for it.
