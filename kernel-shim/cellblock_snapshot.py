@@ -370,6 +370,13 @@ def restore(shell, path, size=None):
         dirs = _dirs()
         modes = []  # directories' modes, set last: a read-only one still takes its files
         files_started = None
+
+        def files_start():
+            """The read (manifest, namespace, buffers) ends where the files begin."""
+            ms["read"] = _ms(started)
+            ms["waited"] = round(source.waited * 1000, 1)
+            return time.perf_counter()
+
         for member in members:
             name = member.name
             if name == "namespace.dill" or name.startswith("buffers/"):
@@ -393,9 +400,7 @@ def restore(shell, path, size=None):
             if len(parts) < 3 or parts[0] != "files" or parts[1] not in dirs:
                 continue
             if files_started is None:
-                files_started = time.perf_counter()
-                ms["read"] = _ms(started)
-                ms["waited"] = round(source.waited * 1000, 1)
+                files_started = files_start()
             rel = "/".join(parts[2:])
             if rel.startswith("/") or ".." in rel.split("/"):
                 lost.append([name, "refused: a path outside its directory"])
@@ -408,9 +413,7 @@ def restore(shell, path, size=None):
         for target, mode in reversed(modes):
             os.chmod(target, mode)
         if files_started is None:
-            files_started = time.perf_counter()
-            ms["read"] = _ms(started)
-            ms["waited"] = round(source.waited * 1000, 1)
+            files_started = files_start()
     ms["files"] = _ms(files_started)
     started = time.perf_counter()
     for name, module in manifest.get("modules", {}).items():

@@ -530,11 +530,10 @@ class SessionCore {
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;
     Clock::time_point sleep_started_{};  // hibernating, then resuming, began
-    // A followed opening (placing_snapshot): the snapshot's size, whether
-    // the opening still goes on, and the kernel's restore reply if it came
-    // first (it waits for the opening's end).
+    // A followed opening (placing_snapshot): the snapshot's size while the
+    // opening goes on, and the kernel's restore reply if it came first (it
+    // waits for the opening's end).
     std::optional<std::uint64_t> placing_bytes_;
-    bool placing_ = false;
     std::optional<std::optional<nlohmann::json>> restore_waiting_;
     // What the first reply after a resume, of any kind, says
     // (metadata.cellblock): resumed_ms and what was lost.

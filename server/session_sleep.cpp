@@ -221,7 +221,7 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
         *at_once = false;
         return;
     }
-    if (placing_) {
+    if (placing_bytes_) {
         restore_waiting_ = content;  // awake once the opening ended well
         return;
     }
@@ -230,13 +230,11 @@ void SessionCore::on_own_reply(Clock::time_point now, InboundMessage& msg) {
 
 void SessionCore::placing_snapshot(std::uint64_t bytes) {
     placing_bytes_ = bytes;
-    placing_ = true;
     restore_waiting_.reset();
 }
 
 void SessionCore::snapshot_placed(Clock::time_point now, const std::string* failed) {
-    if (!placing_) return;
-    placing_ = false;
+    if (!placing_bytes_) return;
     placing_bytes_.reset();
     if (lifecycle_.state() != SessionState::resuming) return;  // closed meanwhile
     if (failed) {
@@ -322,7 +320,6 @@ void SessionCore::hibernation_failed(Clock::time_point now, const std::string& w
 void SessionCore::wake(Clock::time_point now) {
     move_to(SessionState::resuming);
     sleep_started_ = now;
-    placing_ = false;
     placing_bytes_.reset();
     restore_waiting_.reset();
     io_.wake();

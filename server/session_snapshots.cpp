@@ -37,14 +37,37 @@ struct Crypt {
     std::string label;  // "<session>/<place in the snapshot>"
 };
 
+// `to`, a new empty file of `mode` (never through a link); SnapshotError,
+// and nothing left, when it cannot be made.
+UniqueFd make_new(const fs::path& to, mode_t mode) {
+    UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
+    if (!out) throw SnapshotError(to.string() + ": " + errno_text(errno));
+    if (::fchmod(out.get(), mode) != 0) {
+        const int err = errno;
+        ::unlink(to.c_str());
+        throw SnapshotError("chmod: " + errno_text(err));
+    }
+    return out;
+}
+
+// The regular file at `name` under `dir`, for reading (never through a
+// link, never a FIFO that would block); SnapshotError naming `step`.
+UniqueFd open_regular(int dir, const std::string& name, const std::string& step) {
+    UniqueFd in(::openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+    if (!in) throw SnapshotError(step + ": " + name + ": " + errno_text(errno));
+    struct stat st {};
+    if (::fstat(in.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+        throw SnapshotError(step + ": " + name + " is not a regular file");
+    }
+    return in;
+}
+
 // `to`, a new file of `mode`, written by fill(fd) (which returns the plain
 // bytes); on disk before this returns when `sync`. A failure removes it.
 template <typename Fill>
 std::uint64_t write_new(const fs::path& to, mode_t mode, bool sync, Fill&& fill) {
-    UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-    if (!out) throw SnapshotError(to.string() + ": " + errno_text(errno));
+    UniqueFd out = make_new(to, mode);
     try {
-        if (::fchmod(out.get(), mode) != 0) throw SnapshotError("chmod: " + errno_text(errno));
         const std::uint64_t bytes = fill(out.get());
         if (sync && ::fsync(out.get()) != 0) throw SnapshotError("fsync: " + errno_text(errno));
         return bytes;
@@ -59,12 +82,7 @@ std::uint64_t write_new(const fs::path& to, mode_t mode, bool sync, Fill&& fill)
 // plain bytes. A failure removes what was written of `to`.
 std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
                            const std::string& step, mode_t mode, const Crypt& crypt) {
-    UniqueFd in(::openat(dir, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-    if (!in) throw SnapshotError(step + ": " + name + ": " + errno_text(errno));
-    struct stat st {};
-    if (::fstat(in.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-        throw SnapshotError(step + ": " + name + " is not a regular file");
-    }
+    UniqueFd in = open_regular(dir, name, step);
     try {
         // Kept: on disk before the sandbox goes. Placed: the new sandbox's
         // input lives no longer than the sandbox; an fsync there would only
@@ -550,30 +568,16 @@ std::unique_ptr<SnapshotPlacing> SnapshotStore::begin_place(const std::string& s
 
 std::optional<std::uint64_t> SnapshotPlacing::follow() {
     const std::string step = "placing the snapshot";
-    UniqueFd in(::openat(from.get(), "snapshot", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
-    if (!in) throw SnapshotError(step + ": snapshot: " + errno_text(errno));
-    struct stat st {};
-    if (::fstat(in.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-        throw SnapshotError(step + ": snapshot is not a regular file");
-    }
+    UniqueFd in = open_regular(from.get(), "snapshot", step);
     std::optional<std::uint64_t> size;
     try {
         size = followable_plain_size(in.get());
+        if (!size) return std::nullopt;
+        placed = make_new(to / kSnapshotFile, kPlaced.file);
     } catch (const std::exception& e) {
         throw SnapshotError(step + ": snapshot: " + e.what());
     }
-    if (!size) return std::nullopt;
-    const fs::path out_path = to / kSnapshotFile;
-    UniqueFd out(
-        ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
-    if (!out) throw SnapshotError(step + ": " + out_path.string() + ": " + errno_text(errno));
-    if (::fchmod(out.get(), kPlaced.file) != 0) {
-        const int err = errno;
-        ::unlink(out_path.c_str());
-        throw SnapshotError(step + ": chmod: " + errno_text(err));
-    }
     sealed = std::move(in);
-    placed = std::move(out);
     return size;
 }
 

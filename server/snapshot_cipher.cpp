@@ -537,33 +537,42 @@ std::uint64_t seal_from(const SealSource& read, int out, const SnapshotKey& key,
     return total;
 }
 
-std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
-                                 const std::string& label) {
+namespace {
+
+// A sealed file's format (1 or 2) and size, its header read at its start
+// (pread: `in` does not move); fails on what is no sealed file.
+struct SealedFile {
+    int format = 0;
+    std::uint64_t size = 0;
+};
+SealedFile sealed_file(int in) {
     struct stat st {};
     if (::fstat(in, &st) != 0) fail(std::string("stat: ") + std::strerror(errno));
     const auto size = static_cast<std::uint64_t>(st.st_size);
     if (size < kSealOverhead) fail("it is too short to be a sealed snapshot");
     unsigned char magic[sizeof kMagic];
-    if (read_some(in, magic, sizeof magic) != sizeof magic) fail("it is not a sealed snapshot");
-    if (std::memcmp(magic, kMagic2, sizeof magic) == 0) {
-        return open_format2(in, out, size, key, label);
-    }
-    if (std::memcmp(magic, kMagic, sizeof magic) == 0) {
-        return open_format1(in, out, size, key, label);
-    }
+    read_at(in, magic, sizeof magic, 0);
+    if (std::memcmp(magic, kMagic2, sizeof magic) == 0) return {2, size};
+    if (std::memcmp(magic, kMagic, sizeof magic) == 0) return {1, size};
     fail("it is not a sealed snapshot");
 }
 
+}  // namespace
+
+std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key,
+                                 const std::string& label) {
+    const SealedFile file = sealed_file(in);
+    if (file.format == 2) return open_format2(in, out, file.size, key, label);
+    // Format 1 is read in order, from past its magic.
+    if (::lseek(in, sizeof kMagic, SEEK_SET) < 0)
+        fail(std::string("seek: ") + std::strerror(errno));
+    return open_format1(in, out, file.size, key, label);
+}
+
 std::optional<std::uint64_t> followable_plain_size(int in) {
-    struct stat st {};
-    if (::fstat(in, &st) != 0) fail(std::string("stat: ") + std::strerror(errno));
-    const auto size = static_cast<std::uint64_t>(st.st_size);
-    if (size < kSealOverhead) fail("it is too short to be a sealed snapshot");
-    unsigned char magic[sizeof kMagic2];
-    read_at(in, magic, sizeof magic, 0);
-    if (std::memcmp(magic, kMagic2, sizeof magic) == 0) return format2_shape(size).plain;
-    if (std::memcmp(magic, kMagic, sizeof magic) == 0) return std::nullopt;
-    fail("it is not a sealed snapshot");
+    const SealedFile file = sealed_file(in);
+    if (file.format == 1) return std::nullopt;
+    return format2_shape(file.size).plain;
 }
 
 std::string seal(std::string_view plain, const SnapshotKey& key, const std::string& label) {

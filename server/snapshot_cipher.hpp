@@ -66,7 +66,7 @@ using SealSource = std::function<std::size_t(unsigned char* data, std::size_t n)
 std::uint64_t seal_from(const SealSource& read, int out, const SnapshotKey& key,
                         const std::string& label);
 
-// Reads a sealed `in` (the whole file, formats 1 and 2) and writes its
+// Reads a sealed `in` (the whole file from its start, formats 1 and 2) and writes its
 // content to `out`; returns the bytes written. A format 2 file into a
 // seekable `out` is opened by as many threads as the host has cores (at
 // most 4), each writing its chunks at their place, in order: `out` holds a
@@ -79,7 +79,7 @@ std::uint64_t open_sealed_stream(int in, int out, const SnapshotKey& key, const 
 
 // The content's size of the sealed file `in` when it is of format 2, whose
 // opening a reader may follow (above); std::nullopt for format 1, whose one
-// tag is checked only at its end. Reads the header where it stands (pread:
+// tag is checked only at its end. Reads the header at the file's start (pread:
 // `in` does not move). Throws as open_sealed_stream does when `in` is no
 // sealed file or was cut inside a chunk.
 std::optional<std::uint64_t> followable_plain_size(int in);
