@@ -30,6 +30,8 @@ PACKAGES=(
   # clients and tests
   python3-jupyter-client python3-jupyter-kernel-test python3-nbclient python3-nbformat
   jupyter-console python3-pytest python3-zmq python3-pexpect tmux iproute2 procps
+  # what the server syncs to the disk before it answers (test_adoption.py)
+  strace
   # the Python client's install test (pip without an index or build isolation);
   # pip and requests in sessions, through the egress gateway (test_egress_packages.py)
   python3-pip python3-setuptools python3-requests

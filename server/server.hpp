@@ -246,9 +246,12 @@ class Server final : public SessionObserver, private SessionService {
     // write_handover, and whenever a session hibernates or is taken over
     // hibernated (its row kept), so that a crash takes it back as a planned
     // restart does; removed once it has resumed or closed (forget_asleep).
-    // Returns the number of requests the row carries.
+    // Returns the number of requests the row carries. `durable`: on the
+    // disk when this returns, as the snapshot it names is (a hibernation's
+    // answer waits for both); write_handover's rows are synced at the
+    // store's close instead.
     std::size_t put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
-                               double now_unix);
+                               double now_unix, bool durable = false);
     void record_asleep(const std::string& id);
     void forget_asleep(const std::string& id);
     std::set<std::string> asleep_recorded_;

@@ -168,7 +168,7 @@ bool Server::handover_ready(Clock::time_point now) const {
 }
 
 std::size_t Server::put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
-                                   double now_unix) {
+                                   double now_unix, bool durable) {
     const HandoverState state = relay.handover_state();
     const SessionOrigin& origin = session.origin();
     const auto info = snapshots_->info(id);
@@ -201,7 +201,8 @@ std::size_t Server::put_asleep_row(const std::string& id, Session& session, Sess
         {id,
          seal(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
               *server_key_, row_label(id)),
-         now_unix});
+         now_unix},
+        durable);
     return state.requests.size();
 }
 
@@ -212,7 +213,7 @@ void Server::record_asleep(const std::string& id) {
     SessionProxy* relay = session ? session->proxy() : nullptr;
     if (!relay || relay->closed() || !snapshots_->info(id)) return;
     try {
-        put_asleep_row(id, *session, *relay, unix_now());
+        put_asleep_row(id, *session, *relay, unix_now(), true);
         asleep_recorded_.insert(id);
     } catch (const std::exception& e) {
         spdlog::warn("session {}: no record to take it back by after a crash: {}", id, e.what());

@@ -435,8 +435,21 @@ std::vector<EventRecord> SessionStore::events(const std::string& session_id) con
     });
 }
 
-void SessionStore::put_handover(const HandoverRow& row) {
+void SessionStore::put_handover(const HandoverRow& row, bool durable) {
     impl_->guarded("put_handover " + row.name, [&] {
+        // NORMAL (the store's setting) leaves a WAL commit to the next
+        // checkpoint's sync; FULL syncs the WAL at this commit (0.3 ms here).
+        if (durable) impl_->db.exec("PRAGMA synchronous = FULL");
+        struct Normal {
+            SQLite::Database* db;
+            ~Normal() {
+                if (!db) return;
+                try {
+                    db->exec("PRAGMA synchronous = NORMAL");
+                } catch (const std::exception&) {
+                }
+            }
+        } normal{durable ? &impl_->db : nullptr};
         Impl::Use st_use(impl_->statement(
             "INSERT OR REPLACE INTO handover (name, sealed, made_at) VALUES (?, ?, ?)"));
         SQLite::Statement& st = *st_use;

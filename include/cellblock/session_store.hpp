@@ -98,8 +98,11 @@ class SessionStore {
                                             const std::set<std::string>& except = {});
 
     // The handover's rows (docs/restarts.md): written by a server that hands
-    // its sessions over, read and removed by the next.
-    void put_handover(const HandoverRow& row);
+    // its sessions over, read and removed by the next. A durable row is on
+    // the disk when this returns (the WAL synced at its commit), not only in
+    // the host's page cache: a hibernated session's, answered only once its
+    // snapshot is on the disk too.
+    void put_handover(const HandoverRow& row, bool durable = false);
     std::vector<HandoverRow> handovers() const;
     void remove_handover(const std::string& name);
 
