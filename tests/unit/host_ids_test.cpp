@@ -7,9 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -258,6 +260,18 @@ TEST_F(HostIdsTest, LeftoversOfACrashedHolderAreKilledOnlyWhenTheLeaseIsStillThe
     EXPECT_EQ(::waitpid(child.pid(), nullptr, WNOHANG), 0);
     const auto killed = cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed");
     EXPECT_EQ(killed, std::vector<int>{child.pid()});
+    // Ended, not yet waited for: a zombie is not killed (again) nor counted.
+    const std::string stat = "/proc/" + std::to_string(child.pid()) + "/stat";
+    bool zombie = false;
+    for (int i = 0; i < 1000 && !zombie; ++i) {
+        std::ifstream in(stat);
+        std::string line;
+        std::getline(in, line);
+        zombie = line.find(") Z ") != std::string::npos;
+        if (!zombie) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_TRUE(zombie) << "the killed child never became a zombie";
+    EXPECT_TRUE(cellblock::kill_leftovers_in(pool_, ids, dir_ / "crashed").empty());
     const int status = child.end();  // whatever the outcome, no child outlives the test
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
 }
