@@ -248,8 +248,8 @@ class Server final : public SessionObserver, private SessionService {
     // restart does; removed once it has resumed or closed (forget_asleep).
     // Returns the number of requests the row carries. `durable`: on the
     // disk when this returns, as the snapshot it names is (a hibernation's
-    // answer waits for both); write_handover's rows are synced at the
-    // store's close instead.
+    // answer waits for both); write_handover's are not (a sync per row, and
+    // the next server reads them seconds later).
     std::size_t put_asleep_row(const std::string& id, Session& session, SessionProxy& relay,
                                double now_unix, bool durable = false);
     void record_asleep(const std::string& id);
