@@ -173,15 +173,34 @@ def session_pids(sid, include_zombies=False):
     return sorted(pids)
 
 
+def root_source(pid):
+    """Where process `pid`'s root directory comes from on the host: the root
+    of the mount on its "/" (its mountinfo), which names the host directory
+    a sandbox pivoted into even after that directory was removed. Seen from
+    the host, /proc/PID/root of a process in its own mount namespace reads
+    "/" (docs/field-notes.md). None for a process that has gone."""
+    try:
+        with open(f"/proc/{pid}/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    on_root = [m for m in mounts if len(m) > 4 and m[4] == "/"]
+    if on_root:
+        return on_root[-1][3]  # the last one mounted on "/" is what it sees
+    try:
+        return os.readlink(f"/proc/{pid}/root")
+    except OSError:
+        return None
+
+
 def pids_rooted_in(directory, include_zombies=False):
     """Host pids whose root directory (chroot / pivot_root) lies inside `directory`."""
     prefix = directory.rstrip("/") + "/"
     pids = []
-    for path in glob.glob("/proc/[0-9]*/root"):
+    for path in glob.glob("/proc/[0-9]*"):
         pid = int(path.split("/")[2])
-        try:
-            root = os.readlink(path)
-        except OSError:
+        root = root_source(pid)
+        if root is None:
             continue
         if root.startswith(prefix) and (include_zombies or proc_state(pid) not in (None, "Z")):
             pids.append(pid)
