@@ -68,16 +68,6 @@ bool process_in_range(const fs::path& proc_pid, std::uint32_t first, std::uint32
     return it != ids.end() && *it - first < count;
 }
 
-// A zombie has ended already: only its parent's wait (or PID 1's) removes it.
-bool zombie(const fs::path& proc_pid) {
-    std::ifstream stat(proc_pid / "stat");
-    std::string line;
-    if (!std::getline(stat, line)) return false;
-    const auto end_of_name = line.rfind(')');
-    return end_of_name != std::string::npos && end_of_name + 2 < line.size() &&
-           line[end_of_name + 2] == 'Z';
-}
-
 fs::path lease_file(const HostIdPool& pool, std::uint32_t index) {
     return pool.lease_dir / (std::to_string(index) + ".lock");
 }
@@ -183,8 +173,9 @@ std::vector<int> kill_leftovers_in(const HostIdPool& pool, const IdMapping& ids,
             const std::string name = entry.path().filename().string();
             if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
             if (!process_in_range(entry.path(), ids.host_base, ids.size)) continue;
-            if (zombie(entry.path())) continue;  // not "killed": it had ended
             const int pid = std::stoi(name);
+            // A zombie is not "killed": it had ended, and waits for its reaper.
+            if (sandbox_detail::process_gone(pid)) continue;
             if (::kill(pid, SIGKILL) == 0) killed.push_back(pid);
         }
     }
