@@ -180,17 +180,14 @@ def root_source(pid):
     the host, /proc/PID/root of a process in its own mount namespace reads
     "/" (docs/field-notes.md). None for a process that has gone."""
     try:
+        if os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):
+            return os.readlink(f"/proc/{pid}/root")  # our namespace: a path of ours
         with open(f"/proc/{pid}/mountinfo") as f:
             mounts = [line.split() for line in f]
     except OSError:
         return None
     on_root = [m for m in mounts if len(m) > 4 and m[4] == "/"]
-    if on_root:
-        return on_root[-1][3]  # the last one mounted on "/" is what it sees
-    try:
-        return os.readlink(f"/proc/{pid}/root")
-    except OSError:
-        return None
+    return on_root[-1][3] if on_root else None  # the last mounted on "/" is what it sees
 
 
 def pids_rooted_in(directory, include_zombies=False):
