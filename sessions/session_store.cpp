@@ -438,7 +438,7 @@ std::vector<EventRecord> SessionStore::events(const std::string& session_id) con
 void SessionStore::put_handover(const HandoverRow& row, bool durable) {
     impl_->guarded("put_handover " + row.name, [&] {
         // NORMAL (the store's setting) leaves a WAL commit to the next
-        // checkpoint's sync; FULL syncs the WAL at this commit (0.3 ms here).
+        // checkpoint's sync; FULL syncs the WAL at this commit (0.3-4 ms here).
         if (durable) impl_->db.exec("PRAGMA synchronous = FULL");
         struct Normal {
             SQLite::Database* db;
