@@ -1,4 +1,5 @@
 // cellblock: the command line.
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cellblock/connection_info.hpp"
+#include "cellblock/cpu_fairness.hpp"
 #include "cellblock/error_names.hpp"
 #include "cellblock/oci_bundle.hpp"
 #include "client_commands.hpp"
@@ -30,6 +32,17 @@
 #include "version.hpp"
 
 namespace {
+
+// The CPUs this process may run on (its affinity, as a cpuset leaves it).
+std::vector<int> allowed_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    std::vector<int> cpus;
+    if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+        if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+    return cpus;
+}
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -232,6 +245,15 @@ int main(int argc, char** argv) {
         "sessions holding the CPU run as idle cgroups, and the sandboxes' parent too while "
         "they hold it and the host's processes do not contend: a waking quiet session or "
         "host process then never waits for a tick behind them (docs/performance.md)");
+    std::string loud_cpus = "all";
+    serve_cmd
+        ->add_option("--loud-cpus", loud_cpus,
+                     "the CPUs a session holding the CPU (yielding or demoted) may run on, "
+                     "while it holds it: 'all' (no such rule), 'auto' (every CPU the server "
+                     "may use but the lowest, on two or more: quieter interactive sessions, "
+                     "but that CPU idles when they leave it idle), or a list such as 1-3 "
+                     "(docs/performance.md)")
+        ->capture_default_str();
     serve_cmd
         ->add_option("--interactive-slice-us", serve.interactive_slice_us,
                      "EEVDF slice of the server's threads and of interactive sessions' tasks, "
@@ -484,6 +506,11 @@ int main(int argc, char** argv) {
             // from (an upgrade installed over it runs), with these arguments.
             std::error_code ec;
             serve.self_exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+            try {
+                serve.loud_cpus = cellblock::loud_cpu_list(loud_cpus, allowed_cpus());
+            } catch (const std::invalid_argument& e) {
+                throw std::runtime_error(std::string("--loud-cpus: ") + e.what());
+            }
             serve.command_line.assign(argv, argv + argc);
             return cellblock::run_server(serve);
         }

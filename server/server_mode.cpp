@@ -110,6 +110,11 @@ bool Server::apply_cpu_setting(Sandbox& box, SandboxCpu& cpu, const CpuSetting& 
     if (options_.interactive_slice_us)
         cpu.set_slice(setting.level == CpuSetting::Level::normal ? options_.interactive_slice_us
                                                                  : 0);
+    // And it is kept off one CPU at least, where an interactive session, the
+    // server and its clients then find no hog (the page faults and cache a
+    // memory bomb costs its CPU's other tasks no weight governs).
+    if (!options_.loud_cpus.empty())
+        cpu.set_cpus(setting.level == CpuSetting::Level::normal ? "" : options_.loud_cpus);
     return true;
 }
 

@@ -37,6 +37,9 @@ struct ServeOptions {
     // interactive session's tasks; a session holding the CPU gets the
     // kernel's default back (sched_slice.hpp). 0: the kernel's default for all.
     std::uint32_t interactive_slice_us = kInteractiveSliceUs;
+    // The CPUs a session holding the CPU is kept to (a cpuset list, made by
+    // loud_cpu_list from --loud-cpus); empty: every session on every CPU.
+    std::string loud_cpus;
     // Where the host's servers publish what their sessions ask of that
     // parent (cpu_demand.hpp): servers sharing a host share this too.
     std::filesystem::path cpu_demand_dir = kCpuDemandDir;

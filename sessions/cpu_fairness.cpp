@@ -3,6 +3,7 @@
 #include <spdlog/fmt/fmt.h>
 
 #include <algorithm>
+#include <stdexcept>
 
 namespace cellblock {
 
@@ -163,6 +164,55 @@ int sandboxes_weight(std::size_t interactive, std::size_t hogging,
     const std::size_t processes = hogging > 0 ? hogging : interactive;
     const double weight = static_cast<double>(processes) * policy.normal_weight;
     return static_cast<int>(std::clamp<double>(weight, policy.normal_weight, kMaxCpuShares));
+}
+
+namespace {
+
+// "1-3,6" -> {1, 2, 3, 6}; std::invalid_argument when it is not such a list.
+std::vector<int> parse_cpu_list(const std::string& text) {
+    std::vector<int> cpus;
+    std::size_t at = 0;
+    auto number = [&](std::size_t& i) {
+        const std::size_t start = i;
+        while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+        if (i == start || i - start > 4)
+            throw std::invalid_argument("'" + text + "' is not a list of CPUs such as 1-3,6");
+        return std::stoi(text.substr(start, i - start));
+    };
+    if (!text.empty() && text.back() == ',')
+        throw std::invalid_argument("'" + text + "' is not a list of CPUs such as 1-3,6");
+    while (at < text.size()) {
+        const int first = number(at);
+        int last = first;
+        if (at < text.size() && text[at] == '-') last = number(++at);
+        if (last < first) throw std::invalid_argument("'" + text + "': a range runs upwards");
+        for (int cpu = first; cpu <= last; ++cpu) cpus.push_back(cpu);
+        if (at < text.size() && text[at++] != ',')
+            throw std::invalid_argument("'" + text + "' is not a list of CPUs such as 1-3,6");
+    }
+    if (cpus.empty()) throw std::invalid_argument("an empty list of CPUs");
+    return cpus;
+}
+
+}  // namespace
+
+std::string loud_cpu_list(const std::string& option, const std::vector<int>& online) {
+    if (option == "all") return "";
+    if (option == "auto") {
+        if (online.size() < 2) return "";
+        std::vector<int> rest(online);
+        std::sort(rest.begin(), rest.end());
+        rest.erase(rest.begin());
+        std::string list;
+        for (const int cpu : rest) list += (list.empty() ? "" : ",") + std::to_string(cpu);
+        return list;
+    }
+    for (const int cpu : parse_cpu_list(option)) {
+        if (std::find(online.begin(), online.end(), cpu) == online.end())
+            throw std::invalid_argument("CPU " + std::to_string(cpu) +
+                                        " is not one this server may run on");
+    }
+    return option;
 }
 
 CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {

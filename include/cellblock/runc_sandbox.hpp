@@ -168,6 +168,8 @@ class RuncSandbox final : public Sandbox,
     int runnable_tasks(int at_most) const override;
     void renice(int nice) override;
     void set_slice(std::uint32_t us) override;
+    // cpuset.cpus of its cgroup; "" writes the parent cgroup's effective CPUs.
+    bool set_cpus(const std::string& cpus) override;
 
   private:
     friend class Zygote;

@@ -75,6 +75,10 @@ class SandboxCpu {
     // Every thread's EEVDF slice in microseconds, 0 the kernel's default
     // (sched_slice.hpp): short while the session is interactive.
     virtual void set_slice(std::uint32_t us) = 0;
+    // The CPUs its tasks may run on (cgroup cpuset.cpus, a list such as "1"
+    // or "1-3"); empty: the ones it was started with. False without a
+    // cpuset controller for it, or when the write was refused.
+    virtual bool set_cpus(const std::string& cpus) = 0;
 
   protected:
     ~SandboxCpu() = default;

@@ -817,6 +817,17 @@ def new_state_dir():
     return path
 
 
+def serve_once(*args, timeout=60):
+    """`cellblock serve ARGS` on a state dir of its own, removed after: for a
+    start expected to be refused (its CompletedProcess, output as text)."""
+    state_dir = new_state_dir()
+    try:
+        return subprocess.run([CELLBLOCK_BIN, "serve", "--state-dir", state_dir, *args],
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
 def start_server(args=(), timeout=60):
     return ServerProcess(new_state_dir(), args).start(timeout=timeout)
 

@@ -35,7 +35,8 @@ def demand_dir():
 
 @pytest.fixture(scope="module")
 def server(request, demand_dir):
-    srv = sh.start_server(["--cpu-demand-dir", demand_dir])
+    # --loud-cpus auto: what it does is checked beside what the rest does.
+    srv = sh.start_server(["--cpu-demand-dir", demand_dir, "--loud-cpus", "auto"])
     yield srv
     problems = srv.shutdown()
     assert not problems, "\n".join(problems)
@@ -51,6 +52,32 @@ def cgroup_value(sid, name):
 
 def cpu_shares(sid):
     return cgroup_value(sid, "cpu.shares")
+
+
+def cpuset_cpus(sid):
+    """The session's sandbox's cpuset.cpus, as a set of CPU numbers (None: no such file)."""
+    for path in glob.glob(f"/sys/fs/cgroup/cpuset/cellblock/cb-{sid}/cpuset.cpus"):
+        with open(path) as f:
+            return cpu_set(f.read())
+    return None
+
+
+def cpu_set(text):
+    cpus = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def loud_and_all_cpus(server):
+    """The CPUs the server keeps a session holding the CPU to (None: none), and
+    every CPU its sandboxes' parent has."""
+    loud = server.ok("server_info_request", {})["content"]["cpu"]["loud_cpus"]
+    with open("/sys/fs/cgroup/cpuset/cellblock/cpuset.effective_cpus") as f:
+        every = cpu_set(f.read())
+    return (cpu_set(loud) if loud else None), every
 
 
 def cpu_quota(sid):
@@ -184,6 +211,10 @@ def test_the_server_and_interactive_sessions_have_the_short_slice_one_holding_th
     sid, kc, _ = server.open_session()
     need_cpu_controller(sid)
     assert task_values(sid, slice_of) == {100}
+    loud, every = loud_and_all_cpus(server)
+    if len(every) >= 2:  # the default, --loud-cpus auto: all but the lowest
+        assert loud == every - {min(every)}, (loud, every)
+    assert cpuset_cpus(sid) == every
     # A thread started in a cell inherits the slice of its process.
     reply, _ = execute(kc, "import threading, time\n"
                            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()")
@@ -194,10 +225,13 @@ def test_the_server_and_interactive_sessions_have_the_short_slice_one_holding_th
     if yielded:
         assert wait_for(lambda: task_values(sid, slice_of) == {default}, timeout=2), \
             task_values(sid, slice_of)
+        # And it runs on the loud CPUs only, off the one kept for the others.
+        assert wait_for(lambda: cpuset_cpus(sid) == (loud or every), timeout=2), cpuset_cpus(sid)
     assert run_until_reply(kc, busy)["content"]["status"] == "ok"
     assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=10), cpu_shares(sid)
     assert wait_for(lambda: task_values(sid, slice_of) == {100}, timeout=2), \
         task_values(sid, slice_of)
+    assert wait_for(lambda: cpuset_cpus(sid) == every, timeout=2), cpuset_cpus(sid)
     # (It yields only if it got 5% of a core over 2 s: a starved host may not
     # give it that, or only after the 7 s waited for above.)
     kinds = [e["kind"] for e in cpu_events(server, sid)]
@@ -237,6 +271,8 @@ def test_work_left_in_the_background_is_demoted_still_progresses_and_is_restored
     # anything else is runnable).
     assert cpu_shares(sid) == 64 and cpu_quota(sid) == 5000, (cpu_shares(sid), cpu_quota(sid))
     assert cpu_idle(sid) in (0, None)
+    loud, every = loud_and_all_cpus(server)
+    assert cpuset_cpus(sid) == (loud or every), cpuset_cpus(sid)
 
     # It still progresses, with two neighbours spinning on this 2-core budget.
     others = [server.open_session() for _ in range(2)]
@@ -259,6 +295,7 @@ def test_work_left_in_the_background_is_demoted_still_progresses_and_is_restored
     execute(kc, "state['stop'] = True")
     assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=30), cpu_shares(sid)
     assert cpu_quota(sid) == 100000
+    assert wait_for(lambda: cpuset_cpus(sid) == every, timeout=2), cpuset_cpus(sid)
     events = cpu_events(server, sid)
     assert [e["kind"] for e in events] == ["cpu_demoted", "cpu_restored"], events
     assert "demoted for" in events[1]["detail"], events[1]
@@ -679,3 +716,12 @@ def test_pool_refills_boot_at_a_low_weight_and_sessions_get_the_default(server):
     reply, _ = execute(kc, "1+1")
     assert reply["content"]["status"] == "ok"
     server.ok("session_close_request", {"session_id": sid})
+
+
+def test_loud_cpus_that_are_no_list_or_not_the_servers_are_refused_at_start():
+    for value, words in (("4096", "CPU 4096 is not one this server may run on"),
+                         ("1,", "is not a list of CPUs"),
+                         ("3-1", "a range runs upwards")):
+        run = sh.serve_once("--loud-cpus", value)
+        assert run.returncode != 0, (value, run.stdout, run.stderr)
+        assert "--loud-cpus: " in run.stderr and words in run.stderr, (value, run.stderr)

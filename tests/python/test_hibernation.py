@@ -6,7 +6,6 @@ back, and what could not be carried is named."""
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
@@ -249,13 +248,7 @@ def test_a_bad_default_limit_stops_the_server_with_why():
     for item, words in (("hibernate_after_s=0", "hibernate_after_s"),
                         ("hibernate_after_s=99999999", "hibernate_after_s"),
                         ("no_such_limit=1", "no_such_limit")):
-        state_dir = sh.new_state_dir()
-        try:
-            run = subprocess.run([sh.CELLBLOCK_BIN, "serve", "--state-dir", state_dir,
-                                  "--default-limit", item],
-                                 capture_output=True, text=True, timeout=60)
-        finally:
-            shutil.rmtree(state_dir, ignore_errors=True)
+        run = sh.serve_once("--default-limit", item)
         assert run.returncode != 0, (item, run.stdout, run.stderr)
         assert words in run.stderr + run.stdout, (item, run.stderr)
 

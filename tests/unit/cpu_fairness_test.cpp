@@ -465,5 +465,38 @@ TEST(CpuFairness, TheSandboxesWeighOneProcessPerRunnableSessionWithinTheCgroupBo
     EXPECT_EQ(sandboxes_weight(0, 1000), 262144);
 }
 
+TEST(LoudCpuList, AutoKeepsTheLowestCpuFreeOfHogsWhereThereAreTwoOrMore) {
+    EXPECT_EQ(loud_cpu_list("auto", {0, 1}), "1");
+    EXPECT_EQ(loud_cpu_list("auto", {3, 0, 2, 1}), "1,2,3");
+    // A server kept to some CPUs (its affinity) keeps hogs to those but one.
+    EXPECT_EQ(loud_cpu_list("auto", {4, 6, 7}), "6,7");
+    // One CPU: nothing to keep free, every session stays on it.
+    EXPECT_EQ(loud_cpu_list("auto", {0}), "");
+    EXPECT_EQ(loud_cpu_list("auto", {}), "");
+    EXPECT_EQ(loud_cpu_list("all", {0, 1, 2}), "");
+}
+
+TEST(LoudCpuList, AListIsTakenAsGivenWhenEveryCpuInItIsTheServers) {
+    EXPECT_EQ(loud_cpu_list("1", {0, 1}), "1");
+    EXPECT_EQ(loud_cpu_list("1-3,6", {0, 1, 2, 3, 4, 5, 6}), "1-3,6");
+    EXPECT_EQ(loud_cpu_list("0", {0, 1}), "0");
+}
+
+TEST(LoudCpuList, AnythingElseIsRefusedWithWhy) {
+    auto refused = [](const std::string& option, const std::vector<int>& online) {
+        try {
+            loud_cpu_list(option, online);
+        } catch (const std::invalid_argument& e) {
+            return std::string(e.what());
+        }
+        return std::string("accepted");
+    };
+    EXPECT_EQ(refused("2", {0, 1}), "CPU 2 is not one this server may run on");
+    EXPECT_EQ(refused("0-4", {0, 1, 2, 3}), "CPU 4 is not one this server may run on");
+    EXPECT_EQ(refused("3-1", {0, 1, 2, 3}), "'3-1': a range runs upwards");
+    for (const char* bad : {"", "x", "1,", ",1", "1--2", "1-", "one", "1 2", "-1", "99999"})
+        EXPECT_NE(refused(bad, {0, 1}), "accepted") << "'" << bad << "'";
+}
+
 }  // namespace
 }  // namespace cellblock
