@@ -135,10 +135,13 @@ class Probe:
         return subprocess.Popen(self.runsc + argv, stdout=log, stderr=log,
                                 stdin=subprocess.DEVNULL)
 
+    def state(self, name):
+        return subprocess.run(self.runsc + ["state", name], capture_output=True, text=True)
+
     def wait_gone(self, name, timeout=30):
         deadline = time.monotonic() + timeout
         while True:
-            r = subprocess.run(self.runsc + ["state", name], capture_output=True, text=True)
+            r = self.state(name)
             if r.returncode != 0 and "does not exist" in r.stderr:
                 return
             if '"stopped"' in r.stdout:
@@ -150,8 +153,7 @@ class Probe:
 
     def wait_state(self, name, status, timeout=120):
         deadline = time.monotonic() + timeout
-        while f'"{status}"' not in subprocess.run(self.runsc + ["state", name],
-                                                  capture_output=True, text=True).stdout:
+        while f'"{status}"' not in self.state(name).stdout:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} is not {status}")
             time.sleep(0.02)

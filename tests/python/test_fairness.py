@@ -42,11 +42,11 @@ def server(request, demand_dir):
     assert not problems, "\n".join(problems)
 
 
-def cgroup_value(sid, name):
+def cgroup_value(sid, name, parse=int):
     """A cgroup file of the session's own sandbox (cpu and cpuacct may be apart or joined)."""
     for path in glob.glob(f"/sys/fs/cgroup/*/cellblock/cb-{sid}/{name}"):
         with open(path) as f:
-            return int(f.read())
+            return parse(f.read())
     return None
 
 
@@ -56,10 +56,7 @@ def cpu_shares(sid):
 
 def cpuset_cpus(sid):
     """The session's sandbox's cpuset.cpus, as a set of CPU numbers (None: no such file)."""
-    for path in glob.glob(f"/sys/fs/cgroup/cpuset/cellblock/cb-{sid}/cpuset.cpus"):
-        with open(path) as f:
-            return cpu_set(f.read())
-    return None
+    return cgroup_value(sid, "cpuset.cpus", cpu_set)
 
 
 def cpu_set(text):
