@@ -43,6 +43,7 @@ std::vector<int> allowed_cpus() {
         if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
     return cpus;
 }
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 

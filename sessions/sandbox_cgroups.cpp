@@ -291,22 +291,33 @@ bool RuncSandbox::set_cpu_weight(int shares) {
            static_cast<ssize_t>(text.size());
 }
 
+namespace {
+
+// The CPUs the cgroup above `dir` may hand out (v1's and v2's names), as
+// cpuset.cpus takes them; "" where neither can be read.
+std::string parent_cpus(const fs::path& dir) {
+    for (const char* name : {"cpuset.effective_cpus", "cpuset.cpus.effective"}) {
+        std::string text = read_text(dir.parent_path() / name);
+        while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+        if (!text.empty()) return text;
+    }
+    return "";
+}
+
+}  // namespace
+
 bool RuncSandbox::set_cpus(const std::string& cpus) {
     if (destroyed_) return false;
     // Opened at each change, not kept like the counters: only --loud-cpus
-    // writes it, at a session's changes of CPU setting (0.15-0.3 ms each).
-    // The same name in v1 and v2 (there only with the cpuset controller on).
+    // and an adoption write it, at a session's changes of CPU setting
+    // (0.15-0.3 ms each). The same name in v1 and v2 (there only with the
+    // cpuset controller on).
     for (const auto& dir : cgroup_dirs_) {
         const UniqueFd fd(::open((dir / "cpuset.cpus").c_str(), O_WRONLY | O_CLOEXEC));
         if (!fd) continue;
-        std::string text = cpus;
         // "": the parent's, not what the sandbox held at its start (a sandbox
         // adopted from a server that had narrowed it must not keep that).
-        for (const char* name : {"cpuset.effective_cpus", "cpuset.cpus.effective"}) {
-            if (!text.empty()) break;
-            text = read_text(dir.parent_path() / name);
-            while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-        }
+        const std::string text = cpus.empty() ? parent_cpus(dir) : cpus;
         return !text.empty() &&
                ::write(fd.get(), text.data(), text.size()) == static_cast<ssize_t>(text.size());
     }

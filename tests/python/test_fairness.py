@@ -18,7 +18,7 @@ import threading
 import time
 
 import server_helpers as sh
-from server_helpers import execute, wait_for
+from server_helpers import execute, server_factory, wait_for  # noqa: F401
 
 import pytest
 
@@ -722,3 +722,28 @@ def test_loud_cpus_that_are_no_list_or_not_the_servers_are_refused_at_start():
         run = sh.serve_once("--loud-cpus", value)
         assert run.returncode != 0, (value, run.stdout, run.stderr)
         assert "--loud-cpus: " in run.stderr and words in run.stderr, (value, run.stderr)
+
+
+def test_a_sandbox_kept_off_a_cpu_is_widened_by_a_next_start_without_the_option(
+        server_factory, demand_dir):  # noqa: F811
+    srv = server_factory(["--cpu-demand-dir", demand_dir, "--loud-cpus", "auto",
+                          "--adopt-grace", "120", "--pool", "host=0"])
+    loud, every = loud_and_all_cpus(srv)
+    if not loud:
+        pytest.skip("--loud-cpus auto keeps nothing apart on one CPU")
+    sid, kc, _ = srv.open_session()
+    need_cpu_controller(sid)
+    assert execute(kc, BACKGROUND_SPIN)[0]["content"]["status"] == "ok"
+    # Demoted while it spins: on the loud CPUs only.
+    assert wait_for(lambda: cpuset_cpus(sid) == loud, timeout=30), cpuset_cpus(sid)
+    # A crash; the next start has no --loud-cpus and adopts the sandbox,
+    # still spinning: it must not stay off the CPU kept free before.
+    srv.kill9()
+    srv.args = ["--cpu-demand-dir", demand_dir, "--adopt-grace", "120", "--pool", "host=0"]
+    srv.start()
+    assert f"session {sid}: adopted" in srv.log(), srv.log()[-3000:]
+    assert srv.ok("server_info_request", {})["content"]["cpu"]["loud_cpus"] in ("", None)
+    assert wait_for(lambda: cpuset_cpus(sid) == every, timeout=10), cpuset_cpus(sid)
+    assert counter(kc) > 0  # the same kernel, its thread still counting
+    execute(kc, "state['stop'] = True")
+    srv.ok("session_close_request", {"session_id": sid})
