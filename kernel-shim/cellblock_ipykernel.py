@@ -110,6 +110,7 @@ from ipykernel.kernelapp import IPKernelApp  # noqa: E402
 from traitlets import DottedObjectName  # noqa: E402
 
 import cellblock_egress_tunnel  # noqa: E402
+import cellblock_protocol  # noqa: E402
 from cellblock_dedup import BootMemory  # noqa: E402
 from cellblock_files import FileTransfers  # noqa: E402
 from cellblock_unrelayed import UNHEARD, count_unheard, keep_replies  # noqa: E402
@@ -658,6 +659,24 @@ class SandboxKernelApp(IPKernelApp):
         super().parse_command_line(argv)
 
 
+def _without_iopub_pipe():
+    """ipykernel's IOPub thread without its pipe: a loopback TCP socket that
+    forked children's output goes through, which `runsc checkpoint` refuses
+    to save. Set by a shim that bridges the kernel's channels (the exact
+    level on runsc, docs/hibernation.md); output of a forked child (not of a
+    subprocess: its descriptors are forwarded) is then not relayed."""
+    from ipykernel import iostream
+
+    init = iostream.IOPubThread.__init__
+
+    def init_without_pipe(self, socket, pipe=False):
+        init(self, socket, pipe=False)
+
+    iostream.IOPubThread.__init__ = init_without_pipe
+
+
 if __name__ == "__main__":
     _writable_connection_file(sys.argv)
+    if os.environ.get(cellblock_protocol.NO_IOPUB_PIPE_ENV) == "1":
+        _without_iopub_pipe()
     SandboxKernelApp.launch_instance(kernel_class=SandboxKernel)

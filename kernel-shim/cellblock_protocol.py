@@ -71,3 +71,9 @@ TUNNEL_CLOSE = "close"
 TUNNEL_CHUNK = 65536
 TUNNEL_WINDOW = 262144
 TUNNEL_MAX_CONNECTIONS = 128
+
+# Set (to 1) in the kernel's environment by a shim that bridges its channels
+# (the exact level on runsc): ipykernel starts without its IOPub pipe, a
+# loopback TCP socket that `runsc checkpoint` refuses ("endpoint still has
+# waiters upon save").
+NO_IOPUB_PIPE_ENV = "CELLBLOCK_NO_IOPUB_PIPE"

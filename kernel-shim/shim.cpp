@@ -27,6 +27,7 @@
 
 #include "cellblock/sandbox_protocol.hpp"
 #include "cellblock/unique_fd.hpp"
+#include "channel_bridge.hpp"
 #include "shim.hpp"
 
 extern char** environ;
@@ -186,11 +187,34 @@ long oom_kills() {
     return 0;
 }
 
-std::vector<char*> kernel_environment(std::vector<std::string>& storage) {
+// The lifeline gone: fd 3 becomes /dev/null, so that no descriptor opened
+// meanwhile (a bridged connection) takes its number, which report() writes
+// to and the next lifeline is put at.
+void drop_lifeline() {
+    UniqueFd null(open("/dev/null", O_RDWR | O_CLOEXEC));
+    if (!null || dup3(null.get(), kLifelineFd, O_CLOEXEC) != kLifelineFd) close(kLifelineFd);
+}
+
+// The bridge of the kernel's channels, where kBridgeEnv names its directory
+// (a fresh kernel's only: a forked one bound where its zygote's file said).
+std::optional<ChannelBridge> channel_bridge(bool fresh_kernel) {
+    const char* inner = getenv(protocol::kBridgeEnv);
+    if (!fresh_kernel || !inner || !*inner) return std::nullopt;
+    make_dir(inner);
+    std::vector<ChannelBridge::Route> routes;
+    for (int port = 1; port <= protocol::kKernelPorts; ++port) {
+        const std::string name = "/" + protocol::kernel_socket_name(port);
+        routes.push_back({protocol::kIpcDir + name, inner + name});
+    }
+    return ChannelBridge(std::move(routes));
+}
+
+std::vector<char*> kernel_environment(std::vector<std::string>& storage, bool bridged) {
     for (char** e = environ; *e; ++e) {
         if (strncmp(*e, kOwnVariables, strlen(kOwnVariables)) == 0) continue;
         storage.emplace_back(*e);
     }
+    if (bridged) storage.push_back(std::string(protocol::kNoIopubPipeEnv) + "=1");
     std::vector<char*> env;
     for (auto& s : storage) env.push_back(s.data());
     env.push_back(nullptr);
@@ -260,10 +284,15 @@ int main(int argc, char** argv) {
         if (const char* ipython = getenv("IPYTHONDIR")) make_dir(ipython);
     }
     start_egress_forwarder(/*copy=*/engine);
+    std::optional<ChannelBridge> bridge = channel_bridge(adopted < 0);
 
     sigset_t handled;
     sigemptyset(&handled);
-    for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&handled, sig);
+    for (int sig : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1}) sigaddset(&handled, sig);
+    // SIGUSR1 wakes a quiesced bridge. A handler (never run: the signal is
+    // read from the signalfd), so that no runtime drops it as one an init
+    // does not handle.
+    signal(SIGUSR1, [](int) {});
     sigprocmask(SIG_BLOCK, &handled, nullptr);
     const int sigfd = signalfd(-1, &handled, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sigfd < 0) {
@@ -278,7 +307,7 @@ int main(int argc, char** argv) {
     }
 
     std::vector<std::string> env_storage;
-    std::vector<char*> env = kernel_environment(env_storage);
+    std::vector<char*> env = kernel_environment(env_storage, bridge.has_value());
     // serve --swarm-share-boot-memory (kShareBootMemoryEnv): the kernel
     // starts at the addresses every kernel of its image on this node starts
     // at, so their boot pages are alike for the node's KSM.
@@ -336,6 +365,10 @@ int main(int argc, char** argv) {
     Clock::time_point orphaned_until{};
     protocol::KernelExit exit;  // how the kernel ended, once it has
     bool checked_adopted = adopted < 0;
+    // Told to quiesce (kQuiesceLine): every host socket closed, until SIGUSR1.
+    bool quiesced = false;
+    Clock::time_point quiesced_until{};
+    std::string bridge_said;  // the bridge's last complaint, said once
 
     using How = protocol::KernelExit::How;
     while (exit.how == How::unknown) {
@@ -365,12 +398,31 @@ int main(int argc, char** argv) {
                                             : std::min(timeout_ms, protocol::kAdoptRetryMs);
             }
         }
+        if (quiesced) {
+            if (now >= quiesced_until) {
+                say("%s", "quiesced and never woken (SIGUSR1); ending the sandbox");
+                return 1;
+            }
+            timeout_ms = timeout_ms < 0 ? until(quiesced_until)
+                                        : std::min(timeout_ms, until(quiesced_until));
+        } else if (bridge && !bridge->listening() && !bridge->listen()) {
+            // Until the kernel has bound its sockets (or a bind that failed
+            // works): looked at again every 10 ms.
+            constexpr int kBridgeRetryMs = 10;
+            timeout_ms = timeout_ms < 0 ? kBridgeRetryMs : std::min(timeout_ms, kBridgeRetryMs);
+            if (bridge->why().rfind("cannot", 0) == 0 && bridge->why() != bridge_said) {
+                bridge_said = bridge->why();
+                say("bridge: %s", bridge_said.c_str());
+            }
+        }
         if (adopted > 0 && !checked_adopted) timeout_ms = 0;
-        pollfd fds[3] = {{sigfd, POLLIN, 0},
-                         {have_lifeline ? kLifelineFd : -1, POLLIN, 0},
-                         {stderr_open ? err_pipe[0] : -1, POLLIN, 0}};
-        const int ready = poll(fds, 3, timeout_ms);
+        std::vector<pollfd> fds = {{sigfd, POLLIN, 0},
+                                   {have_lifeline ? kLifelineFd : -1, POLLIN, 0},
+                                   {stderr_open ? err_pipe[0] : -1, POLLIN, 0}};
+        if (bridge) bridge->want(fds);
+        const int ready = poll(fds.data(), fds.size(), timeout_ms);
         if (ready < 0 && errno != EINTR) break;
+        if (bridge && ready > 0) bridge->handle(fds, 3);
         const bool check_children = (fds[0].revents & POLLIN) || !checked_adopted;
         checked_adopted = true;
         if (check_children) {
@@ -379,6 +431,18 @@ int main(int argc, char** argv) {
                 const int sig = static_cast<int>(info.ssi_signo);
                 if (sig == SIGINT) {
                     kill(kernel, SIGINT);
+                } else if (sig == SIGUSR1) {
+                    if (quiesced) {
+                        // Restored (or the checkpoint failed): the lifeline
+                        // again, as for an adoption; the bridge listens once
+                        // it is back.
+                        say("%s", "woken: connecting the lifeline again");
+                        quiesced = false;
+                        orphaned = true;
+                        orphaned_until =
+                            Clock::now() + std::chrono::milliseconds(
+                                               std::max(adopt_grace_ms, protocol::kAdoptAckMs * 5));
+                    }
                 } else if (sig == SIGTERM && engine && front_attached()) {
                     // The engine stops a task so when its service is removed
                     // (the front asked the kernel to exit first) and when its
@@ -420,7 +484,7 @@ int main(int argc, char** argv) {
                 }
                 // The sandbox outlives its server for the grace, and no
                 // longer: a server started on the same state dir adopts it.
-                close(kLifelineFd);
+                drop_lifeline();
                 have_lifeline = false;
                 lifeline_line.clear();
                 orphaned = true;
@@ -442,6 +506,23 @@ int main(int argc, char** argv) {
                     kill(kernel, SIGINT);
                 } else if (const auto key = protocol::adopt_key_of(lifeline_line)) {
                     adopt_key = *key;
+                } else if (lifeline_line == protocol::kQuiesceLine) {
+                    lifeline_line.clear();
+                    if (!bridge) {
+                        report(protocol::kNotQuietLine);
+                        continue;
+                    }
+                    // Every host socket: the bridge's, then the lifeline once
+                    // it has said so. What followed on the lifeline goes with it.
+                    bridge->quiesce();
+                    report(protocol::kQuietLine);
+                    drop_lifeline();
+                    have_lifeline = false;
+                    quiesced = true;
+                    quiesced_until =
+                        Clock::now() + std::chrono::milliseconds(protocol::kQuiescedMs);
+                    say("%s", "quiesced: no host socket held; waiting for SIGUSR1");
+                    break;
                 }
                 lifeline_line.clear();
             }

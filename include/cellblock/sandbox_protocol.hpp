@@ -77,7 +77,11 @@ namespace cellblock::sandbox_protocol {
     W(kTunnelClose, "TUNNEL_CLOSE", "close")                                                 \
     N(kTunnelChunkBytes, "TUNNEL_CHUNK", 65536)                                              \
     N(kTunnelWindowBytes, "TUNNEL_WINDOW", 262144)                                           \
-    N(kTunnelMaxConnections, "TUNNEL_MAX_CONNECTIONS", 128)
+    N(kTunnelMaxConnections, "TUNNEL_MAX_CONNECTIONS", 128)                                  \
+    /* Set (to 1) in the kernel's environment by a shim that bridges its channels */         \
+    /* (kBridgeEnv): ipykernel starts without its IOPub pipe, a loopback TCP socket that */  \
+    /* `runsc checkpoint` refuses ("endpoint still has waiters upon save"). */               \
+    W(kNoIopubPipeEnv, "NO_IOPUB_PIPE_ENV", "CELLBLOCK_NO_IOPUB_PIPE")
 
 // The descriptors attached to a fork request, in this order; then one v1
 // cgroup `tasks` file per hierarchy (the request's "cgroups" count).
@@ -190,6 +194,27 @@ inline constexpr std::size_t kAdoptKeyHexDigits = 32;
 // Server -> shim: SIGINT to the kernel (runsc's init pid is the Sentry,
 // which the server cannot signal on the kernel's behalf).
 inline constexpr char kInterruptLine[] = "interrupt";
+// The exact level on runsc (docs/hibernation.md): where kBridgeEnv names a
+// directory of the sandbox's own (its tmpfs, not a host mount), the kernel's
+// connection file names its sockets there, and the shim listens at the
+// paths in kIpcDir the server connects to and pairs each connection with one
+// to the kernel's socket (kernel-shim/channel_bridge.hpp). Server -> shim
+// kQuiesceLine: the shim closes every host socket it holds, the bridge's,
+// then answers kQuietLine and closes the lifeline; the sandbox then holds
+// none, and runsc can checkpoint it. It waits for SIGUSR1 (after the
+// restore, or after a checkpoint that failed) up to kQuiescedMs, then
+// connects the lifeline again as for an adoption (kAdoptLine with its key)
+// and listens again. A shim that does not bridge answers kNotQuietLine.
+inline constexpr char kBridgeEnv[] = "CELLBLOCK_BRIDGE";
+inline constexpr char kQuiesceLine[] = "quiesce";
+inline constexpr char kQuietLine[] = "quiet";
+inline constexpr char kNotQuietLine[] = "not-quiet";
+inline constexpr int kQuiescedMs = 10 * 60 * 1000;
+// The kernel's sockets, as the server's inner connection file names them:
+// "k-1" to "k-5" (shell, iopub, stdin, control, heartbeat), in kIpcDir, or
+// in the bridge's directory.
+inline constexpr int kKernelPorts = 5;
+inline std::string kernel_socket_name(int port) { return "k-" + std::to_string(port); }
 // The longest line the shim keeps; anything past it is dropped.
 inline constexpr std::size_t kMaxLifelineLine = 64;
 static_assert(sizeof kAdoptKeyLine + kAdoptKeyHexDigits <= kMaxLifelineLine);
