@@ -1,17 +1,22 @@
 """The exact level on runsc, tried by hand (docs/hibernation.md, "The exact
-level on runsc"): not a bench figure, and not cellblock's code path.
+level on runsc"): not a bench figure; cellblock's shim and kernel launcher,
+with this script in the server's place.
 
 A cellblock server starts one `host-gvisor` session, only to lend its bundle
-(the image's rootfs, mounts and seccomp profile) and its kernel.json. Then,
-for each run, a sandbox of that shape runs bridge.py as its init (the kernel
-on sandbox-internal sockets, the host sockets held by the bridge), and:
-a client connects to the host-side sockets and runs cells that leave
-variables, a generator, a running thread, a socketpair with bytes in
-flight, an open file in /tmp and N MB of random bytes in a NumPy array;
-the bridge closes its host sockets; `runsc checkpoint`; the sandbox is
-deleted; `runsc restore` from the image into a new bundle with a new ipc
-dir; the bridge listens again; a new client checks that all of it is there
-and that the thread went on.
+(the image's rootfs, mounts, seccomp profile and its init: cellblock-shim
+with the kernel launcher) and its kernel.json. Then, for each run, a
+sandbox of that shape starts with the shim's channel bridge on
+(CELLBLOCK_BRIDGE: the kernel binds inside the sandbox, the shim holds the
+host sockets, kernel-shim/channel_bridge.hpp), this script listening for
+its lifeline as the server does, and: a client connects to the host-side
+sockets and runs cells that leave variables, a generator, a running thread,
+a socketpair with bytes in flight, an open file in /tmp and N MB of random
+bytes in a NumPy array; "quiesce" on the lifeline (the shim answers "quiet"
+and closes every host socket); `runsc checkpoint`; the sandbox ends;
+`runsc restore` from the image into a new bundle with a new ipc dir; SIGUSR1
+(`runsc kill`); the shim connects its lifeline again with its key and
+listens again; a new client checks that all of it is there and that the
+thread went on.
 
 Prints, per run: the quiesce, the checkpoint, the image's size, the restore
 until `running`, and until the kernel answered. Run as root from a build,
@@ -21,7 +26,9 @@ CELLBLOCK_SOURCE_DIR): /usr/bin/python3 bench/runsc_exact/probe.py [--mb N] [--r
 import argparse
 import json
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +61,41 @@ f.flush()
 time.sleep(0.3)
 print(count[0], int(big[:4096].sum()))
 """
+INNER = "/tmp/.cellblock-channels"  # the bridge's directory, the sandbox's own tmpfs
+
+
+def listen_lifeline(ipc):
+    """The server's lifeline listener: root's, the sandbox's user may connect."""
+    path = os.path.join(ipc, "lifeline.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    os.chmod(path, 0o666)
+    s.listen(1)
+    s.settimeout(60)
+    return s, path
+
+
+def take_lifeline(listening):
+    s, path = listening
+    try:
+        conn, _ = s.accept()
+    finally:
+        s.close()
+        os.unlink(path)
+    conn.settimeout(60)
+    return conn
+
+
+def read_line(conn):
+    line = b""
+    while not line.endswith(b"\n"):
+        got = conn.recv(1)
+        if not got:
+            return None
+        line += got
+    return line.decode().rstrip("\n")
+
+
 CELL_AFTER = ("f.seek(0)\n"
               "print(x, next(gen), count[0], th.is_alive(), b.recv(100), big.nbytes,"
               " int(big[:4096].sum()), f.read())")
@@ -87,21 +129,24 @@ class Probe:
             os.makedirs(dirs[d], exist_ok=True)
             os.chmod(dirs[d], 0o1777)
         conf = json.load(open(os.path.join(self.template, "config.json")))
-        kernel = dict(self.kernel_json, ip="/run/cellblock/k")
+        kernel = dict(self.kernel_json, ip=INNER + "/k")
         with open(os.path.join(ipc, "kernel.json"), "w") as f:
             json.dump(kernel, f)
         os.chmod(os.path.join(ipc, "kernel.json"), 0o644)
-        conf["process"]["args"] = ["/usr/bin/python3", "/opt/cellblock/bridge.py"]
+        # The template's init (the shim and the launcher), bridged; its
+        # lifeline at the usual path, no adoption grace (this script gives
+        # it a key, as a server with a grace does).
         conf["process"]["env"] = [e for e in conf["process"]["env"]
-                                  if not e.startswith("CELLBLOCK_")]
+                                  if not e.startswith("CELLBLOCK_ADOPT_GRACE_MS=")]
+        conf["process"]["env"].append(f"CELLBLOCK_BRIDGE={INNER}")
         conf["linux"]["cgroupsPath"] = f"/cellblock-exact-probe/{os.path.basename(self.work)}-{name}"
         sources = {"/run/cellblock": dirs["ipc"], "/data/input": dirs["input"],
-                   "/data/output": dirs["output"], "/opt/cellblock": HERE}
+                   "/data/output": dirs["output"]}
         for m in conf["mounts"]:
             m["source"] = sources.get(m["destination"], m.get("source"))
         with open(os.path.join(bundle, "config.json"), "w") as f:
             json.dump(conf, f)
-        return bundle, dict(self.kernel_json, ip=os.path.join(ipc, "k"))
+        return bundle, ipc, dict(self.kernel_json, ip=os.path.join(ipc, "k"))
 
     def client(self, connection, timeout=120):
         kc = BlockingKernelClient()
@@ -160,18 +205,23 @@ class Probe:
 
     def once(self, i, mb):
         first, second = f"r{i}a", f"r{i}b"
-        bundle, connection = self.bundle(first)
+        bundle, ipc, connection = self.bundle(first)
+        listening = listen_lifeline(ipc)
         self.start(first, ["run", "-bundle", bundle, first])
+        lifeline = take_lifeline(listening)
+        key = secrets.token_hex(16)
+        lifeline.sendall(f"adopt-key {key}\n".encode())
         kc = self.client(connection)
         before = self.run(kc, CELL_BEFORE.replace("{mb}", str(mb)))
         kc.stop_channels()
         t = time.monotonic()
-        self.call("kill", first, "USR2")
-        quiet = os.path.join(self.work, first + "-ipc", "quiet")
-        while not os.path.exists(quiet):
-            if time.monotonic() - t > 30:
-                raise RuntimeError("the bridge did not close its host sockets")
-            time.sleep(0.005)
+        lifeline.sendall(b"quiesce\n")
+        said = read_line(lifeline)
+        if said != "quiet":
+            raise RuntimeError(f"the shim answered {said!r} to quiesce")
+        if read_line(lifeline) is not None:
+            raise RuntimeError("the lifeline went on after 'quiet'")
+        lifeline.close()
         quiesce = time.monotonic() - t
         image = os.path.join(self.work, f"image-{i}")
         os.makedirs(image, mode=0o700)
@@ -185,17 +235,24 @@ class Probe:
         # itself; a delete before it has ended can time out ("stopping
         # container: context deadline exceeded").
         self.wait_gone(first)
-        bundle2, connection2 = self.bundle(second)
+        bundle2, ipc2, connection2 = self.bundle(second)
+        listening = listen_lifeline(ipc2)
         t = time.monotonic()
         self.start(second, ["restore", f"--image-path={image}", "-bundle", bundle2, second])
         self.wait_state(second, "running")
         running = time.monotonic() - t
         self.call("kill", second, "USR1")
+        lifeline = take_lifeline(listening)
+        said = read_line(lifeline)
+        if said != f"adopt {key}":
+            raise RuntimeError(f"the restored shim said {said!r}, not its key")
+        lifeline.sendall(b"adopted\n")
         kc = self.client(connection2)
         answered = time.monotonic() - t
         after = self.run(kc, CELL_AFTER)
         kc.stop_channels()
-        self.call("kill", second, "KILL")
+        lifeline.close()  # no grace: the shim ends the sandbox
+        self.wait_gone(second)
         print(f"run {i}: {mb} MB: quiesce {quiesce * 1000:.0f} ms, checkpoint {checkpoint:.2f} s, "
               f"image {size / 2**20:.1f} MiB, restore: running {running:.2f} s, "
               f"answered {answered:.2f} s; image files {files}, modes {modes}", flush=True)
