@@ -37,15 +37,27 @@ struct Crypt {
     std::string label;  // "<session>/<place in the snapshot>"
 };
 
-// `to`, a new empty file of `mode` (never through a link); SnapshotError,
-// and nothing left, when it cannot be made.
-UniqueFd make_new(const fs::path& to, mode_t mode) {
+// The modes of what a copy makes, and its owner (none: the server's).
+// Kept in the store: the server's alone (0600, 0700). Placed in a sandbox's
+// input dir: readable by the sandbox's user, as uploads are (0644, 0755);
+// in its output dir (an exact snapshot's): the sandbox's user's, as they were.
+struct Modes {
+    mode_t file, dir;
+    uid_t uid = static_cast<uid_t>(-1);
+    gid_t gid = static_cast<gid_t>(-1);
+};
+constexpr Modes kKept{0600, 0700}, kPlaced{0644, 0755};
+
+// `to`, a new empty file of `modes.file` and owner (never through a link);
+// SnapshotError, and nothing left, when it cannot be made.
+UniqueFd make_new(const fs::path& to, const Modes& modes) {
     UniqueFd out(::open(to.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!out) throw SnapshotError(to.string() + ": " + errno_text(errno));
-    if (::fchmod(out.get(), mode) != 0) {
+    if (::fchmod(out.get(), modes.file) != 0 ||
+        (modes.uid != static_cast<uid_t>(-1) && ::fchown(out.get(), modes.uid, modes.gid) != 0)) {
         const int err = errno;
         ::unlink(to.c_str());
-        throw SnapshotError("chmod: " + errno_text(err));
+        throw SnapshotError("chmod or chown: " + errno_text(err));
     }
     return out;
 }
@@ -65,8 +77,8 @@ UniqueFd open_regular(int dir, const std::string& name, const std::string& step)
 // `to`, a new file of `mode`, written by fill(fd) (which returns the plain
 // bytes); on disk before this returns when `sync`. A failure removes it.
 template <typename Fill>
-std::uint64_t write_new(const fs::path& to, mode_t mode, bool sync, Fill&& fill) {
-    UniqueFd out = make_new(to, mode);
+std::uint64_t write_new(const fs::path& to, const Modes& modes, bool sync, Fill&& fill) {
+    UniqueFd out = make_new(to, modes);
     try {
         const std::uint64_t bytes = fill(out.get());
         if (sync && ::fsync(out.get()) != 0) throw SnapshotError("fsync: " + errno_text(errno));
@@ -81,13 +93,13 @@ std::uint64_t write_new(const fs::path& to, mode_t mode, bool sync, Fill&& fill)
 // that would block) sealed or opened into `to`, a new file; returns the
 // plain bytes. A failure removes what was written of `to`.
 std::uint64_t copy_regular(int dir, const std::string& name, const fs::path& to,
-                           const std::string& step, mode_t mode, const Crypt& crypt) {
+                           const std::string& step, const Modes& modes, const Crypt& crypt) {
     UniqueFd in = open_regular(dir, name, step);
     try {
         // Kept: on disk before the sandbox goes. Placed: the new sandbox's
         // input lives no longer than the sandbox; an fsync there would only
         // add to the resume.
-        return write_new(to, mode, crypt.seal, [&](int out) {
+        return write_new(to, modes, crypt.seal, [&](int out) {
             return crypt.seal ? seal_stream(in.get(), out, *crypt.key, crypt.label)
                               : open_sealed_stream(in.get(), out, *crypt.key, crypt.label);
         });
@@ -195,12 +207,6 @@ bool still_the_snapshot(const SnapshotKeeping& keeping, int fd, std::uint64_t by
 // Every regular file and directory under `dir` into `to` (made), links and
 // anything else left out; `skip` (a name at the top) too. `crypt.label` is
 // the place of `dir` in the snapshot, each file's label its place below.
-// Kept in the store: the server's alone (0600, 0700). Placed in a sandbox's
-// input dir: readable by the sandbox's user, as uploads are (0644, 0755).
-struct Modes {
-    mode_t file, dir;
-};
-constexpr Modes kKept{0600, 0700}, kPlaced{0644, 0755};
 
 // Calls visit(name, stat) for each entry of `dir` but ".", ".." and `skip`,
 // never through a link; false when `dir` cannot be listed.
@@ -234,12 +240,15 @@ void copy_tree(int dir, const fs::path& to, const std::string& skip, const std::
     if (depth > 64) throw SnapshotError(step + ": directories nested past 64 levels");
     fs::create_directories(to);
     ::chmod(to.c_str(), modes.dir);
+    if (modes.uid != static_cast<uid_t>(-1) && ::chown(to.c_str(), modes.uid, modes.gid) != 0) {
+        throw SnapshotError(step + ": chown " + to.string() + ": " + errno_text(errno));
+    }
     const bool listed =
         for_each_entry(dir, depth == 0 ? skip : "", [&](const std::string& name, const auto& st) {
             Crypt below = crypt;
             below.label += "/" + name;
             if (S_ISREG(st.st_mode)) {
-                copy_regular(dir, name, to / name, step, modes.file, below);
+                copy_regular(dir, name, to / name, step, modes, below);
             } else if (S_ISDIR(st.st_mode)) {
                 if (UniqueFd child = open_child_dir(dir, name)) {
                     copy_tree(child.get(), to / name, skip, step, modes, below, depth + 1);
@@ -404,6 +413,30 @@ std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_keep(const std::string& se
     return keeping;
 }
 
+std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_exact_keep(const std::string& session_id,
+                                                                 const fs::path& image_dir,
+                                                                 const fs::path& output_dir,
+                                                                 const fs::path& input_dir,
+                                                                 std::string secrets) {
+    auto keeping = start_keeping(session_id, output_dir, input_dir);
+    keeping->image = open_dir(image_dir, "keeping the checkpoint");
+    struct stat st {};
+    if (::fstatat(keeping->image.get(), kCheckpointImage, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        !S_ISREG(st.st_mode)) {
+        throw SnapshotError("keeping the checkpoint: the runtime left no image");
+    }
+    const std::uint64_t needed = sealed_size(static_cast<std::uint64_t>(st.st_size)) +
+                                 tree_bytes(keeping->output.get(), "") +
+                                 tree_bytes(keeping->input.get(), "") + sealed_size(secrets.size());
+    check_room(session_id, needed);
+    remove(session_id);
+    keeping->key = std::make_shared<const SnapshotKey>();
+    keeping->reserved = needed;
+    keeping->secrets = std::move(secrets);
+    keeping_[session_id] = keeping;
+    return keeping;
+}
+
 std::shared_ptr<SnapshotKeeping> SnapshotStore::begin_streamed_keep(
     const std::string& session_id, const fs::path& output_dir, const fs::path& input_dir,
     std::chrono::steady_clock::duration wait) {
@@ -429,7 +462,7 @@ namespace {
 void seal_as_written(SnapshotKeeping& keeping, const Crypt& crypt) {
     const UniqueFd in = open_when_made(keeping);
     try {
-        keeping.bytes = write_new(keeping.to / "snapshot", kKept.file, true, [&](int out) {
+        keeping.bytes = write_new(keeping.to / "snapshot", kKept, true, [&](int out) {
             return seal_from(GrowingFile(keeping, in.get()), out, *crypt.key, crypt.label);
         });
     } catch (const SnapshotError&) {
@@ -446,6 +479,29 @@ void seal_as_written(SnapshotKeeping& keeping, const Crypt& crypt) {
     }
 }
 
+// An exact keep's seal (begin_exact_keep): the runtime's image, then
+// /data/output and /data/input, then the secrets.
+void seal_exact(SnapshotKeeping& keeping, const Crypt& crypt) {
+    const std::string& id = keeping.session_id;
+    keeping.bytes = copy_regular(keeping.image.get(), kCheckpointImage, keeping.to / "snapshot",
+                                 "keeping the checkpoint", kKept, crypt);
+    copy_tree(keeping.output.get(), keeping.to / "output", "", "keeping /data/output", kKept,
+              {true, keeping.key.get(), id + "/output"});
+    copy_tree(keeping.input.get(), keeping.to / "input", "", "keeping /data/input", kKept,
+              {true, keeping.key.get(), id + "/input"});
+    const std::string sealed = seal(keeping.secrets, *keeping.key, id + "/exact");
+    write_new(keeping.to / "exact", kKept, true, [&](int out) {
+        std::size_t written = 0;
+        while (written < sealed.size()) {
+            const ssize_t n = ::write(out, sealed.data() + written, sealed.size() - written);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) throw SnapshotError("keeping the secrets: " + errno_text(errno));
+            written += static_cast<std::size_t>(n);
+        }
+        return static_cast<std::uint64_t>(keeping.secrets.size());
+    });
+}
+
 }  // namespace
 
 void SnapshotKeeping::seal() {
@@ -453,11 +509,15 @@ void SnapshotKeeping::seal() {
         fs::create_directories(to);
         fs::permissions(to, fs::perms::owner_all, fs::perm_options::replace);
         const Crypt crypt{true, key.get(), session_id + "/snapshot"};
+        if (image) {
+            seal_exact(*this, crypt);
+            return;
+        }
         if (streamed) {
             seal_as_written(*this, crypt);
         } else {
             bytes = copy_regular(output.get(), kSnapshotFile, to / "snapshot",
-                                 "taking the snapshot", kKept.file, crypt);
+                                 "taking the snapshot", kKept, crypt);
         }
         copy_tree(input.get(), to / "input", kSnapshotFile, "keeping /data/input", kKept,
                   {true, key.get(), session_id + "/input"});
@@ -481,6 +541,7 @@ std::uint64_t SnapshotStore::finish_keep(SnapshotKeeping& keeping) {
     Kept kept;
     kept.key = keeping.key;
     kept.info.kept_at = unix_time_now();
+    kept.info.exact = static_cast<bool>(keeping.image);
     std::error_code ec;
     for (const auto& entry : fs::recursive_directory_iterator(keeping.to, ec)) {
         if (entry.is_regular_file(ec)) kept.info.bytes += entry.file_size(ec);
@@ -566,6 +627,40 @@ std::unique_ptr<SnapshotPlacing> SnapshotStore::begin_place(const std::string& s
     return placing;
 }
 
+std::unique_ptr<SnapshotPlacing> SnapshotStore::begin_exact_place(const std::string& session_id,
+                                                                  const fs::path& image_dir,
+                                                                  const fs::path& output_dir,
+                                                                  const fs::path& input_dir,
+                                                                  uid_t uid, gid_t gid) const {
+    const auto kept = kept_.find(session_id);
+    if (kept == kept_.end() || !kept->second.info.exact) {
+        throw SnapshotError(
+            "placing the checkpoint: this server holds no exact snapshot of session " + session_id);
+    }
+    auto placing = begin_place(session_id, input_dir);
+    placing->image_to = image_dir;
+    placing->output_to = output_dir;
+    placing->output_uid = uid;
+    placing->output_gid = gid;
+    return placing;
+}
+
+std::string SnapshotPlacing::secrets() const {
+    const std::string step = "placing the checkpoint's secrets";
+    const UniqueFd in = open_regular(from.get(), "exact", step);
+    std::string sealed;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(in.get(), buf, sizeof buf)) > 0)
+        sealed.append(buf, static_cast<std::size_t>(n));
+    if (n < 0) throw SnapshotError(step + ": " + errno_text(errno));
+    try {
+        return open_sealed(sealed, *key, session_id + "/exact");
+    } catch (const std::exception& e) {
+        throw SnapshotError(step + ": " + e.what());
+    }
+}
+
 std::optional<std::uint64_t> SnapshotPlacing::follow() {
     const std::string step = "placing the snapshot";
     UniqueFd in = open_regular(from.get(), "snapshot", step);
@@ -573,7 +668,7 @@ std::optional<std::uint64_t> SnapshotPlacing::follow() {
     try {
         size = followable_plain_size(in.get());
         if (!size) return std::nullopt;
-        placed = make_new(to / kSnapshotFile, kPlaced.file);
+        placed = make_new(to / kSnapshotFile, kPlaced);
     } catch (const std::exception& e) {
         throw SnapshotError(step + ": snapshot: " + e.what());
     }
@@ -585,7 +680,18 @@ void SnapshotPlacing::open() const {
     try {
         const auto started = std::chrono::steady_clock::now();
         std::uint64_t bytes = 0;
-        if (placed) {
+        if (!image_to.empty()) {
+            // Exact: the runtime reads the image from the server's dir; the
+            // output files go back to the sandbox's user.
+            bytes = copy_regular(from.get(), "snapshot", image_to / kCheckpointImage,
+                                 "placing the checkpoint", kKept,
+                                 {false, key.get(), session_id + "/snapshot"});
+            const UniqueFd output = open_child_dir(from.get(), "output");
+            if (!output) throw SnapshotError("placing /data/output: " + errno_text(errno));
+            copy_tree(output.get(), output_to, "", "placing /data/output",
+                      {0644, 0755, output_uid, output_gid},
+                      {false, key.get(), session_id + "/output"});
+        } else if (placed) {
             // Followed: the kernel waits on these bytes, the input files after.
             try {
                 bytes =
@@ -596,9 +702,9 @@ void SnapshotPlacing::open() const {
         }
         copy_tree(input.get(), to, "", "placing /data/input", kPlaced,
                   {false, key.get(), session_id + "/input"});
-        if (!placed) {
+        if (!placed && image_to.empty()) {
             bytes = copy_regular(from.get(), "snapshot", to / kSnapshotFile, "placing the snapshot",
-                                 kPlaced.file, {false, key.get(), session_id + "/snapshot"});
+                                 kPlaced, {false, key.get(), session_id + "/snapshot"});
         }
         spdlog::info(
             "session {}: snapshot opened into its new sandbox ({} bytes) in {:.0f} ms", session_id,
@@ -666,6 +772,7 @@ void SnapshotStore::adopt(const std::string& session_id, std::string_view key, S
     Kept kept;
     kept.key = std::make_shared<const SnapshotKey>(key);
     kept.info = info;
+    kept.info.exact = ::lstat((dir(session_id) / "exact").c_str(), &st) == 0;
     kept_[session_id] = std::move(kept);
 }
 

@@ -8,6 +8,8 @@
 // links and taken only if regular.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -31,6 +33,10 @@ namespace cellblock {
 // The name of the snapshot file in a sandbox's output dir (written by the
 // kernel) and in the next sandbox's input dir (read by the kernel).
 inline constexpr const char* kSnapshotFile = ".cellblock-snapshot";
+
+// The file `runsc checkpoint --image-path` writes (the exact level,
+// docs/hibernation.md), in its dir and when placed back for the restore.
+inline constexpr const char* kCheckpointImage = "checkpoint.img";
 
 // A step of keeping or placing a snapshot failed; what() names the step.
 class SnapshotError : public std::runtime_error {
@@ -76,6 +82,12 @@ struct SnapshotKeeping {
     std::chrono::steady_clock::time_point deadline{};
     std::atomic<bool> written{false}, cancelled{false};
     std::atomic<std::uint64_t> sealed{0};  // plain bytes so far
+    // The exact level (begin_exact_keep): the dir the runtime wrote its
+    // image in (the server's, not the sandbox's); then /data/output is kept
+    // too (a host mount: not in the image), and `secrets`, what the wake
+    // needs and the sandbox must not see.
+    UniqueFd image;
+    std::string secrets;
     // Seals the snapshot and the input files into `to`; SnapshotError.
     void seal();
 };
@@ -85,6 +97,12 @@ struct SnapshotKeeping {
 struct SnapshotPlacing {
     UniqueFd from, input;      // the session's dir in the store, and its input/
     std::filesystem::path to;  // the new sandbox's input dir
+    // An exact snapshot's (begin_exact_place): where its image goes (a dir
+    // of the server's), and its /data/output files, made the sandbox's
+    // user's (as they were).
+    std::filesystem::path image_to, output_to;
+    uid_t output_uid = 0;
+    gid_t output_gid = 0;
     std::string session_id;
     std::shared_ptr<const SnapshotKey> key;
     UniqueFd sealed, placed;  // follow()'s: the kept snapshot, and its new file in `to`
@@ -98,11 +116,14 @@ struct SnapshotPlacing {
     // Opens every file into `to` (the snapshot first when followed);
     // SnapshotError when one fails its check.
     void open() const;
+    // An exact snapshot's secrets (begin_exact_keep); SnapshotError.
+    std::string secrets() const;
 };
 
 struct SnapshotInfo {
     std::uint64_t bytes = 0;  // on disk: the snapshot and the input files, sealed
     double kept_at = 0;       // unix time
+    bool exact = false;       // the runtime's image (begin_exact_keep), not the kernel's
 };
 
 // What a keep that threw says to the session's history and its
@@ -143,6 +164,18 @@ class SnapshotStore {
                                                          const std::filesystem::path& input_dir,
                                                          std::chrono::steady_clock::duration wait);
     std::uint64_t finish_keep(SnapshotKeeping& keeping);
+    // The exact level (docs/hibernation.md): what `runsc checkpoint` wrote
+    // in `image_dir` (kCheckpointImage), the sandbox's /data/output and
+    // /data/input (host mounts the image does not hold), and `secrets`
+    // (what the wake needs and the sandbox must not see: the kernel's key,
+    // the shim's), each sealed as keep() seals; finished as begin_keep's.
+    // The image is left in `image_dir` for the caller to remove with it.
+    // StorageFull, before anything is written, as begin_keep.
+    std::shared_ptr<SnapshotKeeping> begin_exact_keep(const std::string& session_id,
+                                                      const std::filesystem::path& image_dir,
+                                                      const std::filesystem::path& output_dir,
+                                                      const std::filesystem::path& input_dir,
+                                                      std::string secrets);
     void abandon(SnapshotKeeping& keeping);
     // The files of every keep begun and never finished go (a server that
     // stops waits for its seals, then drops them: their sessions are closed).
@@ -162,6 +195,16 @@ class SnapshotStore {
     // the store holds no such snapshot.
     std::unique_ptr<SnapshotPlacing> begin_place(const std::string& session_id,
                                                  const std::filesystem::path& input_dir) const;
+    // An exact snapshot's place: the placing's open() writes the image into
+    // `image_dir` (kCheckpointImage, 0600), /data/output's files into
+    // `output_dir` as the user `uid`:`gid`, /data/input's into `input_dir`;
+    // secrets() reads what begin_exact_keep was given. SnapshotError at once
+    // when the store holds no exact snapshot of the session.
+    std::unique_ptr<SnapshotPlacing> begin_exact_place(const std::string& session_id,
+                                                       const std::filesystem::path& image_dir,
+                                                       const std::filesystem::path& output_dir,
+                                                       const std::filesystem::path& input_dir,
+                                                       uid_t uid, gid_t gid) const;
     // The snapshot leaves the store (resumed, or the session closed).
     void remove(const std::string& session_id);
     // remove() for a caller that deletes the files off its thread: the

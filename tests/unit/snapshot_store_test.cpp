@@ -531,6 +531,106 @@ TEST_F(SnapshotStoreTest, AHandedOverSnapshotOpensInTheNextStoreWithItsKey) {
     EXPECT_THROW(third.place("s1", next), SnapshotError);
 }
 
+// The exact level (runsc checkpoint): the runtime's image, /data/output
+// and /data/input, and the wake's secrets, kept and placed back.
+class ExactSnapshotTest : public SnapshotStoreTest {
+  protected:
+    void SetUp() override {
+        SnapshotStoreTest::SetUp();
+        image = base / "image";
+        memory = "secret-memory-page ";
+        for (int i = 0; i < 300000; ++i) memory += std::to_string(i * 7);  // past a 1 MiB chunk
+        write_file(image / kCheckpointImage, memory);
+        write_file(output / "result.txt", "secret-output-file");
+        write_file(output / "plots" / "a.png", "secret-output-plot");
+        write_file(input / "data.csv", "secret-input-row");
+    }
+    std::uint64_t keep_exact(SnapshotStore& store, const std::string& secrets) {
+        const auto keeping = store.begin_exact_keep("s1", image, output, input, secrets);
+        keeping->seal();
+        return store.finish_keep(*keeping);
+    }
+    fs::path image;
+    std::string memory;
+};
+
+TEST_F(ExactSnapshotTest, KeepsImageOutputInputAndSecretsSealedAndPlacesThemBack) {
+    SnapshotStore store(base / "store");
+    EXPECT_EQ(keep_exact(store, "secret-kernel-key"), memory.size());
+    ASSERT_TRUE(store.info("s1"));
+    EXPECT_TRUE(store.info("s1")->exact);
+    EXPECT_TRUE(fs::exists(image / kCheckpointImage))
+        << "the caller removes the image with its dir";
+    const std::string at_rest = all_bytes_under(base / "store");
+    for (const char* secret : {"secret-memory-page", "secret-output-file", "secret-output-plot",
+                               "secret-input-row", "secret-kernel-key"}) {
+        EXPECT_EQ(at_rest.find(secret), std::string::npos) << secret;
+    }
+
+    const fs::path image2 = base / "image2", output2 = base / "output2", input2 = base / "input2";
+    for (const auto& d : {image2, output2, input2}) fs::create_directories(d);
+    EXPECT_THROW(store.begin_exact_place("s2", image2, output2, input2, 1, 1), SnapshotError);
+    const uid_t user = 123456;
+    const auto placing = store.begin_exact_place("s1", image2, output2, input2, user, user);
+    placing->open();
+    EXPECT_EQ(read_file(image2 / kCheckpointImage), memory);
+    struct stat st {};
+    ASSERT_EQ(::stat((image2 / kCheckpointImage).c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0600u) << "the image holds the whole session: the server's alone";
+    EXPECT_EQ(read_file(output2 / "result.txt"), "secret-output-file");
+    EXPECT_EQ(read_file(output2 / "plots" / "a.png"), "secret-output-plot");
+    for (const auto& owned :
+         {output2 / "result.txt", output2 / "plots", output2 / "plots" / "a.png"}) {
+        ASSERT_EQ(::stat(owned.c_str(), &st), 0);
+        EXPECT_EQ(st.st_uid, user) << owned << ": the sandbox's own files, as they were";
+        EXPECT_EQ(st.st_gid, user) << owned;
+    }
+    EXPECT_EQ(read_file(input2 / "data.csv"), "secret-input-row");
+    EXPECT_EQ(placing->secrets(), "secret-kernel-key");
+
+    // The next server (a handover) knows the level from the files.
+    const std::string key = store.key_bytes("s1");
+    SnapshotStore again(base / "store");
+    again.adopt("s1", key, {});
+    ASSERT_TRUE(again.info("s1"));
+    EXPECT_TRUE(again.info("s1")->exact);
+}
+
+TEST_F(ExactSnapshotTest, AChangedByteOfTheImageIsRefusedNotRestored) {
+    SnapshotStore store(base / "store");
+    keep_exact(store, "k");
+    const fs::path kept = base / "store" / "s1" / "snapshot";
+    std::string bytes = read_file(kept);
+    bytes[bytes.size() / 2] ^= 1;
+    write_file(kept, bytes);
+    const fs::path image2 = base / "image2", output2 = base / "output2", input2 = base / "input2";
+    for (const auto& d : {image2, output2, input2}) fs::create_directories(d);
+    EXPECT_THROW(store.begin_exact_place("s1", image2, output2, input2, 1, 1)->open(),
+                 SnapshotError);
+}
+
+TEST_F(ExactSnapshotTest, ThePerSessionCapCountsTheImageAndTheOutputBeforeWriting) {
+    SnapshotCaps caps;
+    caps.per_session = 2 << 20;
+    SnapshotStore store(base / "store", caps);
+    write_file(output / "big.bin", std::string(2 << 20, 'o'));  // the image alone fits
+    const auto keep = [&] { store.begin_exact_keep("s1", image, output, input, "k"); };
+    EXPECT_THROW(keep(), StorageFull);
+    const std::string what = error_of(keep);
+    EXPECT_NE(what.find("cap of 2 MB"), std::string::npos) << what;
+    EXPECT_FALSE(store.holds("s1"));
+    EXPECT_FALSE(fs::exists(base / "store" / "s1"));
+}
+
+TEST_F(ExactSnapshotTest, AnImageDirWithoutTheImageIsRefused) {
+    SnapshotStore store(base / "store");
+    fs::remove(image / kCheckpointImage);
+    fs::create_symlink(base / "host-secret", image / kCheckpointImage);
+    const std::string what =
+        error_of([&] { store.begin_exact_keep("s1", image, output, input, "k"); });
+    EXPECT_NE(what.find("the runtime left no image"), std::string::npos) << what;
+}
+
 TEST(SnapshotCipher, SealedBytesRoundTripAndRefuseAnotherKeyOrLabel) {
     const SnapshotKey key;
     const std::string plain("the client's key\0and its ports", 31);
