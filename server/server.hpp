@@ -191,6 +191,12 @@ class Server final : public SessionObserver, private SessionService {
     void kept_or_not(const std::shared_ptr<SnapshotKeeping>& keeping, Clock::time_point started,
                      const json& report, const std::string& error, const SessionIo::Moved& done);
     void wake_session(const std::string& session_id);
+    // The exact level (session_exact.cpp): a quiesced sandbox checkpointed
+    // by its runtime off the loop, its image sealed into the store, then
+    // gone; and the wake, a restore of that image into a new sandbox.
+    void checkpoint_session(const std::string& session_id, std::unique_ptr<Sandbox> box,
+                            SessionIo::Checkpointed done);
+    void wake_exact(const std::string& session_id);
     // The snapshot is opened into the sandbox's input dir on a thread of
     // background_, then attach_resumed() hands the sandbox to the session.
     void finish_resume(PendingCreate& pending, WarmSandbox warm);

@@ -116,6 +116,11 @@ void SessionCore::on_kernel_attached(Clock::time_point now,
                                      const std::vector<std::string>& probe_ids) {
     probe_ids_.insert(probe_ids.begin(), probe_ids.end());
     cpu_ns_at_attach_ = io_.kernel_usage().cpu_ns;
+    if (lifecycle_.state() == SessionState::resuming && exact_wake_) {
+        // Restored whole by its runtime: nothing to place, nothing to run.
+        restored(now, json{{"status", "ok"}});
+        return;
+    }
     if (lifecycle_.state() == SessionState::resuming) {
         // The snapshot first; the requests that woke it after.
         // Answered at once here (the time is this turn's) or later (then's).

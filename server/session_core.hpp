@@ -123,6 +123,21 @@ class SessionIo {
     // was); now or in a later turn (the server seals it on another thread),
     // and not at all once the session is closed meanwhile.
     virtual void put_to_sleep(const nlohmann::json& report, Moved done) = 0;
+    // The exact level (docs/hibernation.md): whether this session's sandbox
+    // is checkpointed whole instead (a bridged runsc sandbox), and doing
+    // so: the shim quiesced, the runtime's image kept sealed, the sandbox
+    // gone. `done` gets null once it is asleep, or why not with `awake`:
+    // true when nothing had changed yet (the session stays as it was),
+    // false when the sandbox was already quiesced (the session cannot go on).
+    using Checkpointed = std::function<void(const std::string* why_not, bool awake)>;
+    virtual bool exact_level() const { return false; }
+    virtual void checkpoint(Checkpointed done) {
+        const std::string why = "this session's sandbox cannot be checkpointed";
+        done(&why, true);
+    }
+    // Whether the snapshot the session sleeps on is exact (its wake is the
+    // runtime's restore, with no kernel restore to run).
+    virtual bool snapshot_exact() const { return false; }
     // A sandbox with no directory on this host (a Swarm task) moves its
     // snapshot through its kernel: out of it once the kernel saved it,
     // before put_to_sleep(), and into the next one (with the session's
@@ -530,6 +545,9 @@ class SessionCore {
     // in order: replayed once it is awake.
     std::deque<QueuedRequest> asleep_;
     Clock::time_point sleep_started_{};  // hibernating, then resuming, began
+    // The wake under way is the runtime's restore (SessionIo::snapshot_exact):
+    // the kernel comes back whole, with no restore of its own to run.
+    bool exact_wake_ = false;
     // A followed opening (placing_snapshot): the snapshot's size while the
     // opening goes on, and the kernel's restore reply if it came first (it
     // waits for the opening's end).

@@ -90,6 +90,19 @@ ProxyOptions Server::proxy_options(const std::string& session_id, const SessionL
     opts.place_snapshot = [this, id = session_id](SessionIo::Moved done) {
         place_snapshot(id, std::move(done));
     };
+    // The exact level, for a sandbox that can (SessionIo::exact_level); not
+    // with a way out through the egress gateway, a host socket in the
+    // sandbox: such a session hibernates at the namespace level.
+    if (snapshots_ && !limits.network.gateway()) {
+        opts.checkpoint = [this, id = session_id](std::unique_ptr<Sandbox> box,
+                                                  SessionIo::Checkpointed done) {
+            checkpoint_session(id, std::move(box), std::move(done));
+        };
+    }
+    opts.snapshot_exact = [this, id = session_id] {
+        const auto info = snapshots_ ? snapshots_->info(id) : std::nullopt;
+        return info && info->exact;
+    };
     opts.hold_for_record = server_key_ && settings_.adopt_grace_ms > 0;
     return opts;
 }

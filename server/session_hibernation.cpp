@@ -166,6 +166,10 @@ json Server::snapshot_json(const std::string& session_id) const {
 void Server::wake_session(const std::string& session_id) {
     Session* session = sessions_.find(session_id);
     if (!session || !session->live()) return;
+    if (const auto info = snapshots_ ? snapshots_->info(session_id) : std::nullopt;
+        info && info->exact) {
+        return wake_exact(session_id);
+    }
     const SessionOrigin& origin = session->origin();
     PendingCreate pending;
     pending.resume_of = session_id;

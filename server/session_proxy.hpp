@@ -78,6 +78,12 @@ struct ProxyOptions {
     // For a sandbox with no directory on this host: the server moves the
     // snapshot through its kernel (SessionIo::fetch_snapshot, place_snapshot).
     std::function<void(SessionIo::Moved)> fetch_snapshot, place_snapshot;
+    // The exact level (SessionIo::checkpoint): the server takes the
+    // quiesced sandbox, checkpoints it, keeps its image and lets it go;
+    // null: this session hibernates at the namespace level. snapshot_exact
+    // says whether the snapshot it sleeps on is the runtime's.
+    std::function<void(std::unique_ptr<Sandbox>, SessionIo::Checkpointed)> checkpoint;
+    std::function<bool()> snapshot_exact;
     // Adoption after a crash (docs/restarts.md): what goes to the kernel and
     // to the clients on shell and control waits in the proxy until
     // release_held(), which the server calls once the session's record says

@@ -11,6 +11,12 @@
 namespace cellblock {
 using nlohmann::json;
 
+namespace {
+// How long a shim may take to answer "quiesce" (it closes a few sockets:
+// milliseconds); the loop waits on it.
+constexpr std::chrono::milliseconds kQuiesceWait{3000};
+}  // namespace
+
 // What the core asks, done with the session's sockets and sandbox.
 class SessionProxy::Io final : public SessionIo {
   public:
@@ -120,6 +126,31 @@ class SessionProxy::Io final : public SessionIo {
                                       if (!failed) p_.detach_kernel();
                                       done(failed);
                                   });
+    }
+
+    bool exact_level() const override {
+        return p_.options_.checkpoint && p_.sandbox_ && p_.sandbox_->checkpointable();
+    }
+    void checkpoint(Checkpointed done) override {
+        if (!exact_level()) return SessionIo::checkpoint(std::move(done));
+        // Its shim answers on the lifeline, read here: not by the watch.
+        p_.unwatch_lifeline();
+        std::string why;
+        if (!p_.sandbox_->checkpointable()->quiesce(kQuiesceWait, why)) {
+            if (!p_.sandbox_->exited()) {
+                p_.lifeline_watch_ =
+                    p_.loop_.watch_fd(p_.sandbox_->lifeline_fd(), [this] { p_.on_lifeline(); });
+            }
+            return done(&why, true);
+        }
+        // The shim closed its ends of the kernel's channels: the relay's
+        // go too; the sandbox is the server's to checkpoint.
+        std::unique_ptr<Sandbox> box = std::move(p_.sandbox_);
+        p_.detach_kernel();
+        p_.options_.checkpoint(std::move(box), std::move(done));
+    }
+    bool snapshot_exact() const override {
+        return p_.options_.snapshot_exact && p_.options_.snapshot_exact();
     }
 
     bool client_connected(const std::string& identity) const override {

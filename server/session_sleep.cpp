@@ -145,6 +145,20 @@ bool SessionCore::hibernate(Clock::time_point now, std::string& why) {
     }
     move_to(SessionState::hibernating);
     sleep_started_ = now;
+    if (io_.exact_level()) {
+        keep_usage();  // its sandbox's figures, while it is there
+        // Answered at once here (the time is this turn's) or later (then's).
+        auto at_once = std::make_shared<bool>(true);
+        io_.checkpoint([this, now, at_once](const std::string* failed, bool awake) {
+            const Clock::time_point when = *at_once ? now : Clock::now();
+            if (lifecycle_.state() != SessionState::hibernating) return;  // closed meanwhile
+            if (failed && awake) return hibernation_failed(when, *failed);
+            if (failed) return close(when, "hibernate_failed: " + *failed);
+            snapshot_kept(when, {{"level", "exact"}}, nullptr);
+        });
+        *at_once = false;
+        return true;
+    }
     send_own(now, false);
     return true;
 }
@@ -260,9 +274,13 @@ void SessionCore::restored(Clock::time_point now, const std::optional<json>& con
     lost_to_tell_ = (*resumed_)["lost"];
     move_to(SessionState::idle);
     idle_since_ = now;
-    event("resumed",
-          fmt::format("{:.0f} ms, {} value(s) restored, {} lost{}", ms, report.value("saved", 0),
-                      (*resumed_)["lost"].size(), kernel_steps(report)));
+    if (exact_wake_) {
+        event("resumed", fmt::format("{:.0f} ms, the whole sandbox restored (exact level)", ms));
+    } else {
+        event("resumed", fmt::format("{:.0f} ms, {} value(s) restored, {} lost{}", ms,
+                                     report.value("saved", 0), (*resumed_)["lost"].size(),
+                                     kernel_steps(report)));
+    }
     replay_asleep(now);
 }
 
@@ -292,9 +310,15 @@ void SessionCore::snapshot_kept(Clock::time_point now, const json& report,
     cpu_ms_earlier_sandboxes_ = cpu_ms_total_;
     move_to(SessionState::hibernated);
     const auto lost = report.value("lost", json::array());
-    event("hibernated", fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost{}",
-                                    ms_between(sleep_started_, now), report.value("bytes", 0),
-                                    report.value("saved", 0), lost.size(), kernel_steps(report)));
+    if (report.value("level", "") == "exact") {
+        event("hibernated", fmt::format("{:.0f} ms, the whole sandbox checkpointed (exact level)",
+                                        ms_between(sleep_started_, now)));
+    } else {
+        event("hibernated",
+              fmt::format("{:.0f} ms, snapshot {} bytes, {} value(s) kept, {} lost{}",
+                          ms_between(sleep_started_, now), report.value("bytes", 0),
+                          report.value("saved", 0), lost.size(), kernel_steps(report)));
+    }
     // Moving (move_away), or a request came while it was being saved (not
     // while handing over: the next server answers it).
     const bool moving = std::exchange(moving_, false);
@@ -320,6 +344,7 @@ void SessionCore::hibernation_failed(Clock::time_point now, const std::string& w
 void SessionCore::wake(Clock::time_point now) {
     move_to(SessionState::resuming);
     sleep_started_ = now;
+    exact_wake_ = io_.snapshot_exact();
     placing_bytes_.reset();
     restore_waiting_.reset();
     io_.wake();

@@ -105,6 +105,19 @@ Complaint check_zygote(const Image& image) {
     return std::nullopt;
 }
 
+Complaint check_hibernate_level(const Image& image) {
+    if (image.hibernate_level == "namespace") return std::nullopt;
+    if (image.hibernate_level != "exact") {
+        return "hibernate_level '" + image.hibernate_level + "' is neither 'namespace' nor 'exact'";
+    }
+    if (image.runtime != "runsc") {
+        return "hibernate_level 'exact' needs the runsc runtime (runc has no checkpoint here: "
+               "CRIU fails on this kernel), not " +
+               image.runtime;
+    }
+    return std::nullopt;
+}
+
 }  // namespace
 
 const std::vector<ImageCheck>& image_checks() {
@@ -112,7 +125,7 @@ const std::vector<ImageCheck>& image_checks() {
         {"kernel_argv", check_kernel_argv}, {"rootfs", check_rootfs},
         {"host_binds", check_host_binds},   {"build", check_build},
         {"preload", check_preload},         {"warm_imports", check_warm_imports},
-        {"zygote", check_zygote},
+        {"zygote", check_zygote},           {"hibernate_level", check_hibernate_level},
     };
     return checks;
 }
@@ -138,6 +151,7 @@ Image Image::from_json(const json& j) {
     read_field(j, "preload", image.preload, where);
     read_field(j, "warm_imports", image.warm_imports, where);
     read_field(j, "zygote", image.zygote, where);
+    read_field(j, "hibernate_level", image.hibernate_level, where);
     image.definition = j;
     if (j.contains("build")) {
         image.build = j.at("build");

@@ -177,6 +177,12 @@ json make_oci_config(const SandboxSpec& spec) {
         // CELLBLOCK_ variable from the kernel's environment.
         env.push_back(std::string(kLifelineEnv) + "=" + kSandboxLifelineSocket);
     }
+    if (spec.image.hibernate_level == "exact") {
+        // The kernel's channels inside, the shim's bridge outside: the
+        // sandbox then holds no host socket once quiesced (runsc checkpoint).
+        env.push_back(std::string(sandbox_protocol::kBridgeEnv) + "=" +
+                      sandbox_protocol::kBridgeDir);
+    }
     if (spec.adopt_grace_ms > 0) {
         // A zygote waits too: its forks' mounts are its own (docs/zygote.md).
         env.push_back(std::string(sandbox_protocol::kAdoptGraceEnv) + "=" +

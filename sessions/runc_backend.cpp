@@ -61,6 +61,14 @@ std::unique_ptr<Sandbox> RuncBackend::start(const std::string& session_id, const
     return RuncSandbox::start(session_id, image, limits, settings);
 }
 
+std::unique_ptr<Sandbox> RuncBackend::restore(
+    const std::string& session_id, const Image& image, const SandboxLimits& limits,
+    const std::function<nlohmann::json(const RestoreDirs&)>& place) {
+    RuntimeSettings settings = settings_;
+    if (!image.runtime.empty()) settings.runtime = image.runtime;
+    return RuncSandbox::restore(session_id, image, limits, settings, place);
+}
+
 std::optional<BackendRefusal> RuncBackend::refuse(const Image& image) const {
     if (runtime_installed(image.runtime)) return std::nullopt;
     return BackendRefusal{ename::UnknownRuntime,

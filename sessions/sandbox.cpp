@@ -150,6 +150,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     box->limits_ = limits;
     box->image_name_ = image.name;
     box->preload_ = image.preload;
+    box->bridged_ = image.hibernate_level == "exact";
     box->dir_ = SessionDir(settings.sessions_dir() / session_id);
     const fs::path& dir = box->dir();
     if (!image.content_id.empty() && !image.rootfs.empty() && image.rootfs[0] == '/') {
@@ -215,7 +216,11 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     // key of its own. The client's key never enters the sandbox.
     ConnectionInfo inner;
     inner.transport = "ipc";
-    inner.ip = std::string(kSandboxIpcDir) + "/k";
+    // Bridged (the exact level): the kernel binds in its own /tmp and the
+    // shim at ipc/ (kBridgeEnv), where the server links and connects as ever.
+    inner.ip = std::string(image.hibernate_level == "exact" ? sandbox_protocol::kBridgeDir
+                                                            : kSandboxIpcDir) +
+               "/k";
     inner.shell_port = 1;
     inner.iopub_port = 2;
     inner.stdin_port = 3;
@@ -233,13 +238,11 @@ std::unique_ptr<RuncSandbox> RuncSandbox::prepare(const std::string& session_id,
     return box;
 }
 
-std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, const Image& image,
-                                                const SandboxLimits& limits,
-                                                const RuntimeSettings& settings, SandboxRole role) {
-    std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
-    const fs::path& dir = box->dir();
-    const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
-
+// The bundle (config.json, and the skeleton root of a "host" image) and
+// the runtime's name, in the prepared session dir.
+void RuncSandbox::write_bundle(const Image& image, SandboxRole role) {
+    const fs::path& dir = this->dir();
+    const RuntimeSettings& settings = settings_;
     SandboxSpec spec;
     spec.role = role;
     if (role == SandboxRole::zygote) {
@@ -252,7 +255,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
             spec.nproc = nproc.rlim_max == RLIM_INFINITY ? (1u << 22) : nproc.rlim_max;
         }
     }
-    spec.container_id = box->container_id_;
+    spec.container_id = container_id_;
     spec.image = image;
     spec.image.host_binds.clear();
     for (const auto& path : image.host_binds) {
@@ -263,8 +266,8 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
                           path);
         }
     }
-    spec.limits = limits;
-    spec.ids = box->host_ids();
+    spec.limits = limits_;
+    spec.ids = host_ids();
     const SessionDir paths(dir);
     spec.rootfs = image.rootfs == "host" ? paths.bundle_rootfs() : fs::path(image.rootfs);
     spec.ipc_dir = paths.ipc();
@@ -279,7 +282,7 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     try {
         if (image.rootfs == "host") prepare_host_rootfs(spec, config);
     } catch (const std::exception& e) {
-        throw SandboxError(std::string("session ") + session_id + ": " + e.what());
+        throw SandboxError(std::string("session ") + session_id_ + ": " + e.what());
     }
     {
         std::ofstream out(paths.bundle_config());
@@ -288,6 +291,16 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     }
 
     write_runtime_file(dir, settings.runtime);
+}
+
+std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, const Image& image,
+                                                const SandboxLimits& limits,
+                                                const RuntimeSettings& settings, SandboxRole role) {
+    std::unique_ptr<RuncSandbox> box = prepare(session_id, image, limits, settings);
+    box->write_bundle(image, role);
+    const fs::path& dir = box->dir();
+    const SessionDir paths(dir);
+    const std::uint32_t sandbox_host_uid = box->host_ids().host_uid(kSandboxUid);
 
     const fs::path log = paths.shim_log();
     UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
@@ -349,7 +362,9 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
                                ": the shim never connected to its lifeline; log: " +
                                sandbox_detail::log_tail(log));
         }
-        if (settings.adopt_grace_ms > 0) box->give_adopt_key();
+        // The exact level's restore needs it too: the restored shim connects
+        // its lifeline again as an adopted one does.
+        if (settings.adopt_grace_ms > 0 || box->bridged_) box->give_adopt_key();
     }
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
     box->open_counters();

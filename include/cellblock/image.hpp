@@ -57,6 +57,12 @@ struct Image {
     // preload once (docs/zygote.md), instead of booting an interpreter each.
     // runc only; the kernel must be cellblock's ipykernel launcher.
     bool zygote = false;
+    // How its sessions hibernate (docs/hibernation.md): "namespace", the
+    // kernel's variables pickled into a fresh kernel at the wake (what
+    // cannot be pickled is named as lost); "exact", the whole sandbox
+    // checkpointed by the runtime and restored (runsc only: the kernel's
+    // channels then pass through the shim's bridge, and nothing is lost).
+    std::string hibernate_level = "namespace";
     SandboxLimits limits;
     // The image's "limits" object as written (session and sandbox fields),
     // layered between the server's defaults and a session request.

@@ -30,6 +30,9 @@ class RuncBackend final : public SandboxBackend {
     // is an rlimit too (enforced inside the Sentry, where the host cannot
     // change it).
     // The image's runtime must be installed on this host.
+    std::unique_ptr<Sandbox> restore(
+        const std::string& session_id, const Image& image, const SandboxLimits& limits,
+        const std::function<nlohmann::json(const RestoreDirs&)>& place) override;
     std::optional<BackendRefusal> refuse(const Image& image) const override;
     bool can_serve(const Image& image, const SandboxLimits& pooled,
                    const SandboxLimits& wanted) const override;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -52,7 +53,8 @@ std::string describe_kernel_exit(std::string_view lifeline_text);
 class RuncSandbox final : public Sandbox,
                           public SandboxFiles,
                           public SandboxCpu,
-                          public HostProcess {
+                          public HostProcess,
+                          public SandboxCheckpoint {
   public:
     // Creates the session directory (lock, bundle, capped ipc and output
     // mounts), writes the inner connection file, and starts the container
@@ -110,6 +112,21 @@ class RuncSandbox final : public Sandbox,
     SandboxFiles* files() override { return this; }
     SandboxCpu* cpu() override { return this; }
     HostProcess* host_process() override { return this; }
+    // An exact-level image's runsc sandbox only (its shim bridges).
+    SandboxCheckpoint* checkpointable() override { return bridged_ ? this : nullptr; }
+
+    // The exact level (sandbox_exact.cpp). The restore: a prepared session
+    // dir and bundle of the image, `place` puts the image and the session's
+    // files there and returns the secrets (restore_secrets of the sandbox
+    // checkpointed), then `runsc restore`, SIGUSR1 to the quiesced shim, and
+    // its lifeline taken back by its key. Blocks; throws SandboxError.
+    static std::unique_ptr<RuncSandbox> restore(
+        const std::string& session_id, const Image& image, const SandboxLimits& limits,
+        const RuntimeSettings& settings,
+        const std::function<nlohmann::json(const RestoreDirs&)>& place);
+    bool quiesce(std::chrono::milliseconds wait, std::string& why) override;
+    void checkpoint(const std::filesystem::path& image_dir) override;
+    nlohmann::json restore_secrets() const override;
 
     // HostProcess.
     const SessionDir& session_dir() const override { return dir_; }
@@ -179,7 +196,10 @@ class RuncSandbox final : public Sandbox,
     static std::unique_ptr<RuncSandbox> prepare(const std::string& session_id, const Image& image,
                                                 const SandboxLimits& limits,
                                                 const RuntimeSettings& settings);
+    void write_bundle(const Image& image, SandboxRole role);
     bool forked_ = false;
+    // Its kernel's channels pass through its shim (an exact-level image's).
+    bool bridged_ = false;
     // A forked session's zygote, kept (with the root it runs on) until the
     // session is destroyed, whatever the pool does with it meanwhile.
     std::shared_ptr<void> keep_;

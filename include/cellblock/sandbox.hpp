@@ -84,6 +84,35 @@ class SandboxCpu {
     ~SandboxCpu() = default;
 };
 
+// The exact level of hibernation (docs/hibernation.md): a sandbox its
+// runtime checkpoints whole (runsc), its kernel's channels bridged by its
+// shim so that it can let go of every host socket first.
+class SandboxCheckpoint {
+  public:
+    // The shim closes every host socket it holds (kQuiesceLine) and the
+    // lifeline ends; false with why when it did not say so within `wait`
+    // (the sandbox then runs on as it was).
+    virtual bool quiesce(std::chrono::milliseconds wait, std::string& why) = 0;
+    // The runtime's image of the quiesced sandbox into `image_dir`
+    // (kCheckpointImage); returns once the sandbox has ended. Blocks: off
+    // the loop. Throws SandboxError with the runtime's words.
+    virtual void checkpoint(const std::filesystem::path& image_dir) = 0;
+    // What its restore needs that the sandbox must not see: the kernel's
+    // key ("inner_key") and the key its shim shows ("adopt_key").
+    virtual nlohmann::json restore_secrets() const = 0;
+
+  protected:
+    ~SandboxCheckpoint() = default;
+};
+
+// Where a restore puts what it was kept with: the runtime's image into
+// `image_dir`, the session's files into its new output and input dirs, as
+// the user `uid` (SandboxBackend::restore).
+struct RestoreDirs {
+    std::filesystem::path image_dir, output_dir, input_dir;
+    std::uint32_t uid = 0;
+};
+
 // The sandbox's processes run on this host, as this server's children.
 class HostProcess {
   public:
@@ -188,6 +217,7 @@ class Sandbox {
     virtual SandboxFiles* files() { return nullptr; }
     virtual SandboxCpu* cpu() { return nullptr; }
     virtual HostProcess* host_process() { return nullptr; }
+    virtual SandboxCheckpoint* checkpointable() { return nullptr; }
 
   protected:
     Sandbox() = default;

@@ -4,6 +4,7 @@
 // relay do not know which one they use. docs/scale-out.md.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +39,17 @@ class SandboxBackend {
     // pool's worker threads, several at once.
     virtual std::unique_ptr<Sandbox> start(const std::string& session_id, const Image& image,
                                            const SandboxLimits& limits, bool background) = 0;
+
+    // The exact level's wake (docs/hibernation.md): a new sandbox of the
+    // image, restored by its runtime from the image `place` puts in the dirs
+    // it is given (with the session's files), returning the secrets of the
+    // sandbox checkpointed (SandboxCheckpoint::restore_secrets). Blocks: off
+    // the loop. Throws SandboxError; null where the backend has no restore.
+    virtual std::unique_ptr<Sandbox> restore(
+        const std::string& /*session_id*/, const Image& /*image*/, const SandboxLimits& /*limits*/,
+        const std::function<nlohmann::json(const RestoreDirs&)>& /*place*/) {
+        return nullptr;
+    }
 
     // Why this backend cannot run a session of `image` (on the runtime the
     // image names, or the request chose), or nullopt when it can. Asked

@@ -206,6 +206,9 @@ inline constexpr char kInterruptLine[] = "interrupt";
 // connects the lifeline again as for an adoption (kAdoptLine with its key)
 // and listens again. A shim that does not bridge answers kNotQuietLine.
 inline constexpr char kBridgeEnv[] = "CELLBLOCK_BRIDGE";
+// The bridge's directory in a sandbox of the exact level: its own /tmp (a
+// tmpfs of gVisor's, saved in the checkpoint).
+inline constexpr char kBridgeDir[] = "/tmp/.cellblock-channels";
 inline constexpr char kQuiesceLine[] = "quiesce";
 inline constexpr char kQuietLine[] = "quiet";
 inline constexpr char kNotQuietLine[] = "not-quiet";

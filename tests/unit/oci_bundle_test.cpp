@@ -431,6 +431,21 @@ TEST(Runtime, RunscShimIsToldWhereItsLifelineListens) {
     EXPECT_EQ(json(rest), make_oci_config(test_spec())["process"]["env"]);
 }
 
+TEST(Runtime, AnExactLevelImagesShimBridgesTheKernelsChannels) {
+    auto spec = runsc_spec();
+    const std::string bridge =
+        std::string(sandbox_protocol::kBridgeEnv) + "=" + sandbox_protocol::kBridgeDir;
+    const auto has = [&](const json& c) {
+        const std::vector<std::string> env = c["process"]["env"];
+        return std::find(env.begin(), env.end(), bridge) != env.end();
+    };
+    EXPECT_FALSE(has(make_oci_config(spec))) << "the namespace level binds in ipc/ as ever";
+    spec.image.hibernate_level = "exact";
+    EXPECT_TRUE(has(make_oci_config(spec)));
+    // Its own /tmp: a tmpfs of the sandbox's (saved in the checkpoint), not a host mount.
+    EXPECT_EQ(fs::path(sandbox_protocol::kBridgeDir).parent_path(), fs::path("/tmp"));
+}
+
 TEST(Runtime, EitherRuntimesShimIsToldItsAdoptionGrace) {
     // runsc's too since its shim shows a key to the adopting server.
     for (SandboxSpec spec : {test_spec(), runsc_spec()}) {
@@ -562,8 +577,9 @@ TEST(Image, LimitsLayerOverTheBase) {
 TEST(Image, DefinitionsAreCheckedByNamedChecks) {
     std::set<std::string_view> names;
     for (const auto& check : image_checks()) names.insert(check.name);
-    EXPECT_EQ(names, (std::set<std::string_view>{"kernel_argv", "rootfs", "host_binds", "build",
-                                                 "preload", "warm_imports", "zygote"}));
+    EXPECT_EQ(names,
+              (std::set<std::string_view>{"kernel_argv", "rootfs", "host_binds", "build", "preload",
+                                          "warm_imports", "zygote", "hibernate_level"}));
     const json base = {{"name", "x"}, {"kernel_argv", {"k"}}};
     auto refusal = [&](json patch) -> std::string {
         json j = base;
@@ -595,6 +611,13 @@ TEST(Image, DefinitionsAreCheckedByNamedChecks) {
     EXPECT_EQ(refusal({{"zygote", true}, {"kernel_argv", launcher}, {"warm_imports", {"pandas"}}}),
               "");
     EXPECT_EQ(refusal({{"warm_imports", {"pandas"}}}), "");  // a booted kernel skips them
+    EXPECT_EQ(refusal({{"hibernate_level", "exact"}, {"runtime", "runsc"}}), "");
+    EXPECT_EQ(refusal({{"hibernate_level", "exact"}}),
+              "image x: hibernate_level 'exact' needs the runsc runtime (runc has no checkpoint "
+              "here: CRIU fails on this kernel), not runc (check hibernate_level)");
+    EXPECT_EQ(refusal({{"hibernate_level", "frozen"}}),
+              "image x: hibernate_level 'frozen' is neither 'namespace' nor 'exact' (check "
+              "hibernate_level)");
     EXPECT_EQ(refusal({{"zygote", true}, {"kernel_argv", launcher}, {"warm_imports", {"a;b"}}}),
               "image x: warm_imports 'a;b' is not a module name (check warm_imports)");
 }
