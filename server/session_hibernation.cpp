@@ -160,7 +160,8 @@ json Server::snapshot_json(const std::string& session_id) const {
     if (!info) return nullptr;
     return {{"bytes", info->bytes},
             {"kept_at", info->kept_at},
-            {"age_s", std::max(0.0, unix_now() - info->kept_at)}};
+            {"age_s", std::max(0.0, unix_now() - info->kept_at)},
+            {"level", info->exact ? "exact" : "namespace"}};
 }
 
 void Server::wake_session(const std::string& session_id) {

@@ -8,6 +8,8 @@ bytes, files open. Real server, real runsc, real jupyter_client."""
 import json
 import os
 import shutil
+import signal
+import tempfile
 
 import pytest
 
@@ -26,14 +28,17 @@ def exact_image():
 
 @pytest.fixture
 def server():
+    keys = tempfile.mkdtemp(prefix="cb-exact-keys-")
     srv, images = sh.start_server_with_image(
-        exact_image(), ["--pool", "host=0", "--pool", "host-gvisor=0", "--pool", "gvisor-exact=0"])
+        exact_image(), ["--pool", "host=0", "--pool", "host-gvisor=0", "--pool", "gvisor-exact=0",
+                        "--key-file", os.path.join(keys, "server.key")])
     yield srv
     try:
         problems = srv.shutdown()
         assert not problems, "\n".join(problems)
     finally:
         shutil.rmtree(images, ignore_errors=True)
+        shutil.rmtree(keys, ignore_errors=True)
 
 
 def container_of(srv, sid):
@@ -94,6 +99,8 @@ def test_an_exact_session_sleeps_whole_and_wakes_with_what_no_pickle_keeps(serve
     reply = hibernate(srv, sid)
     assert reply["state"] == "hibernated", reply
     assert reply["snapshot_bytes"] > 0, reply
+    assert reply["snapshot"]["level"] == "exact", reply
+    assert srv.info_of(sid)["snapshot"]["level"] == "exact"
     assert container_of(srv, sid) is None
     assert sh.wait_for(lambda: not runsc_processes_of(first), timeout=30)
     [slept] = events(srv, sid, "hibernated")
@@ -139,3 +146,48 @@ def test_a_busy_exact_session_is_refused_and_keeps_running(server):
     assert reply["content"]["status"] == "ok" and sh.stream_text(msgs).strip() == "done"
     assert sh.run_ok(kc, "print(1 + 1)").strip() == "2"
     srv.ok("session_close_request", {"session_id": sid})
+
+
+def test_an_exact_snapshot_outlives_a_restart_and_wakes_in_the_next_start(server):
+    """SIGHUP: the next start takes the hibernated session over with its
+    sealed image and key; the session's old client wakes it there, whole."""
+    srv = server
+    sid, kc, _ = srv.open_session(image="gvisor-exact")
+    sh.run_ok(kc, STATE)
+    assert hibernate(srv, sid)["state"] == "hibernated"
+    srv.proc.send_signal(signal.SIGHUP)
+    assert sh.wait_for(lambda: srv.log().count("cellblock serve: manager on") >= 2, timeout=180)
+    assert srv.info_of(sid)["state"] == "hibernated"
+    reply, msgs = sh.execute(kc, CHECK, timeout=180)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert sh.stream_text(msgs).strip() == EXPECTED.format(n=101), msgs
+    kinds = [e["kind"] for e in srv.ok("session_history_request",
+                                       {"session_id": sid})["content"]["events"]]
+    assert "taken_over" in kinds and kinds[-1] != "resume_failed", kinds
+    [woke] = events(srv, sid, "resumed")
+    assert "exact level" in woke["detail"], woke
+    srv.ok("session_close_request", {"session_id": sid})
+
+
+def test_a_changed_image_closes_the_session_with_resume_failed(server):
+    srv = server
+    sid, kc, _ = srv.open_session(image="gvisor-exact")
+    sh.run_ok(kc, "x = 1")
+    assert hibernate(srv, sid)["state"] == "hibernated"
+    snapshot = os.path.join(srv.state_dir, "snapshots", sid, "snapshot")
+    with open(snapshot, "r+b") as f:
+        f.seek(os.path.getsize(snapshot) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    reply, _ = sh.execute(kc, "print(x)", timeout=180)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert reply["content"]["ename"] == "SessionClosed", reply["content"]
+    info = srv.info_of(sid)
+    assert info["state"] == "closed" and info["close_reason"].startswith("resume_failed:"), info
+    assert "integrity" in info["close_reason"], info
+    # Nothing of it is left: no snapshot, no sandbox begun for the wake.
+    assert sh.wait_for(lambda: not os.path.exists(os.path.join(srv.state_dir, "snapshots", sid)),
+                       timeout=30)
+    assert sh.wait_for(lambda: not any(sh.session_sandboxes(srv.state_dir)), timeout=30), \
+        sh.session_sandboxes(srv.state_dir)
