@@ -34,6 +34,9 @@ what the same data costs in a bare kernel.
 - The 100 MB rows again on gVisor (the shipped `host-gvisor` image, runsc,
   when runsc is installed): the portable level on the second runtime; no
   zygote there, so the wake imports pandas under gVisor.
+- And on gVisor at the exact level (`host-gvisor` with "hibernate_level":
+  "exact"): the whole sandbox checkpointed by runsc and restored into a new
+  one; nothing is imported at the wake, and nothing is lost.
 """
 import json
 import os
@@ -59,6 +62,9 @@ PRELOAD_IMAGES_DIR = "/run/cellblock-bench-hibernation-images"
 PRELOADED = "bench-hibernate-preloaded"
 # The gVisor tier's shipped image (images/host-gvisor): the portable level on runsc.
 GVISOR = "host-gvisor"
+# The same at the exact level (runsc checkpoint and restore).
+EXACT_IMAGES_DIR = "/run/cellblock-bench-hibernation-exact"
+EXACT = "bench-gvisor-exact"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -72,6 +78,15 @@ def write_preloaded_image():
     with open(os.path.join(PRELOAD_IMAGES_DIR, PRELOADED, "image.json"), "w") as f:
         json.dump(dict(spec, name=PRELOADED, zygote=True, preload=shipped["preload"],
                        env=dict(spec.get("env", {}), **shipped.get("env", {}))), f, indent=1)
+
+
+def write_exact_image():
+    with open(os.path.join(_SOURCE, "images", GVISOR, "image.json")) as f:
+        spec = json.load(f)
+    shutil.rmtree(EXACT_IMAGES_DIR, ignore_errors=True)
+    os.makedirs(os.path.join(EXACT_IMAGES_DIR, EXACT))
+    with open(os.path.join(EXACT_IMAGES_DIR, EXACT, "image.json"), "w") as f:
+        json.dump(dict(spec, name=EXACT, hibernate_level="exact"), f, indent=1)
 
 
 def frame_rows(mb):
@@ -378,4 +393,13 @@ def hibernation_figure(bench):
         with CellblockServer("hibernation-gvisor", {"host": 0, GVISOR: 2}) as srv:
             rows += image_rows(bench, srv, GVISOR, reps,
                                f", gVisor ({GVISOR}: runsc, the wake imports pandas)")
+        # The exact level: runsc checkpoints the whole sandbox, restores it.
+        write_exact_image()
+        try:
+            with CellblockServer("hibernation-gvisor-exact", {"host": 0, EXACT: 1},
+                                 images_dir=EXACT_IMAGES_DIR) as srv:
+                rows += image_rows(bench, srv, EXACT, reps,
+                                   ", gVisor at the exact level (runsc checkpoint and restore)")
+        finally:
+            shutil.rmtree(EXACT_IMAGES_DIR, ignore_errors=True)
     return rows
