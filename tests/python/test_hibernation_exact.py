@@ -74,12 +74,29 @@ f.write('written, not closed')
 f.flush()
 open('/data/output/result.txt', 'w').write('an output file')
 marker = 'exact-marker-' * 1000
+import numpy as np
+arr = np.arange(1_000_000)
+def double(v):
+    return 2 * v
+class Point:
+    def __init__(self, x):
+        self.x = x
+p = Point(7)
+def outer():
+    kept = 5
+    return lambda: kept
+closure = outer()
+open(os.path.expanduser('~/home.txt'), 'w').write('in home')
+get_ipython().run_line_magic('store', 'x')
 """
 
-CHECK = ("t0 = ticks[0]; time.sleep(0.3); f.seek(0)\n"
+CHECK = ("t0 = ticks[0]; time.sleep(0.3); f.seek(0); del x\n"
+         "get_ipython().run_line_magic('store', '-r x')\n"
          "print(x + 1, next(numbers), ticker.is_alive() and ticks[0] > t0, b.recv(100).decode(),"
-         " f.read(), open('/data/output/result.txt').read(), len(marker))")
-EXPECTED = "42 {n} True in flight written, not closed an output file 13000"
+         " f.read(), open('/data/output/result.txt').read(), len(marker), int(arr.sum()),"
+         " double(p.x), closure(), open(os.path.expanduser('~/home.txt')).read())")
+EXPECTED = ("42 {n} True in flight written, not closed an output file 13000 499999500000 14 5"
+            " in home")
 
 
 def hibernate(srv, sid):
