@@ -325,24 +325,10 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
         listener.reset(listen_lifeline(lifeline_socket, sandbox_host_uid));
     }
     run_args.insert(run_args.end(), {"--bundle", paths.bundle().string(), box->container_id_});
-    const bool runsc = runtime_kind(settings.runtime) == RuntimeKind::runsc;
-    if (runsc) {
-        std::lock_guard lock(runsc_children().mutex);
-        ++runsc_children().starting;
-    }
-    const auto result = run_process(runtime_argv(settings, run_args), pass_fd.get(), log_fd.get());
-    box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
-    if (runsc) {
-        const pid_t gofer = find_child_gofer(paths.bundle());
-        std::lock_guard lock(runsc_children().mutex);
-        --runsc_children().starting;
-        if (box->init_pid_ > 0) runsc_children().owned.insert(box->init_pid_);
-        if (gofer > 0) runsc_children().owned.insert(gofer);
-        box->gofer_pid_ = gofer;
-    }
+    const int exit_code = box->launch(run_args, pass_fd.get(), log_fd.get(), pid_file);
     pass_fd.reset();
     log_fd.reset();
-    if (result.exit_code != 0) {
+    if (exit_code != 0) {
         throw SandboxError(settings.runtime + " run " + box->container_id_ + ": " +
                            sandbox_detail::log_tail(log));
     }
@@ -369,6 +355,26 @@ std::unique_ptr<RuncSandbox> RuncSandbox::start(const std::string& session_id, c
     box->cgroup_dirs_ = sandbox_cgroup_dirs(box->container_id_);
     box->open_counters();
     return box;
+}
+
+int RuncSandbox::launch(const std::vector<std::string>& args, int pass_fd, int log_fd,
+                        const fs::path& pid_file) {
+    const bool runsc = runtime_kind(settings_.runtime) == RuntimeKind::runsc;
+    if (runsc) {
+        std::lock_guard lock(runsc_children().mutex);
+        ++runsc_children().starting;
+    }
+    const auto result = run_process(runtime_argv(settings_, args), pass_fd, log_fd);
+    init_pid_ = static_cast<pid_t>(read_u64(pid_file));
+    if (runsc) {
+        const pid_t gofer = find_child_gofer(dir_.bundle());
+        std::lock_guard lock(runsc_children().mutex);
+        --runsc_children().starting;
+        if (init_pid_ > 0) runsc_children().owned.insert(init_pid_);
+        if (gofer > 0) runsc_children().owned.insert(gofer);
+        gofer_pid_ = gofer;
+    }
+    return result.exit_code;
 }
 
 RuncSandbox::~RuncSandbox() { destroy(); }

@@ -147,25 +147,11 @@ std::unique_ptr<RuncSandbox> RuncSandbox::restore(
     UniqueFd log_fd(::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600));
     if (!log_fd) throw SandboxError("open " + log.string() + ": " + errno_text());
     const fs::path pid_file = box->dir() / "init.pid";
-    {
-        std::lock_guard lock(runsc_children().mutex);
-        ++runsc_children().starting;
-    }
-    const auto result =
-        run_process(runtime_argv(settings, {"restore", "--detach", "--pid-file", pid_file.string(),
-                                            "--image-path=" + image_dir.string(), "--bundle",
-                                            paths.bundle().string(), box->container_id_}),
-                    -1, log_fd.get());
-    box->init_pid_ = static_cast<pid_t>(read_u64(pid_file));
-    {
-        const pid_t gofer = find_child_gofer(paths.bundle());
-        std::lock_guard lock(runsc_children().mutex);
-        --runsc_children().starting;
-        if (box->init_pid_ > 0) runsc_children().owned.insert(box->init_pid_);
-        if (gofer > 0) runsc_children().owned.insert(gofer);
-        box->gofer_pid_ = gofer;
-    }
-    if (result.exit_code != 0 || box->init_pid_ <= 0) {
+    const int exit_code = box->launch({"restore", "--detach", "--pid-file", pid_file.string(),
+                                       "--image-path=" + image_dir.string(), "--bundle",
+                                       paths.bundle().string(), box->container_id_},
+                                      -1, log_fd.get(), pid_file);
+    if (exit_code != 0 || box->init_pid_ <= 0) {
         throw SandboxError(settings.runtime + " restore " + box->container_id_ + ": " +
                            sandbox_detail::log_tail(log));
     }

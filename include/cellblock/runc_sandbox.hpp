@@ -197,6 +197,11 @@ class RuncSandbox final : public Sandbox,
                                                 const SandboxLimits& limits,
                                                 const RuntimeSettings& settings);
     void write_bundle(const Image& image, SandboxRole role);
+    // The runtime's `args` (run or restore, detached), the init's pid taken
+    // from `pid_file`; under runsc its Sentry and gofer registered as ours.
+    // Returns the runtime's exit code.
+    int launch(const std::vector<std::string>& args, int pass_fd, int log_fd,
+               const std::filesystem::path& pid_file);
     bool forked_ = false;
     // Its kernel's channels pass through its shim (an exact-level image's).
     bool bridged_ = false;
