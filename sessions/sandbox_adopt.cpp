@@ -57,6 +57,7 @@ std::optional<json> RuncSandbox::adoption_record() const {
                 {"version", kRecordVersion},
                 {"runtime", settings_.runtime},
                 {"forked", forked_},
+                {"bridged", bridged_},
                 {"init_pid", init_pid_},
                 {"init_start", process_start_ticks(init_pid_)},
                 {"host_base", host_ids().host_base},
@@ -108,6 +109,9 @@ RuncSandbox::Adoption RuncSandbox::begin_adoption(const std::string& session_id,
     if (!fs::is_directory(paths.root(), ec)) throw fail("its session dir is gone");
     // What the session dir says ran it: the runtime, or a zygote's fork.
     box->forked_ = record.value("forked", false);
+    // Its shim bridges the kernel's channels (the exact level): it can still
+    // be checkpointed once adopted.
+    box->bridged_ = record.value("bridged", false);
     if (box->forked_ && !zygote) throw fail("a fork whose zygote is not adopted");
     // Its record names the zygote again (adoption_record): a second crash
     // adopts it as the first did.

@@ -26,12 +26,12 @@ def exact_image():
     return definition
 
 
-@pytest.fixture
-def server():
+def exact_server(*more):
     keys = tempfile.mkdtemp(prefix="cb-exact-keys-")
     srv, images = sh.start_server_with_image(
         exact_image(), ["--pool", "host=0", "--pool", "host-gvisor=0", "--pool", "gvisor-exact=0",
-                        "--key-file", os.path.join(keys, "server.key")])
+                        "--key-file", os.path.join(keys, "server.key"), *more])
+    srv.images_dir = images
     yield srv
     try:
         problems = srv.shutdown()
@@ -39,6 +39,17 @@ def server():
     finally:
         shutil.rmtree(images, ignore_errors=True)
         shutil.rmtree(keys, ignore_errors=True)
+
+
+@pytest.fixture
+def server():
+    yield from exact_server()
+
+
+@pytest.fixture
+def adopting_server():
+    """One whose sandboxes outlive a crash (--adopt-grace): kill9() and start()."""
+    yield from exact_server("--adopt-grace", "120")
 
 
 def container_of(srv, sid):
@@ -208,3 +219,38 @@ def test_a_changed_image_closes_the_session_with_resume_failed(server):
                        timeout=30)
     assert sh.wait_for(lambda: not any(sh.session_sandboxes(srv.state_dir)), timeout=30), \
         sh.session_sandboxes(srv.state_dir)
+
+
+def crash_and_restart(srv):
+    """kill -9, and the next start on the same state dir and image folder."""
+    srv.kill9()
+    old = os.environ.get("CELLBLOCK_IMAGES_DIR")
+    os.environ["CELLBLOCK_IMAGES_DIR"] = srv.images_dir
+    try:
+        srv.start()
+    finally:
+        if old is None:
+            del os.environ["CELLBLOCK_IMAGES_DIR"]
+        else:
+            os.environ["CELLBLOCK_IMAGES_DIR"] = old
+
+
+def test_after_a_crash_an_exact_session_is_adopted_and_still_sleeps_whole(adopting_server):
+    """kill -9 while it is awake: the next start adopts its running sandbox
+    (bridged, as its record says), which then still hibernates exact; kill
+    -9 while it sleeps: the next start takes its sealed image back."""
+    srv = adopting_server
+    sid, kc, _ = srv.open_session(image="gvisor-exact")
+    sh.run_ok(kc, STATE)
+    crash_and_restart(srv)
+    assert f"session {sid}: adopted" in srv.log(), srv.log()[-3000:]
+    assert sh.run_ok(kc, "print(x + 1)", timeout=120).strip() == "42"
+    assert hibernate(srv, sid)["snapshot"]["level"] == "exact"
+    crash_and_restart(srv)
+    assert srv.info_of(sid)["state"] == "hibernated"
+    reply, msgs = sh.execute(kc, CHECK, timeout=180)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert sh.stream_text(msgs).strip() == EXPECTED.format(n=101), msgs
+    [woke] = events(srv, sid, "resumed")
+    assert "exact level" in woke["detail"], woke
+    srv.ok("session_close_request", {"session_id": sid})
