@@ -40,12 +40,6 @@ int remaining_ms(Clock::time_point deadline) {
     return static_cast<int>(std::max<std::int64_t>(0, left.count()));
 }
 
-bool process_ended(pid_t pid) {
-    const std::string stat = read_text("/proc/" + std::to_string(pid) + "/stat");
-    const auto paren = stat.rfind(')');
-    return paren == std::string::npos || stat.compare(paren + 2, 1, "Z") == 0;
-}
-
 }  // namespace
 
 bool RuncSandbox::quiesce(std::chrono::milliseconds wait, std::string& why) {
@@ -107,7 +101,7 @@ void RuncSandbox::checkpoint(const fs::path& image_dir) {
     // The runtime ends the sandbox after its checkpoint and drops its state
     // itself; a delete before its init has gone can time out.
     const auto deadline = Clock::now() + kEndAfterCheckpoint;
-    while (init_pid_ > 0 && !process_ended(init_pid_)) {
+    while (init_pid_ > 0 && !process_gone(init_pid_)) {
         if (Clock::now() >= deadline) {
             throw SandboxError(settings_.runtime + " checkpoint " + container_id_ +
                                ": the sandbox did not end after it");
