@@ -687,18 +687,24 @@ def neighbour_outcome(noisy, runs, replies):
         key = "no reply yet" if ex.reply is None else (
             ex.reply["content"].get("ename") or ex.reply["content"].get("status"))
         outcome[key] = outcome.get(key, 0) + 1
-    pids, memory = [], []
+    pids, memory, cpus = [], [], []
     for r in replies:
         try:
             with open(f"/sys/fs/cgroup/pids/cellblock/cb-{r['session_id']}/pids.current") as f:
                 pids.append(int(f.read()))
         except OSError:
             pids.append(None)
+        # Where it may run (serve --loud-cpus keeps a loud session off one CPU).
+        try:
+            with open(f"/sys/fs/cgroup/cpuset/cellblock/cb-{r['session_id']}/cpuset.cpus") as f:
+                cpus.append(f.read().strip())
+        except OSError:
+            cpus.append(None)
         try:
             memory.append(round(cgroup_memory(r["session_id"])[0] / MB))
         except (BenchError, OSError):
             memory.append(None)
-    return outcome, pids, memory
+    return outcome, pids, memory, cpus
 
 
 NOISE_SETTLE_S = 3.0   # figure 6 is measured from this long after the noise starts
@@ -815,7 +821,8 @@ def noisy_neighbours(bench):
                           if "the host's processes" in line]
             cost = describe_cost(cost0, noise_cost(noisy_ids), vm0, vmstat(),
                                  time.monotonic() - t0)
-            outcome, pids_at_end, memory_at_end = neighbour_outcome(noisy, runs, replies)
+            outcome, pids_at_end, memory_at_end, cpus_at_end = neighbour_outcome(noisy, runs,
+                                                                                 replies)
             quiet_state = None
             if failed:
                 info = srv.manager.call("session_info_request", {"session_id": qid}, check=False)
@@ -836,6 +843,7 @@ def noisy_neighbours(bench):
                       "neighbours at the end of the loud window: " +
                       ", ".join(f"{v} {k}" for k, v in sorted(outcome.items())) +
                       f"; their pids.current {pids_at_end}; their memory (MB) {memory_at_end}"
+                      f"; their CPUs (cpuset.cpus) {cpus_at_end}"
                       "; per round trip, CPU / run-queue wait (µs) quiet → loud: the quiet "
                       f"sandbox {per_rt(s0, s1, 0, nq)} / {per_rt(s0, s1, 1, nq)} → "
                       f"{per_rt(s2, s3, 0, nl)} / {per_rt(s2, s3, 1, nl)}, the server "

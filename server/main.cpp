@@ -246,15 +246,23 @@ int main(int argc, char** argv) {
         "sessions holding the CPU run as idle cgroups, and the sandboxes' parent too while "
         "they hold it and the host's processes do not contend: a waking quiet session or "
         "host process then never waits for a tick behind them (docs/performance.md)");
-    std::string loud_cpus = "all";
+    std::string loud_cpus = "auto";
     serve_cmd
         ->add_option("--loud-cpus", loud_cpus,
-                     "the CPUs a session holding the CPU (yielding or demoted) may run on, "
-                     "while it holds it: 'all' (no such rule), 'auto' (every CPU the server "
-                     "may use but the lowest, on two or more: quieter interactive sessions, "
-                     "but that CPU idles when they leave it idle), or a list such as 1-3 "
-                     "(docs/performance.md)")
+                     "the CPUs a loud session (--loud-cpus-for) may run on while it is: 'auto' "
+                     "(every CPU the server may use but the lowest, on two or more: interactive "
+                     "sessions always have a CPU no loud one is on), 'all' (no such rule), or a "
+                     "list such as 1-3 (docs/performance.md)")
         ->capture_default_str();
+    std::string loud_for = "growing";
+    serve_cmd
+        ->add_option("--loud-cpus-for", loud_for,
+                     "which sessions --loud-cpus keeps to its CPUs: 'growing' (holding the CPU "
+                     "with their memory growing, as a memory bomb: its page zeroing slows what "
+                     "shares its CPU) or 'holding' (every session holding the CPU: the CPU kept "
+                     "free then idles whenever interactive work leaves it idle)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"growing", "holding"}));
     serve_cmd
         ->add_option("--interactive-slice-us", serve.interactive_slice_us,
                      "EEVDF slice of the server's threads and of interactive sessions' tasks, "
@@ -509,6 +517,7 @@ int main(int argc, char** argv) {
             serve.self_exe = std::filesystem::read_symlink("/proc/self/exe", ec).string();
             try {
                 serve.loud_cpus = cellblock::loud_cpu_list(loud_cpus, allowed_cpus());
+                serve.loud_cpus_for = cellblock::loud_cpus_for(loud_for);
             } catch (const std::invalid_argument& e) {
                 throw std::runtime_error(std::string("--loud-cpus: ") + e.what());
             }

@@ -108,9 +108,11 @@ json Server::server_info(Request&, std::vector<std::string>&) {
           {"hogging_sessions", hogging_sessions_},
           {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)},
           {"sandboxes_idle", sandboxes_idle_},
-          // Where a session holding the CPU runs while it does (--loud-cpus;
-          // null: on every CPU, as the others).
+          // Where a loud session runs while it is (--loud-cpus; null: on
+          // every CPU, as the others).
           {"loud_cpus", options_.loud_cpus.empty() ? json(nullptr) : json(options_.loud_cpus)},
+          // Which sessions are loud (--loud-cpus-for).
+          {"loud_cpus_for", options_.loud_cpus_for == LoudCpusFor::holding ? "holding" : "growing"},
           // Whether the hogging sessions weigh a process each: only while the
           // host's own processes contend (host_contention.hpp), with the last
           // judgement's figures.

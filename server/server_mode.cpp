@@ -67,7 +67,9 @@ void Server::balance_cpu(Clock::time_point now) {
         const SessionProxy& relay = *session.proxy();
         CpuSample sample;
         sample.at = now;
-        sample.cpu_ns = box->usage().cpu_ns;
+        const SandboxUsage usage = box->usage();
+        sample.cpu_ns = usage.cpu_ns;
+        if (usage.memory_bytes > 0) sample.memory_bytes = std::int64_t(usage.memory_bytes);
         sample.tasks = cpu->task_count();
         // Only a demoted session needs it (to tell calm from starved): /proc
         // reads per task, up to the second runnable one (CpuSample::runnable).
@@ -110,11 +112,12 @@ bool Server::apply_cpu_setting(Sandbox& box, SandboxCpu& cpu, const CpuSetting& 
     if (options_.interactive_slice_us)
         cpu.set_slice(setting.level == CpuSetting::Level::normal ? options_.interactive_slice_us
                                                                  : 0);
-    // And it is kept off one CPU at least, where an interactive session, the
-    // server and its clients then find no hog (the page faults and cache a
-    // memory bomb costs its CPU's other tasks no weight governs).
+    // And a loud one is kept off one CPU at least, where an interactive
+    // session, the server and its clients then find none (the page zeroing
+    // and cache misses a memory bomb costs its CPU's other tasks no weight
+    // governs).
     if (!options_.loud_cpus.empty())
-        cpu.set_cpus(setting.level == CpuSetting::Level::normal ? "" : options_.loud_cpus);
+        cpu.set_cpus(loud_on_cpus(setting, options_.loud_cpus_for) ? options_.loud_cpus : "");
     return true;
 }
 

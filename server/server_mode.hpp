@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cellblock/cpu_demand.hpp"
+#include "cellblock/cpu_fairness.hpp"
 #include "cellblock/sched_slice.hpp"
 #include "cellblock/session_policy.hpp"
 #include "cellblock/swarm_backend.hpp"
@@ -37,9 +38,12 @@ struct ServeOptions {
     // interactive session's tasks; a session holding the CPU gets the
     // kernel's default back (sched_slice.hpp). 0: the kernel's default for all.
     std::uint32_t interactive_slice_us = kInteractiveSliceUs;
-    // The CPUs a session holding the CPU is kept to (a cpuset list, made by
+    // The CPUs a loud session is kept to (a cpuset list, made by
     // loud_cpu_list from --loud-cpus); empty: every session on every CPU.
     std::string loud_cpus;
+    // Which sessions are loud (--loud-cpus-for): those holding the CPU whose
+    // memory grows, or all that hold it.
+    LoudCpusFor loud_cpus_for = LoudCpusFor::growing;
     // Where the host's servers publish what their sessions ask of that
     // parent (cpu_demand.hpp): servers sharing a host share this too.
     std::filesystem::path cpu_demand_dir = kCpuDemandDir;

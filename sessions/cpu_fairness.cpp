@@ -87,6 +87,19 @@ std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
     return std::nullopt;
 }
 
+std::optional<std::int64_t> CpuFairness::memory_rise() const {
+    const auto w = window(policy_.growing_after);
+    if (!w) return std::nullopt;
+    // Newest first: each reading at most a slack below the one after it.
+    std::int64_t later = -1;
+    for (const Interval* i : *w) {
+        if (i->memory < 0) return std::nullopt;
+        if (later >= 0 && i->memory > later + policy_.growing_slack) return 0;
+        later = i->memory;
+    }
+    return w->front()->memory - w->back()->memory;
+}
+
 std::optional<CpuFairness::Growth> CpuFairness::growth() const {
     const auto w = window(policy_.creep_after);
     if (!w) return std::nullopt;
@@ -215,6 +228,17 @@ std::string loud_cpu_list(const std::string& option, const std::vector<int>& onl
     return option;
 }
 
+LoudCpusFor loud_cpus_for(const std::string& option) {
+    if (option == "growing") return LoudCpusFor::growing;
+    if (option == "holding") return LoudCpusFor::holding;
+    throw std::invalid_argument("'" + option + "': expected growing or holding");
+}
+
+bool loud_on_cpus(const CpuSetting& setting, LoudCpusFor rule) {
+    if (setting.level == CpuSetting::Level::normal) return false;
+    return rule == LoudCpusFor::holding || setting.growing;
+}
+
 CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {
     CpuSetting normal{CpuSetting::Level::normal, policy_.normal_weight, 0};
     if (!sample.running_for) return normal;
@@ -253,6 +277,33 @@ CpuChange CpuFairness::change_to(CpuSetting next, std::string event, std::string
 }
 
 std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
+    const bool was_growing = setting_.growing;
+    auto change = observe_level(sample);
+    if (history_.empty() || history_.back().end != sample.at) return change;  // not taken
+    if (const auto rise = memory_rise(); rise && *rise >= policy_.growing_bytes) {
+        grew_at_ = sample.at;
+        last_rise_ = *rise;
+    }
+    const bool growing = setting_.level != CpuSetting::Level::normal && grew_at_ &&
+                         Seconds(sample.at - *grew_at_) < policy_.calm_after;
+    setting_.growing = growing;
+    const std::string grows =
+        fmt::format("its memory grows while it holds the CPU ({:.0f} MB more in {:.1f} s)",
+                    double(last_rise_) / 1e6, policy_.growing_after.count());
+    if (change) {
+        change->setting.growing = growing;
+        if (growing) change->detail += "; " + grows;
+        return change;
+    }
+    if (growing == was_growing) return std::nullopt;
+    return CpuChange{setting_, growing ? "cpu_memory_growing" : "cpu_memory_steady",
+                     describe(setting_) + ": " +
+                         (growing ? grows
+                                  : fmt::format("its memory has not grown for {:.1f} s",
+                                                policy_.calm_after.count()))};
+}
+
+std::optional<CpuChange> CpuFairness::observe_level(const CpuSample& sample) {
     if (!last_) {
         last_ = sample;
         since_ = sample.at;
@@ -268,11 +319,12 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     if (sample.tasks >= 0 && last_->tasks >= 0) i.added = sample.tasks - last_->tasks;
     i.executed = sample.executed;
     i.runnable = sample.runnable;
+    i.memory = sample.memory_bytes;
     history_.push_back(i);
     last_ = sample;
     const Seconds keep =
         std::max({policy_.storm_after, policy_.creep_after, policy_.background_after,
-                  policy_.calm_after, policy_.active_span});
+                  policy_.calm_after, policy_.active_span, policy_.growing_after});
     while (history_.size() > 1 && Seconds(sample.at - history_.front().end) >= keep)
         history_.pop_front();
 
@@ -301,7 +353,8 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
         return change_to({CpuSetting::Level::demoted, policy_.demoted_weight, cpus}, "cpu_demoted",
                          abusing->why);
     }
-    const CpuSetting next = yielding_setting(sample);
+    CpuSetting next = yielding_setting(sample);
+    next.growing = setting_.growing;  // observe() decides that
     if (next == setting_) return std::nullopt;
     if (next.level == CpuSetting::Level::yielding) {
         return change_to(next, "cpu_yielding",

@@ -130,6 +130,15 @@ struct CpuFairnessPolicy {
     // neighbours, never to the host.
     std::vector<LongStep> long_steps{
         {Seconds{2}, 128}, {Seconds{20}, 64}, {Seconds{45}, 32}, {Seconds{90}, 16}};
+    // Memory growing while it holds the CPU (CpuSetting::growing): its
+    // cgroup's memory rose by growing_bytes or more over growing_after and
+    // never fell by more than growing_slack from one sample to the next. A
+    // memory bomb only ever adds (~30 MB/s at a tenth of a core); a pandas
+    // loop's temporaries come and go (tens of MB up and down, no net rise).
+    // It counts as growing until it has not grown for calm_after.
+    Seconds growing_after{2.0};
+    std::int64_t growing_bytes = std::int64_t{16} << 20;
+    std::int64_t growing_slack = std::int64_t{1} << 20;
 };
 
 // What the cgroup is set to. cpus 0: the session's own quota.
@@ -138,13 +147,20 @@ struct CpuSetting {
     Level level = Level::normal;
     int weight = 1024;
     double cpus = 0;
+    // Holding the CPU (yielding or demoted) with its memory growing: every
+    // new page is one the kernel zeroes, and that work and the cache it
+    // evicts cost whatever shares its CPU, beyond what any weight governs
+    // (serve --loud-cpus keeps such a session off one CPU).
+    bool growing = false;
     bool operator==(const CpuSetting&) const = default;
 };
 
 // A change to apply, and the event that records it.
 struct CpuChange {
     CpuSetting setting;
-    std::string event;   // cpu_demoted, cpu_yielding, cpu_restored
+    // cpu_demoted, cpu_yielding, cpu_restored; cpu_memory_growing and
+    // cpu_memory_steady when only `growing` changes.
+    std::string event;
     std::string detail;  // why, with the figures and how long the previous level lasted
 };
 
@@ -162,6 +178,8 @@ struct CpuSample {
     bool executed = false;
     // How long the execution running now has run (none: the kernel is idle).
     std::optional<std::chrono::steady_clock::duration> running_for;
+    // The cgroup's memory (memory.usage_in_bytes); < 0 unknown.
+    std::int64_t memory_bytes = -1;
 };
 
 class CpuFairness {
@@ -193,6 +211,7 @@ class CpuFairness {
         std::int64_t tasks = -1;
         std::int64_t added = 0;  // tasks since the previous sample (0 when unknown)
         std::int64_t runnable = -1;
+        std::int64_t memory = -1;  // at the end
         bool executed = false;
         bool storm(const CpuFairnessPolicy& p) const {
             return added >= p.storm_growth || tasks >= p.storm_tasks;
@@ -206,6 +225,11 @@ class CpuFairness {
         bool creeping = false;  // capped at storm_cpus
     };
     std::optional<Abuse> abuse() const;
+    // Over growing_after, how much the memory rose (0 if it fell by more
+    // than growing_slack on the way); none: not yet that long, or unknown.
+    std::optional<std::int64_t> memory_rise() const;
+    // The level's change, if any (observe adds `growing`).
+    std::optional<CpuChange> observe_level(const CpuSample& sample);
     // How the task count moved over creep_after (none: not yet that long).
     struct Growth {
         std::int64_t added = 0;   // net, over the window
@@ -236,6 +260,9 @@ class CpuFairness {
     std::optional<Clock::time_point> storm_execution_;
     int storm_holds_ = 0;
     Clock::time_point since_{};  // when the current setting was applied
+    // The last sample at which its memory was seen growing (memory_rise).
+    std::optional<Clock::time_point> grew_at_;
+    std::int64_t last_rise_ = 0;
 };
 
 // cgroup v1's ceiling for cpu.shares (its floor is 2).
@@ -247,14 +274,25 @@ inline constexpr int kMaxCpuShares = 262144;
 int sandboxes_weight(std::size_t interactive, std::size_t hogging,
                      const CpuFairnessPolicy& policy = {});
 
-// The CPUs a session holding the CPU (yielding or demoted) is kept to, as a
-// cpuset list, from `serve --loud-cpus`: "auto" is every CPU the server may
-// run on but the lowest, where it may run on two or more (so an interactive
-// session, the server and its clients always have one that no hog is on,
-// and which idles when they do not fill it); "all" (the default, or "auto"
-// on one CPU) is none: "" leaves every session on every CPU. Anything else
-// must be a list of CPUs in `online`, such as "1" or "1-3,6";
-// std::invalid_argument says what is wrong with it.
+// The CPUs a loud session is kept to, as a cpuset list, from `serve
+// --loud-cpus`: "auto" (the default) is every CPU the server may run on but
+// the lowest, where it may run on two or more (so an interactive session,
+// the server and its clients always have one that no loud session is on);
+// "all" (or "auto" on one CPU) is none: "" leaves every session on every
+// CPU. Anything else must be a list of CPUs in `online`, such as "1" or
+// "1-3,6"; std::invalid_argument says what is wrong with it. Which sessions
+// are loud is `--loud-cpus-for` (loud_on_cpus).
 std::string loud_cpu_list(const std::string& option, const std::vector<int>& online);
+
+// Which sessions `--loud-cpus` keeps to its CPUs: `growing` (the default)
+// those holding the CPU whose memory grows (CpuSetting::growing: a memory
+// bomb), whose page zeroing and cache misses slow what shares their CPU;
+// `holding` every session holding the CPU, yielding or demoted, which also
+// keeps the CPU left free for interactive work idle whenever that work does
+// not fill it (a computation beside interactive sessions took 1.4x as long:
+// docs/performance.md).
+enum class LoudCpusFor { growing, holding };
+LoudCpusFor loud_cpus_for(const std::string& option);  // std::invalid_argument
+bool loud_on_cpus(const CpuSetting& setting, LoudCpusFor rule);
 
 }  // namespace cellblock

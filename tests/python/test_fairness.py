@@ -35,8 +35,11 @@ def demand_dir():
 
 @pytest.fixture(scope="module")
 def server(request, demand_dir):
-    # --loud-cpus auto: what it does is checked beside what the rest does.
-    srv = sh.start_server(["--cpu-demand-dir", demand_dir, "--loud-cpus", "auto"])
+    # --loud-cpus auto for every session holding the CPU: what it does is
+    # checked beside what the rest does (the default keeps only those whose
+    # memory grows apart: test_by_default_only_a_session_whose_memory_grows_...).
+    srv = sh.start_server(["--cpu-demand-dir", demand_dir, "--loud-cpus", "auto",
+                           "--loud-cpus-for", "holding"])
     yield srv
     problems = srv.shutdown()
     assert not problems, "\n".join(problems)
@@ -209,7 +212,7 @@ def test_the_server_and_interactive_sessions_have_the_short_slice_one_holding_th
     need_cpu_controller(sid)
     assert task_values(sid, slice_of) == {100}
     loud, every = loud_and_all_cpus(server)
-    if len(every) >= 2:  # the default, --loud-cpus auto: all but the lowest
+    if len(every) >= 2:  # --loud-cpus auto: all but the lowest
         assert loud == every - {min(every)}, (loud, every)
     assert cpuset_cpus(sid) == every
     # A thread started in a cell inherits the slice of its process.
@@ -724,10 +727,11 @@ def test_loud_cpus_that_are_no_list_or_not_the_servers_are_refused_at_start():
         assert "--loud-cpus: " in run.stderr and words in run.stderr, (value, run.stderr)
 
 
-def test_a_sandbox_kept_off_a_cpu_is_widened_by_a_next_start_without_the_option(
+def test_a_sandbox_kept_off_a_cpu_is_widened_by_a_next_start_keeping_no_cpu_apart(
         server_factory, demand_dir):  # noqa: F811
     srv = server_factory(["--cpu-demand-dir", demand_dir, "--loud-cpus", "auto",
-                          "--adopt-grace", "120", "--pool", "host=0"])
+                          "--loud-cpus-for", "holding", "--adopt-grace", "120",
+                          "--pool", "host=0"])
     loud, every = loud_and_all_cpus(srv)
     if not loud:
         pytest.skip("--loud-cpus auto keeps nothing apart on one CPU")
@@ -736,14 +740,77 @@ def test_a_sandbox_kept_off_a_cpu_is_widened_by_a_next_start_without_the_option(
     assert execute(kc, BACKGROUND_SPIN)[0]["content"]["status"] == "ok"
     # Demoted while it spins: on the loud CPUs only.
     assert wait_for(lambda: cpuset_cpus(sid) == loud, timeout=30), cpuset_cpus(sid)
-    # A crash; the next start has no --loud-cpus and adopts the sandbox,
+    # A crash; the next start keeps no CPU apart and adopts the sandbox,
     # still spinning: it must not stay off the CPU kept free before.
     srv.kill9()
-    srv.args = ["--cpu-demand-dir", demand_dir, "--adopt-grace", "120", "--pool", "host=0"]
+    srv.args = ["--cpu-demand-dir", demand_dir, "--loud-cpus", "all", "--adopt-grace", "120",
+                "--pool", "host=0"]
     srv.start()
     assert f"session {sid}: adopted" in srv.log(), srv.log()[-3000:]
     assert srv.ok("server_info_request", {})["content"]["cpu"]["loud_cpus"] in ("", None)
     assert wait_for(lambda: cpuset_cpus(sid) == every, timeout=10), cpuset_cpus(sid)
     assert counter(kc) > 0  # the same kernel, its thread still counting
     execute(kc, "state['stop'] = True")
+    srv.ok("session_close_request", {"session_id": sid})
+
+
+# Grows 16 MiB at a time (every page new, so zeroed by the kernel) with
+# a tenth of a second of spinning between, to 480 MiB, then spins with
+# its memory steady.
+GROW_THEN_SPIN = """
+import time
+x = []
+while len(x) < 30:
+    x.append(b'\\x01' * (16 << 20))
+    t = time.time()
+    while time.time() - t < 0.1: pass
+t = time.time()
+while time.time() - t < {s}: pass
+len(x)
+"""
+
+
+def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
+        server_factory, demand_dir):  # noqa: F811
+    """The default (--loud-cpus auto, --loud-cpus-for growing): a cell that
+    only spins yields its weight and stays on every CPU; one whose memory
+    grows while it holds the CPU (a memory bomb's page zeroing slows what
+    shares its CPU) is kept to the loud CPUs while it grows, and is back on
+    every CPU once its memory has stayed put for seconds, its cell still
+    running."""
+    srv = server_factory(["--cpu-demand-dir", demand_dir, "--pool", "host=0"])
+    cpu = srv.ok("server_info_request", {})["content"]["cpu"]
+    assert cpu["loud_cpus_for"] == "growing", cpu
+    loud, every = loud_and_all_cpus(srv)
+    if len(every) < 2:
+        assert loud is None, cpu
+        pytest.skip("--loud-cpus auto keeps nothing apart on one CPU")
+    assert loud == every - {min(every)}, (loud, every)
+
+    sid, kc, _ = srv.open_session()
+    need_cpu_controller(sid)
+    spin = kc.execute(SPIN.format(s=6))
+    if wait_for(lambda: cpu_shares(sid) == 128, timeout=6):
+        for _ in range(4):  # yielding, and still on every CPU
+            assert cpuset_cpus(sid) == every, cpuset_cpus(sid)
+            time.sleep(0.5)
+    assert run_until_reply(kc, spin)["content"]["status"] == "ok"
+    events = cpu_events(srv, sid)
+    assert not any("memory" in e["kind"] or "memory grows" in e["detail"] for e in events), events
+
+    grow = kc.execute(GROW_THEN_SPIN.format(s=12))
+    assert wait_for(lambda: cpuset_cpus(sid) == loud, timeout=20), (cpuset_cpus(sid),
+                                                                   cpu_events(srv, sid))
+    # Its memory stays put while it spins on: every CPU again, still yielding.
+    assert wait_for(lambda: cpuset_cpus(sid) == every, timeout=20), (cpuset_cpus(sid),
+                                                                    cpu_events(srv, sid))
+    assert cpu_shares(sid) < 1024
+    reply = run_until_reply(kc, grow)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert cpuset_cpus(sid) == every
+    events = cpu_events(srv, sid)[len(events):]
+    kinds = [e["kind"] for e in events]
+    growing = [e for e in events if "its memory grows" in e["detail"]]
+    assert growing and growing[0]["kind"] in ("cpu_yielding", "cpu_memory_growing"), events
+    assert "cpu_memory_steady" in kinds and kinds[-1] == "cpu_restored", events
     srv.ok("session_close_request", {"session_id": sid})

@@ -17,6 +17,8 @@ struct Feeder {
     std::int64_t tasks = 8;  // an idle ipykernel: a handful of threads
     std::int64_t runnable = -1;
     std::optional<Clock::time_point> running_since;
+    std::int64_t memory = -1;  // the cgroup's bytes; < 0 unknown
+    std::int64_t grow = 0;     // added to `memory` at each sample
     std::vector<CpuChange> changes;
     explicit Feeder(CpuFairnessPolicy policy = {}) : f(std::move(policy)) {
         f.observe({now, cpu_ns, tasks, runnable, false, std::nullopt});
@@ -31,6 +33,8 @@ struct Feeder {
             cpu_ns += static_cast<std::uint64_t>(share * 250e6);
             CpuSample s{now, cpu_ns, tasks, runnable, executing, std::nullopt};
             if (running_since) s.running_for = now - *running_since;
+            if (memory >= 0) memory += grow;
+            s.memory_bytes = memory;
             if (auto c = f.observe(s)) changes.push_back(*c);
         }
     }
@@ -463,6 +467,95 @@ TEST(CpuFairness, TheSandboxesWeighOneProcessPerRunnableSessionWithinTheCgroupBo
     EXPECT_EQ(sandboxes_weight(100, 3), 3 * p.normal_weight);
     EXPECT_EQ(sandboxes_weight(0, 5), 5 * p.normal_weight);
     EXPECT_EQ(sandboxes_weight(0, 1000), 262144);
+}
+
+constexpr std::int64_t kMB = 1000 * 1000;
+
+TEST(CpuFairness, AMemoryBombHoldingTheCpuIsGrowingUntilItsMemoryStaysPut) {
+    Feeder x;
+    x.memory = 100 * kMB;
+    x.grow = 8 * kMB;  // 32 MB/s: a memory bomb at a tenth of a core
+    x.run(2.0, 1.0, true);
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_yielding"});
+    EXPECT_TRUE(x.changes[0].setting.growing);
+    EXPECT_NE(x.changes[0].detail.find("its memory grows"), std::string::npos)
+        << x.changes[0].detail;
+    EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing));
+    // At its limit it stays put (reclaiming, or waiting for the OOM killer):
+    // steady once it has not grown for calm_after, still yielding.
+    x.grow = 0;
+    x.run(4.5, 1.0, true);
+    ASSERT_EQ(x.changes.size(), 1u) << x.changes.back().event;
+    x.run(1.5, 1.0, true);
+    ASSERT_EQ(x.events(), (std::vector<std::string>{"cpu_yielding", "cpu_memory_steady"}));
+    EXPECT_FALSE(x.changes[1].setting.growing);
+    EXPECT_EQ(x.changes[1].setting.level, Level::yielding);
+    EXPECT_EQ(x.changes[1].setting.weight, 128);
+    EXPECT_FALSE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::growing));
+    EXPECT_TRUE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::holding));
+    // Growing again in the same cell, then the cell ends.
+    x.grow = 8 * kMB;
+    x.run(2.0, 1.0, true);
+    ASSERT_EQ(x.changes.size(), 3u);
+    EXPECT_EQ(x.changes[2].event, "cpu_memory_growing");
+    EXPECT_TRUE(x.changes[2].setting.growing);
+    x.grow = 0;
+    x.run(0.25, 0.0, false);
+    ASSERT_EQ(x.changes.size(), 4u);
+    EXPECT_EQ(x.changes[3].event, "cpu_restored");
+    EXPECT_FALSE(x.changes[3].setting.growing);
+    EXPECT_FALSE(loud_on_cpus(x.changes[3].setting, LoudCpusFor::holding));
+}
+
+TEST(CpuFairness, APandasLoopsTemporariesComingAndGoingAreNoGrowth) {
+    // groupby rounds: 200 MB held, tens of MB of temporaries up and down.
+    Feeder x;
+    x.memory = 200 * kMB;
+    for (int i = 0; i < 72; ++i) {  // 18 s: the first step only
+        x.memory = 200 * kMB + (i % 3) * 40 * kMB + (i % 7) * 5 * kMB;
+        x.run(0.25, 1.0, true);
+    }
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_yielding"});
+    EXPECT_FALSE(x.f.setting().growing);
+}
+
+TEST(CpuFairness, GrowthInAShortCellOrUnknownMemoryMakesNobodyLoud) {
+    Feeder x;
+    x.memory = 100 * kMB;
+    x.grow = 50 * kMB;  // loading a dataset in a cell of 1.5 s
+    x.cell(1.5, 1.0);
+    x.grow = 0;
+    x.run(3.0, 0.0, false);
+    EXPECT_TRUE(x.changes.empty()) << x.changes.front().event;
+    EXPECT_FALSE(x.f.setting().growing);
+    // The memory unknown (a backend without the counter): a long cell yields
+    // and nothing more.
+    Feeder y;
+    y.run(10.0, 1.0, true);
+    ASSERT_EQ(y.events(), std::vector<std::string>{"cpu_yielding"});
+    EXPECT_FALSE(y.changes[0].setting.growing);
+}
+
+TEST(CpuFairness, ADemotedSessionGrowingIsLoudAsWell) {
+    // Left running in the background, allocating as it spins.
+    Feeder x;
+    x.memory = 100 * kMB;
+    x.grow = 8 * kMB;
+    x.run(4.0, 1.0, false);
+    ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
+    EXPECT_TRUE(x.changes[0].setting.growing);
+    EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing));
+}
+
+TEST(LoudCpusFor, GrowingOrHoldingAndNothingElse) {
+    EXPECT_EQ(loud_cpus_for("growing"), LoudCpusFor::growing);
+    EXPECT_EQ(loud_cpus_for("holding"), LoudCpusFor::holding);
+    EXPECT_THROW(loud_cpus_for("all"), std::invalid_argument);
+    // No one at the normal level is loud, whatever the rule.
+    CpuSetting normal;
+    normal.growing = true;
+    EXPECT_FALSE(loud_on_cpus(normal, LoudCpusFor::holding));
+    EXPECT_FALSE(loud_on_cpus(normal, LoudCpusFor::growing));
 }
 
 TEST(LoudCpuList, AutoKeepsTheLowestCpuFreeOfHogsWhereThereAreTwoOrMore) {
