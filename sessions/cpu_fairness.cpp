@@ -87,17 +87,20 @@ std::optional<CpuFairness::Abuse> CpuFairness::abuse() const {
     return std::nullopt;
 }
 
-std::optional<std::int64_t> CpuFairness::memory_rise() const {
+std::optional<CpuFairness::MemoryRise> CpuFairness::memory_rise() const {
     const auto w = window(policy_.growing_after);
     if (!w) return std::nullopt;
     // Newest first: each reading at most a slack below the one after it.
+    MemoryRise rise;
     std::int64_t later = -1;
     for (const Interval* i : *w) {
         if (i->memory < 0) return std::nullopt;
-        if (later >= 0 && i->memory > later + policy_.growing_slack) return 0;
+        if (later >= 0 && i->memory > later + policy_.growing_slack) return MemoryRise{};
         later = i->memory;
+        rise.cpu_s += i->cpu_s;
     }
-    return w->front()->memory - w->back()->memory;
+    rise.bytes = w->front()->memory - w->back()->memory;
+    return rise;
 }
 
 std::optional<CpuFairness::Growth> CpuFairness::growth() const {
@@ -280,16 +283,20 @@ std::optional<CpuChange> CpuFairness::observe(const CpuSample& sample) {
     const bool was_growing = setting_.growing;
     auto change = observe_level(sample);
     if (history_.empty() || history_.back().end != sample.at) return change;  // not taken
-    if (const auto rise = memory_rise(); rise && *rise >= policy_.growing_bytes) {
+    if (const auto rise = memory_rise();
+        rise && rise->bytes >= policy_.growing_bytes &&
+        double(rise->bytes) >= policy_.growing_per_cpu_s * rise->cpu_s) {
         grew_at_ = sample.at;
-        last_rise_ = *rise;
+        last_rise_ = rise->bytes;
+        last_rise_cpu_ = rise->cpu_s;
     }
     const bool growing = setting_.level != CpuSetting::Level::normal && grew_at_ &&
                          Seconds(sample.at - *grew_at_) < policy_.calm_after;
     setting_.growing = growing;
-    const std::string grows =
-        fmt::format("its memory grows while it holds the CPU ({:.0f} MB more in {:.1f} s)",
-                    double(last_rise_) / 1e6, policy_.growing_after.count());
+    const std::string grows = fmt::format(
+        "its memory grows while it holds the CPU ({:.0f} MB more in {:.1f} s, "
+        "over {:.2f} s of CPU)",
+        double(last_rise_) / 1e6, policy_.growing_after.count(), last_rise_cpu_);
     if (change) {
         change->setting.growing = growing;
         if (growing) change->detail += "; " + grows;

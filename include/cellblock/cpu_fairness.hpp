@@ -131,13 +131,17 @@ struct CpuFairnessPolicy {
     std::vector<LongStep> long_steps{
         {Seconds{2}, 128}, {Seconds{20}, 64}, {Seconds{45}, 32}, {Seconds{90}, 16}};
     // Memory growing while it holds the CPU (CpuSetting::growing): its
-    // cgroup's memory rose by growing_bytes or more over growing_after and
+    // cgroup's memory rose by growing_bytes or more over growing_after, by
+    // growing_per_cpu_s or more per second of CPU it used meanwhile, and
     // never fell by more than growing_slack from one sample to the next. A
-    // memory bomb only ever adds (~30 MB/s at a tenth of a core); a pandas
-    // loop's temporaries come and go (tens of MB up and down, no net rise).
-    // It counts as growing until it has not grown for calm_after.
+    // memory bomb only ever adds, ~330 MB per second of CPU, most of it the
+    // kernel zeroing pages (~30 MB/s at a tenth of a core); a pandas loop's
+    // temporaries come and go, and where its heap does grow, it grows ~40 MB
+    // per second of CPU (23 MB in 2 s at a quarter of a core, bench figure
+    // 8). It counts as growing until it has not grown for calm_after.
     Seconds growing_after{2.0};
     std::int64_t growing_bytes = std::int64_t{16} << 20;
+    double growing_per_cpu_s = 128.0 * (1 << 20);
     std::int64_t growing_slack = std::int64_t{1} << 20;
 };
 
@@ -226,8 +230,13 @@ class CpuFairness {
     };
     std::optional<Abuse> abuse() const;
     // Over growing_after, how much the memory rose (0 if it fell by more
-    // than growing_slack on the way); none: not yet that long, or unknown.
-    std::optional<std::int64_t> memory_rise() const;
+    // than growing_slack on the way) and the CPU it used meanwhile; none: not
+    // yet that long, or unknown.
+    struct MemoryRise {
+        std::int64_t bytes = 0;
+        double cpu_s = 0;
+    };
+    std::optional<MemoryRise> memory_rise() const;
     // The level's change, if any (observe adds `growing`).
     std::optional<CpuChange> observe_level(const CpuSample& sample);
     // How the task count moved over creep_after (none: not yet that long).
@@ -263,6 +272,7 @@ class CpuFairness {
     // The last sample at which its memory was seen growing (memory_rise).
     std::optional<Clock::time_point> grew_at_;
     std::int64_t last_rise_ = 0;
+    double last_rise_cpu_ = 0;
 };
 
 // cgroup v1's ceiling for cpu.shares (its floor is 2).

@@ -754,16 +754,15 @@ def test_a_sandbox_kept_off_a_cpu_is_widened_by_a_next_start_keeping_no_cpu_apar
     srv.ok("session_close_request", {"session_id": sid})
 
 
-# Grows 16 MiB at a time (every page new, so zeroed by the kernel) with
-# a tenth of a second of spinning between, to 480 MiB, then spins with
-# its memory steady.
+# Grows 16 MiB at a time (every page new, so zeroed by the kernel: a
+# memory bomb's pace per second of CPU) with a tenth of a second's sleep
+# between, to 480 MiB over ~4.5 s, then spins with its memory steady.
 GROW_THEN_SPIN = """
 import time
 x = []
 while len(x) < 30:
     x.append(b'\\x01' * (16 << 20))
-    t = time.time()
-    while time.time() - t < 0.1: pass
+    time.sleep(0.1)
 t = time.time()
 while time.time() - t < {s}: pass
 len(x)
@@ -795,6 +794,7 @@ def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
             assert cpuset_cpus(sid) == every, cpuset_cpus(sid)
             time.sleep(0.5)
     assert run_until_reply(kc, spin)["content"]["status"] == "ok"
+    assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=10), cpu_shares(sid)
     events = cpu_events(srv, sid)
     assert not any("memory" in e["kind"] or "memory grows" in e["detail"] for e in events), events
 
@@ -807,6 +807,7 @@ def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
     assert cpu_shares(sid) < 1024
     reply = run_until_reply(kc, grow)
     assert reply["content"]["status"] == "ok", reply["content"]
+    assert wait_for(lambda: cpu_shares(sid) == 1024, timeout=10), cpu_shares(sid)
     assert cpuset_cpus(sid) == every
     events = cpu_events(srv, sid)[len(events):]
     kinds = [e["kind"] for e in events]
