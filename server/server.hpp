@@ -408,6 +408,9 @@ class Server final : public SessionObserver, private SessionService {
     // tasks' slice. False when the sandbox has no CPU controller; `idled`:
     // whether its cgroup became idle.
     bool apply_cpu_setting(Sandbox& box, SandboxCpu& cpu, const CpuSetting& setting, bool& idled);
+    // --loud-cpus: the sessions holding the CPU on the loud CPUs, or back on
+    // every CPU, as loud_on_cpus says (cpu_fairness.hpp).
+    void keep_loud_sessions_apart();
     // Publishes this server's interactive and hogging sessions, and gives the
     // sandboxes' parent cgroup the weight of every server's on the host.
     void weigh_sandboxes(std::size_t interactive, std::size_t hogging);

@@ -86,6 +86,7 @@ void Server::balance_cpu(Clock::time_point now) {
         spdlog::info("session {}: {}: {}", id, change->event, detail);
         on_event(id, change->event, detail);
     }
+    keep_loud_sessions_apart();
     interactive_sessions_ = active;
     hogging_sessions_ = hogging;
     if (options_.weigh_sandboxes) weigh_sandboxes(active, hogging);
@@ -112,13 +113,33 @@ bool Server::apply_cpu_setting(Sandbox& box, SandboxCpu& cpu, const CpuSetting& 
     if (options_.interactive_slice_us)
         cpu.set_slice(setting.level == CpuSetting::Level::normal ? options_.interactive_slice_us
                                                                  : 0);
-    // And a loud one is kept off one CPU at least, where an interactive
-    // session, the server and its clients then find none (the page zeroing
-    // and cache misses a memory bomb costs its CPU's other tasks no weight
-    // governs).
-    if (!options_.loud_cpus.empty())
-        cpu.set_cpus(loud_on_cpus(setting, options_.loud_cpus_for) ? options_.loud_cpus : "");
     return true;
+}
+
+void Server::keep_loud_sessions_apart() {
+    if (options_.loud_cpus.empty()) return;
+    // The sessions holding the CPU are kept off one CPU at least, where an
+    // interactive session, the server and its clients then find none, while
+    // a memory bomb is among them (--loud-cpus-for growing; always with
+    // holding): its page zeroing and cache misses cost its CPU's other tasks
+    // what no weight governs.
+    bool growing = false;
+    for (auto& [id, session] : sessions_)
+        growing = growing || (session.sandbox() && session.fairness().setting().growing);
+    for (auto& [id, session] : sessions_) {
+        Sandbox* box = session.sandbox();
+        SandboxCpu* cpu = box ? box->cpu() : nullptr;
+        if (!cpu) continue;
+        const bool loud =
+            loud_on_cpus(session.fairness().setting(), options_.loud_cpus_for, growing);
+        if (loud == session.on_loud_cpus()) continue;
+        if (!cpu->set_cpus(loud ? options_.loud_cpus : "")) continue;
+        session.on_loud_cpus() = loud;
+        spdlog::info("session {}: {}", id,
+                     loud ? "kept to CPUs " + options_.loud_cpus +
+                                (growing ? " (a memory bomb holds the CPU)" : "")
+                          : std::string("on every CPU again"));
+    }
 }
 
 void Server::weigh_sandboxes(std::size_t interactive, std::size_t hogging) {

@@ -67,6 +67,8 @@ class Session {
     // sandbox lives (Server::open_egress); null for a local sandbox, whose
     // gateway listens in its own ipc dir.
     std::unique_ptr<EgressTunnel>& egress_tunnel() { return egress_tunnel_; }
+    // Its sandbox is kept to serve --loud-cpus (Server::keep_loud_sessions_apart).
+    bool& on_loud_cpus() { return on_loud_cpus_; }
 
   private:
     std::string id_;
@@ -76,6 +78,7 @@ class Session {
     SessionOrigin origin_;
     std::vector<WireMessage> waiting_sleep_, waiting_wake_;
     std::unique_ptr<EgressTunnel> egress_tunnel_;
+    bool on_loud_cpus_ = false;
 };
 
 class SessionTable {

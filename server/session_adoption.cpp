@@ -344,7 +344,7 @@ void Server::take_over_adopted() {
                 // made an idle group or kept off a CPU (--cpu-idle,
                 // --loud-cpus) is back to a group like any other, on every CPU.
                 if (!options_.cpu_idle) cpu->set_cpu_idle(false);
-                if (options_.loud_cpus.empty()) cpu->set_cpus("");
+                cpu->set_cpus("");
             }
             relay.attach(std::move(adopted.sandbox), std::move(*probed[i].channels));
             relay.replay(state.requests);  // verified again; they wait for the settle

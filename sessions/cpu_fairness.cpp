@@ -237,9 +237,9 @@ LoudCpusFor loud_cpus_for(const std::string& option) {
     throw std::invalid_argument("'" + option + "': expected growing or holding");
 }
 
-bool loud_on_cpus(const CpuSetting& setting, LoudCpusFor rule) {
+bool loud_on_cpus(const CpuSetting& setting, LoudCpusFor rule, bool any_growing) {
     if (setting.level == CpuSetting::Level::normal) return false;
-    return rule == LoudCpusFor::holding || setting.growing;
+    return rule == LoudCpusFor::holding || any_growing;
 }
 
 CpuSetting CpuFairness::yielding_setting(const CpuSample& sample) const {

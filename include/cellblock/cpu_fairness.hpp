@@ -154,7 +154,8 @@ struct CpuSetting {
     // Holding the CPU (yielding or demoted) with its memory growing: every
     // new page is one the kernel zeroes, and that work and the cache it
     // evicts cost whatever shares its CPU, beyond what any weight governs
-    // (serve --loud-cpus keeps such a session off one CPU).
+    // (while one does, serve --loud-cpus keeps the sessions holding the CPU
+    // off one CPU).
     bool growing = false;
     bool operator==(const CpuSetting&) const = default;
 };
@@ -294,15 +295,19 @@ int sandboxes_weight(std::size_t interactive, std::size_t hogging,
 // are loud is `--loud-cpus-for` (loud_on_cpus).
 std::string loud_cpu_list(const std::string& option, const std::vector<int>& online);
 
-// Which sessions `--loud-cpus` keeps to its CPUs: `growing` (the default)
-// those holding the CPU whose memory grows (CpuSetting::growing: a memory
-// bomb), whose page zeroing and cache misses slow what shares their CPU;
-// `holding` every session holding the CPU, yielding or demoted, which also
-// keeps the CPU left free for interactive work idle whenever that work does
-// not fill it (a computation beside interactive sessions took 1.4x as long:
-// docs/performance.md).
+// When `--loud-cpus` keeps the sessions holding the CPU (yielding or
+// demoted) to its CPUs: `growing` (the default) while any of them grows its
+// memory at a bomb's pace (CpuSetting::growing), whose page zeroing and
+// cache misses slow what shares its CPU beyond any weight: all of them, for
+// a bomb kept apart alone leaves the free CPU to the spinners, which the
+// scheduler then packs there beside the interactive sessions (the mixed row
+// of bench figure 6 went from 1.5-1.7x to 2.0-2.9x); `holding` always,
+// which also keeps the free CPU idle whenever the interactive work leaves
+// it idle while a computation waits (1.4x as long beside nine interactive
+// sessions: docs/performance.md).
 enum class LoudCpusFor { growing, holding };
 LoudCpusFor loud_cpus_for(const std::string& option);  // std::invalid_argument
-bool loud_on_cpus(const CpuSetting& setting, LoudCpusFor rule);
+// `any_growing`: a session of this server holding the CPU grows so.
+bool loud_on_cpus(const CpuSetting& setting, LoudCpusFor rule, bool any_growing);
 
 }  // namespace cellblock

@@ -769,14 +769,15 @@ len(x)
 """
 
 
-def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
+def test_by_default_sessions_holding_the_cpu_are_kept_off_a_cpu_while_a_memory_bomb_is(
         server_factory, demand_dir):  # noqa: F811
-    """The default (--loud-cpus auto, --loud-cpus-for growing): a cell that
-    only spins yields its weight and stays on every CPU; one whose memory
-    grows while it holds the CPU (a memory bomb's page zeroing slows what
-    shares its CPU) is kept to the loud CPUs while it grows, and is back on
-    every CPU once its memory has stayed put for seconds, its cell still
-    running."""
+    """The default (--loud-cpus auto, --loud-cpus-for growing): cells that
+    only spin yield their weight and stay on every CPU; once one session's
+    memory grows while it holds the CPU (a memory bomb's page zeroing slows
+    what shares its CPU, beyond any weight), it and every other session
+    holding the CPU are kept to the loud CPUs (the bomb alone apart would
+    leave the free CPU to the spinners), and all are back on every CPU once
+    its memory has stayed put for seconds, its cell still running."""
     srv = server_factory(["--cpu-demand-dir", demand_dir, "--pool", "host=0"])
     cpu = srv.ok("server_info_request", {})["content"]["cpu"]
     assert cpu["loud_cpus_for"] == "growing", cpu
@@ -787,6 +788,7 @@ def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
     assert loud == every - {min(every)}, (loud, every)
 
     sid, kc, _ = srv.open_session()
+    spinner, skc, _ = srv.open_session()
     need_cpu_controller(sid)
     spin = kc.execute(SPIN.format(s=6))
     if wait_for(lambda: cpu_shares(sid) == 128, timeout=6):
@@ -798,12 +800,19 @@ def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
     events = cpu_events(srv, sid)
     assert not any("memory" in e["kind"] or "memory grows" in e["detail"] for e in events), events
 
+    # A neighbour holds the CPU throughout, on every CPU until the bomb.
+    long_spin = skc.execute(SPIN.format(s=24))  # under the 30 s execution timeout
+    assert wait_for(lambda: cpu_shares(spinner) == 128, timeout=15), cpu_shares(spinner)
+    assert cpuset_cpus(spinner) == every, cpuset_cpus(spinner)
+
     grow = kc.execute(GROW_THEN_SPIN.format(s=12))
     assert wait_for(lambda: cpuset_cpus(sid) == loud, timeout=20), (cpuset_cpus(sid),
                                                                    cpu_events(srv, sid))
+    assert wait_for(lambda: cpuset_cpus(spinner) == loud, timeout=2), cpuset_cpus(spinner)
     # Its memory stays put while it spins on: every CPU again, still yielding.
     assert wait_for(lambda: cpuset_cpus(sid) == every, timeout=20), (cpuset_cpus(sid),
                                                                     cpu_events(srv, sid))
+    assert wait_for(lambda: cpuset_cpus(spinner) == every, timeout=2), cpuset_cpus(spinner)
     assert cpu_shares(sid) < 1024
     reply = run_until_reply(kc, grow)
     assert reply["content"]["status"] == "ok", reply["content"]
@@ -814,4 +823,8 @@ def test_by_default_only_a_session_whose_memory_grows_is_kept_off_a_cpu(
     growing = [e for e in events if "its memory grows" in e["detail"]]
     assert growing and growing[0]["kind"] in ("cpu_yielding", "cpu_memory_growing"), events
     assert "cpu_memory_steady" in kinds and kinds[-1] == "cpu_restored", events
+    assert not any("memory" in e["kind"] for e in cpu_events(srv, spinner))
+    assert run_until_reply(skc, long_spin)["content"]["status"] == "ok"
+    assert f"session {spinner}: kept to CPUs" in srv.log(), srv.log()[-3000:]
     srv.ok("session_close_request", {"session_id": sid})
+    srv.ok("session_close_request", {"session_id": spinner})

@@ -480,7 +480,7 @@ TEST(CpuFairness, AMemoryBombHoldingTheCpuIsGrowingUntilItsMemoryStaysPut) {
     EXPECT_TRUE(x.changes[0].setting.growing);
     EXPECT_NE(x.changes[0].detail.find("its memory grows"), std::string::npos)
         << x.changes[0].detail;
-    EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing));
+    EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing, true));
     // At its limit it stays put (reclaiming, or waiting for the OOM killer):
     // steady once it has not grown for calm_after, still yielding.
     x.grow = 0;
@@ -491,8 +491,10 @@ TEST(CpuFairness, AMemoryBombHoldingTheCpuIsGrowingUntilItsMemoryStaysPut) {
     EXPECT_FALSE(x.changes[1].setting.growing);
     EXPECT_EQ(x.changes[1].setting.level, Level::yielding);
     EXPECT_EQ(x.changes[1].setting.weight, 128);
-    EXPECT_FALSE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::growing));
-    EXPECT_TRUE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::holding));
+    // Kept apart now only while another session's memory grows.
+    EXPECT_FALSE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::growing, false));
+    EXPECT_TRUE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::growing, true));
+    EXPECT_TRUE(loud_on_cpus(x.changes[1].setting, LoudCpusFor::holding, false));
     // Growing again in the same cell, then the cell ends.
     x.grow = 8 * kMB;
     x.run(2.0, 0.1, true);
@@ -504,7 +506,7 @@ TEST(CpuFairness, AMemoryBombHoldingTheCpuIsGrowingUntilItsMemoryStaysPut) {
     ASSERT_EQ(x.changes.size(), 4u);
     EXPECT_EQ(x.changes[3].event, "cpu_restored");
     EXPECT_FALSE(x.changes[3].setting.growing);
-    EXPECT_FALSE(loud_on_cpus(x.changes[3].setting, LoudCpusFor::holding));
+    EXPECT_FALSE(loud_on_cpus(x.changes[3].setting, LoudCpusFor::holding, true));
 }
 
 TEST(CpuFairness, APandasLoopsTemporariesComingAndGoingAreNoGrowth) {
@@ -559,7 +561,8 @@ TEST(CpuFairness, ADemotedSessionGrowingIsLoudAsWell) {
     x.run(4.0, 0.1, false);
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
     EXPECT_TRUE(x.changes[0].setting.growing);
-    EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing));
+    EXPECT_TRUE(x.changes[0].setting.growing);
+    EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing, true));
 }
 
 TEST(LoudCpusFor, GrowingOrHoldingAndNothingElse) {
@@ -569,8 +572,8 @@ TEST(LoudCpusFor, GrowingOrHoldingAndNothingElse) {
     // No one at the normal level is loud, whatever the rule.
     CpuSetting normal;
     normal.growing = true;
-    EXPECT_FALSE(loud_on_cpus(normal, LoudCpusFor::holding));
-    EXPECT_FALSE(loud_on_cpus(normal, LoudCpusFor::growing));
+    EXPECT_FALSE(loud_on_cpus(normal, LoudCpusFor::holding, true));
+    EXPECT_FALSE(loud_on_cpus(normal, LoudCpusFor::growing, true));
 }
 
 TEST(LoudCpuList, AutoKeepsTheLowestCpuFreeOfHogsWhereThereAreTwoOrMore) {
