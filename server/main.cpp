@@ -249,17 +249,17 @@ int main(int argc, char** argv) {
     std::string loud_cpus = "auto";
     serve_cmd
         ->add_option("--loud-cpus", loud_cpus,
-                     "the CPUs a loud session (--loud-cpus-for) may run on while it is: 'auto' "
-                     "(every CPU the server may use but the lowest, on two or more: interactive "
-                     "sessions always have a CPU no loud one is on), 'all' (no such rule), or a "
-                     "list such as 1-3 (docs/performance.md)")
+                     "the CPUs the sessions holding the CPU are kept to (when: --loud-cpus-for): "
+                     "'auto' (every CPU the server may use but the lowest, on two or more: "
+                     "interactive sessions then have a CPU none of them is on), 'all' (no such "
+                     "rule), or a list such as 1-3 (docs/performance.md)")
         ->capture_default_str();
     std::string loud_for = "growing";
     serve_cmd
         ->add_option("--loud-cpus-for", loud_for,
-                     "which sessions --loud-cpus keeps to its CPUs: 'growing' (holding the CPU "
-                     "with their memory growing, as a memory bomb: its page zeroing slows what "
-                     "shares its CPU) or 'holding' (every session holding the CPU: the CPU kept "
+                     "when --loud-cpus keeps the sessions holding the CPU to its CPUs: 'growing' "
+                     "(while one of them grows its memory as a memory bomb does: its page "
+                     "zeroing slows what shares its CPU) or 'holding' (always: the CPU kept "
                      "free then idles whenever interactive work leaves it idle)")
         ->capture_default_str()
         ->check(CLI::IsMember({"growing", "holding"}));

@@ -41,8 +41,9 @@ struct ServeOptions {
     // The CPUs a loud session is kept to (a cpuset list, made by
     // loud_cpu_list from --loud-cpus); empty: every session on every CPU.
     std::string loud_cpus;
-    // Which sessions are loud (--loud-cpus-for): those holding the CPU whose
-    // memory grows, or all that hold it.
+    // When the sessions holding the CPU are kept to those CPUs
+    // (--loud-cpus-for): while one of them grows its memory as a bomb does,
+    // or always.
     LoudCpusFor loud_cpus_for = LoudCpusFor::growing;
     // Where the host's servers publish what their sessions ask of that
     // parent (cpu_demand.hpp): servers sharing a host share this too.

@@ -285,14 +285,14 @@ inline constexpr int kMaxCpuShares = 262144;
 int sandboxes_weight(std::size_t interactive, std::size_t hogging,
                      const CpuFairnessPolicy& policy = {});
 
-// The CPUs a loud session is kept to, as a cpuset list, from `serve
-// --loud-cpus`: "auto" (the default) is every CPU the server may run on but
-// the lowest, where it may run on two or more (so an interactive session,
-// the server and its clients always have one that no loud session is on);
-// "all" (or "auto" on one CPU) is none: "" leaves every session on every
-// CPU. Anything else must be a list of CPUs in `online`, such as "1" or
-// "1-3,6"; std::invalid_argument says what is wrong with it. Which sessions
-// are loud is `--loud-cpus-for` (loud_on_cpus).
+// The CPUs the sessions holding the CPU are kept to (when: loud_on_cpus),
+// as a cpuset list, from `serve --loud-cpus`: "auto" (the default) is
+// every CPU the server may run on but the lowest, where it may run on two
+// or more (so an interactive session, the server and its clients then have
+// one that none of them is on); "all" (or "auto" on one CPU) is none: ""
+// leaves every session on every CPU. Anything else must be a list of CPUs
+// in `online`, such as "1" or "1-3,6"; std::invalid_argument says what is
+// wrong with it.
 std::string loud_cpu_list(const std::string& option, const std::vector<int>& online);
 
 // When `--loud-cpus` keeps the sessions holding the CPU (yielding or
