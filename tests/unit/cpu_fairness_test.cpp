@@ -561,7 +561,6 @@ TEST(CpuFairness, ADemotedSessionGrowingIsLoudAsWell) {
     x.run(4.0, 0.1, false);
     ASSERT_EQ(x.events(), std::vector<std::string>{"cpu_demoted"});
     EXPECT_TRUE(x.changes[0].setting.growing);
-    EXPECT_TRUE(x.changes[0].setting.growing);
     EXPECT_TRUE(loud_on_cpus(x.changes[0].setting, LoudCpusFor::growing, true));
 }
 
