@@ -108,10 +108,9 @@ json Server::server_info(Request&, std::vector<std::string>&) {
           {"hogging_sessions", hogging_sessions_},
           {"sandboxes_weight", sandboxes_weight_set_ ? json(sandboxes_weight_) : json(nullptr)},
           {"sandboxes_idle", sandboxes_idle_},
-          // Where a loud session runs while it is (--loud-cpus; null: on
-          // every CPU, as the others).
+          // Where the sessions holding the CPU are kept (--loud-cpus; null:
+          // on every CPU, as the others), and when (--loud-cpus-for).
           {"loud_cpus", options_.loud_cpus.empty() ? json(nullptr) : json(options_.loud_cpus)},
-          // Which sessions are loud (--loud-cpus-for).
           {"loud_cpus_for", options_.loud_cpus_for == LoudCpusFor::holding ? "holding" : "growing"},
           // Whether the hogging sessions weigh a process each: only while the
           // host's own processes contend (host_contention.hpp), with the last
